@@ -1,0 +1,1 @@
+"""Small bundled assets (corpus, tokenizer, chat examples) for the ``tiny-cpu`` demo recipe."""

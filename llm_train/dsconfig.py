@@ -1,0 +1,296 @@
+"""DeepSpeed JSON configs: load, check, and resolve every "auto" from the recipe.
+
+DeepSpeed's own "auto" resolution lives in the HF Trainer; outside it an "auto" reaches
+DeepSpeed unresolved. Here every value the recipe owns is filled in before DeepSpeed (or
+Accelerate) sees the config, so the config used and the one saved in the run directory
+are the same, with no "auto" left. DeepSpeed validates nested sections strictly but
+silently ignores unknown top-level keys, so those are checked here.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_train import DS_CONFIGS_DIR
+from llm_train.errors import UserError
+
+# Top-level keys DeepSpeed 0.19 reads (runtime/config.py and the feature configs it builds).
+KNOWN_TOP_LEVEL_KEYS = frozenset(
+    [
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "bfloat16",
+        "amp",
+        "torch_autocast",
+        "gradient_clipping",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "zero_optimization",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "memory_breakdown",
+        "flops_profiler",
+        "activation_checkpointing",
+        "aio",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "elasticity",
+        "communication_data_type",
+        "data_types",
+        "seq_parallel_communication_data_type",
+        "checkpoint",
+        "data_efficiency",
+        "curriculum_learning",
+        "compression_training",
+        "autotuning",
+        "pipeline",
+        "tensor_parallel",
+        "hybrid_engine",
+        "sparse_attention",
+        "disable_allgather",
+        "dataloader_drop_last",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "quantize_training",
+        "nebula",
+        "weight_quantization",
+        "compile",
+        "use_data_before_expert_parallelism",
+        "expert_parallel",
+        "gradient_allreduce_op",
+        "vocabulary_size",
+        "legacy_fusion",
+        "log_level",
+        "lower_precision_safe_modules",
+        "managed_gradient_accumulation",
+        "disable_python_gc",
+        "timers",
+        "graph_harvesting",
+        "zenflow",
+    ]
+)
+
+
+@dataclass(frozen=True)
+class RecipeValues:
+    """The recipe's slice that DeepSpeed "auto" values are resolved from."""
+
+    micro_batch_size: int
+    grad_accum: int
+    global_batch_size: int
+    grad_clip: float
+    precision: str  # resolved: bf16 | fp16 | fp32
+    hidden_size: int
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    warmup_steps: int
+    max_steps: int
+
+
+def find_ds_config(name_or_path: str) -> Path:
+    """'zero3' -> ds_configs/zero3.json; anything else is a path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists() or "/" in name_or_path:
+        if not path.is_file():
+            raise UserError(f"DeepSpeed config {name_or_path}: file not found")
+        return path
+    candidate = DS_CONFIGS_DIR / f"{name_or_path}.json"
+    if candidate.is_file():
+        return candidate
+    names = sorted(p.stem for p in DS_CONFIGS_DIR.glob("*.json"))
+    raise UserError(
+        f"unknown DeepSpeed config '{name_or_path}'; shipped: {', '.join(names)}; or give a path to a JSON file"
+    )
+
+
+def load_ds_config(name_or_path: str) -> tuple[Path, dict[str, Any]]:
+    path = find_ds_config(name_or_path)
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"DeepSpeed config {path}: not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg})"
+        ) from None
+    if not isinstance(config, dict):
+        raise UserError(f"DeepSpeed config {path}: expected a JSON object at the top level")
+    check_top_level_keys(config, str(path))
+    return path, config
+
+
+def check_top_level_keys(config: dict[str, Any], source: str) -> None:
+    for key in config:
+        if key not in KNOWN_TOP_LEVEL_KEYS:
+            close = difflib.get_close_matches(key, sorted(KNOWN_TOP_LEVEL_KEYS), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise UserError(
+                f"DeepSpeed config {source}: unknown top-level key '{key}' (DeepSpeed would silently "
+                f"ignore it); {hint}fix or remove it"
+            )
+
+
+def zero_stage(config: dict[str, Any]) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def offload_device(config: dict[str, Any], what: str) -> str:
+    """'none' | 'cpu' | 'nvme' for what = 'optimizer' or 'param'."""
+    section = config.get("zero_optimization", {}).get(f"offload_{what}") or {}
+    return str(section.get("device", "none")) or "none"
+
+
+def precision_of(config: dict[str, Any]) -> str | None:
+    """The precision the JSON states explicitly (None when 'auto' or absent)."""
+    for name in ("bf16", "fp16"):
+        enabled = config.get(name, {}).get("enabled")
+        if enabled is True:
+            return name
+    if config.get("bfloat16", {}).get("enabled") is True:
+        return "bf16"
+    explicit_off = all(config.get(n, {}).get("enabled") is False for n in ("bf16", "fp16"))
+    return "fp32" if explicit_off else None
+
+
+def _owned_values(v: RecipeValues) -> dict[tuple[str, ...], Any]:
+    """Paths the recipe owns, with the values the recipe gives them."""
+    h = v.hidden_size
+    return {
+        ("train_micro_batch_size_per_gpu",): v.micro_batch_size,
+        ("gradient_accumulation_steps",): v.grad_accum,
+        ("train_batch_size",): v.global_batch_size,
+        ("gradient_clipping",): v.grad_clip,
+        ("bf16", "enabled"): v.precision == "bf16",
+        ("fp16", "enabled"): v.precision == "fp16",
+        ("optimizer", "params", "lr"): v.lr,
+        ("optimizer", "params", "betas"): list(v.betas),
+        ("optimizer", "params", "eps"): v.eps,
+        ("optimizer", "params", "weight_decay"): v.weight_decay,
+        ("scheduler", "params", "warmup_min_lr"): 0.0,
+        ("scheduler", "params", "warmup_max_lr"): v.lr,
+        ("scheduler", "params", "warmup_num_steps"): v.warmup_steps,
+        ("scheduler", "params", "total_num_steps"): v.max_steps,
+        # The same sizes the HF Trainer derives from the hidden size (HfTrainerDeepSpeedConfig).
+        ("zero_optimization", "reduce_bucket_size"): h * h,
+        ("zero_optimization", "stage3_prefetch_bucket_size"): int(0.9 * h * h),
+        ("zero_optimization", "stage3_param_persistence_threshold"): 10 * h,
+    }
+
+
+# Owned values an explicit JSON value may differ from without being an error: bucket sizes
+# are tuning, not semantics.
+_TUNABLE = {
+    ("zero_optimization", "reduce_bucket_size"),
+    ("zero_optimization", "stage3_prefetch_bucket_size"),
+    ("zero_optimization", "stage3_param_persistence_threshold"),
+}
+
+_RECIPE_KEY_FOR = {
+    ("train_micro_batch_size_per_gpu",): "optim.micro_batch_size",
+    ("gradient_accumulation_steps",): "optim.grad_accum",
+    ("train_batch_size",): "optim.global_batch_size",
+    ("gradient_clipping",): "optim.grad_clip",
+    ("bf16", "enabled"): "precision",
+    ("fp16", "enabled"): "precision",
+    ("optimizer", "params", "lr"): "optim.lr",
+    ("optimizer", "params", "betas"): "optim.betas",
+    ("optimizer", "params", "eps"): "optim.eps",
+    ("optimizer", "params", "weight_decay"): "optim.weight_decay",
+    ("scheduler", "params", "warmup_max_lr"): "optim.lr",
+    ("scheduler", "params", "warmup_num_steps"): "optim.warmup_steps",
+    ("scheduler", "params", "total_num_steps"): "optim.max_steps",
+}
+
+
+def _get(config: dict[str, Any], path: tuple[str, ...]) -> Any:
+    node: Any = config
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(config: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    node = config
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def resolve(config: dict[str, Any], values: RecipeValues, source: str) -> dict[str, Any]:
+    """A copy of `config` with every "auto" filled from the recipe and recipe-owned keys checked.
+
+    An explicit JSON value that contradicts the recipe is an error rather than a silent
+    winner: the user sees both and picks one.
+    """
+    resolved = copy.deepcopy(config)
+    owned = _owned_values(values)
+    for path, value in owned.items():
+        current = _get(resolved, path)
+        if current == "auto":
+            _set(resolved, path, value)
+        elif current is None:
+            # Precision and clipping are always written: DeepSpeed 0.19 clips at 1.0 when
+            # gradient_clipping is absent, and Accelerate must never disagree on precision.
+            if path in (("gradient_clipping",), ("bf16", "enabled"), ("fp16", "enabled")) or path[0] in (
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "train_batch_size",
+            ):
+                _set(resolved, path, value)
+        elif path not in _TUNABLE and path[0] in resolved and not _same(current, value):
+            recipe_key = _RECIPE_KEY_FOR.get(path, "the recipe")
+            raise UserError(
+                f"DeepSpeed config {source}: {'.'.join(path)}={json.dumps(current)} contradicts "
+                f'{recipe_key} (which gives {json.dumps(value)}); set it to "auto" in the JSON '
+                f"or change {recipe_key}"
+            )
+    if zero_stage(resolved) == 3:
+        # Export gathers the partitioned weights through this switch; without it the saved
+        # model would be empty (a classic ZeRO-3 pitfall).
+        resolved["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    # DeepSpeed prints its own progress every 10 steps by default; llm_train logs instead.
+    resolved.setdefault("steps_per_print", 10**9)
+    leftover = list(_find_auto(resolved))
+    if leftover:
+        raise UserError(
+            f'DeepSpeed config {source}: "auto" at {leftover[0]} is not a value llm_train resolves; '
+            "give it a concrete value"
+        )
+    return resolved
+
+
+def _find_auto(node: Any, prefix: str = "") -> Any:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _find_auto(value, f"{prefix}.{key}" if prefix else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _find_auto(value, f"{prefix}[{i}]")
+    elif node == "auto":
+        yield prefix

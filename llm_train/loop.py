@@ -1,0 +1,112 @@
+"""The step loop: forward, backward, step, log, evaluate. Nothing else happens here.
+
+The DeepSpeed engine owns gradient accumulation: `engine.backward` scales each
+micro-batch loss by 1/accumulation and reduces gradients at the boundary, and
+`engine.step` only updates the weights (and steps the LR schedule) at the boundary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llm_train.tracking import Trackers
+
+
+@dataclass
+class LoopConfig:
+    max_steps: int
+    grad_accum: int
+    tokens_per_step: int  # global: micro x accum x dp x seq_len
+    log_every: int
+    eval_every: int  # 0 = only at the end
+    start_step: int = 0
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+def _grad_norm_if_untracked(engine: Any) -> float | None:
+    # ZeRO-0 in fp32 clips without keeping the norm; measure it at the boundary, before the step.
+    if engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    return None
+
+
+@torch.no_grad()
+def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> float:
+    engine.eval()
+    losses = [engine(**_to(b, engine.device)).loss for b in batches]
+    engine.train()
+    return _mean_over_ranks(torch.stack(losses).mean()) if losses else float("nan")
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def train_loop(
+    engine: Any,
+    batches: Iterator[dict[str, torch.Tensor]],
+    eval_set: list[dict[str, torch.Tensor]],
+    cfg: LoopConfig,
+    tracker: Trackers,
+    say: Callable[[str], None],
+) -> dict[str, float]:
+    engine.train()
+    metrics: dict[str, float] = {}
+    started = time.perf_counter()
+    for step in range(cfg.start_step + 1, cfg.max_steps + 1):
+        t0 = time.perf_counter()
+        micro_losses = []
+        grad_norm = None
+        for _ in range(cfg.grad_accum):
+            loss = engine(**_to(next(batches), engine.device)).loss
+            engine.backward(loss)
+            if engine.is_gradient_accumulation_boundary():
+                grad_norm = _grad_norm_if_untracked(engine)
+            engine.step()
+            micro_losses.append(loss.detach())
+        loss_value = _mean_over_ranks(torch.stack(micro_losses).mean())
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at step {step}")
+        step_time = time.perf_counter() - t0
+
+        if step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps):
+            if grad_norm is None:
+                tracked = engine.get_global_grad_norm()
+                grad_norm = float(tracked) if tracked is not None else float("nan")
+            lr = engine.get_lr()[0]
+            metrics = {
+                "loss": loss_value,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": cfg.tokens_per_step / step_time,
+                "step_time_s": step_time,
+            }
+            tracker.log(metrics, step)
+            elapsed = time.perf_counter() - started
+            eta = elapsed / (step - cfg.start_step) * (cfg.max_steps - step)
+            say(
+                f"step {step}/{cfg.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
+                f"{metrics['tokens_per_s']:,.0f} tok/s | eta {eta:,.0f}s"
+            )
+
+        if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
+            eval_loss = evaluate(engine, eval_set)
+            tracker.log({"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}, step)
+            say(f"step {step}: eval loss {eval_loss:.4f} (ppl {math.exp(min(eval_loss, 50.0)):.1f})")
+            metrics["eval_loss"] = eval_loss
+    return metrics

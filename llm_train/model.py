@@ -1,0 +1,115 @@
+"""Build the tokenizer and the Hugging Face causal LM a recipe names.
+
+This module knows nothing of DeepSpeed. Under ZeRO-3 the caller registers an
+`HfDeepSpeedConfig` first; transformers then creates the weights inside `zero.Init`
+(partitioned as they are made), so no rank ever holds the full model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llm_train.errors import UserError
+from llm_train.recipe import MemorySection, ModelSection
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def load_tokenizer(model: ModelSection) -> Any:
+    from transformers import AutoTokenizer
+
+    source = model.tokenizer or model.name_or_path
+    assert source is not None  # the recipe validator guarantees one of them
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
+    except OSError as exc:
+        raise UserError(f"model.tokenizer: cannot load tokenizer '{source}' ({_first_line(exc)})") from None
+    if tokenizer.pad_token is None:
+        # Causal LMs often ship without a pad token; the eos token is the usual stand-in.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_config(model: ModelSection) -> Any:
+    """The HF config of the model to build: from name_or_path (local dir, hub, or the offline table) + overrides."""
+    from transformers import AutoConfig
+
+    if model.name_or_path:
+        local = Path(model.name_or_path)
+        if local.is_dir() or not _known_offline(model.name_or_path):
+            try:
+                config = AutoConfig.from_pretrained(
+                    model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+                )
+            except OSError as exc:
+                raise UserError(
+                    f"model.name_or_path: cannot load config of '{model.name_or_path}' ({_first_line(exc)})"
+                ) from None
+        else:
+            from llm_train.shapes import to_hf_config
+
+            known = dict(to_hf_config(model.name_or_path))
+            config = AutoConfig.for_model(known.pop("model_type"), **known)
+        for key, value in model.config.items():
+            setattr(config, key, value)
+        return config
+    fields = dict(model.config)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _known_offline(name: str) -> bool:
+    try:
+        from llm_train.shapes import KNOWN_CONFIGS
+    except ImportError:
+        return False
+    return name in KNOWN_CONFIGS
+
+
+def build_model(model: ModelSection, memory: MemorySection, precision: str, seed: int) -> Any:
+    """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, _DTYPES[precision])
+    if model.init == "pretrained":
+        assert model.name_or_path is not None
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(
+                model.name_or_path,
+                revision=model.revision,
+                trust_remote_code=model.trust_remote_code,
+                dtype=dtype,
+                attn_implementation=memory.attention,
+                **({"config": _with_overrides(model)} if model.config else {}),
+            )
+        except OSError as exc:
+            raise UserError(
+                f"model.name_or_path: cannot load '{model.name_or_path}' ({_first_line(exc)})"
+            ) from None
+    else:
+        # Same seed, same initial weights on every rank and in every parity run.
+        torch.manual_seed(seed)
+        config = model_config(model)
+        lm = AutoModelForCausalLM.from_config(
+            config,
+            dtype=dtype,
+            attn_implementation=memory.attention,
+            trust_remote_code=model.trust_remote_code,
+        )
+    if memory.activation_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 partitioned params.
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.config.use_cache = False
+    return lm
+
+
+def _with_overrides(model: ModelSection) -> Any:
+    return model_config(model)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

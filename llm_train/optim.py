@@ -1,0 +1,54 @@
+"""Optimizer and learning-rate schedule for the recipe's `optim` section.
+
+When the DeepSpeed JSON has its own "optimizer"/"scheduler" sections (configs written for
+other tools often do), DeepSpeed builds them from the resolved JSON and these are not used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from llm_train.recipe import OptimSection
+
+
+def lr_factor(step: int, optim: OptimSection, max_steps: int) -> float:
+    """Multiplier of optim.lr at optimizer step `step` (0-based): linear warmup, then decay."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
+    floor = optim.min_lr_ratio
+    if optim.schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    # No decay on biases and norm weights (1-D tensors), the usual LLM practice.
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(
+    model: torch.nn.Module, optim: OptimSection, offload_optimizer: str
+) -> torch.optim.Optimizer:
+    groups = _param_groups(model, optim.weight_decay)
+    if offload_optimizer != "none":
+        # ZeRO-Offload steps the optimizer on the CPU; DeepSpeed refuses a plain torch
+        # optimizer there ("ZeRO-Offload with a client optimizer"), its CPU Adam is the fast one.
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, adamw_mode=True)
+    fused = torch.cuda.is_available()  # fused AdamW: one kernel for all params on CUDA
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSection, max_steps: int) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))

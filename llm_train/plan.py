@@ -1,0 +1,166 @@
+"""The parallel plan: how one recipe maps onto the processes of this launch.
+
+Everything that depends on the world size is decided here, once, before any weights are
+loaded: the data/tensor/pipeline degrees, the ZeRO stage and offload read from the
+DeepSpeed JSON, the precision the device can do, and the batch arithmetic
+(global = micro x accumulation x data-parallel size) that DeepSpeed asserts on later in
+a far less readable way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from llm_train import dsconfig
+from llm_train.errors import UserError
+from llm_train.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the processes will run on. Read from torch at launch, or from the recipe for dry runs."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    bf16: bool
+    compute_capability: tuple[int, int] | None = None
+
+    @staticmethod
+    def detect() -> Device:
+        import torch
+
+        if torch.cuda.is_available():
+            return Device(
+                kind="cuda",
+                name=torch.cuda.get_device_name(0),
+                bf16=torch.cuda.is_bf16_supported(),
+                compute_capability=torch.cuda.get_device_capability(0),
+            )
+        return Device(kind="cpu", name="cpu", bf16=True)
+
+    @staticmethod
+    def declared(recipe: Recipe) -> Device:
+        # A dry run assumes the hardware the recipe is written for; every card it names supports bf16
+        # unless the recipe says fp16, which is why it would.
+        name = recipe.hardware.gpu_name or recipe.hardware.device
+        return Device(kind=recipe.hardware.device, name=name, bf16=recipe.precision != "fp16")
+
+
+def resolve_precision(requested: str, json_precision: str | None, device: Device) -> tuple[str, str | None]:
+    """The precision to train in, and a one-line notice when it was chosen for the user."""
+    if requested == "auto" and json_precision is not None:
+        requested = json_precision
+    if requested == "auto":
+        if device.kind == "cpu":
+            return "fp32", None
+        if device.bf16:
+            return "bf16", None
+        return (
+            "fp16",
+            f"{device.name} has no bf16; training in fp16 with dynamic loss scaling (precision=auto)",
+        )
+    if requested == "bf16" and not device.bf16:
+        cc = ".".join(map(str, device.compute_capability or ()))
+        raise UserError(
+            f"precision=bf16 but {device.name} (compute capability {cc}) has no bf16; "
+            "set precision=fp16 or precision=auto"
+        )
+    if requested == "fp16" and device.kind == "cpu":
+        raise UserError("precision=fp16 is not supported on CPU; set precision=fp32 or precision=bf16")
+    return requested, None
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    offload_optimizer: str
+    offload_params: str
+    precision: str
+    micro_batch_size: int
+    grad_accum: int
+    global_batch_size: int
+    device: str
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("world size", f"{self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp}"),
+            ("ZeRO stage", str(self.zero_stage)),
+            ("offload", f"optimizer={self.offload_optimizer}, params={self.offload_params}"),
+            ("precision", self.precision),
+            (
+                "batch",
+                f"global {self.global_batch_size} = micro {self.micro_batch_size} x accum {self.grad_accum}"
+                f" x dp {self.dp}",
+            ),
+            ("device", self.device),
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def batch_arithmetic(recipe: Recipe, dp: int) -> tuple[int, int]:
+    """(grad_accum, global_batch) with the same rule DeepSpeed asserts, explained when it fails."""
+    micro, accum, global_batch = (
+        recipe.optim.micro_batch_size,
+        recipe.optim.grad_accum,
+        recipe.optim.global_batch_size,
+    )
+    if global_batch is None:
+        accum = accum or 1
+        return accum, micro * accum * dp
+    per_step = micro * dp
+    if global_batch % per_step:
+        raise UserError(
+            f"optim.global_batch_size={global_batch} is not divisible by optim.micro_batch_size={micro} x "
+            f"data-parallel size {dp} = {per_step}; pick a multiple of {per_step} or change the micro-batch"
+        )
+    derived = global_batch // per_step
+    if accum is not None and accum != derived:
+        raise UserError(
+            f"optim.global_batch_size={global_batch} != optim.micro_batch_size={micro} x optim.grad_accum={accum}"
+            f" x data-parallel size {dp} = {micro * accum * dp}; set only one of grad_accum/global_batch_size"
+        )
+    return derived, global_batch
+
+
+def make_plan(
+    recipe: Recipe, ds_config: dict[str, Any], world_size: int, device: Device
+) -> tuple[ParallelPlan, str | None]:
+    """Validate the degrees against the world size and fix the precision; returns the plan and any notice."""
+    tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    pp = 1
+    if world_size % (tp * pp):
+        raise UserError(
+            f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp}; "
+            "launch a multiple of that many processes or change tensor_parallel.autotp_size"
+        )
+    dp = world_size // (tp * pp)
+    stage = dsconfig.zero_stage(ds_config)
+    precision, notice = resolve_precision(recipe.precision, dsconfig.precision_of(ds_config), device)
+    grad_accum, global_batch = batch_arithmetic(recipe, dp)
+    plan = ParallelPlan(
+        world_size=world_size,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero_stage=stage,
+        offload_optimizer=dsconfig.offload_device(ds_config, "optimizer"),
+        offload_params=dsconfig.offload_device(ds_config, "param"),
+        precision=precision,
+        micro_batch_size=recipe.optim.micro_batch_size,
+        grad_accum=grad_accum,
+        global_batch_size=global_batch,
+        device=device.name,
+    )
+    if plan.offload_params != "none" and stage != 3:
+        raise UserError(
+            f"DeepSpeed config offloads parameters (offload_param) with ZeRO stage {stage}; "
+            "parameter offload needs zero_optimization.stage=3"
+        )
+    return plan, notice

@@ -1,0 +1,328 @@
+"""The recipe: a strict, typed description of *what* is trained.
+
+A recipe is one YAML file in `recipes/` (or any path). It is loaded, overridden with
+`key.sub=value` arguments that use the recipe's own names, and validated here; nothing
+downstream ever sees an unknown key or a missing value read as None. *How* the run is
+distributed lives in the DeepSpeed JSON the recipe names (see dsconfig.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llm_train import RECIPES_DIR
+from llm_train.errors import UserError
+
+
+class Section(BaseModel):
+    # extra="forbid": a misspelled key is an error, not a silently ignored default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class HardwareSection(Section):
+    """The hardware the recipe is written for; `--dry-run` assumes it when no --world-size is given."""
+
+    device: Literal["cuda", "cpu"] = Field("cuda", description="Accelerator type the recipe targets.")
+    nodes: int = Field(1, ge=1, description="Number of machines.")
+    processes_per_node: int = Field(1, ge=1, description="Processes per machine (GPUs per node on CUDA).")
+    gpu_name: str | None = Field(None, description="GPU model the recipe was sized for, e.g. 'A100-80GB'.")
+    gpu_mem_gib: float | None = Field(None, gt=0, description="GPU memory per device the recipe needs, GiB.")
+    host_ram_gib: float | None = Field(None, gt=0, description="Host RAM per node the recipe needs, GiB.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+class ModelSection(Section):
+    """Which causal LM is trained and how it is created."""
+
+    name_or_path: str | None = Field(
+        None, description="Hugging Face hub id or local directory of a causal LM (from_pretrained)."
+    )
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="'pretrained' loads weights; 'random' builds the architecture only."
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="HF config fields; for init=random with no name_or_path it must hold model_type.",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer id or directory; defaults to name_or_path.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
+    trust_remote_code: bool = Field(
+        False, description="Run model code from the hub; off unless you trust it."
+    )
+
+    @model_validator(mode="after")
+    def _source_is_known(self) -> ModelSection:
+        if self.init == "pretrained" and not self.name_or_path:
+            raise ValueError("model.init=pretrained needs model.name_or_path (a hub id or a local directory)")
+        if self.init == "random" and not self.name_or_path and "model_type" not in self.config:
+            raise ValueError("model.init=random needs model.name_or_path or model.config.model_type")
+        if not self.tokenizer and not self.name_or_path:
+            raise ValueError("model.tokenizer is required when model.name_or_path is not set")
+        return self
+
+
+class DataSection(Section):
+    """Where the training text comes from (minimal path: local .txt / .jsonl files)."""
+
+    train: list[str] = Field(
+        description="Files or globs of training text (.txt, or .jsonl with a text field)."
+    )
+    eval: list[str] = Field(default_factory=list, description="Held-out files; empty = carve eval_fraction.")
+    eval_fraction: float = Field(
+        0.05, ge=0.0, lt=0.5, description="Share of packed blocks held out for eval."
+    )
+    text_field: str = Field("text", description="Field that holds the text in .jsonl rows.")
+    seq_len: int = Field(1024, ge=8, description="Tokens per packed training sequence.")
+
+
+class OptimSection(Section):
+    """Optimiser, schedule and batch arithmetic."""
+
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine/linear).")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per process per forward pass.")
+    grad_accum: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step; derived from global_batch_size if unset."
+    )
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per optimizer step over all data-parallel ranks."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to train.")
+    epochs: float | None = Field(
+        None, gt=0, description="Passes over the training data (if max_steps unset)."
+    )
+    seed: int = Field(42, description="Seed for model init, data order and dropout.")
+
+    @model_validator(mode="after")
+    def _length_is_known(self) -> OptimSection:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set optim.max_steps or optim.epochs")
+        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"optim.warmup_steps={self.warmup_steps} must be below optim.max_steps={self.max_steps}"
+            )
+        return self
+
+
+class MemorySection(Section):
+    """Memory techniques that trade compute for memory."""
+
+    activation_checkpointing: bool = Field(False, description="Recompute layer activations in backward.")
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel; flash_attention_2 needs the flash-attn package and a GPU."
+    )
+
+
+class DeepSpeedSection(Section):
+    config: str = Field(description="A name in ds_configs/ (e.g. 'zero3') or a path to a DeepSpeed JSON.")
+
+
+class EvalSection(Section):
+    every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at the end.")
+    batches: int = Field(8, ge=1, description="Micro-batches per evaluation (per data-parallel rank).")
+
+
+class OutputSection(Section):
+    dir: str = Field("runs/{name}", description="Run directory; '{name}' is replaced by the recipe name.")
+    log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    sample_prompt: str | None = Field(
+        None, description="Text the exported model continues at the end of the run (printed)."
+    )
+
+
+class TrackingSection(Section):
+    """Experiment tracking. metrics.jsonl is always written; W&B is optional."""
+
+    mode: Literal["disabled", "offline", "online"] = Field("disabled", description="W&B mode.")
+    project: str = Field("llm-train", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user).")
+    run_name: str | None = Field(None, description="W&B run name; defaults to the run directory name.")
+    tags: list[str] = Field(default_factory=list, description="W&B tags.")
+    group: str | None = Field(None, description="W&B group.")
+
+
+class Recipe(Section):
+    """One training recipe: what is trained, on which data, with which optimiser and precision."""
+
+    name: str = Field(description="Recipe name (defaults to the YAML file's stem).")
+    description: str = Field("", description="One line: what this recipe trains.")
+    hardware: HardwareSection = Field(default_factory=HardwareSection)
+    model: ModelSection
+    data: DataSection
+    optim: OptimSection
+    precision: Literal["bf16", "fp16", "fp32", "auto"] = Field(
+        "auto", description="'auto' = bf16 where supported, fp16 on older GPUs, fp32 on CPU."
+    )
+    memory: MemorySection = Field(default_factory=MemorySection)
+    deepspeed: DeepSpeedSection
+    eval: EvalSection = Field(default_factory=EvalSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Recipe:
+        if self.memory.attention == "flash_attention_2" and self.hardware.device == "cpu":
+            raise ValueError(
+                "memory.attention=flash_attention_2 needs a CUDA GPU; use sdpa on hardware.device=cpu"
+            )
+        if self.precision == "fp16" and self.hardware.device == "cpu":
+            raise ValueError("precision=fp16 is not supported on CPU; use fp32 or bf16")
+        return self
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output.dir.replace("{name}", self.name))
+
+
+# ---------------------------------------------------------------- loading
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe name from recipes/ or a path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise UserError(f"--recipe {name_or_path}: file not found")
+        return path
+    candidate = RECIPES_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    names = available_recipes()
+    close = difflib.get_close_matches(name_or_path, names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise UserError(
+        f"unknown recipe '{name_or_path}'{hint}; available: {', '.join(names)}; or pass a path to a YAML file"
+    )
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'optim.lr=3e-4' -> (['optim', 'lr'], 3e-4). Values are parsed as YAML (numbers, lists, null)."""
+    if "=" not in text:
+        raise UserError(f"override '{text}' is not key.sub=value (e.g. optim.lr=3e-4)")
+    key, _, raw = text.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise UserError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: str) -> None:
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"override '{text}': {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+# Fields that hold paths; relative paths in a YAML file are taken relative to that file
+# (so recipes work from any working directory), those from overrides relative to the cwd.
+_PATH_FIELDS = (("model", "tokenizer"), ("model", "name_or_path"), ("deepspeed", "config"))
+_PATH_LIST_FIELDS = (("data", "train"), ("data", "eval"))
+
+
+def _anchor_path(value: str, base: Path) -> str:
+    looks_local = value.startswith((".", "/", "~")) or any(ch in value for ch in "*?")
+    if not looks_local:
+        return value  # a hub id ('meta-llama/Llama-2-7b-hf') or a ds_configs name ('zero3')
+    return str((base / Path(value).expanduser()).resolve()) if not Path(value).is_absolute() else value
+
+
+def _anchor_paths(data: dict[str, Any], base: Path) -> None:
+    for section, key in _PATH_FIELDS:
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str):
+            data[section][key] = _anchor_path(value, base)
+    for section, key in _PATH_LIST_FIELDS:
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            data[section][key] = [_anchor_path(v, base) if isinstance(v, str) else v for v in value]
+
+
+def _describe(error: ValidationError, model: type[BaseModel], source: str) -> str:
+    """The first validation problem as one line: the key, what is wrong, how to fix it."""
+    err = error.errors()[0]
+    loc = [str(p) for p in err["loc"] if not isinstance(p, int)]
+    key = ".".join(loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        owner: Any = model
+        for part in loc[:-1]:
+            annotation = owner.model_fields[part].annotation if part in owner.model_fields else None
+            owner = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+            if owner is None:
+                break
+        valid = sorted(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(loc[-1], valid, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"{source}: unknown key '{key}'; {hint}valid keys here: {', '.join(valid)}"
+    if err["type"] == "missing":
+        return f"{source}: missing required key '{key}'; add it to the recipe or pass {key}=VALUE"
+    got = err.get("input")
+    got_text = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":
+        return f"{source}: {message}"
+    return f"{source}: {key}: {message}{got_text}"
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:
+    """Load, override and validate a recipe; every problem is a one-line UserError."""
+    path = find_recipe(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"recipe {path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {path}: expected a mapping of sections at the top level")
+    data.setdefault("name", path.stem)
+    _anchor_paths(data, path.parent)
+    for text in overrides or []:
+        parts, value = parse_override(text)
+        single = {parts[0]: {}} if len(parts) > 1 else {}
+        _apply_override(single, parts, value, text)
+        _anchor_paths(single, Path.cwd())
+        _apply_override(data, parts, _dig(single, parts), text)
+    source = f"recipe {path.name}" if not overrides else f"recipe {path.name} (with overrides)"
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(_describe(exc, Recipe, source)) from None
+
+
+def _dig(data: dict[str, Any], parts: list[str]) -> Any:
+    for part in parts:
+        data = data[part]
+    return data
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,201 @@
+"""One training run inside one worker process: world, data, model, engine, loop, export.
+
+The order matters and is commented where it does: the DeepSpeed config is final before
+the model exists (ZeRO-3 partitions weights as they are created), and the world is
+checked before any data is dealt out by rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from llm_train import launcher
+from llm_train.resolve import Resolved, resolve_run, steps_for_epochs
+
+_MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def _quiet(verbose: bool) -> None:
+    if verbose:
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    for name in ("DeepSpeed", "accelerate", "torch.distributed", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _accelerator(run: Resolved) -> Any:
+    import torch
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if os.environ.get("ACCELERATE_CONFIG_DS_FIELDS"):
+        from llm_train.errors import UserError
+
+        raise UserError(
+            "your accelerate config sets DeepSpeed fields "
+            f"({os.environ['ACCELERATE_CONFIG_DS_FIELDS']}); with llm_train the recipe and its DeepSpeed JSON "
+            "own them: keep only machines/processes/rendezvous in the accelerate config (see launch/)"
+        )
+    # Without a GPU, Accelerate must be told the backend or every rank believes it is rank 0
+    # of a world of 1 while DeepSpeed runs a world of N (DESIGN.md fact 2).
+    handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    plugin = DeepSpeedPlugin(hf_ds_config=run.ds_config)
+    return Accelerator(
+        deepspeed_plugin=plugin,
+        mixed_precision=_MIXED_PRECISION[run.plan.precision],
+        kwargs_handlers=handlers,
+    )
+
+
+def _prepare_engine(run: Resolved, accelerator: Any, model: Any, max_steps: int) -> Any:
+    """The DeepSpeed engine, with the optimizer and LR schedule it steps at each accumulation boundary."""
+    from functools import partial
+
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    from llm_train.optim import build_optimizer, build_scheduler
+
+    optim = run.recipe.optim
+    schedule = partial(build_scheduler, optim=optim, max_steps=max_steps)
+    if "optimizer" in run.ds_config:
+        # A DS JSON with its own optimizer (common in configs written for other tools): DeepSpeed
+        # builds it from the resolved values, and our schedule unless the JSON has one too.
+        optimizer = DummyOptim(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+        callable_ = None if "scheduler" in run.ds_config else schedule
+        scheduler = DummyScheduler(optimizer, max_steps, optim.warmup_steps, lr_scheduler_callable=callable_)
+        engine, _, _ = accelerator.prepare(model, optimizer, scheduler)
+        return engine
+    optimizer = build_optimizer(model, optim, run.plan.offload_optimizer)
+    engine, _ = accelerator.prepare(model, optimizer)
+    if "scheduler" not in run.ds_config:
+        # Accelerate hands DeepSpeed only its own scheduler types; giving the engine ours means it
+        # steps the LR exactly at accumulation boundaries, skips it on fp16 overflow, and saves it
+        # in its checkpoints. The ZeRO wrappers update the client optimizer's param_groups.
+        engine.lr_scheduler = schedule(optimizer)
+    return engine
+
+
+def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    launcher.set_single_process_env()
+    launcher.use_deepspeed_in_accelerate()
+    _quiet(args.verbose)
+    started = time.perf_counter()
+
+    import torch
+    import torch.distributed as dist
+
+    from llm_train.data import BatchStream, eval_batches, load_blocks
+    from llm_train.export import sample_text, save_hf_model, verify_export
+    from llm_train.loop import LoopConfig, train_loop
+    from llm_train.model import build_model, load_tokenizer
+    from llm_train.rundir import check_output_dir, create_run_dir
+    from llm_train.tracking import open_trackers
+
+    recipe, plan = run.recipe, run.plan
+    out = recipe.output_dir
+    check_output_dir(out, args.overwrite)  # every rank checks before rank 0 creates anything
+
+    # Data first: the number of steps (for epochs) feeds the DeepSpeed scheduler's "auto" values.
+    rank = int(os.environ["RANK"])
+    dp_rank = rank // (plan.tp * plan.pp)  # ranks of one TP/PP group share a data-parallel rank
+    tokenizer = load_tokenizer(recipe.model)
+    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed)
+    stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
+    max_steps = recipe.optim.max_steps or steps_for_epochs(
+        recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
+    )
+    if recipe.optim.max_steps is None:
+        from llm_train.plan import Device
+
+        run = resolve_run(
+            args.recipe,
+            args.overrides,
+            plan.world_size,
+            Device.detect(),
+            args.ds_config,
+            max_steps,
+            args.output_dir,
+        )
+
+    hf_ds_config = None
+    if plan.zero_stage == 3:
+        # Registered before the model exists, so transformers builds it inside zero.Init and no
+        # rank materialises the full model. The reference must stay alive while the model is built.
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(run.ds_config)
+    accelerator = _accelerator(run)
+    if accelerator.num_processes != plan.world_size or accelerator.process_index != rank:
+        raise RuntimeError(
+            f"Accelerate sees rank {accelerator.process_index} of {accelerator.num_processes}, "
+            f"the launcher said rank {rank} of {plan.world_size}"
+        )
+    ranks = [None] * plan.world_size
+    dist.all_gather_object(ranks, {"rank": rank, "dp_rank": dp_rank, "world_size": accelerator.num_processes})
+    if accelerator.is_main_process:
+        create_run_dir(out, run, args.overwrite)
+        (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
+    say(f"llm-train: recipe {recipe.name} -> {out}")
+    for key, value in plan.rows():
+        say(f"  {key:<12} {value}")
+    if run.notice:
+        say(f"notice: {run.notice}")
+
+    model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed)
+    engine = _prepare_engine(run, accelerator, model, max_steps)
+    del hf_ds_config
+
+    config_for_tracker = {
+        "recipe": recipe.model_dump(mode="json"),
+        "ds_config": run.ds_config,
+        "plan": plan.as_dict(),
+    }
+    tracker = open_trackers(recipe.tracking, out, config_for_tracker, accelerator.is_main_process)
+    torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
+    cfg = LoopConfig(
+        max_steps=max_steps,
+        grad_accum=plan.grad_accum,
+        tokens_per_step=plan.global_batch_size * recipe.data.seq_len,
+        log_every=recipe.output.log_every,
+        eval_every=recipe.eval.every,
+    )
+    evals = eval_batches(eval_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.eval.batches)
+    say(
+        f"training {max_steps} steps, {cfg.tokens_per_step:,} tokens per step; setup took {time.perf_counter() - started:.1f}s"
+    )
+    metrics = train_loop(engine, stream, evals, cfg, tracker, say)
+
+    # Export: every rank takes part in gathering ZeRO-3 shards; rank 0 writes and verifies.
+    state_dict = accelerator.get_state_dict(engine)
+    final = out / "final"
+    if accelerator.is_main_process:
+        save_hf_model(accelerator.unwrap_model(engine), state_dict, tokenizer, final)
+    accelerator.wait_for_everyone()
+    tracker.close()
+    say(
+        f"trained in {time.perf_counter() - started:.0f}s: final loss {metrics.get('loss', float('nan')):.4f}; "
+        f"run directory {out} (config/, metrics.jsonl, final/)"
+    )
+    accelerator.end_training()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+    # Checked the way a user loads it: plain transformers, no ZeRO-3 context (which would try to
+    # partition the skeleton across a world that has just been torn down).
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    if rank == 0:
+        tensors = verify_export(final)
+        say(f"exported {tensors} tensors to {final} (verified against the config's shapes)")
+        if recipe.output.sample_prompt:
+            say(f"sample: {sample_text(final, recipe.output.sample_prompt)!r}")
+    return 0

@@ -1,0 +1,140 @@
+"""Entry point: `accelerate launch llm_train/train.py --recipe NAME [key.sub=value ...]`.
+
+parse -> resolve (recipe, DeepSpeed JSON, plan) -> build (world, data, model, engine)
+-> train -> export -> close. Also runs as `python llm_train/train.py` (one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script: import the package, not this folder's modules as top-level names.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from llm_train import launcher
+from llm_train.errors import EXIT_USER_ERROR, UserError
+from llm_train.resolve import Resolved, resolve_run
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="llm_train/train.py", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--recipe", required=True, help="A name in recipes/ (see `llm-train recipes`) or a YAML path."
+    )
+    parser.add_argument(
+        "--ds-config", help="A DeepSpeed JSON to use instead of the recipe's deepspeed.config."
+    )
+    parser.add_argument("--output-dir", help="Run directory (default: the recipe's output.dir).")
+    parser.add_argument("--max-steps", type=int, help="Shortcut for optim.max_steps=N.")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="Replace a run directory that holds another run."
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="Print the resolved recipe, DS JSON, plan, memory; exit."
+    )
+    parser.add_argument("--world-size", type=int, help="With --dry-run: plan for this many processes.")
+    parser.add_argument("--verbose", action="store_true", help="Keep DeepSpeed / torch / transformers logs.")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides, e.g. optim.lr=1e-4."
+    )
+    return parser.parse_args(argv)
+
+
+def is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def say(message: str) -> None:
+    if is_rank0():
+        print(message, flush=True)
+
+
+def print_dry_run(run: Resolved) -> None:
+    from llm_train.resolve import memory_rows
+
+    print(f"# recipe {run.recipe.name} (resolved)\n{run.recipe_yaml()}")
+    print(f"# DeepSpeed config {run.ds_path} (effective)\n{run.ds_json()}\n")
+    print("# parallel plan")
+    for key, value in run.plan.rows():
+        print(f"  {key:<12} {value}")
+    rows = memory_rows(run)
+    if rows:
+        print("# memory estimate per GPU / host (first estimate; see `llm-train plan`)")
+        for key, value in rows:
+            print(f"  {key:<28} {value}")
+    if run.notice:
+        print(f"notice: {run.notice}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        spawn = None
+        if args.dry_run:
+            from llm_train.plan import Device
+
+            world_size = args.world_size
+            device = None
+        else:
+            if args.world_size is not None:
+                raise UserError(
+                    "--world-size only applies to --dry-run; the launcher decides the real world size"
+                )
+            spawn = launcher.world_from_accelerate_parent()
+            world_size = launcher.world_from_env() or (spawn.world_size if spawn else 1)
+            from llm_train.plan import Device
+
+            device = Device.detect()
+        run = (
+            resolve_run(
+                args.recipe,
+                args.overrides,
+                world_size=world_size or 0,
+                device=device,
+                ds_config_path=args.ds_config,
+                max_steps=args.max_steps,
+                output_dir=args.output_dir,
+            )
+            if world_size
+            else _resolve_declared(args)
+        )
+        if args.dry_run:
+            print_dry_run(run)
+            return 0
+        from llm_train.rundir import check_output_dir
+
+        check_output_dir(run.recipe.output_dir, args.overwrite)
+        if spawn is not None:
+            say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
+            return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
+        from llm_train.session import run_training
+
+        return run_training(run, args, say)
+    except UserError as exc:
+        if is_rank0():
+            print(f"llm-train: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+
+
+def _resolve_declared(args: argparse.Namespace) -> Resolved:
+    """Dry run without --world-size: the hardware the recipe declares."""
+    from llm_train.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    return resolve_run(
+        args.recipe,
+        args.overrides,
+        world_size=recipe.hardware.world_size,
+        ds_config_path=args.ds_config,
+        max_steps=args.max_steps,
+        output_dir=args.output_dir,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
