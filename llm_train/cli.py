@@ -1,0 +1,117 @@
+"""`llm-train`: the command-line tool around the training entry point.
+
+    llm-train train --recipe NAME [...]     same as `python llm_train/train.py` (one process here;
+                                            use `accelerate launch llm_train/train.py` for many)
+    llm-train recipes                       the shipped recipes, one line each
+    llm-train show RECIPE [key=value ...]   the resolved recipe YAML and effective DeepSpeed JSON
+    llm-train dry-run RECIPE [...]          same as train.py --dry-run
+
+Each subcommand lives in its own small function; errors a user can cause are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from llm_train.errors import EXIT_USER_ERROR, UserError
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from llm_train.recipe import available_recipes, load_recipe
+
+    rows = []
+    for name in available_recipes():
+        recipe = load_recipe(name)
+        hw = recipe.hardware
+        where = f"{hw.nodes}x{hw.processes_per_node} {hw.device}"
+        rows.append((name, recipe.model.name_or_path or "(random init)", recipe.deepspeed.config, where, recipe.description))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from llm_train.recipe import load_recipe
+    from llm_train.resolve import resolve_run
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    run = resolve_run(args.recipe, args.overrides, world_size=args.world_size or recipe.hardware.world_size)
+    print(f"# recipe {run.recipe.name}\n{run.recipe_yaml()}")
+    print(f"# DeepSpeed config {run.ds_path} (effective)\n{run.ds_json()}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    from llm_train.train import main as train_main
+
+    return train_main(rest)
+
+
+def cmd_dry_run(args: argparse.Namespace, rest: list[str]) -> int:
+    from llm_train.train import main as train_main
+
+    return train_main(["--recipe", args.recipe, "--dry-run", *rest])
+
+
+# Subcommands that hand their remaining arguments to another parser.
+PASS_THROUGH: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "train": cmd_train,
+    "dry-run": cmd_dry_run,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-train", description="DeepSpeed + Accelerate LLM training recipes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="Train a recipe (arguments as llm_train/train.py).", add_help=False)
+    dry = sub.add_parser("dry-run", help="Print the resolved recipe, DS JSON, plan and memory estimate.")
+    dry.add_argument("recipe")
+    sub.add_parser("recipes", help="List the shipped recipes.").set_defaults(func=cmd_recipes)
+    show = sub.add_parser("show", help="Show a recipe resolved, with its effective DeepSpeed JSON.")
+    show.add_argument("recipe")
+    show.add_argument("--world-size", type=int, help="Resolve for this many processes (default: the recipe's).")
+    show.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    show.set_defaults(func=cmd_show)
+    for register in _EXTENSIONS:
+        register(sub)
+    return parser
+
+
+# Other modules add subcommands here (plan, doctor, export, report, data ...): each is a
+# function that receives the subparsers object and sets `func` on its parser.
+_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def _load_extensions() -> None:
+    import importlib
+
+    for module in ("llm_train.planner", "llm_train.doctor"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue
+        register = getattr(mod, "register_cli", None)
+        if register and register not in _EXTENSIONS:
+            _EXTENSIONS.append(register)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _load_extensions()
+    parser = build_parser()
+    try:
+        if argv and argv[0] in PASS_THROUGH:
+            known, rest = parser.parse_known_args(argv) if argv[0] == "dry-run" else (argparse.Namespace(), argv[1:])
+            return PASS_THROUGH[argv[0]](known, rest)
+        args = parser.parse_args(argv)
+        return args.func(args)
+    except UserError as exc:
+        print(f"llm-train: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
