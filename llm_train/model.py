@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.errors import UserError
-from llm_train.recipe import MemorySection, ModelSection
+from llm_train.recipe import LoraSection, MemorySection, ModelSection
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -68,7 +68,9 @@ def _known_offline(name: str) -> bool:
     return name in KNOWN_CONFIGS
 
 
-def build_model(model: ModelSection, memory: MemorySection, precision: str, seed: int) -> Any:
+def build_model(
+    model: ModelSection, memory: MemorySection, precision: str, seed: int, lora: LoraSection | None = None
+) -> Any:
     """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -103,6 +105,10 @@ def build_model(model: ModelSection, memory: MemorySection, precision: str, seed
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 partitioned params.
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = False
+    if lora is not None:
+        from llm_train.lora import apply_lora
+
+        lm = apply_lora(lm, lora)
     return lm
 
 

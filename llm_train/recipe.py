@@ -111,10 +111,6 @@ class OptimSection(Section):
     def _length_is_known(self) -> OptimSection:
         if self.max_steps is None and self.epochs is None:
             raise ValueError("set optim.max_steps or optim.epochs")
-        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
-            raise ValueError(
-                f"optim.warmup_steps={self.warmup_steps} must be below optim.max_steps={self.max_steps}"
-            )
         return self
 
 
@@ -124,6 +120,22 @@ class MemorySection(Section):
     activation_checkpointing: bool = Field(False, description="Recompute layer activations in backward.")
     attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel; flash_attention_2 needs the flash-attn package and a GPU."
+    )
+
+
+class LoraSection(Section):
+    """LoRA through PEFT: the base model is frozen and low-rank adapters are trained."""
+
+    rank: int = Field(16, ge=1, description="Adapter rank r.")
+    alpha: float = Field(32.0, gt=0, description="Adapter updates are scaled by alpha / rank.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names of the linear modules that get adapters (all attention and MLP projections).",
+    )
+    export: Literal["merged", "adapter"] = Field(
+        "merged", description="'merged': a plain HF model with the adapters folded in; 'adapter': PEFT files."
     )
 
 
@@ -168,6 +180,7 @@ class Recipe(Section):
         "auto", description="'auto' = bf16 where supported, fp16 on older GPUs, fp32 on CPU."
     )
     memory: MemorySection = Field(default_factory=MemorySection)
+    lora: LoraSection | None = Field(None, description="Train LoRA adapters instead of all weights (needs peft).")
     deepspeed: DeepSpeedSection
     eval: EvalSection = Field(default_factory=EvalSection)
     output: OutputSection = Field(default_factory=OutputSection)

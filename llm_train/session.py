@@ -149,7 +149,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     if run.notice:
         say(f"notice: {run.notice}")
 
-    model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed)
+    model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed, recipe.lora)
     engine = _prepare_engine(run, accelerator, model, max_steps)
     del hf_ds_config
 
@@ -177,7 +177,9 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     state_dict = accelerator.get_state_dict(engine)
     final = out / "final"
     if accelerator.is_main_process:
-        save_hf_model(accelerator.unwrap_model(engine), state_dict, tokenizer, final)
+        from llm_train.lora import export_view  # LoRA: merged weights or the adapter; else unchanged
+
+        save_hf_model(*export_view(accelerator.unwrap_model(engine), state_dict, recipe.lora), tokenizer, final)
     accelerator.wait_for_everyone()
     tracker.close()
     say(

@@ -1,0 +1,35 @@
+# Set-up and the two commands the README promises. Everything installs into .venv.
+#
+# TORCH pins the CPU build this repo's own set-up and CI use (it lies on the CI machine's
+# disk). On a GPU machine keep the CUDA torch you have: `make install TORCH=` installs
+# nothing torch-related beyond what pyproject.toml's range (torch>=2.4) already accepts.
+VENV ?= .venv
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Tests and the demo never wait on a network that is not there.
+OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+
+.PHONY: install demo test test-fast lint
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -e ".[dev,tensorboard,lora,report]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The embedded default: tiny-cpu, 2 processes of real DeepSpeed ZeRO-3 on CPU.
+demo: install
+	$(OFFLINE) $(VENV)/bin/accelerate launch --num_processes 2 llm_train/train.py --recipe tiny-cpu --output-dir runs/demo --overwrite
+
+test: install
+	$(OFFLINE) $(VENV)/bin/pytest -q tests
+
+test-fast: install
+	$(OFFLINE) $(VENV)/bin/pytest -q -m "not e2e" tests
+
+lint: install
+	$(VENV)/bin/ruff check llm_train tests bench
+	$(VENV)/bin/ruff format --check llm_train tests bench

@@ -1,0 +1,144 @@
+"""A first-order step-time model, to rank memory-saving choices by what they cost in speed.
+
+`llm-train plan` has to say *which* change makes a run fit at the smallest cost, and
+`--recipe auto` has to pick the fastest configuration that fits. Both need relative
+speeds, not a benchmark: this model adds up the time of the work that does not overlap
+well on a single node (compute, host<->GPU copies, the CPU optimizer, NVMe traffic, the
+exposed part of ZeRO communication). It ranks correctly the cases that matter
+(activation checkpointing ~ +1/3 compute; parameter offload pays PCIe per micro-batch,
+optimizer offload per step; NVMe is slowest) and its absolute numbers are rough (+-50%).
+
+Pure arithmetic on `MemoryInputs`; no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_train.memory import MemoryInputs
+
+# Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
+# for 7B-class models with SDPA/flash attention on one node.
+PEAK_EFFICIENCY = 0.40
+# Small micro-batches starve the tensor cores: efficiency falls as tokens / (tokens + this).
+EFFICIENCY_HALF_TOKENS = 256
+# Host<->GPU copies from pinned memory over PCIe 4.0 x16: ~25 GB/s peak, ~12 sustained
+# for ZeRO-Offload's many mid-sized transfers.
+PCIE_BYTES_PER_S = 12e9
+# GPU<->GPU bus bandwidth for collectives: NVLink (SXM boards), PCIe switch, or the
+# network between nodes (100 Gb/s InfiniBand/RoCE class).
+NVLINK_BYTES_PER_S = 150e9
+PCIE_P2P_BYTES_PER_S = 10e9
+INTER_NODE_BYTES_PER_S = 12e9
+# DeepSpeed CPU Adam on a desktop/workstation CPU: it streams ~30 bytes per parameter
+# (fp32 grad in, m/v/master read and written, 16-bit weight out), so it is memory-bandwidth
+# bound at ~1.5e9 parameters/s per node (DDR5, all cores), shared by the node's ranks.
+CPU_ADAM_PARAMS_PER_S = 1.5e9
+# A single PCIe 4.0 NVMe drive under DeepSpeed's async I/O, read and write mixed.
+NVME_BYTES_PER_S = 3e9
+# With overlap_comm, ZeRO hides about half of its communication behind compute.
+OVERLAPPED_COMM_EXPOSED = 0.5
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by component (they are added: little of it overlaps)."""
+
+    compute: float
+    communication: float
+    pcie: float
+    cpu_optimizer: float
+    nvme: float
+    tokens_per_step: int
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.pcie + self.cpu_optimizer + self.nvme
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.total if self.total > 0 else 0.0
+
+
+def flops_per_token(inp: MemoryInputs) -> float:
+    """Training FLOPs per token on one model replica (PaLM appendix B), adjusted for the choices.
+
+    Forward = 2N + 4*L*h*s (the attention score and value matmuls); full fine-tuning
+    does 3 forwards' worth (backward = 2x forward); LoRA skips the frozen weights'
+    gradient matmuls (2 forwards' worth); checkpointing recomputes one more forward.
+    """
+    shape = inp.shape
+    forward = 2 * shape.num_params + 4 * shape.num_layers * shape.hidden_size * inp.seq_len
+    passes = 2.0 if inp.lora_rank else 3.0
+    if inp.activation_checkpointing:
+        passes += 1.0
+    return passes * forward
+
+
+def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bool = False) -> StepTime:
+    """Estimated seconds per optimizer step on each rank for `inp` with `grad_accum` micro-batches."""
+    shape = inp.shape
+    mixed = inp.precision != "fp32"
+    wbytes = 2 if mixed else 4
+    shard = inp.tp * inp.pp
+    weights = shape.num_params / shard
+    trainable = (shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params) / shard
+    dp, ranks, stage = inp.dp, inp.ranks_per_node, inp.zero_stage
+    tokens_micro = inp.micro_batch * inp.seq_len
+
+    efficiency = PEAK_EFFICIENCY * tokens_micro / (tokens_micro + EFFICIENCY_HALF_TOKENS)
+    flops_micro = flops_per_token(inp) * tokens_micro / shard
+    compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
+
+    # ZeRO collectives (ring: each GPU sends/receives ~(dp-1)/dp of the tensor per pass).
+    comm_bytes = 0.0
+    if dp > 1:
+        ring = (dp - 1) / dp
+        passes = 3 if inp.activation_checkpointing else 2  # parameter all-gathers per micro-batch
+        if stage <= 1:
+            comm_bytes = 2 * trainable * wbytes * ring  # one all-reduce per step
+        elif stage == 2:
+            # Gradients are reduce-scattered every micro-batch, weights all-gathered once per step.
+            comm_bytes = (grad_accum * trainable + weights) * wbytes * ring
+        else:
+            comm_bytes = grad_accum * (passes * weights + trainable) * wbytes * ring
+    if inp.num_nodes > 1:
+        bandwidth = INTER_NODE_BYTES_PER_S
+    else:
+        bandwidth = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
+    exposed = OVERLAPPED_COMM_EXPOSED if inp.overlap_comm else 1.0
+    communication = exposed * comm_bytes / bandwidth
+
+    # Host <-> GPU traffic of ZeRO-Offload / ZeRO-Infinity, per rank over its own PCIe link.
+    pcie_bytes = 0.0
+    nvme_bytes = 0.0
+    fetches = 3 if inp.activation_checkpointing else 2  # forward, backward (+ recompute)
+    if inp.offload_optimizer != "none":
+        # 16-bit gradients leave the GPU every micro-batch (ZeRO-2/3 accumulate on the host);
+        # updated 16-bit weights come back once per step unless the parameters live on the host.
+        pcie_bytes += grad_accum * trainable / dp * wbytes
+        if inp.offload_params == "none":
+            pcie_bytes += trainable / dp * wbytes
+    if inp.offload_params != "none":
+        pcie_bytes += grad_accum * fetches * weights / dp * wbytes
+    if inp.offload_params == "nvme":
+        # Swapped in from the drive (shared by the node's ranks) for every pass.
+        nvme_bytes += ranks * grad_accum * fetches * weights / dp * wbytes
+    if inp.offload_optimizer == "nvme":
+        optim_bytes = 12 if mixed else 8
+        nvme_bytes += ranks * 2 * trainable / dp * (optim_bytes + 4)  # read and write back
+    pcie = pcie_bytes / PCIE_BYTES_PER_S
+    nvme = nvme_bytes / NVME_BYTES_PER_S
+
+    cpu_optimizer = 0.0
+    if inp.offload_optimizer != "none":
+        cpu_optimizer = trainable / dp / (CPU_ADAM_PARAMS_PER_S / ranks)
+
+    return StepTime(
+        compute=compute,
+        communication=communication,
+        pcie=pcie,
+        cpu_optimizer=cpu_optimizer,
+        nvme=nvme,
+        tokens_per_step=grad_accum * tokens_micro * dp,
+    )

@@ -1,0 +1,85 @@
+"""Shared test helpers: launching llm_train the way users do, on CPU, each launch on its own port."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "llm_train" / "train.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+# Nothing in the tests may wait on a network that is not there (DESIGN.md facts 9-11).
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cmd(cmd: list[str], timeout: float = 900, env: dict[str, str] | None = None, cwd: Path = REPO):
+    full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def accelerate_launch(
+    args: list[str], nproc: int = 2, timeout: float = 900, env: dict[str, str] | None = None
+):
+    """`accelerate launch --num_processes N llm_train/train.py ARGS` with no config file, on a fresh port."""
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+        str(TRAIN),
+        *args,
+    ]
+    return run_cmd(cmd, timeout=timeout, env=env)
+
+
+def train_py(args: list[str], timeout: float = 600, env: dict[str, str] | None = None):
+    """`python llm_train/train.py ARGS` (one process)."""
+    return run_cmd([sys.executable, str(TRAIN), *args], timeout=timeout, env=env)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+    )
+
+
+def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
+    """A tiny-cpu-shaped Llama saved with save_pretrained: the fine-tuning path, on a local directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from llm_train.recipe import load_recipe
+
+    recipe = load_recipe("tiny-cpu")
+    fields = dict(recipe.model.config)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(recipe.model.tokenizer).save_pretrained(path)
+    return path

@@ -1,0 +1,122 @@
+"""Bad input at the real entry point: one line on stderr, exit code 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import train_py
+
+
+def _fails_cleanly(args: list[str], message: str) -> str:
+    result = train_py(args, timeout=120)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("llm-train: error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    return lines[0]
+
+
+def test_unknown_recipe() -> None:
+    line = _fails_cleanly(["--recipe", "nope", "--dry-run"], "unknown recipe 'nope'")
+    assert "tiny-cpu" in line and "7b-zero3" in line
+
+
+def test_mistyped_key() -> None:
+    _fails_cleanly(
+        ["--recipe", "tiny-cpu", "--dry-run", "optim.lrr=1e-3"], "unknown key 'optim.lrr'; did you mean 'lr'?"
+    )
+
+
+def test_wrong_type() -> None:
+    _fails_cleanly(
+        ["--recipe", "tiny-cpu", "--dry-run", "optim.micro_batch_size=two"], "optim.micro_batch_size"
+    )
+
+
+def test_missing_ds_config(tmp_path: Path) -> None:
+    _fails_cleanly(
+        ["--recipe", "tiny-cpu", "--dry-run", "--ds-config", str(tmp_path / "x.json")], "file not found"
+    )
+
+
+def test_unparsable_ds_config(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    _fails_cleanly(["--recipe", "tiny-cpu", "--dry-run", "--ds-config", str(bad)], "not valid JSON at line 1")
+
+
+def test_batch_that_does_not_divide() -> None:
+    _fails_cleanly(
+        ["--recipe", "tiny-cpu", "--dry-run", "optim.global_batch_size=20", "optim.grad_accum=null"],
+        "optim.global_batch_size=20 is not divisible by optim.micro_batch_size=8 x data-parallel size 2 = 16",
+    )
+
+
+def test_output_dir_holding_another_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    _fails_cleanly(
+        ["--recipe", "tiny-cpu", "--output-dir", str(run_dir), "--max-steps", "1"],
+        "already holds a run; pass --overwrite",
+    )
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+
+
+def test_data_file_missing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _fails_cleanly(
+        [
+            "--recipe",
+            "tiny-cpu",
+            "--output-dir",
+            str(run_dir),
+            "--max-steps",
+            "1",
+            f"data.train=[{tmp_path / 'none.txt'}]",
+        ],
+        "data.train: file not found",
+    )
+    assert not run_dir.exists()  # nothing half-written
+
+
+def test_world_size_without_dry_run() -> None:
+    _fails_cleanly(["--recipe", "tiny-cpu", "--world-size", "4"], "--world-size only applies to --dry-run")
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted(p.stem for p in Path(__file__).resolve().parents[2].joinpath("recipes").glob("*.yaml"))
+)
+def test_every_recipe_dry_runs_as_declared(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_train.train import main
+
+    assert main(["--recipe", recipe, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# parallel plan" in out and "world size" in out
+    effective = out.split("(effective)\n", 1)[1].split("\n\n# parallel plan", 1)[0]
+    assert '"auto"' not in effective
+    json.loads(effective)
+
+
+def test_7b_zero3_at_world_size_8(capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_train.train import main
+
+    assert main(["--recipe", "7b-zero3", "--dry-run", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "world size   8 = dp 8 x tp 1 x pp 1" in out
+    assert "ZeRO stage   3" in out
+    assert "GPU total" in out
+
+
+@pytest.mark.parametrize(
+    "ds", sorted(p.stem for p in Path(__file__).resolve().parents[2].joinpath("ds_configs").glob("*.json"))
+)
+def test_every_ds_config_dry_runs(ds: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_train.train import main
+
+    assert main(["--recipe", "tiny-cpu", "--ds-config", ds, "--dry-run"]) == 0
+    assert "# parallel plan" in capsys.readouterr().out

@@ -1,0 +1,74 @@
+"""The plan: world-size arithmetic and precision choices, each failure one readable line."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_train.errors import UserError
+from llm_train.plan import Device, resolve_precision
+from llm_train.resolve import resolve_run
+
+T4 = Device(kind="cuda", name="Tesla T4", bf16=False, compute_capability=(7, 5))
+H100 = Device(kind="cuda", name="H100", bf16=True, compute_capability=(9, 0))
+CPU = Device(kind="cpu", name="cpu", bf16=True)
+
+
+def test_auto_precision() -> None:
+    assert resolve_precision("auto", None, H100) == ("bf16", None)
+    assert resolve_precision("auto", None, CPU) == ("fp32", None)
+    precision, notice = resolve_precision("auto", None, T4)
+    assert precision == "fp16" and "Tesla T4 has no bf16" in (notice or "")
+    assert resolve_precision("auto", "fp16", H100) == ("fp16", None)  # the JSON said so explicitly
+
+
+def test_bf16_on_a_card_without_it_is_an_error() -> None:
+    with pytest.raises(
+        UserError, match=r"precision=bf16 but Tesla T4 \(compute capability 7.5\) has no bf16"
+    ):
+        resolve_precision("bf16", None, T4)
+
+
+def test_batch_arithmetic() -> None:
+    run = resolve_run(
+        "tiny-cpu", ["optim.global_batch_size=64", "optim.grad_accum=null"], world_size=2, device=CPU
+    )
+    assert (run.plan.micro_batch_size, run.plan.grad_accum, run.plan.dp) == (8, 4, 2)
+    assert run.ds_config["train_batch_size"] == 64 and run.ds_config["gradient_accumulation_steps"] == 4
+
+
+def test_batch_that_does_not_divide() -> None:
+    with pytest.raises(
+        UserError,
+        match=r"global_batch_size=60 is not divisible by optim.micro_batch_size=8 x data-parallel size 2 = 16",
+    ):
+        resolve_run(
+            "tiny-cpu", ["optim.global_batch_size=60", "optim.grad_accum=null"], world_size=2, device=CPU
+        )
+
+
+def test_global_batch_and_accum_that_disagree() -> None:
+    with pytest.raises(
+        UserError,
+        match=r"global_batch_size=64 != optim.micro_batch_size=8 x optim.grad_accum=1 x data-parallel size 2 = 16",
+    ):
+        resolve_run("tiny-cpu", ["optim.global_batch_size=64"], world_size=2, device=CPU)
+
+
+def test_world_not_divisible_by_tp(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "tp.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}))
+    with pytest.raises(
+        UserError, match="world size 3 is not divisible by tensor parallel 2 x pipeline parallel 1 = 2"
+    ):
+        resolve_run("tiny-cpu", [], world_size=3, device=CPU, ds_config_path=str(path))
+
+
+def test_param_offload_needs_stage3(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}))
+    with pytest.raises(UserError, match="parameter offload needs zero_optimization.stage=3"):
+        resolve_run("tiny-cpu", [], world_size=2, device=CPU, ds_config_path=str(path))
