@@ -26,7 +26,15 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         recipe = load_recipe(name)
         hw = recipe.hardware
         where = f"{hw.nodes}x{hw.processes_per_node} {hw.device}"
-        rows.append((name, recipe.model.name_or_path or "(random init)", recipe.deepspeed.config, where, recipe.description))
+        rows.append(
+            (
+                name,
+                recipe.model.name_or_path or "(random init)",
+                recipe.deepspeed.config,
+                where,
+                recipe.description,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
@@ -64,7 +72,9 @@ PASS_THROUGH: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-train", description="DeepSpeed + Accelerate LLM training recipes.")
+    parser = argparse.ArgumentParser(
+        prog="llm-train", description="DeepSpeed + Accelerate LLM training recipes."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="Train a recipe (arguments as llm_train/train.py).", add_help=False)
     dry = sub.add_parser("dry-run", help="Print the resolved recipe, DS JSON, plan and memory estimate.")
@@ -72,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("recipes", help="List the shipped recipes.").set_defaults(func=cmd_recipes)
     show = sub.add_parser("show", help="Show a recipe resolved, with its effective DeepSpeed JSON.")
     show.add_argument("recipe")
-    show.add_argument("--world-size", type=int, help="Resolve for this many processes (default: the recipe's).")
+    show.add_argument(
+        "--world-size", type=int, help="Resolve for this many processes (default: the recipe's)."
+    )
     show.add_argument("overrides", nargs="*", metavar="key.sub=value")
     show.set_defaults(func=cmd_show)
     for register in _EXTENSIONS:
@@ -104,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         if argv and argv[0] in PASS_THROUGH:
-            known, rest = parser.parse_known_args(argv) if argv[0] == "dry-run" else (argparse.Namespace(), argv[1:])
+            known, rest = (
+                parser.parse_known_args(argv) if argv[0] == "dry-run" else (argparse.Namespace(), argv[1:])
+            )
             return PASS_THROUGH[argv[0]](known, rest)
         args = parser.parse_args(argv)
         return args.func(args)

@@ -112,6 +112,12 @@ class BatchStream:
             )
         self.state = StreamState()
 
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.state.epoch, "position": self.state.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = StreamState(epoch=int(state["epoch"]), position=int(state["position"]))
+
     def _order(self, epoch: int) -> torch.Tensor:
         return torch.randperm(len(self.blocks), generator=torch.Generator().manual_seed(self.seed + epoch))
 

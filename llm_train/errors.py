@@ -12,5 +12,7 @@ EXIT_USER_ERROR = 2
 class UserError(Exception):
     """A problem the user can fix; its message is printed as one line, without traceback."""
 
+    exit_code = EXIT_USER_ERROR
+
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))

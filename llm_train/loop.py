@@ -1,4 +1,4 @@
-"""The step loop: forward, backward, step, log, evaluate. Nothing else happens here.
+"""The step loop: forward, backward, step, log, evaluate, checkpoint. Nothing else happens here.
 
 The DeepSpeed engine owns gradient accumulation: `engine.backward` scales each
 micro-batch loss by 1/accumulation and reduces gradients at the boundary, and
@@ -10,13 +10,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from llm_train.control import RunControl
+from llm_train.errors import UserError
 from llm_train.tracking import Trackers
+
+EXIT_NONFINITE = 3
+MAX_SKIPS_IN_A_ROW = 8  # with on_nonfinite=skip: more than this means the run itself is broken
+
+
+class NonFiniteLoss(UserError):
+    exit_code = EXIT_NONFINITE
 
 
 @dataclass
@@ -26,7 +35,15 @@ class LoopConfig:
     tokens_per_step: int  # global: micro x accum x dp x seq_len
     log_every: int
     eval_every: int  # 0 = only at the end
+    on_nonfinite: str = "stop"
     start_step: int = 0
+
+
+@dataclass
+class LoopResult:
+    last_step: int
+    preempted: bool
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -35,6 +52,13 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return float(value)
+
+
+def _finite_everywhere(loss: torch.Tensor) -> bool:
+    bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
 
 
 def _grad_norm_if_untracked(engine: Any) -> float | None:
@@ -63,10 +87,13 @@ def train_loop(
     eval_set: list[dict[str, torch.Tensor]],
     cfg: LoopConfig,
     tracker: Trackers,
+    control: RunControl,
+    save: Callable[[int], None],
     say: Callable[[str], None],
-) -> dict[str, float]:
+) -> LoopResult:
     engine.train()
     metrics: dict[str, float] = {}
+    skipped = 0
     started = time.perf_counter()
     for step in range(cfg.start_step + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
@@ -74,14 +101,20 @@ def train_loop(
         grad_norm = None
         for _ in range(cfg.grad_accum):
             loss = engine(**_to(next(batches), engine.device)).loss
+            while not _finite_everywhere(loss):  # all ranks agree, so none waits in a collective alone
+                if cfg.on_nonfinite == "stop" or skipped >= MAX_SKIPS_IN_A_ROW:
+                    raise NonFiniteLoss(
+                        f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr, "
+                        "or set checkpoint.on_nonfinite=skip to drop such micro-batches"
+                    )
+                skipped += 1  # drop this micro-batch before backward: the weights never see it
+                loss = engine(**_to(next(batches), engine.device)).loss
             engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():
                 grad_norm = _grad_norm_if_untracked(engine)
             engine.step()
             micro_losses.append(loss.detach())
         loss_value = _mean_over_ranks(torch.stack(micro_losses).mean())
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at step {step}")
         step_time = time.perf_counter() - t0
 
         if step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps):
@@ -95,6 +128,8 @@ def train_loop(
                 "grad_norm": grad_norm,
                 "tokens_per_s": cfg.tokens_per_step / step_time,
                 "step_time_s": step_time,
+                "skipped_microbatches": skipped,
+                "overflow_skipped_steps": int(getattr(engine, "skipped_steps", 0)),
             }
             tracker.log(metrics, step)
             elapsed = time.perf_counter() - started
@@ -109,4 +144,10 @@ def train_loop(
             tracker.log({"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}, step)
             say(f"step {step}: eval loss {eval_loss:.4f} (ppl {math.exp(min(eval_loss, 50.0)):.1f})")
             metrics["eval_loss"] = eval_loss
-    return metrics
+
+        save_now, stop_now = control.after_step(step)
+        if save_now and step < cfg.max_steps:  # the final checkpoint is the caller's
+            save(step)
+        if stop_now and step < cfg.max_steps:
+            return LoopResult(step, True, metrics)
+    return LoopResult(cfg.max_steps, False, metrics)

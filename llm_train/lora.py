@@ -94,7 +94,9 @@ def merged_state_dict(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def export_view(model: Any, state_dict: dict[str, Any], lora: LoraSection | None) -> tuple[Any, dict[str, Any]]:
+def export_view(
+    model: Any, state_dict: dict[str, Any], lora: LoraSection | None
+) -> tuple[Any, dict[str, Any]]:
     """(model to call save_pretrained on, state dict to save) for the run's export.
 
     Without LoRA both pass through unchanged. Merged: the base model and the merged

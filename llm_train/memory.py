@@ -416,7 +416,8 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         # The engine flattens up to allreduce_bucket_size gradients per all-reduce.
         buffers = min(DS_ALLREDUCE_BUCKET_SIZE, trainable) * grad_bytes if dp > 1 else 0.0
     elif stage in (1, 2):
-        elems = min(inp.reduce_bucket_size, trainable) + min(inp.allgather_bucket_size, weights)
+        # Stage 1/2 all-gather only the updated (trainable) partitions; frozen LoRA bases stay put.
+        elems = min(inp.reduce_bucket_size, trainable) + min(inp.allgather_bucket_size, trainable)
         buffers = elems * weight_bytes * overlap
     else:
         elems = min(inp.reduce_bucket_size, trainable) + min(inp.prefetch_bucket_size, weights)

@@ -156,6 +156,24 @@ class OutputSection(Section):
     )
 
 
+class CheckpointSection(Section):
+    """Periodic checkpoints, retention, preemption and fault handling."""
+
+    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = not by steps.")
+    every_minutes: float = Field(0.0, ge=0, description="Save every M minutes of training; 0 = not by time.")
+    at_end: bool = Field(True, description="Save a checkpoint after the last step.")
+    keep_last_n: int = Field(
+        3, ge=2, description="Committed checkpoints kept (at least 2: one may be mid-write)."
+    )
+    grace_s: float = Field(
+        25.0, gt=0, description="Budget to finish the step and save after SIGTERM/SIGUSR1."
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="Non-finite loss: 'stop' names the step and exits; 'skip' drops the step and counts it.",
+    )
+
+
 class TrackingSection(Section):
     """Experiment tracking. metrics.jsonl is always written; W&B is optional."""
 
@@ -180,10 +198,13 @@ class Recipe(Section):
         "auto", description="'auto' = bf16 where supported, fp16 on older GPUs, fp32 on CPU."
     )
     memory: MemorySection = Field(default_factory=MemorySection)
-    lora: LoraSection | None = Field(None, description="Train LoRA adapters instead of all weights (needs peft).")
+    lora: LoraSection | None = Field(
+        None, description="Train LoRA adapters instead of all weights (needs peft)."
+    )
     deepspeed: DeepSpeedSection
     eval: EvalSection = Field(default_factory=EvalSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
 
     @model_validator(mode="after")

@@ -98,6 +98,10 @@ def resolve_run(
         max_steps=recipe.optim.max_steps or 0,
     )
     resolved = dsconfig.resolve(raw, values, str(ds_path))
+    if plan.tp > 1:
+        # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
+        # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.
+        resolved["train_batch_size"] = plan.global_batch_size * plan.tp
     return Resolved(recipe, ds_path, resolved, plan, hidden, fields, notice)
 
 
@@ -129,5 +133,6 @@ def memory_rows(run: Resolved) -> list[tuple[str, str]]:
         activation_checkpointing=run.recipe.memory.activation_checkpointing,
         attn_impl=run.recipe.memory.attention,
         gpus_per_node=run.recipe.hardware.processes_per_node,
+        lora_rank=run.recipe.lora.rank if run.recipe.lora else None,
     )
     return estimate_memory(inputs).table()

@@ -101,7 +101,8 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
 
     recipe, plan = run.recipe, run.plan
     out = recipe.output_dir
-    check_output_dir(out, args.overwrite)  # every rank checks before rank 0 creates anything
+    if not args.resume:
+        check_output_dir(out, args.overwrite)  # every rank checks before rank 0 creates anything
 
     # Data first: the number of steps (for epochs) feeds the DeepSpeed scheduler's "auto" values.
     rank = int(os.environ["RANK"])
@@ -149,6 +150,23 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     if run.notice:
         say(f"notice: {run.notice}")
 
+    from llm_train.checkpoint import Checkpointer, Collectives
+    from llm_train.control import EXIT_PREEMPTED, RunControl
+    from llm_train.run_state import (
+        check_compatible,
+        choose_checkpoint,
+        restore_run_state,
+        save_run_state,
+        truncate_metrics,
+    )
+
+    comm = Collectives()
+    resume_from = (
+        choose_checkpoint(args.resume, out / "checkpoints", rank, comm, say) if args.resume else None
+    )
+    if resume_from is not None:
+        check_compatible(resume_from, plan.world_size, run.recipe_yaml(), say)
+
     model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed, recipe.lora)
     engine = _prepare_engine(run, accelerator, model, max_steps)
     del hf_ds_config
@@ -158,20 +176,55 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         "ds_config": run.ds_config,
         "plan": plan.as_dict(),
     }
-    tracker = open_trackers(recipe.tracking, out, config_for_tracker, accelerator.is_main_process)
     torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
+    start_step = 0
+    if resume_from is not None:
+        start_step = restore_run_state(engine, resume_from, stream, rank)["step"]
+        say(f"resumed from {resume_from} at step {start_step}")
+    elif args.resume:
+        say("no complete checkpoint to resume from; starting at step 0")
+    if accelerator.is_main_process:
+        truncate_metrics(out / "metrics.jsonl", start_step)
+    accelerator.wait_for_everyone()
     cfg = LoopConfig(
         max_steps=max_steps,
         grad_accum=plan.grad_accum,
         tokens_per_step=plan.global_batch_size * recipe.data.seq_len,
         log_every=recipe.output.log_every,
         eval_every=recipe.eval.every,
+        on_nonfinite=recipe.checkpoint.on_nonfinite,
+        start_step=start_step,
     )
+    tracker = open_trackers(recipe.tracking, out, config_for_tracker, accelerator.is_main_process)
+    checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
+    control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, comm.any)
+    control.install_signal_handlers()
+
+    def save(step: int) -> None:
+        t0 = time.perf_counter()
+        path = save_run_state(
+            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, run.recipe_yaml(), {}
+        )
+        control.saved()
+        say(f"checkpoint {path.name} committed in {time.perf_counter() - t0:.1f}s")
+
     evals = eval_batches(eval_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.eval.batches)
     say(
         f"training {max_steps} steps, {cfg.tokens_per_step:,} tokens per step; setup took {time.perf_counter() - started:.1f}s"
     )
-    metrics = train_loop(engine, stream, evals, cfg, tracker, say)
+    result = train_loop(engine, stream, evals, cfg, tracker, control, save, say)
+    metrics = result.metrics
+    if result.preempted:
+        # The loop saved after the agreed stop step; exit resumable, without exporting.
+        tracker.close()
+        say(
+            f"stopped by signal {control.stop_signal} after step {result.last_step}; resume with --resume auto"
+        )
+        accelerator.end_training()
+        dist.destroy_process_group()
+        return EXIT_PREEMPTED
+    if recipe.checkpoint.at_end:
+        save(result.last_step)
 
     # Export: every rank takes part in gathering ZeRO-3 shards; rank 0 writes and verifies.
     state_dict = accelerator.get_state_dict(engine)
@@ -179,7 +232,9 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     if accelerator.is_main_process:
         from llm_train.lora import export_view  # LoRA: merged weights or the adapter; else unchanged
 
-        save_hf_model(*export_view(accelerator.unwrap_model(engine), state_dict, recipe.lora), tokenizer, final)
+        save_hf_model(
+            *export_view(accelerator.unwrap_model(engine), state_dict, recipe.lora), tokenizer, final
+        )
     accelerator.wait_for_everyone()
     tracker.close()
     say(
@@ -196,6 +251,11 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
 
     unset_hf_deepspeed_config()
     if rank == 0:
+        from llm_train.lora import is_adapter_export, verify_adapter_export
+
+        if is_adapter_export(final):  # lora.export=adapter: PEFT files, no full model to load or sample
+            say(f"exported a LoRA adapter ({verify_adapter_export(final)} tensors) to {final}")
+            return 0
         tensors = verify_export(final)
         say(f"exported {tensors} tensors to {final} (verified against the config's shapes)")
         if recipe.output.sample_prompt:

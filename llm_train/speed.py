@@ -26,10 +26,10 @@ EFFICIENCY_HALF_TOKENS = 256
 # for ZeRO-Offload's many mid-sized transfers.
 PCIE_BYTES_PER_S = 12e9
 # GPU<->GPU bus bandwidth for collectives: NVLink (SXM boards), PCIe switch, or the
-# network between nodes (100 Gb/s InfiniBand/RoCE class).
+# network between nodes (a 200 Gb/s InfiniBand/RoCE link per GPU).
 NVLINK_BYTES_PER_S = 150e9
 PCIE_P2P_BYTES_PER_S = 10e9
-INTER_NODE_BYTES_PER_S = 12e9
+INTER_NODE_BYTES_PER_S = 25e9
 # DeepSpeed CPU Adam on a desktop/workstation CPU: it streams ~30 bytes per parameter
 # (fp32 grad in, m/v/master read and written, 16-bit weight out), so it is memory-bandwidth
 # bound at ~1.5e9 parameters/s per node (DDR5, all cores), shared by the node's ranks.

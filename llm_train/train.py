@@ -16,7 +16,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from llm_train import launcher
-from llm_train.errors import EXIT_USER_ERROR, UserError
+from llm_train.errors import UserError
 from llm_train.resolve import Resolved, resolve_run
 
 
@@ -32,6 +32,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, help="Shortcut for optim.max_steps=N.")
     parser.add_argument(
         "--overwrite", action="store_true", help="Replace a run directory that holds another run."
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="Continue from the newest complete checkpoint of the run directory (auto) or from PATH.",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="Print the resolved recipe, DS JSON, plan, memory; exit."
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from llm_train.rundir import check_output_dir
 
-        check_output_dir(run.recipe.output_dir, args.overwrite)
+        if not args.resume:
+            check_output_dir(run.recipe.output_dir, args.overwrite)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if is_rank0():
             print(f"llm-train: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        return exc.exit_code
 
 
 def _resolve_declared(args: argparse.Namespace) -> Resolved:
@@ -137,4 +143,10 @@ def _resolve_declared(args: argparse.Namespace) -> Resolved:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written and closed by now. Skipping interpreter teardown avoids a
+    # sporadic C++ "terminate called without an active exception" from communication
+    # threads still being destroyed, which would turn a finished run into exit code 250.
+    os._exit(code)

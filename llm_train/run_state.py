@@ -1,0 +1,125 @@
+"""What a checkpoint of a training run holds, and how a run resumes from one.
+
+DeepSpeed's engine checkpoint carries the model, optimizer and LR schedule; next to it
+each rank writes a small JSON file (no pickle) with the step, its data position and its
+RNG states, and rank 0 writes the HF config and tokenizer so an export needs nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from llm_train.checkpoint import (
+    Checkpointer,
+    Collectives,
+    SaveMeta,
+    committed,
+    dir_size,
+    find_resumable,
+    read_manifest,
+    rng_state,
+    set_rng_state,
+    trainer_state_path,
+    verify,
+)
+from llm_train.errors import UserError
+
+DS_TAG = "ds"
+
+
+def recipe_hash(recipe_yaml: str) -> str:
+    return hashlib.sha256(recipe_yaml.encode()).hexdigest()[:16]
+
+
+def checkpoint_bytes_estimate(engine: Any, root: Path) -> int:
+    """The size of the previous checkpoint, or 16 bytes per parameter (fp32 weights + Adam m, v + slack)."""
+    previous = committed(root)
+    if previous:
+        return dir_size(previous[0])
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    return 16 * numel
+
+
+def save_run_state(
+    checkpointer: Checkpointer,
+    engine: Any,
+    step: int,
+    stream: Any,
+    tokenizer: Any,
+    rank: int,
+    world_size: int,
+    recipe_yaml: str,
+    extra: dict[str, Any],
+) -> Path:
+    def write(tmp: Path) -> None:
+        engine.save_checkpoint(str(tmp / "state"), tag=DS_TAG, save_latest=False)
+        state_file = trainer_state_path(tmp, rank)
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state = {"step": step, "data": stream.state_dict(), "rng": rng_state(), **extra}
+        state_file.write_text(json.dumps(state))
+        if rank == 0:
+            engine.module.config.save_pretrained(tmp / "hf")
+            tokenizer.save_pretrained(tmp / "hf")
+            (tmp / "hf" / "recipe.yaml").write_text(recipe_yaml)
+
+    meta = SaveMeta(step, world_size, recipe_hash(recipe_yaml), engine.zero_optimization_stage())
+    return checkpointer.save(meta, write, checkpoint_bytes_estimate(engine, checkpointer.root))
+
+
+def choose_checkpoint(spec: str, root: Path, rank: int, comm: Collectives, warn: Any) -> Path | None:
+    """Rank 0 picks and verifies; every rank gets the same answer (or the same error)."""
+    answer: tuple[str | None, str | None] = (None, None)
+    if rank == 0:
+        if spec == "auto":
+            found = find_resumable(root, warn)
+            answer = (str(found) if found else None, None)
+        else:
+            path = Path(spec)
+            reason = verify(path) if path.is_dir() else "not a directory"
+            answer = (str(path), None) if reason is None else (None, f"--resume {spec}: {reason}")
+    path, error = comm.from_rank0(answer)
+    if error:
+        raise UserError(error + "; pass --resume auto to pick the newest complete checkpoint")
+    return Path(path) if path else None
+
+
+def check_compatible(ckpt: Path, world_size: int, recipe_yaml: str, warn: Any) -> None:
+    manifest = read_manifest(ckpt)
+    if manifest["world_size"] != world_size:
+        raise UserError(
+            f"checkpoint {ckpt} was written by {manifest['world_size']} processes, this launch has {world_size}; "
+            f"relaunch with {manifest['world_size']} processes, or convert it for any world size with "
+            f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/state/{DS_TAG} "
+            f"--output_folder {ckpt}/universal` and fine-tune from `llm-train export {ckpt} OUT`"
+        )
+    if manifest["recipe_hash"] != recipe_hash(recipe_yaml):
+        warn(
+            f"notice: the recipe differs from the one checkpoint {ckpt.name} was written with; resuming anyway"
+        )
+
+
+def restore_run_state(engine: Any, ckpt: Path, stream: Any, rank: int) -> dict[str, Any]:
+    """Load the engine state and this rank's trainer state; returns the trainer state."""
+    # DeepSpeed's shards are pickles: `ckpt` has just been verified against its manifest.
+    engine.load_checkpoint(
+        str(ckpt / "state"), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    state = json.loads(trainer_state_path(ckpt, rank).read_text())
+    stream.load_state_dict(state["data"])
+    set_rng_state(state["rng"])
+    return state
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows logged after the checkpoint: the resumed run logs those steps again."""
+    if not path.is_file():
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
+    path.write_text("".join(line + "\n" for line in keep))
