@@ -52,6 +52,31 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llm_train.export import export_checkpoint
+
+    ckpt = Path(args.checkpoint)
+    if (ckpt / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
+        from llm_train.checkpoint import find_resumable
+
+        found = find_resumable(ckpt / "checkpoints", lambda m: print(m, file=sys.stderr))
+        if found is None:
+            raise UserError(f"{ckpt}: no complete checkpoint under {ckpt / 'checkpoints'}")
+        ckpt = found
+    elif not (ckpt / "manifest.json").is_file() and not ckpt.is_dir():
+        raise UserError(
+            f"export: {ckpt} is not a checkpoint directory (expected checkpoints/step-N or a run dir)"
+        )
+    result = export_checkpoint(ckpt, Path(args.out), args.dtype)
+    print(
+        f"exported {ckpt} -> {args.out}: {result['tensors']} tensors, {args.dtype}, "
+        f"logits within {result['max_logit_diff']:.2g} of the checkpoint"
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     from llm_train.train import main as train_main
 
@@ -87,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("overrides", nargs="*", metavar="key.sub=value")
     show.set_defaults(func=cmd_show)
+    export = sub.add_parser("export", help="A plain Hugging Face model directory from a checkpoint.")
+    export.add_argument(
+        "checkpoint", help="checkpoints/step-N of a run, or a run directory (its newest checkpoint)."
+    )
+    export.add_argument("out", help="Output directory (must be new or empty).")
+    export.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="Weight dtype (default bf16)."
+    )
+    export.set_defaults(func=cmd_export)
     for register in _EXTENSIONS:
         register(sub)
     return parser

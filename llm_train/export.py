@@ -7,6 +7,7 @@ against the shapes the config implies, because an empty ZeRO-3 save is a classic
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,69 @@ def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
     return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+# ------------------------------------------------------------ export from a checkpoint
+
+_EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Logit tolerance of the exported model against the checkpoint's fp32 weights: exact up to
+# summation order in fp32; the rounding of 16-bit weights dominates otherwise.
+_LOGIT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.1}
+
+
+def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights of a verified llm_train checkpoint, consolidated from any ZeRO stage (no GPU needed)."""
+    from llm_train.checkpoint import read_manifest, verify
+    from llm_train.run_state import DS_TAG
+
+    reason = verify(ckpt_dir)
+    if reason is not None:
+        # DeepSpeed's shards are pickles: never load them from a directory that does not verify.
+        raise UserError(f"checkpoint {ckpt_dir}: {reason}; not loading it")
+    state_dir = ckpt_dir / "state"
+    if read_manifest(ckpt_dir)["zero_stage"] == 0:
+        model_states = state_dir / DS_TAG / "mp_rank_00_model_states.pt"
+        return {
+            k: v.float()
+            for k, v in torch.load(model_states, map_location="cpu", weights_only=False)["module"].items()
+        }
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=DS_TAG))
+
+
+def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, float]:
+    """A plain HF model directory from a checkpoint, verified: shapes and logits on a fixed batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"export output {out_dir} is not empty; choose a new directory")
+    hf_dir = ckpt_dir / "hf"
+    state_dict = checkpoint_state_dict(ckpt_dir)
+    config = AutoConfig.from_pretrained(hf_dir)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = reference.load_state_dict(state_dict, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        problem = sorted(set(missing) - tied) or sorted(unexpected)
+        raise ExportError(
+            f"checkpoint {ckpt_dir}: weights do not match the config ({len(problem)} tensors, e.g. {problem[0]})"
+        )
+    reference.eval()
+    batch = torch.arange(min(32, config.vocab_size), dtype=torch.long).view(1, -1)
+    with torch.no_grad():
+        ref_logits = reference(batch).logits
+    exported = reference.to(_EXPORT_DTYPES[dtype])
+    exported.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
+    with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    tensors = verify_export(out_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = float((reloaded(batch).logits - ref_logits).abs().max())
+    if not diff <= _LOGIT_TOLERANCE[dtype]:
+        raise ExportError(
+            f"export {out_dir}: logits differ from the checkpoint's by {diff:.3g} (max allowed {_LOGIT_TOLERANCE[dtype]})"
+        )
+    return {"tensors": tensors, "max_logit_diff": diff}

@@ -134,7 +134,7 @@ def make_plan(
 ) -> tuple[ParallelPlan, str | None]:
     """Validate the degrees against the world size and fix the precision; returns the plan and any notice."""
     tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    pp = 1
+    pp = recipe.deepspeed.pipeline_stages
     if world_size % (tp * pp):
         raise UserError(
             f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp}; "

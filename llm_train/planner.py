@@ -764,9 +764,12 @@ def choose_auto(
     hw: Hardware,
     seq_len: int | None = None,
     global_batch: int = 64,
-    allow_lora: bool = True,
+    lora: str = "fallback",
 ) -> AutoChoice:
-    """The fastest configuration (by the speed model) that fits `hw`; LoRA only if no full fine-tune fits."""
+    """The fastest configuration (by the speed model) that fits `hw`.
+
+    lora: "fallback" = LoRA only when no full fine-tune fits; "never"; "always".
+    """
     from llm_train.shapes import resolve_shape
 
     shape = resolve_shape(model)
@@ -778,14 +781,10 @@ def choose_auto(
         raise UserError(
             f"--global-batch {global_batch} is not a multiple of --gpus {dp}; pick a multiple of {dp}"
         )
-    modes = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none")]
-    if hw.kind == "cuda":
-        modes += [k for k in SHIPPED_DS_CONFIGS if k[1] != "none"]
+    modes = [k for k in SHIPPED_DS_CONFIGS if hw.kind == "cuda" or k[1:] == ("none", "none")]
 
-    def best(lora_rank: int | None) -> tuple[Evaluation | None, Evaluation | None]:
-        """(fastest fitting, smallest-memory non-fitting) evaluation."""
-        fastest: Evaluation | None = None
-        smallest: Evaluation | None = None
+    def all_evaluations(lora_rank: int | None) -> list[Evaluation]:
+        out = []
         for mode, micro, ckpt in itertools.product(modes, micro_options, (False, True)):
             base = MemoryInputs(
                 shape=shape,
@@ -799,71 +798,110 @@ def choose_auto(
                 lora_rank=lora_rank,
                 overlap_comm=True,
             )
-            choice = Choice.of(base, global_batch // (micro * dp))
-            choice = dataclasses.replace(choice, offload_optimizer=mode[1], offload_params=mode[2])
+            choice = Choice(mode[0], mode[1], mode[2], micro, global_batch // (micro * dp), ckpt, lora_rank)
             try:
-                ev = evaluate(base, choice, hw)
+                out.append(evaluate(base, choice, hw))
             except MemoryInputError:
                 continue
-            if ev.fits:
-                if fastest is None or _auto_key(ev) < _auto_key(fastest):
-                    fastest = ev
-            elif smallest is None or (ev.device_bytes, ev.host_bytes) < (
-                smallest.device_bytes,
-                smallest.host_bytes,
-            ):
-                smallest = ev
-        return fastest, smallest
+        return out
 
     reasons: list[str] = []
-    chosen, smallest = best(None)
-    if chosen is None and allow_lora:
-        chosen, smallest_lora = best(SUGGESTED_LORA_RANK)
-        smallest = smallest_lora or smallest
-        if chosen is not None:
+    tried = [] if lora == "always" else all_evaluations(None)
+    fitting = [e for e in tried if e.fits]
+    if not fitting and lora != "never":
+        lora_tried = all_evaluations(SUGGESTED_LORA_RANK)
+        fitting = [e for e in lora_tried if e.fits]
+        if fitting and lora == "fallback":
             reasons.append(
-                "no full fine-tune fits this hardware (even with ZeRO-3 and CPU/NVMe offload), "
-                f"so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) on the frozen model"
+                "no full fine-tune fits (even with ZeRO-3 and CPU/NVMe offload), so this trains "
+                f"LoRA adapters (rank {SUGGESTED_LORA_RANK}) on the frozen model"
             )
-    if chosen is None:
-        assert smallest is not None
-        what = "with LoRA either" if allow_lora else "as a full fine-tune"
-        gpu = f"{smallest.device_bytes / GiB:.1f} GiB per GPU and " if hw.kind == "cuda" else ""
-        raise UserError(
-            f"{model} does not fit anywhere on {hw.gpus} x {hw.name} "
-            f"({hw.gpu_mem_bytes / GiB:.1f} GiB) with {hw.host_ram_bytes / GiB:.0f} GiB host RAM, {what}: "
-            f"the smallest configuration needs {gpu}{smallest.host_bytes / GiB:.0f} GiB host RAM; "
-            "add GPUs (--gpus), bigger cards or more host RAM, or shorten --seq-len"
+        tried += lora_tried
+    if not fitting:
+        raise UserError(_nowhere(model, hw, tried, lora))
+    chosen = min(fitting, key=_auto_key)
+    reasons.append(f"the fastest of {len(fitting)} fitting configurations (of {len(tried)} estimated)")
+    # The evidence for the level of partitioning/offload: the lighter modes that do not fit
+    # even at their smallest (micro-batch 1, checkpointing), closest to fitting first.
+    by_mode: dict[tuple[int, str, str], list[Evaluation]] = {}
+    for e in tried:
+        if bool(e.choice.lora_rank) == bool(chosen.choice.lora_rank):
+            by_mode.setdefault(e.choice.ds_key, []).append(e)
+    misses = [
+        min(evs, key=lambda e: _overflow(e, hw))
+        for evs in by_mode.values()
+        if not any(e.fits for e in evs) and min(e.time.total for e in evs) < chosen.time.total
+    ]
+    for e in sorted(misses, key=lambda e: _overflow(e, hw))[:3]:
+        reasons.append(f"not {_mode_text(e.choice)}: even at its smallest it needs {_needs_text(e, hw)}")
+    if chosen.choice.activation_checkpointing:
+        reasons.append("activation checkpointing is on because the faster splits without it do not fit")
+    if (
+        "nvme" in (chosen.choice.offload_optimizer, chosen.choice.offload_params)
+        and not chosen.choice.lora_rank
+    ):
+        reasons.append(
+            "NVMe offload is slow; --lora trains LoRA adapters instead, without NVMe and much faster"
         )
-    reasons.extend(_why(chosen, hw))
     return AutoChoice(chosen, hw, model, shape, seq, global_batch, reasons)
+
+
+def _mode_text(c: Choice) -> str:
+    off = []
+    if c.offload_optimizer != "none":
+        off.append(f"optimizer on {c.offload_optimizer}")
+    if c.offload_params != "none":
+        off.append(f"weights on {c.offload_params}")
+    return f"ZeRO-{c.zero_stage}" + (f" ({', '.join(off)})" if off else " without offload")
+
+
+def _overflow(e: Evaluation, hw: Hardware) -> float:
+    """How far over the limits an evaluation is (<= 1 fits): the worse of GPU and host."""
+    gpu = e.device_bytes / hw.gpu_limit_bytes if hw.kind == "cuda" else 0.0
+    return max(gpu, e.host_bytes / max(1, hw.host_limit_bytes))
+
+
+def _short(ev: Evaluation) -> str:
+    c = ev.choice
+    text = (
+        _mode_text(c)
+        + f", micro-batch {c.micro_batch}"
+        + (", checkpointing" if c.activation_checkpointing else "")
+    )
+    return ("LoRA, " if c.lora_rank else "") + text
+
+
+def _needs_text(ev: Evaluation, hw: Hardware) -> str:
+    parts = []
+    if not ev.fits_device:
+        parts.append(f"{ev.device_bytes / GiB:.1f} GiB per GPU (usable {hw.gpu_limit_bytes / GiB:.1f})")
+    if not ev.fits_host:
+        parts.append(f"{ev.host_bytes / GiB:.0f} GiB host RAM (usable {hw.host_limit_bytes / GiB:.0f})")
+    return " and ".join(parts)
+
+
+def _nowhere(model: str, hw: Hardware, tried: list[Evaluation], lora: str) -> str:
+    """The one-line 'does not fit anywhere' message, with the least-overflowing configuration."""
+
+    closest = min(tried, key=lambda e: _overflow(e, hw))
+    what = {"fallback": "full or LoRA", "never": "full", "always": "LoRA"}[lora]
+    where = (
+        f"{hw.gpus} x {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB)"
+        if hw.kind == "cuda"
+        else f"{hw.gpus} CPU process(es)"
+    )
+    return (
+        f"{model} does not fit anywhere on {where} with {hw.host_ram_bytes / GiB:.0f} GiB host RAM "
+        f"({what} fine-tune, every ZeRO stage, CPU/NVMe offload, checkpointing, micro-batch 1): the closest, "
+        f"{_short(closest)}, needs {_needs_text(closest, hw)}; add GPUs (--gpus), bigger cards or more "
+        "host RAM, or shorten --seq-len"
+    )
 
 
 def _auto_key(ev: Evaluation) -> tuple[float, int]:
     # Fastest first; among equally fast ones (same step time to the millisecond) the one
-    # that leaves more memory free, e.g. ZeRO-0 over ZeRO-1/2 on a single GPU.
+    # that needs less memory, e.g. ZeRO-0 over ZeRO-1/2 on a single GPU.
     return (round(ev.time.total, 3), ev.device_bytes + ev.host_bytes)
-
-
-def _why(ev: Evaluation, hw: Hardware) -> list[str]:
-    c = ev.choice
-    why = []
-    if c.offload_params != "none":
-        why.append("the 16-bit weights alone do not leave room on the GPU, so they live in host memory too")
-    elif c.offload_optimizer != "none":
-        why.append("optimizer states do not fit on the GPU(s); CPU Adam steps them in host RAM")
-    elif c.zero_stage == 3 and hw.gpus > 1:
-        why.append("weights, gradients and optimizer states must all be partitioned across the GPUs (ZeRO-3)")
-    elif c.zero_stage in (1, 2) and hw.gpus > 1:
-        why.append(f"ZeRO-{c.zero_stage} partitions what it must; the rest stays replicated (fast)")
-    elif hw.gpus == 1:
-        why.append("everything fits on one device without partitioning or offload")
-    if c.activation_checkpointing:
-        why.append("activations of the chosen micro-batch need checkpointing (recompute ~+33%)")
-    why.append(
-        f"micro-batch {c.micro_batch} x accumulation {c.grad_accum} is the fastest fitting split of the global batch"
-    )
-    return why
 
 
 def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
@@ -1008,7 +1046,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--global-batch", type=int, default=64, help="With --recipe auto: sequences per optimizer step."
     )
-    p.add_argument("--no-lora", action="store_true", help="With --recipe auto: never fall back to LoRA.")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--lora", action="store_true", help="With --recipe auto: train LoRA adapters, not all weights."
+    )
+    lora.add_argument("--no-lora", action="store_true", help="With --recipe auto: never fall back to LoRA.")
     p.add_argument("--write", metavar="PATH", help="With --recipe auto: write the generated recipe here.")
     p.add_argument(
         "--train",
@@ -1039,7 +1081,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.model:
         raise UserError("--recipe auto needs --model ID_OR_PATH (a known id or a directory with config.json)")
     hw = resolve_hardware(args.gpus, args.gpu, args.gpu_mem, args.host_ram, None)
-    auto = choose_auto(args.model, hw, args.seq_len, args.global_batch, allow_lora=not args.no_lora)
+    mode = "always" if args.lora else "never" if args.no_lora else "fallback"
+    auto = choose_auto(args.model, hw, args.seq_len, args.global_batch, lora=mode)
     out_dir = Path(
         args.output_dir or f"runs/auto-{re.sub(r'[^a-z0-9]+', '-', args.model.lower()).strip('-')[-40:]}"
     )

@@ -141,6 +141,9 @@ class LoraSection(Section):
 
 class DeepSpeedSection(Section):
     config: str = Field(description="A name in ds_configs/ (e.g. 'zero3') or a path to a DeepSpeed JSON.")
+    pipeline_stages: int = Field(
+        1, ge=1, description="Pipeline-parallel degree: the model is cut into this many stages (ZeRO-0/1 only)."
+    )
 
 
 class EvalSection(Section):

@@ -26,12 +26,15 @@ from llm_train.checkpoint import (
     verify,
 )
 from llm_train.errors import UserError
+from llm_train.recipe import Recipe, recipe_to_yaml
 
 DS_TAG = "ds"
 
 
-def recipe_hash(recipe_yaml: str) -> str:
-    return hashlib.sha256(recipe_yaml.encode()).hexdigest()[:16]
+def recipe_hash(recipe: Recipe) -> str:
+    """What was trained, how: output location, checkpoint cadence and tracking do not count."""
+    what = recipe.model_dump(mode="json", exclude={"output", "checkpoint", "tracking"})
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def checkpoint_bytes_estimate(engine: Any, root: Path) -> int:
@@ -51,7 +54,7 @@ def save_run_state(
     tokenizer: Any,
     rank: int,
     world_size: int,
-    recipe_yaml: str,
+    recipe: Recipe,
     extra: dict[str, Any],
 ) -> Path:
     def write(tmp: Path) -> None:
@@ -63,9 +66,9 @@ def save_run_state(
         if rank == 0:
             engine.module.config.save_pretrained(tmp / "hf")
             tokenizer.save_pretrained(tmp / "hf")
-            (tmp / "hf" / "recipe.yaml").write_text(recipe_yaml)
+            (tmp / "hf" / "recipe.yaml").write_text(recipe_to_yaml(recipe))
 
-    meta = SaveMeta(step, world_size, recipe_hash(recipe_yaml), engine.zero_optimization_stage())
+    meta = SaveMeta(step, world_size, recipe_hash(recipe), engine.zero_optimization_stage())
     return checkpointer.save(meta, write, checkpoint_bytes_estimate(engine, checkpointer.root))
 
 
@@ -86,7 +89,7 @@ def choose_checkpoint(spec: str, root: Path, rank: int, comm: Collectives, warn:
     return Path(path) if path else None
 
 
-def check_compatible(ckpt: Path, world_size: int, recipe_yaml: str, warn: Any) -> None:
+def check_compatible(ckpt: Path, world_size: int, recipe: Recipe, warn: Any) -> None:
     manifest = read_manifest(ckpt)
     if manifest["world_size"] != world_size:
         raise UserError(
@@ -95,7 +98,7 @@ def check_compatible(ckpt: Path, world_size: int, recipe_yaml: str, warn: Any) -
             f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/state/{DS_TAG} "
             f"--output_folder {ckpt}/universal` and fine-tune from `llm-train export {ckpt} OUT`"
         )
-    if manifest["recipe_hash"] != recipe_hash(recipe_yaml):
+    if manifest["recipe_hash"] != recipe_hash(recipe):
         warn(
             f"notice: the recipe differs from the one checkpoint {ckpt.name} was written with; resuming anyway"
         )

@@ -84,6 +84,10 @@ def _prepare_engine(run: Resolved, accelerator: Any, model: Any, max_steps: int)
 
 
 def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    if run.plan.pp > 1:  # Accelerate cannot drive DeepSpeed's pipeline engine: llm_train/pipeline.py does
+        from llm_train.pipeline import run_pipeline
+
+        return run_pipeline(run, args, say)
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
     _quiet(args.verbose)
@@ -165,7 +169,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         choose_checkpoint(args.resume, out / "checkpoints", rank, comm, say) if args.resume else None
     )
     if resume_from is not None:
-        check_compatible(resume_from, plan.world_size, run.recipe_yaml(), say)
+        check_compatible(resume_from, plan.world_size, recipe, say)
 
     model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed, recipe.lora)
     engine = _prepare_engine(run, accelerator, model, max_steps)
@@ -203,7 +207,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     def save(step: int) -> None:
         t0 = time.perf_counter()
         path = save_run_state(
-            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, run.recipe_yaml(), {}
+            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, recipe, {}
         )
         control.saved()
         say(f"checkpoint {path.name} committed in {time.perf_counter() - t0:.1f}s")

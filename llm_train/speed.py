@@ -38,6 +38,8 @@ CPU_ADAM_PARAMS_PER_S = 1.5e9
 NVME_BYTES_PER_S = 3e9
 # With overlap_comm, ZeRO hides about half of its communication behind compute.
 OVERLAPPED_COMM_EXPOSED = 0.5
+# ZeRO-3's per-module gather/release hooks and bookkeeping cost time even on one GPU.
+ZERO3_COMPUTE_OVERHEAD = 0.05
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
     efficiency = PEAK_EFFICIENCY * tokens_micro / (tokens_micro + EFFICIENCY_HALF_TOKENS)
     flops_micro = flops_per_token(inp) * tokens_micro / shard
     compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
+    if stage == 3:
+        compute *= 1 + ZERO3_COMPUTE_OVERHEAD
 
     # ZeRO collectives (ring: each GPU sends/receives ~(dp-1)/dp of the tensor per pass).
     comm_bytes = 0.0

@@ -1,0 +1,251 @@
+"""Step metrics: throughput, MFU, memory and start-up time, measured on every logged step.
+
+The loop hands the meter each step's wall time (`record`) and asks for a row of metrics
+at log steps (`flush`). Throughput is averaged over the steps since the last log, so a
+logged number describes the whole window, not one possibly unlucky step, and time spent
+in evaluation, checkpointing or logging never counts as training time.
+
+MFU follows PaLM (appendix B) and torchtitan: training FLOPs per token are
+6N + 12*L*H*Q*T, with N the parameters that take part in matmuls (the input embedding is
+a lookup, so it is left out unless the output head shares it), L layers, H heads, Q head
+dim, T sequence length. It is measured against the device's dense bf16 peak
+(llm_train.gpus) or `--peak-tflops`; without a known peak (CPU) there is no MFU.
+Activation recomputation is not counted: that is hardware FLOPs utilisation, not MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llm_train.resolve import Resolved
+
+GIB = 1024**3
+
+
+def flops_per_token(
+    n_params: float, n_layers: int, n_heads: int, head_dim: int, seq_len: int, n_frozen: float = 0.0
+) -> float:
+    """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B).
+
+    Frozen parameters (LoRA's base model) cost 4 FLOPs per token instead of 6: forward and
+    the activation gradient, but no weight gradient.
+    """
+    return 6.0 * n_params + 4.0 * n_frozen + 12.0 * n_layers * n_heads * head_dim * seq_len
+
+
+def _numel(param: Any) -> int:
+    # Under ZeRO-3 the local tensor is an empty shard; DeepSpeed keeps the full size in ds_numel.
+    return int(getattr(param, "ds_numel", 0) or param.numel())
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float | None:
+    """FLOPs per token of a Hugging Face causal LM, or None when its config lacks the shape."""
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not (layers and heads and hidden):
+        return None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    embedding = None
+    try:
+        embedding = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        if head is not None and head.weight is embedding:
+            embedding = None  # tied: the same matrix is the output projection, a real matmul
+    except (AttributeError, NotImplementedError):
+        pass
+    trainable = frozen = 0
+    for param in model.parameters():
+        if param is embedding:
+            continue
+        if param.requires_grad:
+            trainable += _numel(param)
+        else:
+            frozen += _numel(param)
+    return flops_per_token(trainable, int(layers), int(heads), int(head_dim), seq_len, n_frozen=frozen)
+
+
+def resolve_peak_tflops(flag: float | None, cuda: bool) -> float | None:
+    """The per-device peak for MFU: --peak-tflops wins, else the GPU table; None on CPU or unknown GPUs."""
+    if flag:
+        return float(flag)
+    if not cuda:
+        return None
+    import torch
+
+    from llm_train.gpus import peak_tflops
+
+    return peak_tflops(torch.cuda.get_device_name(0))
+
+
+def host_rss_gib() -> float:
+    """Resident memory of this process (the host RAM it really holds), GiB."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / GIB
+    except ImportError:  # psutil is a dependency, but a stripped environment should still train
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def gpu_memory_gib() -> dict[str, float]:
+    """This rank's CUDA allocator: live tensors, memory the allocator holds, and the peak since start."""
+    import torch
+
+    return {
+        "gpu_mem_allocated_gib": torch.cuda.memory_allocated() / GIB,
+        "gpu_mem_reserved_gib": torch.cuda.memory_reserved() / GIB,
+        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / GIB,
+    }
+
+
+class StartupClock:
+    """Wall-clock marks from process start to the first optimizer step, written to startup.json.
+
+    Marks are epoch seconds so that a benchmark in another process (bench/startup.py) can
+    line them up with the moment it launched the run.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self.process_start = _process_start()
+        self.marks: list[tuple[str, float]] = []
+
+    @classmethod
+    def start(cls, run_dir: Path) -> StartupClock:
+        """Begin after the heavy imports, which are done here so that their cost is one phase.
+
+        They would be imported a few lines later anyway (tokenizer, Accelerate, DeepSpeed);
+        importing them up front only makes the start-up split readable.
+        """
+        import accelerate  # noqa: F401
+        import deepspeed  # noqa: F401
+        import transformers  # noqa: F401
+
+        clock = cls(run_dir / "startup.json" if os.environ.get("RANK", "0") == "0" else None)
+        clock.mark("imports")
+        return clock
+
+    def mark(self, phase: str) -> None:
+        """Record that `phase` (everything since the previous mark) has just ended."""
+        self.marks.append((phase, time.time()))
+
+    def phases(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        previous = self.process_start
+        for phase, at in self.marks:
+            out[phase] = out.get(phase, 0.0) + at - previous
+            previous = at
+        return out
+
+    def total(self) -> float:
+        return self.marks[-1][1] - self.process_start if self.marks else 0.0
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        record = {
+            "process_start": self.process_start,
+            "marks": dict(self.marks),
+            "phases_s": self.phases(),
+            "total_s": self.total(),
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _process_start() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except ImportError:
+        return time.time()
+
+
+class StepMeter:
+    """Turns per-step wall times into the throughput, MFU and memory fields of a metrics row."""
+
+    def __init__(
+        self,
+        tokens_per_step: int,
+        samples_per_step: int = 0,
+        world_size: int = 1,
+        flops_per_token: float | None = None,
+        peak_tflops: float | None = None,
+        cuda: bool = False,
+        clock: StartupClock | None = None,
+    ) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.samples_per_step = samples_per_step
+        self.world_size = max(1, world_size)
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_tflops * 1e12 if peak_tflops else None
+        self.cuda = cuda
+        self.clock = clock
+        self.started = time.perf_counter()
+        self._steps = 0
+        self._seconds = 0.0
+        self._first_step_seen = False
+        self._startup_logged = False
+
+    @classmethod
+    def for_run(
+        cls, run: Resolved, model: Any, args: Any = None, clock: StartupClock | None = None
+    ) -> StepMeter:
+        """The meter of a training run: its batch arithmetic, the model's FLOPs and the device's peak."""
+        import torch
+
+        plan = run.plan
+        cuda = torch.cuda.is_available()
+        seq_len = run.recipe.data.seq_len
+        return cls(
+            tokens_per_step=plan.global_batch_size * seq_len,
+            samples_per_step=plan.global_batch_size,
+            world_size=plan.world_size,
+            flops_per_token=model_flops_per_token(model, seq_len),
+            peak_tflops=resolve_peak_tflops(getattr(args, "peak_tflops", None), cuda),
+            cuda=cuda,
+            clock=clock,
+        )
+
+    def record(self, step_time: float) -> None:
+        """One optimizer step took `step_time` seconds (forward, backward and update; nothing else)."""
+        if not self._first_step_seen:
+            self._first_step_seen = True
+            if self.clock is not None:
+                self.clock.mark("first step")
+                self.clock.save()
+        self._steps += 1
+        self._seconds += step_time
+
+    def flush(self) -> dict[str, float]:
+        """Metrics over the steps recorded since the last flush (throughput), and now (memory)."""
+        row: dict[str, float] = {}
+        if self._steps and self._seconds > 0:
+            step_time = self._seconds / self._steps
+            tokens_per_s = self.tokens_per_step / step_time
+            row["tokens_per_s"] = tokens_per_s
+            row["tokens_per_s_per_gpu"] = tokens_per_s / self.world_size
+            if self.samples_per_step:
+                row["samples_per_s"] = self.samples_per_step / step_time
+            row["step_time_s"] = step_time
+            if self.flops_per_token and self.peak_flops:
+                row["mfu"] = tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops
+        if self.cuda:
+            row.update(gpu_memory_gib())
+        row["host_rss_gib"] = host_rss_gib()
+        row["elapsed_s"] = time.perf_counter() - self.started
+        if self.clock is not None and self._first_step_seen and not self._startup_logged:
+            self._startup_logged = True
+            row["startup_s"] = self.clock.total()  # process start to the end of the first step, once
+        self._steps, self._seconds = 0, 0.0
+        return row

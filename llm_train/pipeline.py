@@ -1,0 +1,617 @@
+"""Pipeline parallelism: a Llama-family HF causal LM as DeepSpeed `PipelineModule` stages.
+
+Accelerate does not drive DeepSpeed's pipeline engine, so this path owns the run from the
+same `llm_train/train.py` entry (session.run_training hands over when plan.pp > 1). The
+model is expressed as a flat list of pipeline layers that pass plain tensors:
+
+    embedding                      input_ids            -> (hidden, position_ids)
+    decoder layer i (+ its RoPE)   (hidden, position_ids) -> (hidden, position_ids)   x L
+    final norm                     (hidden, position_ids) -> hidden
+    LM head (or the tied embedding) hidden               -> logits
+
+DeepSpeed partitions the list over stages by parameter count, runs micro-batches
+(= gradient accumulation steps) through a 1F1B schedule in `engine.train_batch`, and
+recomputes activations every `activation_checkpoint_interval` layers when the recipe asks.
+Only ZeRO-0/1 are allowed (DeepSpeed refuses ZeRO-2/3 with pipelines); plan.py checks that
+before anything loads. Each stage builds and loads only its own layers from the HF
+safetensors, and the export writes one safetensors shard per stage plus the HF index, so
+no rank ever holds the whole model (except `init: random`, see `_full_random_state`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llm_train.errors import UserError
+from llm_train.resolve import Resolved
+
+# HF module class prefixes of the architectures this path knows how to cut into layers.
+ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+TIED_KEY = "embed"
+
+
+# ---------------------------------------------------------------- the pipeline layers
+
+
+def _hf_classes(model_type: str) -> tuple[type, type, type]:
+    """(DecoderLayer, RotaryEmbedding, RMSNorm) of one supported architecture."""
+    prefix = ARCHITECTURES[model_type]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return (
+        getattr(module, f"{prefix}DecoderLayer"),
+        getattr(module, f"{prefix}RotaryEmbedding"),
+        getattr(module, f"{prefix}RMSNorm"),
+    )
+
+
+class EmbeddingPipe(nn.Module):
+    """Token embedding; also emits the position ids every decoder layer needs."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq = input_ids.shape
+        # repeat, not expand: tensors sent between stages must own contiguous storage.
+        position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).repeat(batch, 1)
+        return self.embed_tokens(input_ids), position_ids
+
+
+def tied_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head of a model with tied embeddings: the embedding matrix, transposed."""
+    return nn.functional.linear(hidden, embedding.embed_tokens.weight)
+
+
+def _causal_mask(seq: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, seq, seq] mask: causal, and within `window` tokens when there is one."""
+    i = torch.arange(seq, device=device).unsqueeze(1)
+    j = torch.arange(seq, device=device).unsqueeze(0)
+    allowed = j <= i
+    if window is not None:
+        allowed &= i - j < window  # the same rule as transformers' sliding-window mask
+    mask = torch.zeros(seq, seq, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class DecoderPipe(nn.Module):
+    """One HF decoder layer with its own rotary embedding (RoPE holds no weights, so each stage can)."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        decoder_cls, rotary_cls, _ = _hf_classes(config.model_type)
+        self.layer = decoder_cls(config, layer_idx)
+        self.rotary = rotary_cls(config=config)
+        self.window = _sliding_window(config, layer_idx)
+        # SDPA / FlashAttention are causal without a mask; eager attention needs one spelled out.
+        self.eager = config._attn_implementation == "eager"
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, position_ids = inputs
+        seq = hidden.shape[1]
+        mask = None
+        if self.eager or (self.window is not None and seq > self.window):
+            mask = _causal_mask(seq, self.window, hidden.dtype, hidden.device)
+        hidden = self.layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=self.rotary(hidden, position_ids),
+        )
+        return hidden, position_ids
+
+
+class NormPipe(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        _, _, norm_cls = _hf_classes(config.model_type)
+        self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.norm(inputs[0])
+
+
+class HeadPipe(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def _sliding_window(config: Any, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "mistral" or layer_types is None:
+        return int(window)  # Mistral: every layer is windowed when sliding_window is set
+    return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's causal-LM loss: predict token t+1 from t, mean over tokens, computed in fp32."""
+    vocab = logits.shape[-1]
+    return nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+# ---------------------------------------------------------------- names: HF <-> pipeline
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """Where each HF weight lives in the pipeline's layer list (and back)."""
+
+    num_layers: int
+    tied: bool
+
+    @property
+    def norm_idx(self) -> int:
+        return self.num_layers + 1
+
+    def to_pipe(self, hf_name: str) -> str | None:
+        if hf_name.startswith("model.embed_tokens."):
+            owner = f"tied_modules.{TIED_KEY}" if self.tied else "0"
+            return f"{owner}.{hf_name.removeprefix('model.')}"
+        if hf_name.startswith("model.layers."):
+            idx, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+            return f"{1 + int(idx)}.layer.{rest}"
+        if hf_name.startswith("model.norm."):
+            return f"{self.norm_idx}.{hf_name.removeprefix('model.')}"
+        if hf_name.startswith("lm_head."):
+            return None if self.tied else f"{self.norm_idx + 1}.{hf_name}"
+        return None
+
+    def to_hf(self, pipe_name: str) -> str | None:
+        head, _, rest = pipe_name.partition(".")
+        if head == "tied_modules":
+            return "model." + rest.split(".", 1)[1]
+        if not head.isdigit():
+            return None
+        idx = int(head)
+        if idx == 0:
+            return f"model.{rest}"
+        if idx <= self.num_layers:
+            return f"model.layers.{idx - 1}.{rest.removeprefix('layer.')}"
+        if idx == self.norm_idx:
+            return f"model.{rest}"
+        return rest  # lm_head.weight
+
+
+def layer_specs(config: Any) -> list[Any]:
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embed = (
+        TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, tied_weight_attr=["embed_tokens.weight"])
+        if tied
+        else LayerSpec(EmbeddingPipe, config)
+    )
+    head = (
+        TiedLayerSpec(
+            TIED_KEY, EmbeddingPipe, config, forward_fn=tied_head, tied_weight_attr=["embed_tokens.weight"]
+        )
+        if tied
+        else LayerSpec(HeadPipe, config)
+    )
+    decoders = [LayerSpec(DecoderPipe, config, i) for i in range(config.num_hidden_layers)]
+    return [embed, *decoders, LayerSpec(NormPipe, config), head]
+
+
+def build_pipeline_module(config: Any, stages: int, checkpoint_interval: int) -> Any:
+    from deepspeed.pipe import PipelineModule
+
+    class HFPipelineModule(PipelineModule):
+        def _count_layer_params(self) -> list[int]:
+            # DeepSpeed builds every layer of the whole model once just to count its parameters
+            # (minutes of random init for a 70B model); on the meta device it costs nothing.
+            with torch.device("meta"):
+                return super()._count_layer_params()
+
+    module = HFPipelineModule(
+        layers=layer_specs(config),
+        num_stages=stages,
+        loss_fn=causal_lm_loss,
+        partition_method="parameters",
+        activation_checkpoint_interval=checkpoint_interval,
+        # Non-reentrant: works with the integer position ids passed along, and on every device.
+        activation_checkpoint_func=partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+        checkpointable_layers=["DecoderPipe"],
+    )
+    module.config = config  # checkpoints save it next to the engine state (run_state.save_run_state)
+    return module
+
+
+# ---------------------------------------------------------------- weights in and out
+
+
+def hf_config(run: Resolved) -> Any:
+    from llm_train.model import model_config
+
+    config = model_config(run.recipe.model)
+    config._attn_implementation = run.recipe.memory.attention
+    config.use_cache = False
+    return config
+
+
+def _weight_files(run: Resolved) -> list[Path]:
+    """The safetensors files of a pretrained model (a local directory or a hub snapshot)."""
+    model = run.recipe.model
+    assert model.name_or_path is not None
+    directory = Path(model.name_or_path)
+    if not directory.is_dir():
+        from huggingface_hub import snapshot_download
+
+        directory = Path(
+            snapshot_download(
+                model.name_or_path, revision=model.revision, allow_patterns=["*.safetensors", "*.json"]
+            )
+        )
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise UserError(
+            f"model.name_or_path={model.name_or_path}: no *.safetensors weights; pipeline stages load "
+            "safetensors only (convert with save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def _full_random_state(run: Resolved, config: Any) -> dict[str, torch.Tensor]:
+    # init=random builds the whole model once with the recipe's seed, exactly as the other
+    # paths do, so a pipeline run starts from the same weights as a single-process run.
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(run.recipe.optim.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
+
+
+def load_stage_weights(module: nn.Module, run: Resolved, config: Any, names: LayerMap) -> int:
+    """Copy this stage's HF weights into its layers; every local parameter must be found."""
+    wanted = {name for name, _ in module.named_parameters()}
+    local = module.state_dict()
+    found: set[str] = set()
+
+    def take(hf_name: str, read: Callable[[], torch.Tensor]) -> None:
+        pipe_name = names.to_pipe(hf_name)
+        if pipe_name in wanted:
+            with torch.no_grad():
+                local[pipe_name].copy_(read())
+            found.add(pipe_name)
+
+    if run.recipe.model.init == "random":
+        for hf_name, tensor in _full_random_state(run, config).items():
+            take(hf_name, lambda t=tensor: t)
+    else:
+        from safetensors import safe_open
+
+        for file in _weight_files(run):
+            with safe_open(str(file), framework="pt") as handle:
+                for hf_name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    take(hf_name, partial(handle.get_tensor, hf_name))
+    missing = sorted(wanted - found)
+    if missing:
+        raise UserError(
+            f"model.name_or_path={run.recipe.model.name_or_path}: {len(missing)} weights of this pipeline stage "
+            f"are not in the checkpoint, e.g. {names.to_hf(missing[0])}"
+        )
+    return len(found)
+
+
+def stage_hf_state(module: nn.Module, names: LayerMap, first_stage: bool) -> dict[str, torch.Tensor]:
+    """This stage's weights under their HF names (a tied embedding is written by the first stage only)."""
+    out = {}
+    for name, tensor in module.state_dict().items():
+        hf_name = names.to_hf(name)
+        if hf_name is None or (name.startswith("tied_modules.") and not first_stage):
+            continue
+        out[hf_name] = tensor.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, out_dir: Path) -> None:
+    """A plain HF directory: one safetensors shard per stage, the index, config and tokenizer.
+
+    Called on every rank; the data-parallel rank 0 of each stage writes its shard (the run
+    directory must be on a filesystem all nodes share, as for checkpoints).
+    """
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    grid = engine.grid
+    stage, stages = grid.get_stage_id(), grid.get_pipe_parallel_world_size()
+    shard = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    keys: list[tuple[str, int]] = []
+    if grid.get_data_parallel_id() == 0:
+        state = stage_hf_state(engine.module, names, engine.is_first_stage())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out_dir / shard), metadata={"format": "pt"})
+        keys = [(k, v.numel() * v.element_size()) for k, v in state.items()]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (shard, keys))
+    if dist.get_rank() == 0:
+        weight_map = {key: name for name, entries in gathered for key, _ in entries}
+        total = sum(size for _, entries in gathered for _, size in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        config.dtype = next(engine.module.parameters()).dtype
+        config.use_cache = True
+        config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _quiet(verbose: bool) -> None:
+    if verbose:
+        return
+    import logging
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    for name in ("DeepSpeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _init_distributed() -> None:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if torch.cuda.is_available():
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # DeepSpeed picks gloo for its CPU accelerator and NCCL on GPUs.
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def _engine(run: Resolved, module: nn.Module, max_steps: int) -> Any:
+    import deepspeed
+
+    from llm_train.optim import build_optimizer, build_scheduler
+
+    optim = run.recipe.optim
+    # Our schedule unless the JSON has one; DeepSpeed calls it with the unwrapped torch optimizer,
+    # steps it at each optimizer step and saves it in its checkpoints (as on the Accelerate path).
+    schedule = None if "scheduler" in run.ds_config else partial(build_scheduler, optim=optim, max_steps=max_steps)
+    if "optimizer" in run.ds_config:  # a DS JSON with its own optimizer: DeepSpeed builds it
+        params = [p for p in module.parameters() if p.requires_grad]
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, model_parameters=params, config=run.ds_config, lr_scheduler=schedule
+        )
+    else:
+        optimizer = build_optimizer(module, optim, run.plan.offload_optimizer)
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=run.ds_config, lr_scheduler=schedule
+        )
+    _keep_rope_in_fp32(engine.module)
+    _record_fp32_grad_norm(engine)
+    return engine
+
+
+def _keep_rope_in_fp32(module: nn.Module) -> None:
+    # DeepSpeed casts the whole module to bf16/fp16, buffers included; RoPE frequencies are
+    # meant to stay fp32 (transformers keeps them so), or long positions lose precision.
+    for sub in module.modules():
+        original = getattr(sub, "original_inv_freq", None)
+        if isinstance(original, torch.Tensor) and hasattr(sub, "inv_freq"):
+            sub.inv_freq = original.to(sub.inv_freq.device, torch.float32)
+
+
+def _record_fp32_grad_norm(engine: Any) -> None:
+    # ZeRO-0 in fp32 clips inside train_batch without keeping the norm: keep the one it computes.
+    if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        engine._global_grad_norm = clip_grad_norm_(
+            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+        )
+
+    engine.clip_fp32_gradients = clip
+
+
+def _pairs(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The engine reads (inputs, labels): inputs on the first stage, labels on the last."""
+    for batch in batches:
+        yield batch["input_ids"], batch["labels"]
+
+
+def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    from llm_train import launcher
+
+    launcher.set_single_process_env()
+    _quiet(args.verbose)
+    started = time.perf_counter()
+    _init_distributed()
+    import torch.distributed as dist
+
+    from llm_train.checkpoint import Checkpointer, Collectives
+    from llm_train.control import EXIT_PREEMPTED, RunControl
+    from llm_train.data import BatchStream, eval_batches, load_blocks
+    from llm_train.export import sample_text, verify_export
+    from llm_train.loop import NonFiniteLoss
+    from llm_train.model import load_tokenizer
+    from llm_train.resolve import resolve_run, steps_for_epochs
+    from llm_train.rundir import check_output_dir, create_run_dir
+    from llm_train.run_state import (
+        check_compatible,
+        choose_checkpoint,
+        restore_run_state,
+        save_run_state,
+        truncate_metrics,
+    )
+    from llm_train.tracking import open_trackers
+
+    recipe, plan = run.recipe, run.plan
+    out = recipe.output_dir
+    resume = getattr(args, "resume", None)
+    if not resume:
+        check_output_dir(out, args.overwrite)
+    rank = dist.get_rank()
+    if dist.get_world_size() != plan.world_size:
+        raise RuntimeError(
+            f"DeepSpeed sees a world of {dist.get_world_size()}, the plan says {plan.world_size}"
+        )
+
+    config = hf_config(run)
+    names = LayerMap(config.num_hidden_layers, bool(getattr(config, "tie_word_embeddings", False)))
+    interval = 1 if recipe.memory.activation_checkpointing else 0
+    module = build_pipeline_module(config, plan.pp, interval)
+    loaded = load_stage_weights(module, run, config, names)
+    grid = module._grid
+    stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
+
+    tokenizer = load_tokenizer(recipe.model)
+    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed)
+    stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
+    max_steps = recipe.optim.max_steps or steps_for_epochs(
+        recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
+    )
+    if recipe.optim.max_steps is None:
+        from llm_train.plan import Device
+
+        run = resolve_run(
+            args.recipe,
+            args.overrides,
+            plan.world_size,
+            Device.detect(),
+            args.ds_config,
+            max_steps,
+            args.output_dir,
+        )
+
+    ranks: list[Any] = [None] * plan.world_size
+    me = {"rank": rank, "dp_rank": dp_rank, "stage": stage, "world_size": dist.get_world_size()}
+    dist.all_gather_object(ranks, me)
+    if rank == 0:
+        create_run_dir(out, run, args.overwrite and not resume)
+        (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
+    say(f"llm-train: recipe {recipe.name} -> {out} (pipeline: {plan.pp} stages)")
+    for key, value in plan.rows():
+        say(f"  {key:<12} {value}")
+    if run.notice:
+        say(f"notice: {run.notice}")
+
+    comm = Collectives()
+    resume_from = choose_checkpoint(resume, out / "checkpoints", rank, comm, say) if resume else None
+    if resume_from is not None:
+        check_compatible(resume_from, plan.world_size, run.recipe_yaml(), say)
+
+    engine = _engine(run, module, max_steps)
+    say(
+        f"stage {stage} holds layers {module._local_start}..{module._local_stop - 1} ({loaded} tensors loaded)"
+    )
+    torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
+    start_step = 0
+    if resume_from is not None:
+        start_step = restore_run_state(engine, resume_from, stream, rank)["step"]
+        say(f"resumed from {resume_from} at step {start_step}")
+    elif resume:
+        say("no complete checkpoint to resume from; starting at step 0")
+    if rank == 0:
+        truncate_metrics(out / "metrics.jsonl", start_step)
+    dist.barrier()
+
+    tracker = open_trackers(
+        recipe.tracking,
+        out,
+        {"recipe": recipe.model_dump(mode="json"), "ds_config": run.ds_config, "plan": plan.as_dict()},
+        rank == 0,
+    )
+    checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
+    control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, comm.any)
+    control.install_signal_handlers()
+
+    def save(step: int) -> None:
+        t0 = time.perf_counter()
+        path = save_run_state(
+            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, run.recipe_yaml(), {}
+        )
+        control.saved()
+        say(f"checkpoint {path.name} committed in {time.perf_counter() - t0:.1f}s")
+
+    evals = [
+        (b["input_ids"], b["labels"])
+        for b in eval_batches(eval_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.eval.batches)
+    ]
+    tokens_per_step = plan.global_batch_size * recipe.data.seq_len
+    say(
+        f"training {max_steps} steps, {tokens_per_step:,} tokens per step; "
+        f"setup took {time.perf_counter() - started:.1f}s"
+    )
+    batches = _pairs(stream)
+    metrics: dict[str, float] = {}
+    loop_started = time.perf_counter()
+    for step in range(start_step + 1, max_steps + 1):
+        t0 = time.perf_counter()
+        # grad_accum micro-batches through the 1F1B schedule; the loss comes back averaged over
+        # micro-batches and data-parallel ranks, on every stage.
+        loss = float(engine.train_batch(data_iter=batches))
+        if loss != loss or loss in (float("inf"), float("-inf")):
+            raise NonFiniteLoss(
+                f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr"
+            )
+        step_time = time.perf_counter() - t0
+        if step % recipe.output.log_every == 0 or step in (start_step + 1, max_steps):
+            norm = engine.get_global_grad_norm()
+            lr = engine.get_lr()[0]
+            metrics = {
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": float(norm) if norm is not None else float("nan"),
+                "tokens_per_s": tokens_per_step / step_time,
+                "step_time_s": step_time,
+            }
+            tracker.log(metrics, step)
+            eta = (time.perf_counter() - loop_started) / (step - start_step) * (max_steps - step)
+            say(
+                f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {metrics['grad_norm']:.3f} | "
+                f"{metrics['tokens_per_s']:,.0f} tok/s | eta {eta:,.0f}s"
+            )
+        if evals and ((recipe.eval.every and step % recipe.eval.every == 0) or step == max_steps):
+            eval_loss = float(engine.eval_batch(iter(evals), num_micro_batches=len(evals)))
+            tracker.log({"eval_loss": eval_loss}, step)
+            say(f"step {step}: eval loss {eval_loss:.4f}")
+            metrics["eval_loss"] = eval_loss
+        save_now, stop_now = control.after_step(step)
+        if save_now and step < max_steps:
+            save(step)
+        if stop_now and step < max_steps:
+            tracker.close()
+            say(f"stopped by signal {control.stop_signal} after step {step}; resume with --resume auto")
+            dist.destroy_process_group()
+            return EXIT_PREEMPTED
+    if recipe.checkpoint.at_end:
+        save(max_steps)
+
+    final = out / "final"
+    export_pipeline(engine, config, tokenizer, names, final)
+    tracker.close()
+    say(
+        f"trained in {time.perf_counter() - started:.0f}s: final loss {metrics.get('loss', float('nan')):.4f}; "
+        f"run directory {out} (config/, metrics.jsonl, final/)"
+    )
+    dist.destroy_process_group()
+    if rank == 0:
+        tensors = verify_export(final)
+        say(f"exported {tensors} tensors to {final} (verified against the config's shapes)")
+        if recipe.output.sample_prompt:
+            say(f"sample: {sample_text(final, recipe.output.sample_prompt)!r}")
+    return 0
