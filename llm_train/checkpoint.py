@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,9 +147,9 @@ class Collectives:
     """The three collectives the commit protocol needs (no-ops in a world of one)."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        # Without torch imported there is no process group to talk to (and no import to pay for).
+        dist = sys.modules.get("torch.distributed")
+        self.dist = dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
     def barrier(self) -> None:
         if self.dist:

@@ -19,25 +19,10 @@ from llm_train.errors import EXIT_USER_ERROR, UserError
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from llm_train.recipe import available_recipes, load_recipe
+    from llm_train.console import print_recipe_table
+    from llm_train.recipe import available_recipes
 
-    rows = []
-    for name in available_recipes():
-        recipe = load_recipe(name)
-        hw = recipe.hardware
-        where = f"{hw.nodes}x{hw.processes_per_node} {hw.device}"
-        rows.append(
-            (
-                name,
-                recipe.model.name_or_path or "(random init)",
-                recipe.deepspeed.config,
-                where,
-                recipe.description,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
+    print_recipe_table(available_recipes())
     return 0
 
 
@@ -134,7 +119,7 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []
 def _load_extensions() -> None:
     import importlib
 
-    for module in ("llm_train.planner", "llm_train.doctor"):
+    for module in ("llm_train.planner", "llm_train.doctor", "llm_train.report", "llm_train.data.cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError:

@@ -105,6 +105,11 @@ def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         # DeepSpeed's shards are pickles: never load them from a directory that does not verify.
         raise UserError(f"checkpoint {ckpt_dir}: {reason}; not loading it")
     state_dir = ckpt_dir / "state"
+    from llm_train.pipeline import pipeline_checkpoint_state_dict  # pipeline runs save one file per layer
+
+    pipeline_state = pipeline_checkpoint_state_dict(state_dir / DS_TAG, ckpt_dir / "hf")
+    if pipeline_state is not None:
+        return pipeline_state
     if read_manifest(ckpt_dir)["zero_stage"] == 0:
         model_states = state_dir / DS_TAG / "mp_rank_00_model_states.pt"
         return {

@@ -16,8 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llm_train.console import progress_line
 from llm_train.control import RunControl
 from llm_train.errors import UserError
+from llm_train.metrics import StepMeter
+from llm_train.profiling import NullProfiler, StepProfiler
 from llm_train.tracking import Trackers
 
 EXIT_NONFINITE = 3
@@ -77,8 +80,11 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> float:
     return _mean_over_ranks(torch.stack(losses).mean()) if losses else float("nan")
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    # Non-tensor entries are forward flags (packed batches carry use_cache=False).
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
 
 
 def train_loop(
@@ -90,8 +96,12 @@ def train_loop(
     control: RunControl,
     save: Callable[[int], None],
     say: Callable[[str], None],
+    meter: StepMeter | None = None,
+    profiler: StepProfiler | NullProfiler | None = None,
 ) -> LoopResult:
     engine.train()
+    meter = meter or StepMeter(cfg.tokens_per_step)  # throughput, MFU, memory for each logged row
+    profiler = profiler or NullProfiler()
     metrics: dict[str, float] = {}
     skipped = 0
     started = time.perf_counter()
@@ -116,6 +126,8 @@ def train_loop(
             micro_losses.append(loss.detach())
         loss_value = _mean_over_ranks(torch.stack(micro_losses).mean())
         step_time = time.perf_counter() - t0
+        meter.record(step_time)
+        profiler.step()
 
         if step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps):
             if grad_norm is None:
@@ -126,18 +138,14 @@ def train_loop(
                 "loss": loss_value,
                 "lr": lr,
                 "grad_norm": grad_norm,
-                "tokens_per_s": cfg.tokens_per_step / step_time,
-                "step_time_s": step_time,
+                **meter.flush(),
                 "skipped_microbatches": skipped,
                 "overflow_skipped_steps": int(getattr(engine, "skipped_steps", 0)),
             }
             tracker.log(metrics, step)
             elapsed = time.perf_counter() - started
             eta = elapsed / (step - cfg.start_step) * (cfg.max_steps - step)
-            say(
-                f"step {step}/{cfg.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
-                f"{metrics['tokens_per_s']:,.0f} tok/s | eta {eta:,.0f}s"
-            )
+            say(progress_line(step, cfg.max_steps, metrics, eta))
 
         if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
             eval_loss = evaluate(engine, eval_set)

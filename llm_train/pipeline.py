@@ -21,6 +21,7 @@ no rank ever holds the whole model (except `init: random`, see `_full_random_sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -57,16 +58,14 @@ def _hf_classes(model_type: str) -> tuple[type, type, type]:
 
 
 class EmbeddingPipe(nn.Module):
-    """Token embedding; also emits the position ids every decoder layer needs."""
+    """Token embedding; passes the position ids (which mark packed samples) on to every layer."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq = input_ids.shape
-        # repeat, not expand: tensors sent between stages must own contiguous storage.
-        position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).repeat(batch, 1)
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, position_ids = inputs
         return self.embed_tokens(input_ids), position_ids
 
 
@@ -75,15 +74,28 @@ def tied_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(hidden, embedding.embed_tokens.weight)
 
 
-def _causal_mask(seq: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive [1, 1, seq, seq] mask: causal, and within `window` tokens when there is one."""
-    i = torch.arange(seq, device=device).unsqueeze(1)
-    j = torch.arange(seq, device=device).unsqueeze(0)
-    allowed = j <= i
+def attention_mask(
+    position_ids: torch.Tensor, window: int | None, dtype: torch.dtype, eager: bool
+) -> torch.Tensor | None:
+    """The mask transformers would build for these positions, or None where attention is plainly causal.
+
+    Packed rows restart their position ids at every sample; like transformers' masking
+    utilities, a sample attends only to itself (block-diagonal causal). Right-padded rows
+    need nothing more: under a causal mask no real token sees the padding after it.
+    """
+    seq = position_ids.shape[1]
+    plain = bool((position_ids == torch.arange(seq, device=position_ids.device)).all())
+    if plain and not eager and (window is None or seq <= window):
+        return None  # SDPA / FlashAttention run causal without a mask (transformers does the same)
+    # Sample ids: a new sample wherever the position does not follow on by one.
+    first = position_ids[:, :1] - 1
+    sample = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    i = torch.arange(seq, device=position_ids.device)
+    allowed = (i[None, :, None] >= i[None, None, :]) & (sample[:, :, None] == sample[:, None, :])
     if window is not None:
-        allowed &= i - j < window  # the same rule as transformers' sliding-window mask
-    mask = torch.zeros(seq, seq, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        allowed &= (i[:, None] - i[None, :] < window)[None]  # transformers' sliding-window rule
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 class DecoderPipe(nn.Module):
@@ -97,13 +109,12 @@ class DecoderPipe(nn.Module):
         self.window = _sliding_window(config, layer_idx)
         # SDPA / FlashAttention are causal without a mask; eager attention needs one spelled out.
         self.eager = config._attn_implementation == "eager"
+        self.flash = config._attn_implementation.startswith("flash")
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs
-        seq = hidden.shape[1]
-        mask = None
-        if self.eager or (self.window is not None and seq > self.window):
-            mask = _causal_mask(seq, self.window, hidden.dtype, hidden.device)
+        # FlashAttention-2 reads packed samples from position_ids itself (varlen kernels).
+        mask = None if self.flash else attention_mask(position_ids, self.window, hidden.dtype, self.eager)
         hidden = self.layer(
             hidden,
             attention_mask=mask,
@@ -331,6 +342,7 @@ def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, o
     """
     import torch.distributed as dist
     from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
     grid = engine.grid
     stage, stages = grid.get_stage_id(), grid.get_pipe_parallel_world_size()
@@ -351,8 +363,32 @@ def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, o
         config.dtype = next(engine.module.parameters()).dtype
         config.use_cache = True
         config.save_pretrained(out_dir)
+        with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
+            GenerationConfig.from_model_config(config).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     dist.barrier()
+
+
+def pipeline_checkpoint_state_dict(ds_dir: Path, hf_dir: Path) -> dict[str, torch.Tensor] | None:
+    """HF-named fp32 weights from the layer files of a pipeline engine checkpoint; None for other checkpoints.
+
+    PipelineModule.save_state_dict writes one `layer_NN-model_states.pt` per layer (a plain
+    state dict of tensors, loaded with weights_only); a tied embedding is saved once, by its
+    first stage. The caller verifies the checkpoint's manifest before anything is read.
+    """
+    files = sorted(ds_dir.glob("layer_*-model_states.pt"))
+    if not files:
+        return None
+    config = json.loads((hf_dir / "config.json").read_text())
+    names = LayerMap(int(config["num_hidden_layers"]), bool(config.get("tie_word_embeddings", False)))
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        index = int(file.name.split("-", 1)[0].removeprefix("layer_"))
+        for key, tensor in torch.load(file, map_location="cpu", weights_only=True).items():
+            hf_name = names.to_hf(f"{index}.{key}")
+            if hf_name is not None:
+                out[hf_name] = tensor.float()
+    return out
 
 
 # ---------------------------------------------------------------- the run
@@ -388,7 +424,10 @@ def _engine(run: Resolved, module: nn.Module, max_steps: int) -> Any:
     optim = run.recipe.optim
     # Our schedule unless the JSON has one; DeepSpeed calls it with the unwrapped torch optimizer,
     # steps it at each optimizer step and saves it in its checkpoints (as on the Accelerate path).
-    schedule = None if "scheduler" in run.ds_config else partial(build_scheduler, optim=optim, max_steps=max_steps)
+    schedule = (
+        None if "scheduler" in run.ds_config else partial(build_scheduler, optim=optim, max_steps=max_steps)
+    )
+    rope = _rope_buffers(module)
     if "optimizer" in run.ds_config:  # a DS JSON with its own optimizer: DeepSpeed builds it
         params = [p for p in module.parameters() if p.requires_grad]
         engine, _, _, _ = deepspeed.initialize(
@@ -399,18 +438,27 @@ def _engine(run: Resolved, module: nn.Module, max_steps: int) -> Any:
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=run.ds_config, lr_scheduler=schedule
         )
-    _keep_rope_in_fp32(engine.module)
+    _restore_rope_buffers(engine.module, rope)
     _record_fp32_grad_norm(engine)
     return engine
 
 
-def _keep_rope_in_fp32(module: nn.Module) -> None:
-    # DeepSpeed casts the whole module to bf16/fp16, buffers included; RoPE frequencies are
-    # meant to stay fp32 (transformers keeps them so), or long positions lose precision.
-    for sub in module.modules():
-        original = getattr(sub, "original_inv_freq", None)
-        if isinstance(original, torch.Tensor) and hasattr(sub, "inv_freq"):
-            sub.inv_freq = original.to(sub.inv_freq.device, torch.float32)
+def _rope_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 RoPE frequency buffers, taken before DeepSpeed casts the module to bf16/fp16."""
+    return {
+        name: buffer.detach().clone()
+        for name, buffer in module.named_buffers()
+        if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq")
+    }
+
+
+def _restore_rope_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    # DeepSpeed casts buffers along with weights; RoPE frequencies must stay fp32 (transformers
+    # computes cos/sin from them in fp32), or positions far into the sequence lose precision.
+    for name, value in saved.items():
+        owner, _, leaf = name.rpartition(".")
+        target = module.get_submodule(owner)
+        setattr(target, leaf, value.to(getattr(target, leaf).device))
 
 
 def _record_fp32_grad_norm(engine: Any) -> None:
@@ -427,10 +475,22 @@ def _record_fp32_grad_norm(engine: Any) -> None:
     engine.clip_fp32_gradients = clip
 
 
-def _pairs(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The engine reads (inputs, labels): inputs on the first stage, labels on the last."""
+Pair = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def as_pipeline_batch(batch: dict[str, Any]) -> Pair:
+    """((input_ids, position_ids), labels): the engine feeds inputs to the first stage, labels to the last."""
+    input_ids = batch["input_ids"]
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        # repeat, not expand: tensors sent between stages must own contiguous storage.
+        position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0).repeat(input_ids.shape[0], 1)
+    return (input_ids, position_ids.contiguous()), batch["labels"]
+
+
+def _pairs(batches: Iterator[dict[str, Any]]) -> Iterator[Pair]:
     for batch in batches:
-        yield batch["input_ids"], batch["labels"]
+        yield as_pipeline_batch(batch)
 
 
 def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], None]) -> int:
@@ -449,7 +509,6 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     from llm_train.loop import NonFiniteLoss
     from llm_train.model import load_tokenizer
     from llm_train.resolve import resolve_run, steps_for_epochs
-    from llm_train.rundir import check_output_dir, create_run_dir
     from llm_train.run_state import (
         check_compatible,
         choose_checkpoint,
@@ -457,6 +516,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         save_run_state,
         truncate_metrics,
     )
+    from llm_train.rundir import check_output_dir, create_run_dir
     from llm_train.tracking import open_trackers
 
     recipe, plan = run.recipe, run.plan
@@ -474,7 +534,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     names = LayerMap(config.num_hidden_layers, bool(getattr(config, "tie_word_embeddings", False)))
     interval = 1 if recipe.memory.activation_checkpointing else 0
     module = build_pipeline_module(config, plan.pp, interval)
-    loaded = load_stage_weights(module, run, config, names)
+    load_stage_weights(module, run, config, names)
     grid = module._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
 
@@ -498,26 +558,36 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         )
 
     ranks: list[Any] = [None] * plan.world_size
-    me = {"rank": rank, "dp_rank": dp_rank, "stage": stage, "world_size": dist.get_world_size()}
+    layers = [int(module._local_start), int(module._local_stop)]  # this stage's slice of the layer list
+    me = {
+        "rank": rank,
+        "dp_rank": dp_rank,
+        "stage": stage,
+        "layers": layers,
+        "world_size": dist.get_world_size(),
+    }
     dist.all_gather_object(ranks, me)
     if rank == 0:
         create_run_dir(out, run, args.overwrite and not resume)
         (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
-    say(f"llm-train: recipe {recipe.name} -> {out} (pipeline: {plan.pp} stages)")
+    say(f"llm-train: recipe {recipe.name} -> {out}")
     for key, value in plan.rows():
         say(f"  {key:<12} {value}")
+    split = {r["stage"]: r["layers"] for r in ranks}
+    say(
+        f"  {'stages':<12} "
+        + ", ".join(f"{s}: layers {a}-{b - 1}" for s, (a, b) in sorted(split.items()))
+        + f" of 0-{names.norm_idx + 1} (embedding, {config.num_hidden_layers} decoder layers, norm, head)"
+    )
     if run.notice:
         say(f"notice: {run.notice}")
 
     comm = Collectives()
     resume_from = choose_checkpoint(resume, out / "checkpoints", rank, comm, say) if resume else None
     if resume_from is not None:
-        check_compatible(resume_from, plan.world_size, run.recipe_yaml(), say)
+        check_compatible(resume_from, plan.world_size, recipe, say)
 
     engine = _engine(run, module, max_steps)
-    say(
-        f"stage {stage} holds layers {module._local_start}..{module._local_stop - 1} ({loaded} tensors loaded)"
-    )
     torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
     start_step = 0
     if resume_from is not None:
@@ -542,13 +612,13 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     def save(step: int) -> None:
         t0 = time.perf_counter()
         path = save_run_state(
-            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, run.recipe_yaml(), {}
+            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, recipe, {}
         )
         control.saved()
         say(f"checkpoint {path.name} committed in {time.perf_counter() - t0:.1f}s")
 
     evals = [
-        (b["input_ids"], b["labels"])
+        as_pipeline_batch(b)
         for b in eval_batches(eval_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.eval.batches)
     ]
     tokens_per_step = plan.global_batch_size * recipe.data.seq_len

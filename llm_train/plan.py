@@ -137,8 +137,9 @@ def make_plan(
     pp = recipe.deepspeed.pipeline_stages
     if world_size % (tp * pp):
         raise UserError(
-            f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp}; "
-            "launch a multiple of that many processes or change tensor_parallel.autotp_size"
+            f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} "
+            "(world size = data parallel x tensor parallel x pipeline parallel); launch a multiple of that many "
+            "processes or change tensor_parallel.autotp_size / deepspeed.pipeline_stages"
         )
     dp = world_size // (tp * pp)
     stage = dsconfig.zero_stage(ds_config)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.errors import UserError
-from llm_train.gpus import GPUSpec, gpu_spec
+from llm_train.gpus import GPUSpec, find_gpu, gpu_spec
 from llm_train.memory import (
     ALLOCATOR_SLACK_FRACTION,
     DS_ALLGATHER_BUCKET_SIZE,
@@ -183,21 +183,21 @@ def resolve_hardware(
     found = None
     from_recipe = False
     if spec or gpu_mem_gib:
-        sources.append("--gpu" if spec else "--gpu-mem")
+        sources.append("--gpu" if spec else "--gpu-mem (bf16 assumed; --gpu NAME for a card without it)")
     elif declared is not None and declared.device == "cpu":
         kind = "cpu"
     elif detect and (found := _detected_gpus()) is not None:
         count, det_name, det_mem, bf16, cc = found
-        spec = gpu_spec(det_name) if _known(det_name) else None
+        spec = find_gpu(det_name)
         name, mem = det_name, det_mem
         count_default = count if declared is None else count_default
         sources.append("detected")
     elif declared is not None and (declared.gpu_name or declared.gpu_mem_gib):
-        spec = gpu_spec(declared.gpu_name) if declared.gpu_name and _known(declared.gpu_name) else None
+        spec = find_gpu(declared.gpu_name) if declared.gpu_name else None
         if declared.gpu_mem_gib:
             gpu_mem_gib = declared.gpu_mem_gib
         from_recipe = True
-        sources.append("GPU as the recipe declares; --gpu/--gpu-mem for yours")
+        sources.append("GPU as the recipe declares")
     else:
         kind = "cpu"
         sources.append("no GPU found or named: CPU processes; --gpu/--gpu-mem to plan for a GPU")
@@ -225,7 +225,7 @@ def resolve_hardware(
     elif from_recipe and declared.host_ram_gib:
         # Planning for the machine the recipe is written for, not this one.
         host = int(declared.host_ram_gib * GiB)
-        sources.append("host RAM as the recipe declares; --host-ram for yours")
+        sources[-1] = "GPU and host RAM as the recipe declares; --gpu/--gpu-mem/--host-ram for yours"
     else:
         host = host_ram_bytes()
         sources.append("host RAM of this machine; --host-ram for another")
@@ -245,12 +245,6 @@ def resolve_hardware(
         compute_capability=cc,
         sources=tuple(sources),
     )
-
-
-def _known(name: str) -> bool:
-    from llm_train.gpus import find_gpu
-
-    return find_gpu(name) is not None
 
 
 # --- one configuration: memory, speed, fit ----------------------------------------------------------
@@ -983,7 +977,7 @@ def render_auto(auto: AutoChoice, path: Path | None) -> str:
 # --- host-RAM guard (called by train.py before anything loads) --------------------------------------------
 
 
-SKIP_RAM_CHECK_ENV = "LLM_TRAIN_SKIP_HOST_RAM_CHECK"
+SKIP_RAM_CHECK_FLAG = "--skip-ram-check"
 
 
 def check_host_ram(run: Any, available: int | None = None) -> None:
@@ -991,11 +985,9 @@ def check_host_ram(run: Any, available: int | None = None) -> None:
 
     Better one line now than the OS killing a rank mid-load (offload paths keep optimizer
     states and often the weights in pinned host memory). Skipped, with no estimate, for
-    model types the estimator does not know; `LLM_TRAIN_SKIP_HOST_RAM_CHECK=1` bypasses
-    it when you know better than the estimate.
+    model types the estimator does not know; train.py's --skip-ram-check bypasses it when
+    you know better than the estimate (an explicit flag, not an environment switch).
     """
-    if os.environ.get(SKIP_RAM_CHECK_ENV) == "1":
-        return
     try:
         shape = shape_from_config(run.model_fields)
     except UserError:
@@ -1004,17 +996,24 @@ def check_host_ram(run: Any, available: int | None = None) -> None:
     inp = memory_inputs(run, shape, local or None)
     kind = "cpu" if run.plan.device == "cpu" else "cuda"
     est = estimate_memory(inp)
-    _, host = needs(est, inp, kind)
+    device, host = needs(est, inp, kind)
     total = host_ram_bytes() if available is None else available
     if host > total:
-        terms = ", ".join(
-            f"{k.replace('_', ' ')} {v / GiB:.1f}" for k, v in est.host_terms.items() if v >= 0.05 * GiB
-        )
+        parts = {k.replace("_", " "): v for k, v in est.host_terms.items() if k != "process_overhead"}
+        # Loading and training do not overlap: the total takes the larger phase, not the sum.
+        parts["model load peak (transient)"] = parts.pop("model load peak", 0)
+        ranks = inp.ranks_per_node
+        if kind == "cpu":
+            parts["processes"] = ranks * CPU_PROCESS_HOST_BYTES
+            parts["tensors in the processes"] = ranks * device
+        else:
+            parts["processes"] = est.host_terms["process_overhead"]
+        terms = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v >= 0.05 * GiB)
         raise UserError(
             f"host RAM: {run.recipe.name} needs ~{host / GiB:.1f} GiB per node (planner: {terms} GiB; "
             f"{inp.ranks_per_node} process(es)), this machine has {total / GiB:.1f} GiB; "
             f"run `llm-train plan --recipe {run.recipe.name}` for options (NVMe offload, LoRA, more nodes), "
-            f"or set {SKIP_RAM_CHECK_ENV}=1 if you know the estimate is wrong"
+            f"or pass {SKIP_RAM_CHECK_FLAG} if you know the estimate is wrong"
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -69,18 +69,205 @@ class ModelSection(Section):
         return self
 
 
-class DataSection(Section):
-    """Where the training text comes from (minimal path: local .txt / .jsonl files)."""
+Overlong = Literal["truncate", "drop", "error", "split"]
 
-    train: list[str] = Field(
-        description="Files or globs of training text (.txt, or .jsonl with a text field)."
+
+class _SourceFields(Section):
+    """Fields every data source has; the format-specific classes below add their own."""
+
+    path: str = Field(
+        description="A file, a glob, a folder (save_to_disk output or data files) or a hub dataset id."
     )
-    eval: list[str] = Field(default_factory=list, description="Held-out files; empty = carve eval_fraction.")
+    weight: float = Field(
+        1.0,
+        description="Passes over this source per epoch: 1 = each sample once, 2 = twice, "
+        "0.5 = a different half each epoch. Must be > 0.",
+    )
+    split: str = Field("train", description="Split to read from a hub dataset or a save_to_disk DatasetDict.")
+    subset: str | None = Field(None, description="Hub dataset configuration name (load_dataset's `name`).")
+
+    @model_validator(mode="after")
+    def _weight_is_positive(self) -> _SourceFields:
+        if not self.weight > 0:
+            raise ValueError(
+                f"weight must be > 0 (got {self.weight}); remove the source instead of weighting it 0"
+            )
+        return self
+
+
+class TextSource(_SourceFields):
+    """Raw text for (continued) pre-training: every token is trained on."""
+
+    format: Literal["text"] = "text"
+    text_field: str | None = Field(None, description="Field with the text; default data.text_field.")
+    sample_by: Literal["paragraph", "line", "document"] = Field(
+        "paragraph", description="How .txt files split into samples."
+    )
+    overlong: Overlong = Field(
+        "split",
+        description="Samples longer than seq_len: split into seq_len pieces, truncate, drop or error.",
+    )
+
+
+class InstructionSource(_SourceFields):
+    """Prompt/response rows (alpaca-style by default); loss only on the response."""
+
+    format: Literal["instruction"] = "instruction"
+    prompt_field: str = Field("instruction", description="Field with the instruction / prompt.")
+    input_field: str | None = Field(
+        "input", description="Optional field appended to the prompt when present and non-empty."
+    )
+    response_field: str = Field("output", description="Field with the response (trained on).")
+    prompt_template: str = Field(
+        "### Instruction:\n{prompt}\n\n### Response:\n",
+        description="Wraps the prompt; '{prompt}' is replaced by the instruction (+ blank line + input).",
+    )
+    overlong: Overlong = Field(
+        "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
+    )
+
+    @model_validator(mode="after")
+    def _template_has_prompt(self) -> InstructionSource:
+        import string
+
+        names = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
+        if names != {"prompt"}:
+            raise ValueError(
+                f"prompt_template must contain '{{prompt}}' and no other {{fields}} (found {sorted(names)}); "
+                "write literal braces as {{ and }}"
+            )
+        return self
+
+
+class ChatSource(_SourceFields):
+    """OpenAI-style `messages` lists rendered with the chat template; loss only on assistant turns."""
+
+    format: Literal["chat"] = "chat"
+    messages_field: str = Field("messages", description="Field with the list of {role, content} messages.")
+    overlong: Overlong = Field(
+        "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
+    )
+
+
+class TokenizedSource(_SourceFields):
+    """Rows that already hold token ids (and optionally labels, -100 where not trained on)."""
+
+    format: Literal["tokenized"] = "tokenized"
+    input_ids_field: str = Field("input_ids", description="Field with the token ids.")
+    labels_field: str = Field(
+        "labels", description="Field with labels, used when present; else all tokens train."
+    )
+    overlong: Overlong = Field(
+        "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
+    )
+
+
+Source = TextSource | InstructionSource | ChatSource | TokenizedSource
+SOURCE_CLASSES: dict[str, type[Section]] = {
+    "text": TextSource,
+    "instruction": InstructionSource,
+    "chat": ChatSource,
+    "tokenized": TokenizedSource,
+}
+
+
+def _parse_source(item: Any, where: str) -> Any:
+    """One entry of data.train / data.eval: a path string stays a string; a mapping becomes its format's class.
+
+    Done by hand (not by a pydantic union) so that a mistake names `data.train[1].key` and the keys valid
+    for that format, in one line.
+    """
+    if isinstance(item, (str, *SOURCE_CLASSES.values())):
+        return item
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected a path or a mapping with 'path' and 'format' (got {item!r})")
+    fmt = item.get("format", "text")
+    cls = SOURCE_CLASSES.get(fmt) if isinstance(fmt, str) else None
+    if cls is None:
+        raise ValueError(f"{where}.format: unknown format {fmt!r}; use one of {', '.join(SOURCE_CLASSES)}")
+    valid = sorted(cls.model_fields)
+    for key in item:
+        if key not in cls.model_fields:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(
+                f"{where}: unknown key '{key}' for format {fmt}; {hint}valid keys: {', '.join(valid)}"
+            )
+    try:
+        return cls.model_validate(item)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if loc and not isinstance(err.get("input"), dict) else ""
+        raise ValueError(f"{where}{'.' + loc if loc else ''}: {message}{got}") from None
+
+
+class DataSection(Section):
+    """Where the training data comes from and how it becomes packed sequences (see llm_train/data/)."""
+
+    train: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource] = Field(
+        min_length=1,
+        description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
+        "mappings {path, format: text|instruction|chat|tokenized, weight, ...}.",
+    )
+    eval: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource] = Field(
+        default_factory=list,
+        description="Held-out sources (same forms as train); empty = carve eval_fraction.",
+    )
     eval_fraction: float = Field(
-        0.05, ge=0.0, lt=0.5, description="Share of packed blocks held out for eval."
+        0.05, ge=0.0, lt=0.5, description="Share of each train source's samples held out for eval."
     )
-    text_field: str = Field("text", description="Field that holds the text in .jsonl rows.")
-    seq_len: int = Field(1024, ge=8, description="Tokens per packed training sequence.")
+    text_field: str = Field("text", description="Field that holds the text in rows of text sources.")
+    seq_len: int = Field(1024, ge=8, description="Tokens per training sequence (packed or padded).")
+    packing: Literal["packed", "padded"] = Field(
+        "packed",
+        description="'packed': several samples per sequence, position ids restart per sample and no "
+        "attention crosses samples; 'padded': one sample per sequence, padded.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template (or a path to a .jinja file) for chat sources; default the tokenizer's.",
+    )
+    cache_dir: str = Field(
+        "~/.cache/llm_train/data",
+        description="Where tokenised and packed data are cached (keyed by content).",
+    )
+    num_proc: int | None = Field(
+        None,
+        ge=1,
+        description="Processes for tokenisation; default: CPU count (capped at 8) for large sources.",
+    )
+    loader_workers: int | None = Field(
+        None, ge=0, description="DataLoader worker processes; default 2 on CUDA (pinned memory), 0 on CPU."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sources(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for key in ("train", "eval"):
+                items = values.get(key)
+                if isinstance(items, (str, dict)):
+                    items = [items]
+                if isinstance(items, list):
+                    values = {
+                        **values,
+                        key: [_parse_source(v, f"data.{key}[{i}]") for i, v in enumerate(items)],
+                    }
+        return values
+
+    def sources(self, split: Literal["train", "eval"]) -> list[Source]:
+        """The sources of one split, path strings turned into text sources that read data.text_field."""
+        items = self.train if split == "train" else self.eval
+        out: list[Source] = []
+        for item in items:
+            if isinstance(item, str):
+                item = TextSource(path=item)
+            if isinstance(item, TextSource) and item.text_field is None:
+                item = item.model_copy(update={"text_field": self.text_field})
+            out.append(item)
+        return out
 
 
 class OptimSection(Section):
@@ -121,6 +308,14 @@ class MemorySection(Section):
     attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel; flash_attention_2 needs the flash-attn package and a GPU."
     )
+    liger_kernels: bool = Field(
+        False,
+        description="Liger Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); needs liger-kernel and a GPU.",
+    )
+    torch_compile: bool = Field(
+        False,
+        description="torch.compile the model via DeepSpeed's engine.compile(); the first steps compile.",
+    )
 
 
 class LoraSection(Section):
@@ -142,7 +337,9 @@ class LoraSection(Section):
 class DeepSpeedSection(Section):
     config: str = Field(description="A name in ds_configs/ (e.g. 'zero3') or a path to a DeepSpeed JSON.")
     pipeline_stages: int = Field(
-        1, ge=1, description="Pipeline-parallel degree: the model is cut into this many stages (ZeRO-0/1 only)."
+        1,
+        ge=1,
+        description="Pipeline-parallel degree: the model is cut into this many stages (ZeRO-0/1 only).",
     )
 
 
@@ -186,6 +383,9 @@ class TrackingSection(Section):
     run_name: str | None = Field(None, description="W&B run name; defaults to the run directory name.")
     tags: list[str] = Field(default_factory=list, description="W&B tags.")
     group: str | None = Field(None, description="W&B group.")
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard event files to RUN_DIR/tensorboard/."
+    )
 
 
 class Recipe(Section):
@@ -299,8 +499,19 @@ def _anchor_paths(data: dict[str, Any], base: Path) -> None:
         value = (data.get(section) or {}).get(key)
         if isinstance(value, str):
             value = [value]
+        if isinstance(value, dict):  # data.train: {path: ..., format: ...} (one source, no list)
+            value = [value]
         if isinstance(value, list):
-            data[section][key] = [_anchor_path(v, base) if isinstance(v, str) else v for v in value]
+            data[section][key] = [_anchor_source(v, base) for v in value]
+
+
+def _anchor_source(value: Any, base: Path) -> Any:
+    """A path string, or a data source mapping whose 'path' is anchored the same way."""
+    if isinstance(value, str):
+        return _anchor_path(value, base)
+    if isinstance(value, dict) and isinstance(value.get("path"), str):
+        return {**value, "path": _anchor_path(value["path"], base)}
+    return value
 
 
 def _describe(error: ValidationError, model: type[BaseModel], source: str) -> str:
@@ -312,6 +523,8 @@ def _describe(error: ValidationError, model: type[BaseModel], source: str) -> st
         owner: Any = model
         for part in loc[:-1]:
             annotation = owner.model_fields[part].annotation if part in owner.model_fields else None
+            # An optional section (`lora: LoraSection | None`): look inside the union.
+            annotation = next((a for a in get_args(annotation) if a is not type(None)), annotation)
             owner = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
             if owner is None:
                 break

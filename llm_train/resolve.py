@@ -15,6 +15,7 @@ from typing import Any
 
 from llm_train import dsconfig
 from llm_train.errors import UserError
+from llm_train.parallel import check_parallel
 from llm_train.plan import Device, ParallelPlan, make_plan
 from llm_train.recipe import Recipe, load_recipe, recipe_to_yaml
 
@@ -79,6 +80,7 @@ def resolve_run(
     ds_path, raw = dsconfig.load_ds_config(recipe.deepspeed.config)
     plan, notice = make_plan(recipe, raw, world_size, device)
     fields = model_fields(recipe)
+    check_parallel(plan, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
     hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)
     if hidden <= 0:
         # Only bucket sizes need it; a user model with an exotic config still trains.
@@ -102,6 +104,8 @@ def resolve_run(
         # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
         # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.
         resolved["train_batch_size"] = plan.global_batch_size * plan.tp
+        # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
+        resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     return Resolved(recipe, ds_path, resolved, plan, hidden, fields, notice)
 
 

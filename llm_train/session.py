@@ -36,12 +36,20 @@ def _accelerator(run: Resolved) -> Any:
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
-    if os.environ.get("ACCELERATE_CONFIG_DS_FIELDS"):
+    # Multi-node launcher fields say *where* (launch/ uses them); any other DeepSpeed field says *what*.
+    where = {
+        "deepspeed_multinode_launcher",
+        "deepspeed_hostfile",
+        "deepspeed_inclusion_filter",
+        "deepspeed_exclusion_filter",
+    }
+    what = [f for f in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if f and f not in where]
+    if what:
         from llm_train.errors import UserError
 
         raise UserError(
             "your accelerate config sets DeepSpeed fields "
-            f"({os.environ['ACCELERATE_CONFIG_DS_FIELDS']}); with llm_train the recipe and its DeepSpeed JSON "
+            f"({','.join(what)}); with llm_train the recipe and its DeepSpeed JSON "
             "own them: keep only machines/processes/rendezvous in the accelerate config (see launch/)"
         )
     # Without a GPU, Accelerate must be told the backend or every rank believes it is rank 0
@@ -90,7 +98,9 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         return run_pipeline(run, args, say)
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
-    _quiet(args.verbose)
+    from llm_train.console import quiet, startup_summary
+
+    quiet(args.verbose)
     started = time.perf_counter()
 
     import torch
@@ -98,13 +108,18 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
 
     from llm_train.data import BatchStream, eval_batches, load_blocks
     from llm_train.export import sample_text, save_hf_model, verify_export
+    from llm_train.fast import apply_liger, compile_engine, set_cuda_alloc_conf
     from llm_train.loop import LoopConfig, train_loop
+    from llm_train.metrics import StartupClock, StepMeter
     from llm_train.model import build_model, load_tokenizer
+    from llm_train.profiling import enable_flops_profiler, make_profiler
     from llm_train.rundir import check_output_dir, create_run_dir
     from llm_train.tracking import open_trackers
 
     recipe, plan = run.recipe, run.plan
     out = recipe.output_dir
+    clock = StartupClock.start(out)  # start-up split -> startup.json at the first step
+    set_cuda_alloc_conf()  # before the first CUDA allocation
     if not args.resume:
         check_output_dir(out, args.overwrite)  # every rank checks before rank 0 creates anything
 
@@ -112,7 +127,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     rank = int(os.environ["RANK"])
     dp_rank = rank // (plan.tp * plan.pp)  # ranks of one TP/PP group share a data-parallel rank
     tokenizer = load_tokenizer(recipe.model)
-    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed)
+    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
     stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
     max_steps = recipe.optim.max_steps or steps_for_epochs(
         recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
@@ -130,6 +145,8 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
             args.output_dir,
         )
 
+    clock.mark("data")
+    enable_flops_profiler(run.ds_config, args, out)  # --flops-profiler: DeepSpeed reads it from the DS config
     hf_ds_config = None
     if plan.zero_stage == 3:
         # Registered before the model exists, so transformers builds it inside zero.Init and no
@@ -143,16 +160,13 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
             f"Accelerate sees rank {accelerator.process_index} of {accelerator.num_processes}, "
             f"the launcher said rank {rank} of {plan.world_size}"
         )
+    clock.mark("distributed init")
     ranks = [None] * plan.world_size
     dist.all_gather_object(ranks, {"rank": rank, "dp_rank": dp_rank, "world_size": accelerator.num_processes})
     if accelerator.is_main_process:
         create_run_dir(out, run, args.overwrite)
         (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
-    say(f"llm-train: recipe {recipe.name} -> {out}")
-    for key, value in plan.rows():
-        say(f"  {key:<12} {value}")
-    if run.notice:
-        say(f"notice: {run.notice}")
+    startup_summary(run, say)
 
     from llm_train.checkpoint import Checkpointer, Collectives
     from llm_train.control import EXIT_PREEMPTED, RunControl
@@ -171,8 +185,15 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     if resume_from is not None:
         check_compatible(resume_from, plan.world_size, recipe, say)
 
+    if notice := apply_liger(recipe.memory, run.model_fields.get("model_type"), plan.zero_stage):
+        say(notice)
     model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed, recipe.lora)
+    clock.mark("model build")
     engine = _prepare_engine(run, accelerator, model, max_steps)
+    if notice := compile_engine(engine, recipe.memory):
+        say(notice)
+    clock.mark("deepspeed init")
+    meter = StepMeter.for_run(run, model, args, clock)
     del hf_ds_config
 
     config_for_tracker = {
@@ -216,7 +237,9 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     say(
         f"training {max_steps} steps, {cfg.tokens_per_step:,} tokens per step; setup took {time.perf_counter() - started:.1f}s"
     )
-    result = train_loop(engine, stream, evals, cfg, tracker, control, save, say)
+    clock.mark("resume, trackers")
+    with make_profiler(args, out, rank, start_step, max_steps, say) as profiler:
+        result = train_loop(engine, stream, evals, cfg, tracker, control, save, say, meter, profiler)
     metrics = result.metrics
     if result.preempted:
         # The loop saved after the agreed stop step; exit resumable, without exporting.

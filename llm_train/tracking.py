@@ -1,30 +1,98 @@
-"""Where metrics go: metrics.jsonl always, W&B when the recipe asks; one interface for both.
+"""Where metrics go: metrics.jsonl always, TensorBoard and W&B when the recipe asks; one interface.
 
-The loop calls `tracker.log(...)` unconditionally; on ranks other than 0, and with W&B
-disabled, the calls are cheap no-ops, so call sites never branch on which tracker is on.
-W&B is imported only when it is used.
+The loop calls `tracker.log(...)` unconditionally; on ranks other than 0 the call is a
+no-op, so call sites never branch on which tracker is on. W&B and TensorBoard are
+imported only when they are used (a disabled W&B never costs its import time, and a
+machine without it still trains).
+
+Secrets: the run config sent to W&B/TensorBoard is redacted by key name (api_key, token,
+secret, password, ...) and by value (the values of credential environment variables such
+as WANDB_API_KEY or HF_TOKEN are replaced wherever they appear), and W&B records a
+redacted command line, since overrides like `model.config.hub_token=...` would otherwise
+reach its metadata.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from llm_train.recipe import TrackingSection
 
-# Never store anything that looks like a credential in a config that leaves the machine.
-_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
+REDACTED = "<redacted>"
+# Words that make a key name a credential wherever they appear in it...
+_SECRET_WORDS = {"secret", "secrets", "password", "passwd", "apikey", "credential", "credentials"}
+# ...and words that do so only as the last word (`hub_token` is a secret, `pad_token_id` is not).
+_SECRET_LAST = {"token", "key", "auth"}
+_KEY_QUALIFIERS = {"api", "access", "private", "secret", "auth", "signing", "encryption"}
 
 
-def redact(value: Any) -> Any:
+def is_secret_key(key: str) -> bool:
+    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z])([A-Z])", r"\1_\2", str(key)).lower()) if w]
+    if not words:
+        return False
+    if any(w in _SECRET_WORDS for w in words):
+        return True
+    last = words[-1]
+    if last == "key":  # "api_key", "access_key" are credentials; "sort_key", "key" alone are not
+        return len(words) > 1 and words[-2] in _KEY_QUALIFIERS
+    return last in _SECRET_LAST
+
+
+def secret_values() -> list[str]:
+    """Values of credential-like environment variables (WANDB_API_KEY, HF_TOKEN, ...) worth scrubbing."""
+    return sorted(
+        {v for k, v in os.environ.items() if is_secret_key(k) and len(v) >= 8},
+        key=len,
+        reverse=True,  # longest first, so a secret containing another is replaced whole
+    )
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def redact(value: Any, secrets: list[str] | None = None) -> Any:
+    """A copy of `value` with credential-like keys and credential environment values replaced."""
+    secrets = secret_values() if secrets is None else secrets
     if isinstance(value, dict):
-        return {k: ("<redacted>" if _SECRET_KEY.search(str(k)) else redact(v)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v) for v in value]
+        return {k: (REDACTED if is_secret_key(str(k)) else redact(v, secrets)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, secrets) for v in value]
+    if isinstance(value, str):
+        return _scrub(value, secrets)
     return value
+
+
+def redact_argv(argv: list[str], secrets: list[str] | None = None) -> list[str]:
+    """Command-line words with `key=value` overrides of secret keys and secret values redacted."""
+    secrets = secret_values() if secrets is None else secrets
+    out = []
+    for word in argv:
+        key, eq, _ = word.partition("=")
+        if eq and is_secret_key(key.split(".")[-1].lstrip("-")):
+            word = f"{key}={REDACTED}"
+        out.append(_scrub(word, secrets))
+    return out
+
+
+@contextlib.contextmanager
+def _argv_redacted() -> Iterator[None]:
+    # W&B copies sys.argv into the run's metadata when it starts; show it only a redacted copy.
+    saved = sys.argv
+    sys.argv = redact_argv(sys.argv)
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 class Tracker(Protocol):
@@ -33,6 +101,8 @@ class Tracker(Protocol):
 
 
 class NullTracker:
+    run_id: str | None = None
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
 
@@ -41,37 +111,92 @@ class NullTracker:
 
 
 class JsonlTracker:
+    """metrics.jsonl: one JSON object per call, flushed at once (a crash loses nothing logged)."""
+
+    run_id: str | None = None
+
     def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.handle.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.handle.flush()  # a crash must not lose the metrics logged so far
+        self.handle.flush()
 
     def close(self) -> None:
         self.handle.close()
 
 
+def tensorboard_tag(key: str) -> str:
+    """Group the flat metric names into TensorBoard sections (train/, eval/, perf/, memory/)."""
+    if key.startswith("eval_"):
+        return f"eval/{key[5:]}"
+    if key.startswith(("gpu_mem", "host_rss")):
+        return f"memory/{key}"
+    if key in ("tokens_per_s", "tokens_per_s_per_gpu", "samples_per_s", "step_time_s", "mfu", "startup_s"):
+        return f"perf/{key}"
+    return f"train/{key}"
+
+
+class TensorBoardTracker:
+    run_id: str | None = None
+
+    def __init__(self, log_dir: Path, config: dict[str, Any], start_step: int = 0) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            from llm_train.errors import UserError
+
+            raise UserError(
+                "tracking.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                f"(or set tracking.tensorboard=false) [{exc}]"
+            ) from None
+        # On resume, events logged after the checkpoint by the interrupted run are dropped.
+        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
+        self.writer.add_text("config", "```\n" + json.dumps(redact(config), indent=2) + "\n```", 0)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tensorboard_tag(key), value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class WandbTracker:
-    def __init__(self, tracking: TrackingSection, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(
+        self, tracking: TrackingSection, run_dir: Path, config: dict[str, Any], run_id: str | None = None
+    ) -> None:
         import wandb
 
-        self.run = wandb.init(
-            project=tracking.project,
-            entity=tracking.entity,
-            name=tracking.run_name or run_dir.name,
-            tags=tracking.tags,
-            group=tracking.group,
-            mode=tracking.mode,
-            dir=str(run_dir),
-            config=redact(config),
-        )
+        with _argv_redacted():
+            self.run = wandb.init(
+                project=tracking.project,
+                entity=tracking.entity,
+                name=tracking.run_name or run_dir.name,
+                tags=tracking.tags,
+                group=tracking.group,
+                mode=tracking.mode,
+                dir=str(run_dir),
+                config=redact(config),
+                # Resume continues the same W&B run: the checkpoint stores `run_id` and passes it back.
+                id=run_id,
+                resume="allow" if run_id else None,
+            )
+        self.run_id: str | None = self.run.id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(metrics, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() returns before W&B's service has written the run file; teardown waits for it,
+        # so an offline run directory is complete when training reports success.
+        wandb.teardown()
 
 
 class Trackers:
@@ -79,6 +204,11 @@ class Trackers:
 
     def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run id (None without W&B): store it in checkpoints, pass it back on resume."""
+        return next((t.run_id for t in self.trackers if getattr(t, "run_id", None)), None)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         for tracker in self.trackers:
@@ -90,12 +220,24 @@ class Trackers:
 
 
 def open_trackers(
-    tracking: TrackingSection, run_dir: Path, config: dict[str, Any], is_main: bool
+    tracking: TrackingSection,
+    run_dir: Path,
+    config: dict[str, Any],
+    is_main: bool,
+    run_id: str | None = None,
+    start_step: int = 0,
 ) -> Trackers:
+    """The trackers of this rank: nothing off rank 0; else metrics.jsonl plus what the recipe enables.
+
+    `run_id` and `start_step` come from a checkpoint when resuming: W&B continues that run and
+    TensorBoard drops the interrupted run's events after `start_step`.
+    """
     if not is_main:
         return Trackers([NullTracker()])
     trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
+    if getattr(tracking, "tensorboard", False):
+        trackers.append(TensorBoardTracker(run_dir / "tensorboard", config, start_step))
     if tracking.mode != "disabled":
         os.environ.setdefault("WANDB_SILENT", "true")
-        trackers.append(WandbTracker(tracking, run_dir, config))
+        trackers.append(WandbTracker(tracking, run_dir, config, run_id))
     return Trackers(trackers)

@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--overwrite", action="store_true", help="Replace a run directory that holds another run."
     )
     parser.add_argument(
+        "--skip-ram-check", action="store_true", help="Start even if the planner says host RAM is too small."
+    )
+    parser.add_argument(
         "--resume",
         metavar="auto|PATH",
         help="Continue from the newest complete checkpoint of the run directory (auto) or from PATH.",
@@ -43,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--world-size", type=int, help="With --dry-run: plan for this many processes.")
     parser.add_argument("--verbose", action="store_true", help="Keep DeepSpeed / torch / transformers logs.")
+    from llm_train.console import add_train_args
+
+    add_train_args(parser)  # --peak-tflops, --profile A-B, --flops-profiler
     parser.add_argument(
         "overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides, e.g. optim.lr=1e-4."
     )
@@ -111,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print_dry_run(run)
             return 0
+        from llm_train.planner import check_host_ram
         from llm_train.rundir import check_output_dir
 
         if not args.resume:
             check_output_dir(run.recipe.output_dir, args.overwrite)
+        if not args.skip_ram_check:
+            check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])

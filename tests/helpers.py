@@ -83,3 +83,43 @@ def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     AutoTokenizer.from_pretrained(recipe.model.tokenizer).save_pretrained(path)
     return path
+
+
+def accelerate_popen(args: list[str], nproc: int = 2) -> subprocess.Popen:
+    """Like accelerate_launch, but in the background and in its own process group (to signal or kill it)."""
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+        str(TRAIN),
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **OFFLINE_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> bool:
+    """Block until metrics.jsonl has logged `step` (True) or the process ended first (False)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.is_file():
+            steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+            if steps and max(steps) >= step:
+                return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not logged within {timeout}s")

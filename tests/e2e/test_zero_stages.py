@@ -1,6 +1,6 @@
 """Real 2-process DeepSpeed on CPU: every ZeRO stage trains tiny-cpu, sees the true world, exports.
 
-One module-scoped fixture launches each variant once; the tests read its run directory.
+The session fixture `runs` (conftest.py) launches each variant once; the tests read its run directory.
 The runs fine-tune one saved tiny model (from_pretrained on a local directory: the real
 fine-tuning path; under ZeRO-3 it is loaded inside zero.Init, already partitioned).
 Parity: fp32, same weights and data, so ZeRO-1/2/3 must reproduce ZeRO-0's per-step losses
@@ -15,45 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import accelerate_launch, assert_ok, losses, make_tiny_pretrained
+from tests.e2e.reference import STEPS, VARIANTS
+from tests.helpers import losses
 
 pytestmark = pytest.mark.e2e
-
-STEPS = 6
-VARIANTS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
-SHORT_RUN = [
-    f"--max-steps={STEPS}",
-    "optim.warmup_steps=0",
-    "output.log_every=1",
-    "eval.every=0",
-    "eval.batches=2",
-    "output.sample_prompt=null",
-]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("zero")
-    pretrained = make_tiny_pretrained(base / "pretrained")
-    out = {}
-    for variant in VARIANTS:
-        run_dir = base / variant
-        result = accelerate_launch(
-            [
-                "--recipe",
-                "tiny-cpu",
-                "--ds-config",
-                variant,
-                "--output-dir",
-                str(run_dir),
-                *SHORT_RUN,
-                "model.init=pretrained",
-                f"model.name_or_path={pretrained}",
-            ]
-        )
-        assert_ok(result)
-        out[variant] = run_dir
-    return out
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

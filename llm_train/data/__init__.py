@@ -1,0 +1,39 @@
+"""Data: sources -> tokenised (cached) -> packed -> micro-batches per data-parallel rank.
+
+    sources.py      find a source (files, globs, save_to_disk folders, hub ids) and load its rows
+    formats.py      per-format tokenisation: text, instruction, chat, tokenized -> ids + loss mask
+    fingerprint.py  cache keys from source content and tokenizer
+    cache.py        build-once cache entries (file lock + atomic rename)
+    store.py        tokenised rows as flat memory-mapped arrays
+    packing.py      over-long policy, best-fit-decreasing packing, statistics
+    prepare.py      a recipe's data section -> packed train / eval splits
+    batches.py      sequences -> model inputs (position ids restart per sample)
+    stream.py       epoch order, sharding by data-parallel rank, exact resume
+    summary.py      statistics and decoded samples for `llm-train data inspect`
+    cli.py          `llm-train data prepare | inspect`
+
+Names are imported lazily so `llm-train --help` does not pay for numpy, torch or datasets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "prepare_data": "llm_train.data.prepare",
+    "load_blocks": "llm_train.data.prepare",
+    "PackedSplit": "llm_train.data.prepare",
+    "PreparedData": "llm_train.data.prepare",
+    "BatchStream": "llm_train.data.stream",
+    "eval_batches": "llm_train.data.stream",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llm_train.data' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

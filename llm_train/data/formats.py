@@ -1,0 +1,286 @@
+"""Per-format tokenisation: a batch of rows in, token ids and a loss mask per sample out.
+
+Each `make_tokenize_fn` result is a batched `datasets.map` function. A sample's `loss_mask`
+marks the tokens the model is trained to predict: every token of a text sample; the
+response (and its eos) of an instruction sample; the assistant turns of a chat sample;
+the tokens whose label is not -100 in a tokenized sample. Text sources return no mask
+(all ones), which keeps pre-training caches a fifth smaller.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from llm_train.errors import UserError
+from llm_train.recipe import ChatSource, InstructionSource, Source, TextSource, TokenizedSource
+
+Batch = dict[str, list[Any]]
+TokenizeFn = Callable[[Batch, list[int]], Batch]
+
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Columns that suggest the user meant another format: named in the missing-field error.
+_FORMAT_HINTS = (
+    ({"messages"}, "chat"),
+    ({"instruction", "output"}, "instruction"),
+    ({"input_ids"}, "tokenized"),
+    ({"text"}, "text"),
+)
+
+
+def required_fields(source: Source) -> list[str]:
+    if isinstance(source, TextSource):
+        return [source.text_field or "text"]
+    if isinstance(source, InstructionSource):
+        return [source.prompt_field, source.response_field]
+    if isinstance(source, ChatSource):
+        return [source.messages_field]
+    return [source.input_ids_field]
+
+
+def fields_read(source: Source, columns: list[str]) -> list[str]:
+    """The columns a source's tokenisation reads: its required fields and the optional ones present."""
+    optional = []
+    if isinstance(source, InstructionSource) and source.input_field:
+        optional.append(source.input_field)
+    if isinstance(source, TokenizedSource):
+        optional.append(source.labels_field)
+    return required_fields(source) + [c for c in optional if c in columns]
+
+
+def check_fields(columns: list[str], source: Source, key: str, where: str) -> None:
+    for name in required_fields(source):
+        if name in columns:
+            continue
+        setting = {
+            "text": "text_field (or data.text_field)",
+            "instruction": "prompt_field / response_field",
+            "chat": "messages_field",
+            "tokenized": "input_ids_field",
+        }[source.format]
+        hint = next(
+            (
+                f"; these columns look like format: {fmt}"
+                for cols, fmt in _FORMAT_HINTS
+                if cols <= set(columns)
+            ),
+            "",
+        )
+        if hint.endswith(source.format):
+            hint = ""
+        raise UserError(
+            f"{key}: {where}: no field '{name}' for format {source.format} (fields: {', '.join(columns)}); "
+            f"set {setting}{hint}"
+        )
+
+
+def encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
+    """Batched fast-tokenizer encoding without the offsets and Python wrappers a plain call builds."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer(texts, add_special_tokens=special)["input_ids"]
+    batch_encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return [e.ids for e in batch_encode(texts, add_special_tokens=special)]
+
+
+def make_tokenize_fn(source: Source, tokenizer: Any, chat_template: str | None, key: str) -> TokenizeFn:
+    if isinstance(source, TextSource):
+        return _text_fn(source, tokenizer)
+    if isinstance(source, InstructionSource):
+        return _instruction_fn(source, tokenizer)
+    if isinstance(source, ChatSource):
+        return _chat_fn(source, tokenizer, chat_template, key)
+    return _tokenized_fn(source, tokenizer, key)
+
+
+def has_loss_mask(source: Source) -> bool:
+    return not isinstance(source, TextSource)
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else ("" if value is None else str(value))
+
+
+def _text_fn(source: TextSource, tokenizer: Any) -> TokenizeFn:
+    field, eos = source.text_field or "text", tokenizer.eos_token_id
+
+    def tokenize(batch: Batch, indices: list[int]) -> Batch:
+        texts = [_as_text(t) for t in batch[field]]
+        ids = encode(tokenizer, texts, special=True)
+        # eos ends every document so the model learns where one stops; blank documents are dropped.
+        return {"input_ids": [[*x, eos] if t.strip() else [] for x, t in zip(ids, texts, strict=True)]}
+
+    return tokenize
+
+
+def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch: Batch, indices: list[int]) -> Batch:
+        n = len(indices)
+        extra = batch.get(source.input_field) if source.input_field else None
+        inputs = [_as_text(v) for v in extra] if extra is not None else [""] * n
+        prompts = [
+            source.prompt_template.format(prompt=_as_text(p) + (f"\n\n{i}" if i.strip() else ""))
+            for p, i in zip(batch[source.prompt_field], inputs, strict=True)
+        ]
+        responses = [_as_text(r) for r in batch[source.response_field]]
+        # Prompt and response are tokenised apart so the boundary is exact (no merge across it).
+        prompt_ids = encode(tokenizer, prompts, special=True)
+        response_ids = encode(tokenizer, responses, special=False)
+        ids, masks = [], []
+        for p, r, text in zip(prompt_ids, response_ids, responses, strict=True):
+            if not text.strip():
+                ids.append([])
+                masks.append([])
+                continue
+            ids.append([*p, *r, eos])
+            masks.append([0] * len(p) + [1] * (len(r) + 1))
+        return {"input_ids": ids, "loss_mask": masks}
+
+    return tokenize
+
+
+def resolve_chat_template(tokenizer: Any, override: str | None, key: str) -> str:
+    """The Jinja template chat sources use: data.chat_template (text or a .jinja path), else the tokenizer's."""
+    if override:
+        from pathlib import Path
+
+        path = Path(override).expanduser()
+        if "{" not in override and path.suffix in (".jinja", ".j2", ".txt"):
+            if not path.is_file():
+                raise UserError(f"data.chat_template: file not found: {override}")
+            return path.read_text(encoding="utf-8")
+        return override
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # tokenizers with several named templates
+        template = template.get("default")
+    if not template:
+        raise UserError(
+            f"{key}: format chat needs a chat template and tokenizer '{tokenizer.name_or_path}' has none; "
+            "set data.chat_template to a Jinja template or a .jinja file"
+        )
+    return template
+
+
+def _clean_messages(conversation: Any, row: int, key: str) -> list[dict[str, Any]]:
+    if not isinstance(conversation, list) or not conversation:
+        raise UserError(
+            f"{key}: row {row + 1}: messages must be a non-empty list of {{role, content}} objects"
+        )
+    messages = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or "role" not in message or message.get("content") is None:
+            fields = ", ".join(message) if isinstance(message, dict) else type(message).__name__
+            raise UserError(f"{key}: row {row + 1}: message {i} needs 'role' and 'content' (has: {fields})")
+        # Arrow gives every message every key seen in the file (None where absent); templates test
+        # for presence, so absent keys must stay absent.
+        messages.append({k: v for k, v in message.items() if v is not None})
+    return messages
+
+
+def _chat_fn(source: ChatSource, tokenizer: Any, chat_template: str | None, key: str) -> TokenizeFn:
+    template = resolve_chat_template(tokenizer, chat_template, key)
+    marked = bool(_GENERATION_BLOCK.search(template))
+
+    def render(conversations: list[list[dict[str, Any]]]) -> tuple[list[list[int]], list[list[int]]]:
+        if marked:
+            out = tokenizer.apply_chat_template(
+                conversations,
+                chat_template=template,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+            return [list(x) for x in out["input_ids"]], [list(m) for m in out["assistant_masks"]]
+        pairs = [_mask_by_prefixes(tokenizer, template, conv) for conv in conversations]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def tokenize(batch: Batch, indices: list[int]) -> Batch:
+        conversations = [
+            _clean_messages(c, row, key) for c, row in zip(batch[source.messages_field], indices, strict=True)
+        ]
+        try:
+            ids, masks = render(conversations)
+        except UserError:
+            raise
+        except Exception:
+            for conversation, row in zip(conversations, indices, strict=True):  # name the row that fails
+                try:
+                    render([conversation])
+                except Exception as exc:
+                    raise UserError(f"{key}: row {row + 1}: the chat template failed ({exc})") from None
+            raise
+        return {"input_ids": ids, "loss_mask": masks}
+
+    return tokenize
+
+
+def _mask_by_prefixes(
+    tokenizer: Any, template: str, conversation: list[dict[str, Any]]
+) -> tuple[list[int], list[int]]:
+    """Assistant-token mask for templates without a {% generation %} block.
+
+    Each assistant turn is the text between the rendering of the conversation before it (with
+    the generation prompt) and the rendering up to and including it; tokens whose first
+    character falls in such a span are trained on. Templates that rewrite earlier turns
+    (so a prefix does not render as a prefix) are refused rather than guessed.
+    """
+
+    def text(messages: list[dict[str, Any]], prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=prompt
+        )
+
+    full = text(conversation)
+    spans = []
+    for i, message in enumerate(conversation):
+        if message["role"] != "assistant":
+            continue
+        before, upto = text(conversation[:i], prompt=True) if i else "", text(conversation[: i + 1])
+        if not (full.startswith(before) and full.startswith(upto) and len(upto) >= len(before)):
+            raise UserError(
+                "the chat template does not render conversations prefix by prefix, so assistant turns cannot "
+                "be located; use a template with a {% generation %} block (data.chat_template)"
+            )
+        spans.append((len(before), len(upto)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
+def _tokenized_fn(source: TokenizedSource, tokenizer: Any, key: str) -> TokenizeFn:
+    import numpy as np
+
+    vocab = len(tokenizer)
+
+    def tokenize(batch: Batch, indices: list[int]) -> Batch:
+        all_labels = batch.get(source.labels_field)
+        ids_out, masks = [], []
+        for n, row in enumerate(indices):
+            ids = np.asarray(batch[source.input_ids_field][n] or [], dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                raise UserError(
+                    f"{key}: row {row + 1}: token id {int(ids.max() if ids.max() >= vocab else ids.min())} "
+                    f"is outside the tokenizer's vocabulary (0..{vocab - 1})"
+                )
+            labels = all_labels[n] if all_labels is not None else None
+            if labels is None:
+                mask = np.ones_like(ids)
+            else:
+                lab = np.asarray(labels, dtype=np.int64)
+                if lab.shape != ids.shape:
+                    raise UserError(
+                        f"{key}: row {row + 1}: {len(lab)} labels for {len(ids)} input_ids; they must match"
+                    )
+                if not ((lab == -100) | (lab == ids)).all():
+                    raise UserError(
+                        f"{key}: row {row + 1}: labels must equal input_ids or be -100 (the model shifts them)"
+                    )
+                mask = (lab != -100).astype(np.int64)
+            ids_out.append(ids.tolist())
+            masks.append(mask.tolist())
+        return {"input_ids": ids_out, "loss_mask": masks}
+
+    return tokenize

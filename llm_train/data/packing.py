@@ -1,0 +1,173 @@
+"""Samples -> spans that fit seq_len (the over-long policy) -> sequences (packed or padded).
+
+A span is a slice of a source's token store: (start, length, row). Packing assigns spans to
+sequences of `seq_len` slots with best-fit decreasing, which leaves ~1% of slots empty on
+typical length spreads where greedy concatenation in arrival order leaves 10-15%. Spans are
+never cut to fill a sequence: a sample's tokens attend only to that sample (see batches.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from llm_train.data.store import TokenStore
+from llm_train.errors import UserError
+
+_WINDOW = 1 << 24  # tokens of loss mask summed at a time (bounded memory on any corpus size)
+
+
+@dataclass
+class Spans:
+    start: np.ndarray  # int64: offset into the store's flat arrays
+    length: np.ndarray  # int64
+    row: np.ndarray  # int64: the source row the span comes from
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def select(self, keep: np.ndarray) -> Spans:
+        return Spans(self.start[keep], self.length[keep], self.row[keep])
+
+
+def make_spans(
+    store: TokenStore, rows: np.ndarray, seq_len: int, policy: str, key: str
+) -> tuple[Spans, dict[str, int]]:
+    """Apply the over-long policy to `rows` of `store`; drop samples with nothing to train on."""
+    lengths = store.lengths[rows]
+    counts = {"rows": len(rows), "empty": int((lengths == 0).sum())}
+    keep = lengths > 0
+    rows, lengths = rows[keep], lengths[keep]
+    over = lengths > seq_len
+    counts.update(truncated=0, dropped=0, split=0)
+    if over.any():
+        first = int(np.argmax(over))
+        if policy == "error":
+            raise UserError(
+                f"{key}: row {int(rows[first]) + 1} has {int(lengths[first])} tokens, more than "
+                f"data.seq_len={seq_len} ({int(over.sum())} such rows); set overlong: truncate, drop or split "
+                "on this source, or raise data.seq_len"
+            )
+        counts[{"truncate": "truncated", "drop": "dropped", "split": "split"}[policy]] = int(over.sum())
+    starts = store.offsets[rows]
+    if policy == "drop":
+        spans = Spans(starts[~over], lengths[~over], rows[~over])
+    elif policy == "truncate":
+        spans = Spans(starts, np.minimum(lengths, seq_len), rows)
+    else:  # split (or nothing over-long): seq_len pieces, each a sample of its own
+        pieces = -(-lengths // seq_len)
+        row_of_piece = np.repeat(np.arange(len(rows)), pieces)
+        first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        k = np.arange(len(row_of_piece)) - first_piece  # piece number within its row
+        start = starts[row_of_piece] + k * seq_len
+        length = np.minimum(seq_len, lengths[row_of_piece] - k * seq_len)
+        spans = Spans(start, length, rows[row_of_piece])
+    trained = trained_per_span(store, spans)
+    counts["no_target"] = int((trained == 0).sum())
+    return spans.select(trained > 0), counts
+
+
+def trained_per_span(store: TokenStore, spans: Spans) -> np.ndarray:
+    """Tokens each span trains on. A span's first token is never a target (nothing precedes it)."""
+    if store.loss_mask is None:
+        return np.maximum(spans.length - 1, 0)
+    out = np.zeros(len(spans), dtype=np.int64)
+    ends = spans.start + spans.length
+    i = 0
+    while i < len(spans):  # spans are sorted by start and disjoint: sum the mask window by window
+        lo = int(spans.start[i])
+        j = max(i + 1, int(np.searchsorted(ends, lo + _WINDOW, side="right")))
+        window = np.asarray(store.loss_mask[lo : int(ends[j - 1])], dtype=np.int64)
+        cumulative = np.concatenate(([0], np.cumsum(window)))
+        a = spans.start[i:j] - lo + 1
+        b = np.maximum(ends[i:j] - lo, a)
+        out[i:j] = cumulative[b] - cumulative[a]
+        i = j
+    return out
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """The bin of each item: longest first, each into the fullest bin it still fits, else a new bin."""
+    bin_of = np.empty(len(lengths), dtype=np.int64)
+    full = lengths == capacity
+    bin_of[full] = np.arange(int(full.sum()))  # a full-length item fills a bin alone
+    n_bins = int(full.sum())
+    rest = np.flatnonzero(~full)
+    order = rest[np.argsort(-lengths[rest], kind="stable")]
+    smallest = int(lengths[rest].min()) if len(rest) else capacity
+    # Bins by remaining space; bit s of `open_spaces` is set while some bin has exactly s slots left,
+    # so the tightest bin that fits L is the lowest set bit at or above L (a Python big-int scan in C).
+    by_space: dict[int, list[int]] = {}
+    open_spaces = 0
+    for item, length in zip(order.tolist(), lengths[order].tolist(), strict=True):
+        fits = open_spaces >> length
+        if fits:
+            space = length + (fits & -fits).bit_length() - 1
+            stack = by_space[space]
+            target = stack.pop()
+            if not stack:
+                open_spaces ^= 1 << space
+        else:
+            target, space = n_bins, capacity
+            n_bins += 1
+        bin_of[item] = target
+        left = space - length
+        if left >= smallest:  # gaps smaller than any sample can never be filled
+            by_space.setdefault(left, []).append(target)
+            open_spaces |= 1 << left
+    return bin_of
+
+
+@dataclass
+class Layout:
+    """Spans grouped into sequences: sequence b holds spans[bin_offsets[b]:bin_offsets[b + 1]]."""
+
+    spans: Spans
+    bin_offsets: np.ndarray
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.bin_offsets) - 1
+
+    def save(self, out: Any) -> None:
+        np.save(out / "span_start.npy", self.spans.start)
+        np.save(out / "span_length.npy", self.spans.length)
+        np.save(out / "span_row.npy", self.spans.row)
+        np.save(out / "bin_offsets.npy", self.bin_offsets)
+
+    @classmethod
+    def load(cls, path: Any) -> Layout:
+        spans = Spans(
+            np.load(path / "span_start.npy", mmap_mode="r"),
+            np.load(path / "span_length.npy", mmap_mode="r"),
+            np.load(path / "span_row.npy", mmap_mode="r"),
+        )
+        return cls(spans, np.load(path / "bin_offsets.npy"))
+
+
+def layout(spans: Spans, seq_len: int, mode: str) -> Layout:
+    if mode == "padded" or len(spans) == 0:
+        return Layout(spans, np.arange(len(spans) + 1, dtype=np.int64))
+    bin_of = best_fit_decreasing(spans.length, seq_len)
+    order = np.lexsort((spans.start, bin_of))  # by sequence, samples in corpus order within one
+    offsets = np.zeros(int(bin_of.max()) + 2, dtype=np.int64)
+    np.cumsum(np.bincount(bin_of, minlength=len(offsets) - 1), out=offsets[1:])
+    return Layout(spans.select(order), offsets)
+
+
+def length_stats(lengths: np.ndarray) -> dict[str, int]:
+    if len(lengths) == 0:
+        return {"p50": 0, "p90": 0, "p99": 0, "max": 0}
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {"p50": int(p50), "p90": int(p90), "p99": int(p99), "max": int(lengths.max())}
+
+
+def packing_supported() -> bool:
+    """Whether this transformers reads sample boundaries from restarting position ids (batches.py)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")

@@ -1,0 +1,149 @@
+"""Tokenised rows of one source, on disk as flat memory-mapped arrays.
+
+    input_ids.npy  int32 [tokens]      every row's tokens, end to end
+    loss_mask.npy  uint8 [tokens]      1 where the token is trained on (absent: all tokens)
+    offsets.npy    int64 [rows + 1]    row i is input_ids[offsets[i]:offsets[i + 1]]
+
+Tokenisation runs as a batched `datasets.map` (with `num_proc` workers for large sources)
+into a temporary Arrow file, which is then flattened chunk by chunk into the arrays above:
+the corpus never passes through Python lists as a whole, and reading a sample later is a
+slice of a memory map.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llm_train.data.formats import TokenizeFn
+
+_SMALL_SOURCE_ROWS = 10_000  # below this, starting worker processes costs more than it saves
+
+
+@dataclass
+class TokenStore:
+    path: Path
+    input_ids: np.ndarray
+    loss_mask: np.ndarray | None
+    offsets: np.ndarray
+
+    @classmethod
+    def open(cls, path: Path) -> TokenStore:
+        mask = path / "loss_mask.npy"
+        return cls(
+            path=path,
+            input_ids=np.load(path / "input_ids.npy", mmap_mode="r"),
+            loss_mask=np.load(mask, mmap_mode="r") if mask.is_file() else None,
+            offsets=np.load(path / "offsets.npy"),
+        )
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def tokens(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.input_ids[start : start + length]
+        if self.loss_mask is None:
+            return ids, np.ones(length, dtype=np.uint8)
+        return ids, self.loss_mask[start : start + length]
+
+
+def auto_num_proc(rows: int, requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    if rows < _SMALL_SOURCE_ROWS:
+        return 1
+    return max(1, min(8, os.cpu_count() or 1, rows // _SMALL_SOURCE_ROWS))
+
+
+def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Any:
+    """`tokenize`, building its output Arrow arrays directly.
+
+    datasets' generic conversion of nested Python lists cost as much as tokenising itself;
+    one flat int32 array plus offsets per batch costs a small fraction of it.
+    """
+    import itertools
+
+    import pyarrow as pa
+
+    types = {"input_ids": pa.int32(), "loss_mask": pa.uint8()}
+
+    def as_lists(values: list[list[int]], kind: Any) -> Any:
+        lengths = np.fromiter((len(v) for v in values), dtype=np.int32, count=len(values))
+        offsets = np.zeros(len(values) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = pa.array(list(itertools.chain.from_iterable(values)), type=kind)
+        return pa.ListArray.from_arrays(pa.array(offsets), flat)
+
+    def apply(batch: Any, indices: list[int]) -> Any:
+        out = tokenize(batch, indices)
+        names = ["input_ids"] + (["loss_mask"] if with_mask else [])
+        return pa.table({name: as_lists(out[name], types[name]) for name in names})
+
+    return apply
+
+
+def build_store(
+    out: Path,
+    rows: Any,
+    tokenize: TokenizeFn,
+    columns: list[str],
+    with_mask: bool,
+    num_proc: int,
+    fingerprint: str,
+) -> dict[str, Any]:
+    """Tokenise `rows` (a datasets.Dataset) into `out`; returns counts for the cache's meta.json."""
+    import datasets
+    import pyarrow.compute as pc
+
+    features = {"input_ids": datasets.List(datasets.Value("int32"))}
+    if with_mask:
+        features["loss_mask"] = datasets.List(datasets.Value("uint8"))
+    if num_proc > 1:
+        # Each worker tokenises on its own core; the fast tokenizer's own threads would only contend.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Rows are read through datasets' own decoding (JSON-typed columns and the like), only the columns used.
+    rows = rows.select_columns(columns)
+    mapped = rows.map(
+        _arrow_io(tokenize, with_mask),
+        batched=True,
+        batch_size=1000,
+        with_indices=True,
+        remove_columns=rows.column_names,
+        features=datasets.Features(features),
+        num_proc=num_proc if num_proc > 1 else None,
+        cache_file_name=str(out / "mapped.arrow"),
+        new_fingerprint=fingerprint,  # our own key; spares datasets hashing the tokenizer
+    )
+    table = mapped.data.table
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy().astype(np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    np.save(out / "offsets.npy", offsets)
+    trained = total
+    arrays = [("input_ids", np.int32)] + ([("loss_mask", np.uint8)] if with_mask else [])
+    for name, dtype in arrays:
+        # open_memmap with shape (0,) cannot be created; an all-empty source is caught by the caller.
+        flat = np.lib.format.open_memmap(out / f"{name}.npy", mode="w+", dtype=dtype, shape=(max(total, 1),))
+        pos = 0
+        for chunk in table.column(name).chunks:
+            values = chunk.flatten().to_numpy(zero_copy_only=False)
+            flat[pos : pos + len(values)] = values
+            pos += len(values)
+        if name == "loss_mask":
+            trained = int(flat[:total].sum(dtype=np.int64))
+        flat.flush()
+        del flat
+    del table, mapped
+    for arrow in out.glob("mapped*.arrow"):  # the flat arrays replace it
+        arrow.unlink()
+    return {"rows": len(lengths), "tokens": total, "trained_tokens": trained}

@@ -1,0 +1,213 @@
+"""Which sequence each data-parallel rank trains on, step after step, and where that stands.
+
+The training data is one endless list of sequences: epoch after epoch, each a seeded
+permutation of every source's share (weight x its sequences; a fractional share takes the
+next slice of a per-source permutation, so weight 0.5 covers the source every two
+epochs). Global micro-step k hands positions [k*G, (k+1)*G), G = micro_batch x dp_size,
+to the data-parallel ranks in order: across ranks each sequence of an epoch is served
+exactly once, ranks of one tensor/pipeline group (same dp rank) get identical batches,
+and an epoch that does not divide into micro-steps runs on into the next one instead
+of dropping its remainder.
+
+The position is one number, the sequences consumed by all ranks together, so a resumed
+run continues exactly, even on a different number of ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from llm_train.data.batches import build_rows
+from llm_train.data.packing import packing_supported
+from llm_train.data.prepare import PackedSplit
+from llm_train.errors import UserError
+
+_STATE_VERSION = 1
+
+
+def _seed(seed: int) -> int:
+    return seed & 0xFFFF_FFFF_FFFF_FFFF  # numpy seeds are non-negative; keep negative seeds distinct
+
+
+class EpochOrder:
+    """Global position -> (part, sequence): the per-epoch mixture and shuffle, computed lazily."""
+
+    def __init__(self, sizes: list[int], weights: list[float], seed: int) -> None:
+        self.sizes = sizes
+        self.shares = [max(1, round(w * n)) if n else 0 for n, w in zip(sizes, weights, strict=True)]
+        self.epoch_len = sum(self.shares)
+        self.base = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        self.seed = _seed(seed)
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def epoch(self, e: int) -> np.ndarray:
+        """Global sequence ids of epoch e, in the order they are served."""
+        if e not in self._epochs:
+            parts = [self._share(i, e) + self.base[i] for i in range(len(self.sizes)) if self.shares[i]]
+            ids = np.concatenate(parts)
+            ids = ids[np.random.default_rng([self.seed, 0, e]).permutation(len(ids))]
+            if len(self._epochs) >= 2:  # a micro-step spans at most two epochs
+                del self._epochs[min(self._epochs)]
+            self._epochs[e] = ids
+        return self._epochs[e]
+
+    def _share(self, part: int, e: int) -> np.ndarray:
+        size, share = self.sizes[part], self.shares[part]
+        if share == size:
+            return np.arange(size)
+        # Endless per-source stream: cycle c is a seeded permutation; epoch e takes items [e*share, (e+1)*share).
+        lo, hi = e * share, (e + 1) * share
+        out = []
+        for cycle in range(lo // size, (hi - 1) // size + 1):
+            perm = np.random.default_rng([self.seed, 1, part, cycle]).permutation(size)
+            out.append(
+                perm[max(lo, cycle * size) - cycle * size : min(hi, (cycle + 1) * size) - cycle * size]
+            )
+        return np.concatenate(out)
+
+    def at(self, position: int) -> tuple[int, int]:
+        e, i = divmod(position, self.epoch_len)
+        gid = int(self.epoch(e)[i])
+        part = int(np.searchsorted(self.base, gid, side="right")) - 1
+        return part, gid - int(self.base[part])
+
+
+class _MicroBatches:
+    """Map-style dataset for a DataLoader: index = first global position of this rank's micro-batch."""
+
+    def __init__(self, split: PackedSplit, order: EpochOrder, micro_batch: int) -> None:
+        self.split, self.order, self.micro = split, order, micro_batch
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        return build_rows(self.split, [self.order.at(position + j) for j in range(self.micro)])
+
+
+class BatchStream:
+    """Endless micro-batches for one data-parallel rank; resumable with state_dict / load_state_dict."""
+
+    def __init__(
+        self,
+        split: PackedSplit,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        workers: int | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
+        import torch
+
+        if split.packing == "packed" and not packing_supported():
+            raise UserError(
+                "data.packing=packed needs a transformers whose masks follow restarting position ids "
+                "(masking_utils.find_packed_sequence_indices) so packed samples do not attend to each other; "
+                "upgrade transformers or set data.packing=padded"
+            )
+        self.split, self.micro, self.rank, self.size, self.seed = split, micro_batch, dp_rank, dp_size, seed
+        self.order = EpochOrder([p.n_sequences for p in split.parts], split.weights, seed)
+        self.global_micro = micro_batch * dp_size
+        self.per_epoch = self.order.epoch_len // self.global_micro  # micro-batches per epoch, this rank
+        if self.per_epoch == 0:
+            raise UserError(
+                f"data: {self.order.epoch_len} training sequences per epoch are fewer than one global micro-step "
+                f"(micro_batch_size {micro_batch} x data-parallel size {dp_size}); add data or shrink the batch"
+            )
+        cuda = torch.cuda.is_available()
+        default_workers = split.loader_workers if split.loader_workers is not None else (2 if cuda else 0)
+        self.workers = default_workers if workers is None else workers
+        self.pin_memory = cuda if pin_memory is None else pin_memory
+        self.consumed = 0  # sequences served to all ranks together
+        self._batches: Iterator[dict[str, Any]] | None = None
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._batches is None:
+            self._batches = iter(self._loader())
+        batch = next(self._batches)
+        self.consumed += self.global_micro
+        return batch
+
+    def _loader(self) -> Any:
+        import multiprocessing
+
+        from torch.utils.data import DataLoader
+
+        positions = itertools.count(self.consumed + self.rank * self.micro, self.global_micro)
+        options: dict[str, Any] = {}
+        if self.workers:
+            # Workers build the next micro-batches while the model computes; fork shares the memory maps.
+            options = {"prefetch_factor": 4, "multiprocessing_context": _fork_context(multiprocessing)}
+        return DataLoader(
+            _MicroBatches(self.split, self.order, self.micro),  # type: ignore[arg-type]
+            batch_size=None,  # each item is already a whole micro-batch
+            sampler=positions,  # type: ignore[arg-type]
+            num_workers=self.workers,
+            pin_memory=self.pin_memory,
+            **options,
+        )
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.order.epoch_len
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position: the sequences consumed by all ranks, plus what it is valid for."""
+        return {
+            "version": _STATE_VERSION,
+            "sequences_consumed": self.consumed,
+            "epoch": self.epoch,
+            "sequences_per_epoch": self.order.epoch_len,
+            "data_fingerprint": self.split.fingerprint,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION or "sequences_consumed" not in state:
+            raise UserError(f"checkpoint data position {state!r} was written by another version of llm_train")
+        if state.get("data_fingerprint") != self.split.fingerprint or state.get("seed") != self.seed:
+            raise UserError(
+                "the training data, its mixture, packing or the seed differ from the checkpoint's; resuming would "
+                "repeat or skip samples: resume with the recipe's original data section, or start a new run"
+            )
+        self.consumed = int(state["sequences_consumed"])
+        self._batches = None  # the next batch is built from the restored position
+
+
+def _fork_context(multiprocessing: Any) -> Any:
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
+
+
+def eval_batches(
+    split: PackedSplit | None, micro_batch: int, dp_rank: int, dp_size: int, limit: int
+) -> list[dict[str, Any]]:
+    """The same fixed eval micro-batches at every evaluation, dealt by data-parallel rank.
+
+    Every rank gets the same number of batches (a rank with none would leave the others
+    waiting in the loss all-reduce): a short eval set wraps around to fill the last step.
+    """
+    import torch
+
+    if split is None or split.n_sequences == 0:
+        return []
+    base = np.concatenate(([0], np.cumsum([p.n_sequences for p in split.parts])))
+    total, step = split.n_sequences, micro_batch * dp_size
+    batches = []
+    for k in range(min(limit, -(-total // step))):
+        first = k * step + dp_rank * micro_batch
+        sequences = []
+        for j in range(micro_batch):
+            gid = (first + j) % total  # in source order: the same eval set whatever the seed
+            part = int(np.searchsorted(base, gid, side="right")) - 1
+            sequences.append((part, gid - int(base[part])))
+        rows = build_rows(split, sequences)
+        batches.append(
+            {k2: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k2, v in rows.items()}
+        )
+    return batches

@@ -1,0 +1,82 @@
+"""What `llm-train data inspect` prints: per-source statistics and decoded samples.
+
+Trained-on text is shown between ⟦ and ⟧, so a user sees at a glance that a chat sample
+trains only on assistant turns, an instruction sample only on its response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from llm_train.data.prepare import PackedSource, PackedSplit
+
+OPEN, CLOSE = "⟦", "⟧"
+
+
+def describe_split(split: PackedSplit) -> list[str]:
+    lines = []
+    total_weighted = sum(p.stats["tokens"] * w for p, w in zip(split.parts, split.weights, strict=True)) or 1
+    for part, weight in zip(split.parts, split.weights, strict=True):
+        lines += _describe_part(part, weight, part.stats["tokens"] * weight / total_weighted, split)
+    tokens = sum(p.stats["tokens"] for p in split.parts)
+    sequences = split.n_sequences
+    lines.append(
+        f"{split.name} total: {sum(p.stats['samples'] for p in split.parts):,} samples, {tokens:,} tokens in "
+        f"{sequences:,} sequences of {split.seq_len} ({split.packing}); "
+        f"efficiency {tokens / max(1, sequences * split.seq_len):.1%}"
+    )
+    return lines
+
+
+def _describe_part(part: PackedSource, weight: float, share: float, split: PackedSplit) -> list[str]:
+    s = part.stats
+    lengths = s["row_lengths"]
+    trained = s["trained_tokens"] / s["tokens"] if s["tokens"] else 0.0
+    return [
+        f"{part.label}{'' if split.name == 'train' else ' [eval]'}  weight {weight:g}",
+        f"  rows {s['rows']:,} (empty {s['empty']})  samples {s['samples']:,}  tokens {s['tokens']:,}  "
+        f"trained on {s['trained_tokens']:,} ({trained:.1%})",
+        f"  row length (tokens) p50 {lengths['p50']}  p90 {lengths['p90']}  p99 {lengths['p99']}  max {lengths['max']}",
+        f"  over seq_len {split.seq_len} (overlong: {part.source.overlong}): truncated {s['truncated']}  "
+        f"dropped {s['dropped']}  split {s['split']};  without trained-on tokens (dropped) {s['no_target']}",
+        f"  sequences {s['sequences']:,}  packing efficiency {s['efficiency']:.1%}  "
+        f"share of an epoch's tokens {share:.1%}  cache: tokenize {part.cache['tokenize']}, pack {part.cache['pack']}",
+    ]
+
+
+def marked_text(tokenizer: Any, ids: np.ndarray, trained: np.ndarray) -> str:
+    """Decoded tokens with each trained-on run between ⟦ and ⟧."""
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or trained[i] != trained[start]:
+            text = tokenizer.decode([int(t) for t in ids[start:i]], skip_special_tokens=False)
+            out.append(f"{OPEN}{text}{CLOSE}" if trained[start] else text)
+            start = i
+    return "".join(out)
+
+
+def sample_views(split: PackedSplit, tokenizer: Any, order: Any, n: int) -> list[str]:
+    """The first n samples training sees (epoch 0 order), decoded and marked."""
+    views: list[str] = []
+    position = 0
+    while len(views) < n and position < order.epoch_len:
+        part_index, sequence = order.at(position)
+        part = split.parts[part_index]
+        lay = part.layout
+        lo, hi = int(lay.bin_offsets[sequence]), int(lay.bin_offsets[sequence + 1])
+        for k in range(lo, hi):
+            if len(views) == n:
+                break
+            start, length, row = int(lay.spans.start[k]), int(lay.spans.length[k]), int(lay.spans.row[k])
+            ids, mask = part.store.tokens(start, length)
+            trained = np.asarray(mask, dtype=bool).copy()
+            trained[0] = False  # a sample's first token is never a target
+            views.append(
+                f"--- sample {len(views) + 1}: {part.label} row {row + 1}, {length} tokens, "
+                f"{int(trained.sum())} trained on (sequence {position} of epoch 0)\n"
+                f"{marked_text(tokenizer, ids, trained)}"
+            )
+        position += 1
+    return views

@@ -1,0 +1,370 @@
+"""`llm-train doctor`: what this machine has, and what will break before it breaks.
+
+    llm-train doctor [--skip-build] [--build-timeout SECONDS]
+
+Prints GPUs (name, memory, compute capability, bf16), host RAM, CPU cores, free disk,
+the GPU interconnect (`nvidia-smi topo -m`) when present, the versions that matter
+(torch and its CUDA, DeepSpeed, Accelerate, Transformers, PEFT, flash-attn), and whether
+DeepSpeed's CPU Adam actually builds and loads here: the ZeRO-Offload recipes need it and
+its JIT build is a classic failure (missing compiler, headers, mismatched CUDA). Every
+warning comes with its fix. Runs on a machine without a GPU or without nvidia-smi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+GiB = 1024**3
+DEFAULT_BUILD_TIMEOUT_S = 300.0
+# Below these, the common recipes run into trouble (checkpoints, NCCL shared memory).
+MIN_FREE_DISK_GIB = 50.0
+MIN_SHM_GIB = 1.0
+PACKAGES = ("torch", "deepspeed", "accelerate", "transformers", "peft", "datasets", "safetensors", "wandb")
+
+# Run in a child process: the build can take minutes, can hang, and prints a lot.
+_CPU_ADAM_PROBE = """
+import time, logging
+t = time.perf_counter()
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder import CPUAdamBuilder
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+CPUAdamBuilder().load()
+print(f"LLM_TRAIN_PROBE_OK accelerator={get_accelerator().device_name()} seconds={time.perf_counter() - t:.1f}")
+"""
+
+
+@dataclass
+class Report:
+    sections: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    warnings: list[tuple[str, str]] = field(default_factory=list)  # (problem, fix)
+
+    def add(self, section: str, key: str, value: str) -> None:
+        self.sections.setdefault(section, []).append((key, value))
+
+    def warn(self, problem: str, fix: str) -> None:
+        self.warnings.append((problem, fix))
+
+    def render(self) -> str:
+        lines = []
+        for name, rows in self.sections.items():
+            lines.append(f"== {name}")
+            width = max(len(k) for k, _ in rows)
+            for key, value in rows:
+                first, *rest = value.splitlines() or [""]
+                lines.append(f"  {key:<{width}}  {first}")
+                lines.extend(f"  {'':<{width}}  {line}" for line in rest)
+        lines.append("== warnings")
+        if not self.warnings:
+            lines.append("  none")
+        for problem, fix in self.warnings:
+            lines.append(f"  ! {problem}")
+            lines.append(f"    fix: {fix}")
+        return "\n".join(lines)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+
+def check_system(report: Report, cwd: Path) -> None:
+    import psutil
+
+    section = "system"
+    report.add(section, "OS", f"{platform.system()} {platform.release()} ({platform.machine()})")
+    report.add(section, "Python", f"{platform.python_version()} ({sys.executable})")
+    physical = psutil.cpu_count(logical=False) or "?"
+    cpu_name = platform.processor() or _cpu_model() or "unknown CPU"
+    report.add(section, "CPU cores", f"{physical} physical, {os.cpu_count()} logical ({cpu_name})")
+    vm = psutil.virtual_memory()
+    report.add(section, "host RAM", f"{vm.total / GiB:.1f} GiB total, {vm.available / GiB:.1f} GiB available")
+    for label, path in (("disk (here)", cwd), ("disk (~/.cache)", Path.home() / ".cache")):
+        probe = path if path.exists() else path.parent
+        free = shutil.disk_usage(probe).free / GiB
+        report.add(section, label, f"{free:.0f} GiB free at {probe}")
+        if label == "disk (here)" and free < MIN_FREE_DISK_GIB:
+            report.warn(
+                f"only {free:.0f} GiB free at {probe}: a 7B run's checkpoints (with optimizer states) "
+                "take ~100 GB",
+                "free space, or point output.dir=/big/disk/{name} at a larger disk",
+            )
+    shm = Path("/dev/shm")
+    if shm.exists():
+        size = shutil.disk_usage(shm).total / GiB
+        report.add(section, "/dev/shm", f"{size:.1f} GiB")
+        if size < MIN_SHM_GIB:
+            report.warn(
+                f"/dev/shm is {size:.2f} GiB: NCCL and data-loader workers need shared memory",
+                "in Docker run with --shm-size=16g (or --ipc=host)",
+            )
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def check_gpus(report: Report) -> list[tuple[str, float, tuple[int, int], bool]]:
+    """GPUs as torch sees them: (name, memory GiB, compute capability, bf16)."""
+    section = "GPUs"
+    try:
+        import torch
+    except ImportError:
+        report.add(section, "torch", "not installed")
+        report.warn("torch is not installed", "pip install torch (a CUDA build on GPU machines)")
+        return []
+    smi = shutil.which("nvidia-smi")
+    gpus: list[tuple[str, float, tuple[int, int], bool]] = []
+    if torch.cuda.is_available():
+        from llm_train.gpus import find_gpu
+
+        arch_list = set(torch.cuda.get_arch_list())
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            cc = (props.major, props.minor)
+            bf16 = cc >= (8, 0)  # Ampere and newer
+            mem = props.total_memory / GiB
+            spec = find_gpu(props.name)
+            peak = f", {spec.peak_tflops:g} TFLOP/s dense 16-bit" if spec else ""
+            report.add(
+                section,
+                f"GPU {i}",
+                f"{props.name}, {mem:.1f} GiB, compute capability {cc[0]}.{cc[1]}, "
+                f"bf16 {'yes' if bf16 else 'no'}{peak}",
+            )
+            gpus.append((props.name, mem, cc, bf16))
+            sm = f"sm_{cc[0]}{cc[1]}"
+            if arch_list and sm not in arch_list and not any(a.startswith("compute_") for a in arch_list):
+                report.warn(
+                    f"this torch build has no kernels for {props.name} ({sm}; built for {', '.join(sorted(arch_list))})",
+                    "install a torch wheel built for your GPU (pytorch.org/get-started)",
+                )
+        if any(not g[3] for g in gpus):
+            names = ", ".join(sorted({g[0] for g in gpus if not g[3]}))
+            report.warn(
+                f"{names}: no bf16 (compute capability < 8.0)",
+                "keep precision=auto (trains in fp16 with dynamic loss scaling); do not set precision=bf16",
+            )
+    else:
+        report.add(section, "CUDA GPUs", "none visible to torch")
+        if smi and torch.version.cuda is None:
+            report.warn(
+                "nvidia-smi is present but this torch is a CPU-only build",
+                "pip install torch --index-url https://download.pytorch.org/whl/cu124 (match your driver)",
+            )
+        elif smi:
+            report.warn(
+                "nvidia-smi is present but torch sees no GPU",
+                "check CUDA_VISIBLE_DEVICES and that the driver supports torch's CUDA "
+                f"{torch.version.cuda} (nvidia-smi shows the highest CUDA it supports)",
+            )
+        else:
+            report.warn(
+                "no CUDA GPU: only CPU recipes (tiny-cpu, tiny-cpu-lora) train here",
+                "plan a GPU machine with `llm-train plan --recipe NAME --gpu RTX-4090 --host-ram 128`",
+            )
+    if smi:
+        driver = _run([smi, "--query-gpu=driver_version", "--format=csv,noheader"])
+        if driver:
+            report.add(section, "driver", driver.strip().splitlines()[0])
+        topo = _run([smi, "topo", "-m"])
+        if topo:
+            # The matrix says NV# (NVLink), PIX/PXB (PCIe switch), PHB/NODE/SYS (through the CPU).
+            report.add(section, "interconnect", topo.rstrip())
+            if len(gpus) > 1 and "NV" not in topo:
+                report.warn(
+                    "GPUs talk over PCIe, not NVLink: ZeRO-3 all-gathers every micro-batch are slow",
+                    "prefer ZeRO-2 (or ZeRO-1) when the model fits; `llm-train plan` ranks the options",
+                )
+    else:
+        report.add(section, "nvidia-smi", "not found (no NVIDIA driver tools)")
+    return gpus
+
+
+def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int], bool]]) -> None:
+    section = "software"
+    torch_cuda = None
+    try:
+        import torch
+
+        torch_cuda = torch.version.cuda
+        cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+        report.add(
+            section,
+            "torch",
+            f"{torch.__version__} (CUDA {torch_cuda or 'none: CPU build'}"
+            + (f", cuDNN {cudnn})" if cudnn else ")"),
+        )
+    except ImportError:
+        pass
+    for package in PACKAGES[1:]:
+        report.add(section, package, _version(package) or "not installed")
+    if not _version("peft"):
+        report.warn("peft is not installed: LoRA recipes will not run", "pip install 'llm_train[lora]'")
+    flash = _version("flash-attn") or _version("flash_attn")
+    if flash:
+        try:
+            import flash_attn  # noqa: F401
+
+            report.add(section, "flash-attn", f"{flash} (imports)")
+        except Exception as exc:  # an ABI mismatch with torch is the common failure
+            report.add(section, "flash-attn", f"{flash} (FAILS to import: {_first_line(exc)})")
+            report.warn(
+                "flash-attn is installed but does not import (built against another torch/CUDA)",
+                "pip install --force-reinstall --no-build-isolation flash-attn, or use memory.attention=sdpa",
+            )
+    else:
+        report.add(section, "flash-attn", "not installed (memory.attention=sdpa works without it)")
+        if any(g[2] >= (8, 0) for g in gpus):
+            report.warn(
+                "flash-attn is not installed (optional)",
+                "pip install flash-attn --no-build-isolation to use memory.attention=flash_attention_2",
+            )
+    compilers = []
+    for tool in ("gcc", "g++", "ninja", "nvcc"):
+        path = shutil.which(tool)
+        compilers.append(f"{tool} {'at ' + path if path else 'missing'}")
+    report.add(section, "build tools", ", ".join(compilers))
+    if not shutil.which("g++") and not shutil.which("c++"):
+        report.warn(
+            "no C++ compiler: DeepSpeed cannot JIT-build CPU Adam (needed by every offload recipe)",
+            "apt-get install build-essential python3-dev (or the distribution's equivalent)",
+        )
+    if not shutil.which("ninja") and not _version("ninja"):
+        report.warn("ninja is missing: DeepSpeed's JIT op builds need it", "pip install ninja")
+    nvcc = shutil.which("nvcc")
+    if nvcc and torch_cuda:
+        out = _run([nvcc, "--version"]) or ""
+        release = next(
+            (w.rstrip(",") for line in out.splitlines() if "release" in line for w in line.split()[4:5]), ""
+        )
+        if release and release.split(".")[0] != torch_cuda.split(".")[0]:
+            report.warn(
+                f"nvcc is CUDA {release} but torch was built with CUDA {torch_cuda}: DeepSpeed CUDA op builds fail",
+                "install the matching CUDA toolkit and set CUDA_HOME to it",
+            )
+
+
+def check_cpu_adam(report: Report, timeout: float) -> None:
+    """Build and load DeepSpeed's CPU Adam in a child process; one line either way."""
+    section = "DeepSpeed ops"
+    if not _version("deepspeed"):
+        report.add(section, "CPU Adam", "not tried: deepspeed is not installed")
+        return
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # Its own session, so a timeout kills the compiler processes too, not just Python.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CPU_ADAM_PROBE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        report.add(section, "CPU Adam", f"no answer after {timeout:.0f} s (build still running; stopped)")
+        report.warn(
+            f"DeepSpeed CPU Adam did not build within {timeout:.0f} s",
+            "run `llm-train doctor --build-timeout 900` once (the build is cached in ~/.cache/torch_extensions)",
+        )
+        return
+    elapsed = time.perf_counter() - started
+    ok = next((line for line in out.splitlines() if line.startswith("LLM_TRAIN_PROBE_OK")), None)
+    if proc.returncode == 0 and ok:
+        accel = ok.split("accelerator=")[1].split()[0]
+        report.add(section, "CPU Adam", f"builds and loads ({elapsed:.1f} s; DeepSpeed accelerator: {accel})")
+        return
+    lines = [line.strip() for line in out.splitlines() if line.strip() and "[WARNING]" not in line]
+    error = next(
+        (line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else ""
+    )
+    report.add(section, "CPU Adam", f"FAILS to build/load: {error[:200]}")
+    report.warn(
+        "DeepSpeed CPU Adam does not build here: every ZeRO-Offload recipe (7b-rtx4090, 13b-rtx4090-offload) "
+        "needs it",
+        "install build-essential and python3-dev (and ninja), remove ~/.cache/torch_extensions, rerun; "
+        "or prebuild it: DS_BUILD_CPU_ADAM=1 pip install --no-build-isolation --force-reinstall deepspeed",
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def collect(build: bool = True, timeout: float = DEFAULT_BUILD_TIMEOUT_S, cwd: Path | None = None) -> Report:
+    report = Report()
+    check_system(report, cwd or Path.cwd())
+    gpus = check_gpus(report)
+    check_software(report, gpus)
+    if build:
+        check_cpu_adam(report, timeout)
+    else:
+        report.add("DeepSpeed ops", "CPU Adam", "not tried (--skip-build)")
+    if gpus:
+        import psutil
+
+        host = psutil.virtual_memory().total / GiB
+        if host < 64:
+            report.warn(
+                f"{host:.0f} GiB host RAM: full fine-tunes with CPU offload will not fit "
+                "(7b-rtx4090 needs ~116 GiB)",
+                "use LoRA (8b-lora-rtx4090) or NVMe offload; `llm-train plan --recipe NAME` shows the options",
+            )
+    return report
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="Check this machine: GPUs, RAM, disk, versions, DeepSpeed CPU Adam build.",
+        description="Report the hardware and software llm_train depends on; every warning comes with its fix.",
+    )
+    p.add_argument("--skip-build", action="store_true", help="Do not try to build/load DeepSpeed's CPU Adam.")
+    p.add_argument(
+        "--build-timeout",
+        type=float,
+        default=DEFAULT_BUILD_TIMEOUT_S,
+        metavar="SECONDS",
+        help="Give up on the CPU Adam build after this long (the first build takes 1-3 minutes).",
+    )
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    report = collect(build=not args.skip_build, timeout=args.build_timeout)
+    print(report.render())
+    return 0

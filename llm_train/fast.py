@@ -1,0 +1,84 @@
+"""Speed switches that are not part of the model or the optimizer: allocator, Liger, torch.compile.
+
+Each is a recipe field (`memory.liger_kernels`, `memory.torch_compile`) or a safe default
+(the CUDA allocator's expandable segments), documented in docs/observability.md with
+what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/optim.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from llm_train.errors import UserError
+from llm_train.recipe import MemorySection
+
+ALLOC_CONF = "expandable_segments:True"
+
+
+def set_cuda_alloc_conf() -> bool:
+    """Use expandable segments in the CUDA caching allocator unless the user configured it.
+
+    Expandable segments let the allocator grow a segment instead of carving new fixed
+    blocks, which removes most fragmentation OOMs of long runs with varying shapes (eval,
+    the last partial batch, ZeRO-3's gathered parameters) at no measured speed cost. Must
+    run before the first CUDA allocation; returns whether it set the variable.
+    """
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    return True
+
+
+def apply_liger(memory: MemorySection, model_type: str | None, zero_stage: int) -> str | None:
+    """Patch the model classes with Liger kernels before the model is built; returns a notice or None.
+
+    Under ZeRO-3 the fused linear cross-entropy is left out: it reads lm_head.weight
+    without calling lm_head, so ZeRO-3 never gathers that partitioned weight.
+    """
+    if not getattr(memory, "liger_kernels", False):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(
+            "memory.liger_kernels=true needs a CUDA GPU (Liger's kernels are Triton); set memory.liger_kernels=false"
+        )
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        raise UserError(
+            "memory.liger_kernels=true needs the liger-kernel package: pip install liger-kernel "
+            "(or set memory.liger_kernels=false)"
+        ) from None
+    patch = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type or "")
+    if patch is None:
+        known = ", ".join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
+        raise UserError(
+            f"memory.liger_kernels=true: Liger has no kernels for model_type '{model_type}'; supported: {known}"
+        )
+    wanted = {"fused_linear_cross_entropy": zero_stage != 3, "cross_entropy": zero_stage == 3}
+    accepted = inspect.signature(patch).parameters
+    patch(**{k: v for k, v in wanted.items() if k in accepted})
+    if zero_stage == 3:
+        return "Liger kernels on (without fused linear cross-entropy, which ZeRO-3 cannot feed)"
+    return "Liger kernels on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)"
+
+
+def compile_engine(engine: Any, memory: MemorySection) -> str | None:
+    """torch.compile the model through DeepSpeed (its hooks stay outside the compiled graphs)."""
+    if not getattr(memory, "torch_compile", False):
+        return None
+    compile_ = getattr(engine, "compile", None)
+    if compile_ is None:
+        raise UserError(
+            "memory.torch_compile=true needs DeepSpeed >= 0.14 (DeepSpeedEngine.compile); "
+            "upgrade deepspeed or set memory.torch_compile=false"
+        )
+    compile_()
+    return "torch.compile on: the first steps are slow while graphs compile"

@@ -1,0 +1,97 @@
+"""Which tensor / pipeline / data-parallel combinations a run may use, checked before anything loads.
+
+plan.make_plan splits the world into dp x tp x pp; this module checks the split against the
+model's shape and against what DeepSpeed 0.19 (and transformers) actually support, so a bad
+combination fails in `--dry-run` and at launch with one line that shows every factor,
+instead of minutes later inside DeepSpeed. No torch import: dry runs stay fast.
+
+Supported (each verified on CPU by tests/e2e/test_parallel*.py):
+  tensor parallel (AutoTP)  x data parallel  with ZeRO-0/1/2 (and ZeRO-3 for init: random)
+  pipeline (PipelineModule) x data parallel  with ZeRO-0/1, Llama / Mistral / Qwen2
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llm_train.errors import UserError
+from llm_train.plan import ParallelPlan
+from llm_train.recipe import Recipe
+
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED = (
+    "supported: tensor parallel x data parallel with ZeRO-0/1/2 (ds_configs/zero1_tp, zero2_tp), "
+    "pipeline x data parallel with ZeRO-0/1 (deepspeed.pipeline_stages=N with ds_configs/zero1)"
+)
+
+
+def check_parallel(plan: ParallelPlan, recipe: Recipe, fields: dict[str, Any], ds_source: str) -> None:
+    """Raise a one-line UserError for the first combination that cannot run."""
+    tp, pp = plan.tp, plan.pp
+    degrees = f"world size {plan.world_size} = dp {plan.dp} x tp {tp} x pp {pp}"
+    if tp > 1 and pp > 1:
+        raise UserError(
+            f"{degrees}: tensor parallel (tensor_parallel.autotp_size={tp} in {ds_source}) cannot be combined "
+            f"with pipeline parallel (deepspeed.pipeline_stages={pp}): DeepSpeed's AutoTP shards models driven "
+            f"through Accelerate, not PipelineModule stages; {SUPPORTED}"
+        )
+    if pp > 1:
+        _check_pipeline(plan, recipe, fields, ds_source, degrees)
+    if tp > 1:
+        _check_tensor_parallel(plan, recipe, fields, ds_source, degrees)
+
+
+def _check_pipeline(
+    plan: ParallelPlan, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
+) -> None:
+    pp, stage = plan.pp, plan.zero_stage
+    if stage >= 2:
+        raise UserError(
+            f"{degrees}: deepspeed.pipeline_stages={pp} needs ZeRO stage 0 or 1, but {ds_source} sets "
+            f"zero_optimization.stage={stage} (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism); "
+            "use deepspeed.config=zero1"
+        )
+    if recipe.lora is not None:
+        raise UserError(
+            f"{degrees}: lora is not supported with deepspeed.pipeline_stages={pp}; "
+            "train LoRA with ZeRO (deepspeed.pipeline_stages=1)"
+        )
+    model_type = fields.get("model_type")
+    if model_type is not None and model_type not in PIPELINE_MODEL_TYPES:
+        raise UserError(
+            f"{degrees}: deepspeed.pipeline_stages={pp} supports model types {', '.join(PIPELINE_MODEL_TYPES)}; "
+            f"model.name_or_path={recipe.model.name_or_path} is '{model_type}'"
+        )
+    layers = fields.get("num_hidden_layers")
+    if layers is not None and int(layers) < pp:
+        raise UserError(
+            f"{degrees}: deepspeed.pipeline_stages={pp} needs at least {pp} decoder layers, the model has "
+            f"num_hidden_layers={layers}; use at most {layers} stages"
+        )
+
+
+def _check_tensor_parallel(
+    plan: ParallelPlan, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
+) -> None:
+    tp, stage = plan.tp, plan.zero_stage
+    if stage == 3 and recipe.model.init == "pretrained":
+        # DeepSpeed 0.19.8 trains ZeRO-3 + AutoTP, but transformers (5.x) refuses to load a checkpoint
+        # into a model built under zero.Init with tensor_parallel set ("Weight conversions ... with
+        # DeepSpeed Tensor Parallelism are not yet implemented").
+        raise UserError(
+            f"{degrees}: ZeRO-3 with tensor_parallel.autotp_size={tp} ({ds_source}) cannot load pretrained "
+            "weights (transformers refuses checkpoints under ZeRO-3 + AutoTP); use ds_configs/zero1_tp or "
+            "zero2_tp, or ZeRO-3 without tensor_parallel"
+        )
+    if recipe.lora is not None:
+        raise UserError(
+            f"{degrees}: lora is not supported with tensor_parallel.autotp_size={tp} ({ds_source}); "
+            "train LoRA with ZeRO alone"
+        )
+    heads = fields.get("num_attention_heads")
+    kv_heads = fields.get("num_key_value_heads") or heads
+    if heads is not None and (int(heads) % tp or int(kv_heads) % tp):
+        raise UserError(
+            f"{degrees}: tensor_parallel.autotp_size={tp} must divide the attention heads, the model has "
+            f"num_attention_heads={heads} and num_key_value_heads={kv_heads}; pick a tp that divides both"
+        )

@@ -1,0 +1,34 @@
+"""The reference runs: tiny-cpu fine-tuned from one saved tiny model under every ZeRO variant.
+
+Other e2e tests reproduce these runs with extra options (checkpoints, kills, signals) and
+compare against them: options that do not change the math must not change a single bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STEPS = 6
+VARIANTS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+SHORT_RUN = [
+    f"--max-steps={STEPS}",
+    "optim.warmup_steps=0",
+    "output.log_every=1",
+    "eval.every=0",
+    "eval.batches=2",
+    "output.sample_prompt=null",
+]
+
+
+def run_args(variant: str, run_dir: Path, pretrained: Path) -> list[str]:
+    return [
+        "--recipe",
+        "tiny-cpu",
+        "--ds-config",
+        variant,
+        "--output-dir",
+        str(run_dir),
+        *SHORT_RUN,
+        "model.init=pretrained",
+        f"model.name_or_path={pretrained}",
+    ]

@@ -1,0 +1,69 @@
+"""`llm-train doctor`: runs on a CPU-only machine, prints every section, warnings carry their fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_train import cli, doctor
+
+
+def test_doctor_prints_its_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["doctor", "--skip-build"]) == 0
+    out = capsys.readouterr().out
+    for header in ("== system", "== GPUs", "== software", "== DeepSpeed ops", "== warnings"):
+        assert header in out
+    for key in ("CPU cores", "host RAM", "disk (here)", "torch", "deepspeed", "accelerate", "transformers"):
+        assert f"  {key}" in out
+    assert "flash-attn" in out and "CPU Adam  not tried (--skip-build)" in out
+
+
+def test_every_warning_has_a_fix() -> None:
+    report = doctor.collect(build=False)
+    for problem, fix in report.warnings:
+        assert problem and fix
+    text = report.render()
+    assert text.count("  ! ") == text.count("    fix: ") == len(report.warnings)
+
+
+def test_no_gpu_is_a_warning_with_a_fix_not_a_crash() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    report = doctor.collect(build=False)
+    gpus = dict(report.sections["GPUs"])
+    assert gpus["CUDA GPUs"] == "none visible to torch"
+    assert any("llm-train plan" in fix for _, fix in report.warnings)
+
+
+def test_cpu_adam_failure_is_one_line_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        doctor,
+        "_CPU_ADAM_PROBE",
+        "import sys\nprint('noise')\nsys.exit('RuntimeError: Error building extension cpu_adam')",
+    )
+    report = doctor.Report()
+    doctor.check_cpu_adam(report, timeout=60)
+    ((key, value),) = report.sections["DeepSpeed ops"]
+    assert (
+        key == "CPU Adam" and value == "FAILS to build/load: RuntimeError: Error building extension cpu_adam"
+    )
+    problem, fix = report.warnings[0]
+    assert "CPU Adam does not build" in problem and "build-essential" in fix and "DS_BUILD_CPU_ADAM=1" in fix
+
+
+def test_cpu_adam_probe_timeout_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "_CPU_ADAM_PROBE", "import time\ntime.sleep(30)")
+    report = doctor.Report()
+    doctor.check_cpu_adam(report, timeout=1)
+    assert report.sections["DeepSpeed ops"][0][1].startswith("no answer after 1 s")
+    assert "--build-timeout" in report.warnings[0][1]
+
+
+@pytest.mark.e2e
+def test_cpu_adam_really_builds_here() -> None:
+    """The real probe: JIT-builds DeepSpeed's CPU Adam (1-3 minutes the first time, then cached)."""
+    pytest.importorskip("deepspeed")
+    report = doctor.Report()
+    doctor.check_cpu_adam(report, timeout=600)
+    value = report.sections["DeepSpeed ops"][0][1]
+    assert value.startswith("builds and loads"), value

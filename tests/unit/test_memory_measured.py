@@ -1,0 +1,88 @@
+"""The planner's estimate against measured memory on CPU (loose bounds; the tight check is on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llm_train.memory import GiB, estimate_memory
+from llm_train.plan import Device
+from llm_train.planner import memory_inputs, needs
+from llm_train.resolve import resolve_run
+from llm_train.shapes import shape_from_config
+from tests.helpers import ACCELERATE, OFFLINE_ENV, REPO, TRAIN, free_port
+
+# Runs a command and reports the peak RSS of its largest descendant (Linux: KiB), so the
+# measurement is not polluted by what this pytest process started before.
+PEAK_RSS_WRAPPER = (
+    "import resource, subprocess, sys\n"
+    "code = subprocess.run(sys.argv[1:]).returncode\n"
+    "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    "sys.exit(code)\n"
+)
+
+
+def tiny_cpu_estimate_per_process() -> float:
+    run = resolve_run("tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True))
+    inputs = memory_inputs(run, shape_from_config(run.model_fields), 2)
+    _, host = needs(estimate_memory(inputs), inputs, "cpu")
+    return host / inputs.ranks_per_node
+
+
+@pytest.mark.e2e
+def test_tiny_cpu_estimate_bounds_measured_peak_rss(tmp_path: Path) -> None:
+    import os
+
+    cmd = [
+        sys.executable,
+        "-c",
+        PEAK_RSS_WRAPPER,
+        str(ACCELERATE),
+        "launch",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        str(TRAIN),
+        "--recipe",
+        "tiny-cpu",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "5",
+        "output.sample_prompt=null",
+    ]
+    result = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak = int(result.stdout.rsplit("PEAK_RSS_KIB", 1)[1].split()[0]) * 1024
+    estimate = tiny_cpu_estimate_per_process()
+    # Upper bound: no training process outgrew its share of the planner's host estimate...
+    assert peak <= estimate, f"measured {peak / GiB:.2f} GiB > estimate {estimate / GiB:.2f} GiB per process"
+    # ... and not absurdly loose (the estimate is dominated by the per-process runtime allowance).
+    assert estimate < 4 * peak, f"estimate {estimate / GiB:.2f} GiB vs measured {peak / GiB:.2f} GiB"
+
+
+@pytest.mark.e2e
+def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path: Path) -> None:
+    """bench/gpu_memory_7b.py is prepared for an H200; its --tiny mode runs the same code path here."""
+    import os
+
+    cmd = [sys.executable, "bench/gpu_memory_7b.py", "--tiny", "--steps", "2", "--out", str(tmp_path)]
+    result = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = (tmp_path / "gpu_memory_7b.jsonl").read_text().splitlines()
+    record = json.loads(lines[-1])
+    assert record["mode"] == "tiny-cpu" and record["steps"] == 2 and "error" not in record
+    # precision=auto is fp32 on a CPU; on the GPU the same recipe trains in bf16.
+    assert (record["zero_stage"], record["offload"], record["precision"]) == (3, ["cpu", "cpu"], "fp32")
+    assert record["step_time_s_median"] > 0 and record["host_rss_peak_gib"] > 0
+    assert record["estimate_host_gib"] > 0 and record["host_ratio_estimate_over_measured"] > 1.0
+    assert all(loss == loss for loss in record["losses"])  # finite, not NaN

@@ -1,0 +1,125 @@
+"""Step metrics: the FLOPs formula, the meter's windowed throughput and MFU, the start-up clock."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_train.console import duration, progress_line
+from llm_train.metrics import (
+    StartupClock,
+    StepMeter,
+    flops_per_token,
+    host_rss_gib,
+    model_flops_per_token,
+    resolve_peak_tflops,
+)
+from llm_train.shapes import shape_from_config
+
+
+def _tiny_llama(tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config), config
+
+
+def test_flops_formula_is_palm() -> None:
+    # 6N + 12*L*H*Q*T with N=1e9, L=16, H=32, Q=64, T=4096
+    assert flops_per_token(1e9, 16, 32, 64, 4096) == 6e9 + 12 * 16 * 32 * 64 * 4096
+    # Frozen weights: forward + activation gradient only (4 FLOPs per parameter per token).
+    assert flops_per_token(0, 1, 1, 1, 1, n_frozen=10) == 40 + 12
+
+
+def test_model_flops_leave_out_the_input_embedding() -> None:
+    model, config = _tiny_llama()
+    shape = shape_from_config(config.to_dict())
+    n = shape.num_params - shape.vocab_size * shape.hidden_size  # untied: the lm_head stays, the lookup goes
+    expected = 6 * n + 12 * 2 * 4 * 16 * 128
+    assert model_flops_per_token(model, 128) == pytest.approx(expected)
+
+
+def test_tied_embedding_counts_once_as_the_output_matmul() -> None:
+    model, config = _tiny_llama(tie=True)
+    shape = shape_from_config({**config.to_dict(), "tie_word_embeddings": True})
+    assert model_flops_per_token(model, 128) == pytest.approx(6 * shape.num_params + 12 * 2 * 4 * 16 * 128)
+
+
+def test_frozen_parameters_cost_two_thirds() -> None:
+    model, _ = _tiny_llama()
+    full = model_flops_per_token(model, 128)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    attention = 12 * 2 * 4 * 16 * 128
+    assert model_flops_per_token(model, 128) == pytest.approx((full - attention) * 4 / 6 + attention)
+
+
+def test_meter_averages_the_window_and_resets() -> None:
+    meter = StepMeter(tokens_per_step=1000, samples_per_step=10, world_size=4)
+    meter.record(0.5)
+    meter.record(1.5)  # mean 1.0 s per step
+    row = meter.flush()
+    assert row["tokens_per_s"] == pytest.approx(1000.0)
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(250.0)
+    assert row["samples_per_s"] == pytest.approx(10.0)
+    assert row["step_time_s"] == pytest.approx(1.0)
+    assert "mfu" not in row  # no peak known
+    assert row["host_rss_gib"] > 0
+    meter.record(0.25)
+    assert meter.flush()["tokens_per_s"] == pytest.approx(4000.0)  # only the new window
+    assert "tokens_per_s" not in meter.flush()  # nothing recorded since
+
+
+def test_mfu_against_a_given_peak() -> None:
+    # 1e12 FLOPs/token, 100 tokens/s/GPU -> 1e14 FLOP/s per GPU against a 400 TFLOP/s peak = 25%.
+    meter = StepMeter(tokens_per_step=800, world_size=8, flops_per_token=1e12, peak_tflops=400.0)
+    meter.record(1.0)
+    assert meter.flush()["mfu"] == pytest.approx(0.25)
+
+
+def test_peak_on_cpu_only_from_the_flag() -> None:
+    assert resolve_peak_tflops(None, cuda=False) is None
+    assert resolve_peak_tflops(12.5, cuda=False) == 12.5
+
+
+def test_host_rss_is_this_process() -> None:
+    assert 0.01 < host_rss_gib() < 64
+
+
+def test_startup_clock_splits_phases_and_writes_json(tmp_path: Path) -> None:
+    clock = StartupClock(tmp_path / "startup.json")
+    clock.mark("imports")
+    time.sleep(0.02)
+    clock.mark("model build")
+    meter = StepMeter(tokens_per_step=10, clock=clock)
+    meter.record(0.1)  # the first step ends the start-up
+    row = meter.flush()
+    record = json.loads((tmp_path / "startup.json").read_text())
+    assert list(record["phases_s"]) == ["imports", "model build", "first step"]
+    assert record["phases_s"]["model build"] >= 0.02
+    assert record["total_s"] == pytest.approx(sum(record["phases_s"].values()))
+    assert row["startup_s"] == pytest.approx(record["total_s"])
+    meter.record(0.1)
+    assert "startup_s" not in meter.flush()  # once
+
+
+def test_progress_line() -> None:
+    line = progress_line(
+        50, 200, {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 41230.0, "mfu": 0.382}, 725
+    )
+    assert line.startswith("step 50/200 [#####...............]  25%")
+    assert "loss 2.5000" in line and "41,230 tok/s" in line and "mfu 38.2%" in line and "eta 12m05s" in line
+    assert duration(3 * 3600 + 61) == "3h01m" and duration(59.6) == "1m00s" and duration(5) == "5s"

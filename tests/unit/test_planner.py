@@ -1,0 +1,420 @@
+"""`llm-train plan`: GPU table, decisions on a table of hardware cases, fixes, recipes, host-RAM guard."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from llm_train import cli
+from llm_train.errors import UserError
+from llm_train.gpus import GPUS, find_gpu, gpu_spec, peak_tflops
+from llm_train.memory import GiB
+from llm_train.plan import Device
+from llm_train.planner import (
+    check_host_ram,
+    choose_auto,
+    plan_recipe,
+    resolve_hardware,
+)
+from llm_train.recipe import available_recipes, load_recipe
+from llm_train.resolve import resolve_run
+
+# --- the GPU table --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("typed", "expected"),
+    [
+        ("RTX-4090", "RTX 4090"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("rtx3090", "RTX 3090"),
+        ("NVIDIA GeForce RTX 5090", "RTX 5090"),
+        ("NVIDIA GeForce RTX 2080 Ti", "RTX 2080 Ti"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H200", "H200"),
+        ("Tesla T4", "T4"),
+        ("Tesla V100-SXM2-32GB", "V100"),
+        ("NVIDIA A10G", "A10"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+    ],
+)
+def test_gpu_names_resolve(typed: str, expected: str) -> None:
+    spec = find_gpu(typed)
+    assert spec is not None and spec.name == expected
+
+
+def test_gpu_table_facts() -> None:
+    # Design facts: H100/H200 989, RTX 4090 165, RTX 3090 71 dense bf16 TFLOP/s; no bf16 before Ampere.
+    assert peak_tflops("H200") == peak_tflops("H100") == 989.0
+    assert round(peak_tflops("RTX 4090") or 0) == 165 and peak_tflops("RTX 3090") == 71.0
+    for spec in GPUS:
+        assert spec.bf16 == (spec.compute_capability >= (8, 0)), spec.name
+        assert 10 < spec.memory_gib < 145 and spec.peak_tflops > 0
+    assert peak_tflops("some future card") is None
+
+
+def test_unknown_gpu_is_one_line() -> None:
+    with pytest.raises(
+        UserError, match=r"--gpu GTX-480: unknown GPU; known: RTX-2080-Ti, .*--gpu-mem"
+    ) as exc:
+        gpu_spec("GTX-480")
+    assert "\n" not in str(exc.value)
+
+
+# --- decisions: (model, GPUs, GPU, host RAM) -> the configuration `--recipe auto` picks ------------------
+
+# Each case: the fastest configuration that fits, by the estimator and the speed model. The
+# expectations are the textbook answers: small models need no partitioning; a 7B full fine-tune on
+# 24 GB needs the optimizer on the CPU; an 8B (128k vocabulary) does not fit 128 GiB of host RAM with
+# CPU offload and goes to NVMe; LoRA when asked or when nothing else fits; fp16 on cards without bf16.
+DECISIONS = [
+    # model, gpus, gpu, gpu_mem, host GiB, lora policy -> ds config, lora rank, precision
+    ("Qwen/Qwen2.5-0.5B", 1, "RTX-4090", None, 64, "fallback", "zero0", None, "bf16"),
+    ("meta-llama/Llama-3.2-1B", 2, "RTX-3090", None, 64, "fallback", "zero1", None, "bf16"),
+    ("meta-llama/Llama-2-7b-hf", 1, None, 24, 128, "fallback", "zero3_offload_optimizer", None, "bf16"),
+    ("meta-llama/Llama-3.1-8B", 1, None, 24, 128, "fallback", "zero3_offload_nvme", None, "bf16"),
+    ("meta-llama/Llama-3.1-8B", 1, None, 24, 128, "always", "zero0", 16, "bf16"),
+    ("meta-llama/Llama-2-13b-hf", 1, "RTX-4090", None, 32, "never", "zero3_offload_nvme", None, "bf16"),
+    ("meta-llama/Llama-2-7b-hf", 1, "T4", None, 64, "fallback", "zero3_offload_nvme", None, "fp16"),
+    ("Qwen/Qwen2.5-7B", 8, "H100", None, 1024, "fallback", "zero2", None, "bf16"),
+    ("Qwen/Qwen2.5-72B", 64, "H200", None, 2048, "fallback", "zero3", None, "bf16"),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "gpu", "gpu_mem", "host", "lora", "ds_config", "rank", "precision"), DECISIONS
+)
+def test_auto_decisions(
+    model: str,
+    gpus: int,
+    gpu: str | None,
+    gpu_mem: float | None,
+    host: float,
+    lora: str,
+    ds_config: str,
+    rank: int | None,
+    precision: str,
+) -> None:
+    hw = resolve_hardware(gpus, gpu, gpu_mem, host, None, detect=False)
+    auto = choose_auto(model, hw, lora=lora)
+    assert (auto.ds_config, auto.choice.lora_rank, auto.precision) == (ds_config, rank, precision)
+    ev = auto.evaluation
+    assert ev.fits and ev.device_bytes <= hw.gpu_limit_bytes and ev.host_bytes <= hw.host_limit_bytes
+    assert auto.reasons and "fastest of" in " ".join(auto.reasons)
+
+
+def test_auto_explains_why_not_lighter() -> None:
+    hw = resolve_hardware(1, None, 24, 128, None, detect=False)
+    auto = choose_auto("meta-llama/Llama-3.1-8B", hw)
+    why = "\n".join(auto.reasons)
+    # The CPU-offload configurations miss on host RAM; the evidence names the numbers.
+    assert re.search(
+        r"not ZeRO-3 \(optimizer on cpu, weights on cpu\): .* GiB host RAM \(usable 1\d\d\)", why
+    )
+    assert "--lora" in why  # NVMe is slow: the faster alternative is named
+
+
+def test_auto_falls_back_to_lora_and_says_so() -> None:
+    hw = resolve_hardware(1, "RTX-4090", None, 16, None, detect=False)  # too little RAM even for NVMe buffers
+    auto = choose_auto("meta-llama/Llama-2-7b-hf", hw)
+    assert auto.choice.lora_rank == 16
+    assert "no full fine-tune fits" in auto.reasons[0]
+
+
+def test_does_not_fit_anywhere() -> None:
+    hw = resolve_hardware(1, "T4", None, 16, None, detect=False)
+    with pytest.raises(UserError) as exc:
+        choose_auto("meta-llama/Llama-3.1-70B", hw)
+    message = str(exc.value)
+    assert message.startswith(
+        "meta-llama/Llama-3.1-70B does not fit anywhere on 1 x T4 (15.0 GiB) with 16 GiB host RAM"
+    )
+    assert "the closest, LoRA, ZeRO-3 (optimizer on nvme, weights on nvme)" in message
+    assert "GiB host RAM (usable 12)" in message and "add GPUs (--gpus)" in message
+    assert "\n" not in message
+
+
+def test_does_not_fit_anywhere_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(
+        ["plan", "--recipe", "auto", "--model", "meta-llama/Llama-3.1-70B", "--gpu", "T4", "--host-ram", "16"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("llm-train: error: meta-llama/Llama-3.1-70B does not fit anywhere")
+    assert err.count("\n") == 1
+
+
+# --- plan for a recipe: verdict, fixes, faster options ------------------------------------------------
+
+
+def test_7b_rtx4090_fits_24gb_with_128gib() -> None:
+    report = plan_recipe("7b-rtx4090", [], gpu_mem_gib=24, host_ram_gib=128, detect=False)
+    ev = report.evaluation
+    assert report.fits and not report.fixes
+    assert 3 * GiB < ev.device_bytes < 12 * GiB  # only activations, logits and buffers on the GPU
+    assert 100 * GiB < ev.host_bytes < 122 * GiB  # 6.7B x 18 bytes (+ processes) in host RAM
+    assert ev.choice.offload_optimizer == ev.choice.offload_params == "cpu" and ev.choice.zero_stage == 3
+
+
+def test_7b_rtx4090_with_64gib_host_is_fixed_by_nvme_or_lora() -> None:
+    report = plan_recipe("7b-rtx4090", [], gpu_mem_gib=24, host_ram_gib=64, detect=False)
+    assert not report.fits and not report.evaluation.fits_host and report.evaluation.fits_device
+    kinds = [fix.kinds for fix in report.fixes]
+    assert kinds[0] == {"nvme"} and kinds[-1] == {"lora"}  # training-changing fixes rank last
+    assert report.fixes[0].overrides == ["deepspeed.config=zero3_offload_nvme"]
+    assert report.fixes[0].slowdown > 1.5  # NVMe is slow, and the plan says so
+    for fix in report.fixes:
+        assert fix.evaluation.fits
+
+
+def test_fixes_rank_micro_batch_before_offload() -> None:
+    # 8b-lora at micro-batch 2 misses 24 GB by a little: micro-batch 1 is the cheapest fix.
+    report = plan_recipe(
+        "8b-lora-rtx4090", ["optim.micro_batch_size=2"], gpu_mem_gib=24, host_ram_gib=64, detect=False
+    )
+    assert not report.fits
+    first = report.fixes[0]
+    assert first.kinds == {"micro_batch"} and first.overrides == ["optim.micro_batch_size=1"]
+    assert first.slowdown < 1.2
+    # Dominance: no listed fix is a superset of another that is at least as fast.
+    for f in report.fixes:
+        assert not any(g.kinds < f.kinds and g.slowdown <= f.slowdown for g in report.fixes)
+
+
+def test_full_finetune_7b_on_24gb_without_offload_is_fixed_by_offload() -> None:
+    report = plan_recipe(
+        "7b-rtx4090", ["deepspeed.config=zero2", "memory.activation_checkpointing=false"], gpu_mem_gib=24,
+        host_ram_gib=128, detect=False,
+    )  # fmt: skip
+    assert not report.fits and not report.evaluation.fits_device
+    full = [f for f in report.fixes if not f.changes_training]
+    assert full and all({"offload_optimizer"} <= f.kinds or "nvme" in f.kinds for f in full)
+    text = cli_plan_text(
+        ["--recipe", "7b-rtx4090", "deepspeed.config=zero2", "--gpu-mem", "24", "--host-ram", "128"]
+    )
+    assert "DOES NOT FIT (GPU memory)" in text and "cheapest changes that make it fit" in text
+    assert "[CPU Adam + PCIe traffic each step" in text  # each change carries its speed cost
+
+
+def test_fitting_recipe_lists_faster_options() -> None:
+    report = plan_recipe("7b-rtx4090", [], gpu_mem_gib=24, host_ram_gib=128, detect=False)
+    assert report.faster and all(f.slowdown < 0.95 and f.evaluation.fits for f in report.faster)
+
+
+def test_lora_rank_reaches_the_estimate() -> None:
+    full = plan_recipe("8b-lora-rtx4090", ["lora=null"], gpu_mem_gib=80, host_ram_gib=512, detect=False)
+    lora = plan_recipe("8b-lora-rtx4090", [], gpu_mem_gib=80, host_ram_gib=512, detect=False)
+    assert lora.evaluation.inputs.lora_rank == 16 and full.evaluation.inputs.lora_rank is None
+    assert (
+        lora.evaluation.estimate.gpu_terms["optimizer_states"]
+        < 0.01 * full.evaluation.estimate.gpu_terms["optimizer_states"]
+    )
+    assert "LoRA r=16" in lora.config_line
+    # The dry run's memory rows (resolve.memory_rows) see the rank too.
+    from llm_train.resolve import memory_rows
+
+    run = resolve_run("8b-lora-rtx4090", [], world_size=1, device=Device("cuda", "RTX 4090", True))
+    rows = dict(memory_rows(run))
+    assert float(rows["GPU optimizer states"].split()[0]) < 1.0
+
+
+def cli_plan_text(args: list[str]) -> str:
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert cli.main(["plan", *args]) == 0
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name", available_recipes())
+def test_plan_answers_for_every_shipped_recipe(name: str) -> None:
+    text = cli_plan_text(["--recipe", name])
+    assert text.startswith(f"llm-train plan: {name} ")
+    assert "memory estimate" in text and "\nverdict: " in text and "speed (rough model)" in text
+
+
+@pytest.mark.parametrize("name", [n for n in available_recipes() if "rtx4090" in n])
+def test_recipe_headers_state_the_planners_numbers(name: str) -> None:
+    """The 'planner computes GPU ~X GiB, host RAM ~Y GiB' header stays true."""
+    header = " ".join(
+        line.lstrip("# ")
+        for line in Path(f"recipes/{name}.yaml").read_text().splitlines()
+        if line.startswith("#")
+    )
+    match = re.search(r"planner computes\s+GPU ~([\d.]+) GiB,? (?:and )?host RAM ~([\d.]+) GiB", header)
+    assert match, f"{name}: header must state the planner's GPU and host RAM numbers"
+    recipe = load_recipe(name)
+    report = plan_recipe(
+        name,
+        [],
+        gpu_mem_gib=recipe.hardware.gpu_mem_gib,
+        host_ram_gib=recipe.hardware.host_ram_gib,
+        detect=False,
+    )
+    assert report.fits
+    assert abs(report.evaluation.device_bytes / GiB - float(match.group(1))) < 0.1
+    assert abs(report.evaluation.host_bytes / GiB - float(match.group(2))) < 1.0
+
+
+def test_cpu_recipe_counts_processes_in_host_ram() -> None:
+    report = plan_recipe("tiny-cpu", [], host_ram_gib=16)
+    assert report.hardware.kind == "cpu" and report.fits
+    # Two CPU processes at ~1 GiB each plus a few MB of tensors; not the 3 GiB/GPU process of a CUDA run.
+    assert 2 * GiB < report.evaluation.host_bytes < 2.5 * GiB
+
+
+# --- `--recipe auto`: the generated recipe dry-runs; CLI errors ------------------------------------------
+
+
+def test_auto_writes_a_recipe_that_dry_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "auto.yaml"
+    argv = ["plan", "--recipe", "auto", "--model", "meta-llama/Llama-2-7b-hf", "--gpu", "RTX-4090"]
+    assert cli.main([*argv, "--host-ram", "128", "--write", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:" in out and "deepspeed.config=zero3_offload_optimizer" in out and "why:" in out
+    text = path.read_text()
+    assert text.startswith("# auto-meta-llama-llama-2-7b-hf: generated by `llm-train plan --recipe auto")
+    recipe = load_recipe(str(path))
+    assert recipe.deepspeed.config == "zero3_offload_optimizer" and recipe.precision == "bf16"
+    from llm_train.train import main as train_main
+
+    assert train_main(["--recipe", str(path), "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    assert "ZeRO stage   3" in dry and "optimizer=cpu, params=none" in dry
+
+
+def test_auto_on_cpu_with_a_local_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    config = load_recipe("tiny-cpu").model.config
+    (model / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "auto.yaml"
+    assert (
+        cli.main(["plan", "--recipe", "auto", "--model", str(model), "--gpus", "1", "--write", str(path)])
+        == 0
+    )
+    assert "1 CPU process(es)" in capsys.readouterr().out
+    recipe = load_recipe(str(path))
+    assert recipe.hardware.device == "cpu" and recipe.precision == "fp32"
+    from llm_train.train import main as train_main
+
+    assert (
+        train_main(["--recipe", str(path), "--dry-run", "model.tokenizer=llm_train/assets/tiny/tokenizer"])
+        == 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--recipe", "auto"], "--recipe auto needs --model ID_OR_PATH"),
+        (["plan", "--recipe", "tiny-cpu", "--model", "x"], "--model only applies to --recipe auto"),
+        (["plan", "--recipe", "tiny-cpu", "--train"], "--train only applies to --recipe auto"),
+        (["plan", "--recipe", "7b-rtx4090", "--gpu", "GTX-480"], "--gpu GTX-480: unknown GPU"),
+        (["plan", "--recipe", "auto", "--model", "nope/nope", "--gpu", "H100"], "unknown model 'nope/nope'"),
+        (["plan", "--recipe", "7b-rtx4090", "--gpu", "T4", "precision=bf16"], "precision=bf16 but T4"),
+    ],
+)
+def test_cli_errors_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_t4_recipe_with_auto_precision_plans_fp16() -> None:
+    # The consumer-GPU recipes say precision=auto: a card without bf16 falls back with one notice.
+    report = plan_recipe("7b-rtx4090", [], gpu="T4", host_ram_gib=128, detect=False)
+    assert report.evaluation.inputs.precision == "fp16"
+    assert any("no bf16" in note for note in report.notes)
+
+
+# --- the host-RAM guard ------------------------------------------------------------------------------
+
+
+def _offload_run() -> object:
+    return resolve_run("7b-rtx4090", [], world_size=1, device=Device("cuda", "RTX 4090", True, (8, 9)))
+
+
+def test_host_ram_guard_refuses_with_the_planners_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(UserError) as exc:
+        check_host_ram(_offload_run(), available=64 * GiB)
+    message = str(exc.value)
+    assert re.match(
+        r"host RAM: 7b-rtx4090 needs ~11\d\.\d GiB per node \(planner: offloaded optimizer states 75\.3",
+        message,
+    )
+    assert "this machine has 64.0 GiB" in message and "llm-train plan --recipe 7b-rtx4090" in message
+    assert "\n" not in message
+
+
+def test_host_ram_guard_passes_when_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    check_host_ram(_offload_run(), available=128 * GiB)
+
+
+def test_train_refuses_before_creating_the_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import psutil
+
+    from llm_train.train import main as train_main
+
+    if psutil.virtual_memory().total > 100 * GiB:
+        pytest.skip("this machine has the RAM 7b-rtx4090 needs")
+    out = tmp_path / "run"
+    assert train_main(["--recipe", "7b-rtx4090", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llm-train: error: host RAM: 7b-rtx4090 needs ~") and err.count("\n") == 1
+    assert not out.exists()
+
+
+@pytest.mark.e2e
+def test_auto_trains_on_cpu(tmp_path: Path) -> None:
+    """`--recipe auto --train`: plan, write the recipe into the output dir, train it (one CPU process)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import OFFLINE_ENV, REPO
+
+    build = (
+        "import sys, torch\n"
+        "from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        "cfg = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        "    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, bos_token_id=1,\n"
+        "    eos_token_id=2, pad_token_id=0)\n"
+        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n"
+        "AutoTokenizer.from_pretrained('llm_train/assets/tiny/tokenizer').save_pretrained(sys.argv[1])\n"
+    )
+    env = {**os.environ, **OFFLINE_ENV}
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-c", build, str(model)], cwd=REPO, env=env, check=True, timeout=300)
+    out = tmp_path / "auto"
+    cmd = [
+        sys.executable,
+        "-m",
+        "llm_train.cli",
+        "plan",
+        "--recipe",
+        "auto",
+        "--model",
+        str(model),
+        "--gpus",
+        "1",
+    ]
+    cmd += ["--train", "--output-dir", str(out), "optim.epochs=null", "optim.max_steps=3", "data.seq_len=64"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "chosen:" in result.stdout and f"recipe written to {out / 'recipe.yaml'}" in result.stdout
+    assert (out / "run" / "final" / "export_check.json").is_file()
+    assert load_recipe(str(out / "recipe.yaml")).model.name_or_path == str(model)

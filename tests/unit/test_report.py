@@ -1,0 +1,97 @@
+"""`llm-train report`: PNGs and a markdown summary from metrics.jsonl, several runs on one plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from llm_train.cli import main as cli_main
+from llm_train.errors import UserError
+from llm_train.report import load_run, make_report, summary_rows
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(path: Path, steps: int = 20, speed: float = 1000.0, cuda: bool = False) -> Path:
+    path.mkdir(parents=True)
+    rows = []
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "loss": 5.0 / math.sqrt(step),
+            "lr": 3e-4 * min(1.0, step / 5),
+            "grad_norm": 1.0,
+            "tokens_per_s": speed * (0.5 if step == 1 else 1.0),  # warm-up
+            "tokens_per_s_per_gpu": speed / 2,
+            "step_time_s": 2048 / speed,
+            "mfu": 0.4,
+            "host_rss_gib": 1.0 + step / 100,
+            "elapsed_s": step * 2.0,
+        }
+        if cuda:
+            row.update(gpu_mem_peak_gib=10.0 + step / 10, gpu_mem_reserved_gib=12.0)
+        rows.append(row)
+        if step % 10 == 0:
+            rows.append(
+                {
+                    "step": step,
+                    "eval_loss": 4.0 / math.sqrt(step),
+                    "eval_ppl": math.exp(4.0 / math.sqrt(step)),
+                }
+            )
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "startup.json").write_text(
+        json.dumps({"total_s": 12.5, "phases_s": {"imports": 5.0, "first step": 7.5}})
+    )
+    return path
+
+
+def test_one_run_writes_pngs_and_summary(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run")
+    summary, images = make_report([run])
+    assert summary == run / "report" / "report.md"
+    assert {p.name for p in images} == {"loss.png", "lr.png", "throughput.png", "mfu.png", "memory.png"}
+    for image in images:
+        assert image.read_bytes().startswith(PNG_MAGIC) and image.stat().st_size > 5000
+    text = summary.read_text()
+    assert "| run | steps | final loss |" in text and "![loss](loss.png)" in text
+    assert "12.5s = imports 5.0s, first step 7.5s" in text
+
+
+def test_summary_numbers_skip_the_warm_up_row(tmp_path: Path) -> None:
+    row = summary_rows(load_run(_write_run(tmp_path / "a", cuda=True)))
+    assert row["tokens/s"] == "1,000"  # the first logged row ran at half speed and is left out
+    assert row["steps"] == "20" and row["MFU"] == "40.0%"
+    assert row["best eval loss"].endswith("@ 20") and row["peak GPU mem (GiB)"] == "12.00"
+
+
+def test_several_runs_compare_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _write_run(tmp_path / "zero2" / "run", speed=1000.0)
+    b = _write_run(tmp_path / "zero3" / "run", speed=800.0, cuda=True)
+    out = tmp_path / "cmp"
+    assert cli_main(["report", str(a), str(b), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "zero2/run" in text and "zero3/run" in text  # same-named run dirs get distinct labels
+    assert "wrote" in capsys.readouterr().out
+    assert (out / "memory.png").is_file()
+
+
+def test_partial_last_line_is_tolerated_and_bad_input_is_one_line(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", steps=3)
+    with (run / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 4, "lo')  # killed mid-write
+    assert len(load_run(run).train) == 3
+    with pytest.raises(UserError, match="no metrics.jsonl"):
+        make_report([tmp_path])
+    assert cli_main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_recipes_table_has_the_layout_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:7] == ["recipe", "model", "ZeRO/TP/PP", "GPUs", "VRAM", "host", "RAM"]
+    tiny = next(line for line in lines if line.startswith("tiny-cpu "))
+    assert "3/1/1" in tiny and "none (cpu x2)" in tiny and "2 GiB" in tiny
