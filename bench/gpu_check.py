@@ -95,7 +95,9 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         tokens_per_s=median("tokens_per_s"),
         tokens_per_s_per_gpu=median("tokens_per_s_per_gpu"),
         mfu=median("mfu"),
-        gpu_mem_peak_gib=max((r.get("gpu_mem_peak_gib", 0.0) for r in steady), default=None),
+        gpu_mem_peak_gib=max(
+            (r["gpu_mem_peak_gib"] for r in steady if "gpu_mem_peak_gib" in r), default=None
+        ),
         final_loss=steady[-1]["loss"] if steady else None,
         wall_s=time.time() - started,
     )

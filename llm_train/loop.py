@@ -49,6 +49,15 @@ class LoopResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def _reduce_step(loss: torch.Tensor, flags: list[float]) -> tuple[float, list[bool]]:
+    """One collective per step: the mean loss over ranks, and which flags any rank raised."""
+    packed = torch.cat([loss.detach().float().reshape(1).cpu(), torch.tensor(flags, dtype=torch.float32)])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(packed)
+    return float(packed[0]) / world, [bool(f > 0) for f in packed[1:].tolist()]
+
+
 def _mean_over_ranks(value: torch.Tensor) -> float:
     value = value.detach().float().clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -111,11 +120,12 @@ def train_loop(
         grad_norm = None
         for _ in range(cfg.grad_accum):
             loss = engine(**_to(next(batches), engine.device)).loss
-            while not _finite_everywhere(loss):  # all ranks agree, so none waits in a collective alone
-                if cfg.on_nonfinite == "stop" or skipped >= MAX_SKIPS_IN_A_ROW:
+            # Skipping must be decided before backward, by all ranks together (one collective per
+            # micro-batch), so it is only paid for when asked for.
+            while cfg.on_nonfinite == "skip" and not _finite_everywhere(loss):
+                if skipped >= MAX_SKIPS_IN_A_ROW:
                     raise NonFiniteLoss(
-                        f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr, "
-                        "or set checkpoint.on_nonfinite=skip to drop such micro-batches"
+                        f"non-finite loss at step {step}: {skipped} micro-batches skipped in a row"
                     )
                 skipped += 1  # drop this micro-batch before backward: the weights never see it
                 loss = engine(**_to(next(batches), engine.device)).loss
@@ -124,7 +134,12 @@ def train_loop(
                 grad_norm = _grad_norm_if_untracked(engine)
             engine.step()
             micro_losses.append(loss.detach())
-        loss_value = _mean_over_ranks(torch.stack(micro_losses).mean())
+        loss_value, flags = _reduce_step(torch.stack(micro_losses).mean(), control.local_flags())
+        if not math.isfinite(loss_value):  # on_nonfinite=stop: exit before anything is saved
+            raise NonFiniteLoss(
+                f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr, "
+                "or set checkpoint.on_nonfinite=skip to drop such micro-batches"
+            )
         step_time = time.perf_counter() - t0
         meter.record(step_time)
         profiler.step()
@@ -153,7 +168,7 @@ def train_loop(
             say(f"step {step}: eval loss {eval_loss:.4f} (ppl {math.exp(min(eval_loss, 50.0)):.1f})")
             metrics["eval_loss"] = eval_loss
 
-        save_now, stop_now = control.after_step(step)
+        save_now, stop_now = control.decide(step, flags)
         if save_now and step < cfg.max_steps:  # the final checkpoint is the caller's
             save(step)
         if stop_now and step < cfg.max_steps:

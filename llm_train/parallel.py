@@ -5,7 +5,8 @@ model's shape and against what DeepSpeed 0.19 (and transformers) actually suppor
 combination fails in `--dry-run` and at launch with one line that shows every factor,
 instead of minutes later inside DeepSpeed. No torch import: dry runs stay fast.
 
-Supported (each verified on CPU by tests/e2e/test_parallel*.py):
+Supported (verified on CPU with loss parity against one process: tests/e2e/test_parallel.py runs
+TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with ZeRO-0 were run by hand):
   tensor parallel (AutoTP)  x data parallel  with ZeRO-0/1/2 (and ZeRO-3 for init: random)
   pipeline (PipelineModule) x data parallel  with ZeRO-0/1, Llama / Mistral / Qwen2
 """

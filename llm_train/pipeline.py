@@ -30,13 +30,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from llm_train.errors import UserError
 from llm_train.resolve import Resolved
+
+if TYPE_CHECKING:
+    from llm_train.control import RunControl
+    from llm_train.loop import LoopConfig, LoopResult
+    from llm_train.tracking import Trackers
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -394,18 +399,6 @@ def pipeline_checkpoint_state_dict(ds_dir: Path, hf_dir: Path) -> dict[str, torc
 # ---------------------------------------------------------------- the run
 
 
-def _quiet(verbose: bool) -> None:
-    if verbose:
-        return
-    import logging
-    import warnings
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore")
-    for name in ("DeepSpeed", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def _init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -439,7 +432,7 @@ def _engine(run: Resolved, module: nn.Module, max_steps: int) -> Any:
             model=module, optimizer=optimizer, config=run.ds_config, lr_scheduler=schedule
         )
     _restore_rope_buffers(engine.module, rope)
-    _record_fp32_grad_norm(engine)
+    _clip_fp32_across_stages(engine)
     return engine
 
 
@@ -461,16 +454,36 @@ def _restore_rope_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> 
         setattr(target, leaf, value.to(getattr(target, leaf).device))
 
 
-def _record_fp32_grad_norm(engine: Any) -> None:
-    # ZeRO-0 in fp32 clips inside train_batch without keeping the norm: keep the one it computes.
+def _clip_fp32_across_stages(engine: Any) -> None:
+    """ZeRO-0 in fp32: clip on the norm over every stage, and keep that norm for the metrics.
+
+    DeepSpeed 0.19 clips these gradients with `clip_grad_norm_(mpu=grid)`, which keeps only
+    the parameters of model-parallel rank 0, i.e. of the first stage, and then averages the
+    norm over the whole world: the clip factor is wrong as soon as clipping is active (losses
+    drifted ~1e-3 from a single process in 3 steps). Gradients are already summed over
+    data-parallel ranks and tied copies here, so one all-reduce over the pipeline suffices.
+    """
     if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
         return
-    from deepspeed.runtime.utils import clip_grad_norm_
+    import torch.distributed as dist
 
     def clip() -> None:
-        engine._global_grad_norm = clip_grad_norm_(
-            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
-        )
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        # A tied embedding's second copy (on the last stage) is marked replicated: count it once.
+        owned = [
+            p.grad
+            for p in engine.module.parameters()
+            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+        ]
+        squares = torch.zeros((), device=grads[0].device, dtype=torch.float32)
+        for grad in owned:
+            squares += grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=engine.grid.get_pipe_parallel_group())
+        norm = squares.sqrt()
+        coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)  # as torch/DeepSpeed clip
+        for grad in grads:
+            grad.detach().mul_(coef.to(grad.dtype))
+        engine._global_grad_norm = float(norm)
 
     engine.clip_fp32_gradients = clip
 
@@ -493,11 +506,69 @@ def _pairs(batches: Iterator[dict[str, Any]]) -> Iterator[Pair]:
         yield as_pipeline_batch(batch)
 
 
+def pipeline_loop(
+    engine: Any,
+    batches: Iterator[Pair],
+    evals: list[Pair],
+    cfg: LoopConfig,
+    tracker: Trackers,
+    control: RunControl,
+    save: Callable[[int], None],
+    say: Callable[[str], None],
+) -> LoopResult:
+    """loop.train_loop for the pipeline engine: one `train_batch` per optimizer step.
+
+    `train_batch` pulls cfg.grad_accum micro-batches through the 1F1B schedule, steps the
+    optimizer and LR schedule, and returns the loss averaged over micro-batches and
+    data-parallel ranks, broadcast to every stage.
+    """
+    import math
+
+    from llm_train.checkpoint import Collectives
+    from llm_train.console import progress_line
+    from llm_train.loop import LoopResult, NonFiniteLoss
+
+    metrics: dict[str, float] = {}
+    started = time.perf_counter()
+    for step in range(cfg.start_step + 1, cfg.max_steps + 1):
+        t0 = time.perf_counter()
+        loss = float(engine.train_batch(data_iter=batches))
+        if not math.isfinite(loss):  # every stage holds the same value: all stop together
+            raise NonFiniteLoss(
+                f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr"
+            )
+        step_time = time.perf_counter() - t0
+        if step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps):
+            norm = engine.get_global_grad_norm()
+            metrics = {
+                "loss": loss,
+                "lr": engine.get_lr()[0],
+                "grad_norm": float(norm) if norm is not None else float("nan"),
+                "tokens_per_s": cfg.tokens_per_step / step_time,
+                "step_time_s": step_time,
+            }
+            tracker.log(metrics, step)
+            eta = (time.perf_counter() - started) / (step - cfg.start_step) * (cfg.max_steps - step)
+            say(progress_line(step, cfg.max_steps, metrics, eta))
+        if evals and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
+            eval_loss = float(engine.eval_batch(iter(evals), num_micro_batches=len(evals)))
+            tracker.log({"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}, step)
+            say(f"step {step}: eval loss {eval_loss:.4f}")
+            metrics["eval_loss"] = eval_loss
+        save_now, stop_now = control.after_step(step, Collectives().any)
+        if save_now and step < cfg.max_steps:
+            save(step)
+        if stop_now and step < cfg.max_steps:
+            return LoopResult(step, True, metrics)
+    return LoopResult(cfg.max_steps, False, metrics)
+
+
 def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], None]) -> int:
     from llm_train import launcher
+    from llm_train.console import quiet, startup_summary
 
     launcher.set_single_process_env()
-    _quiet(args.verbose)
+    quiet(args.verbose)  # before DeepSpeed is imported
     started = time.perf_counter()
     _init_distributed()
     import torch.distributed as dist
@@ -506,7 +577,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     from llm_train.control import EXIT_PREEMPTED, RunControl
     from llm_train.data import BatchStream, eval_batches, load_blocks
     from llm_train.export import sample_text, verify_export
-    from llm_train.loop import NonFiniteLoss
+    from llm_train.loop import LoopConfig
     from llm_train.model import load_tokenizer
     from llm_train.resolve import resolve_run, steps_for_epochs
     from llm_train.run_state import (
@@ -539,7 +610,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
 
     tokenizer = load_tokenizer(recipe.model)
-    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed)
+    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
     stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
     max_steps = recipe.optim.max_steps or steps_for_epochs(
         recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
@@ -570,17 +641,10 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     if rank == 0:
         create_run_dir(out, run, args.overwrite and not resume)
         (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
-    say(f"llm-train: recipe {recipe.name} -> {out}")
-    for key, value in plan.rows():
-        say(f"  {key:<12} {value}")
     split = {r["stage"]: r["layers"] for r in ranks}
-    say(
-        f"  {'stages':<12} "
-        + ", ".join(f"{s}: layers {a}-{b - 1}" for s, (a, b) in sorted(split.items()))
-        + f" of 0-{names.norm_idx + 1} (embedding, {config.num_hidden_layers} decoder layers, norm, head)"
-    )
-    if run.notice:
-        say(f"notice: {run.notice}")
+    stages = ", ".join(f"{s}: layers {a}-{b - 1}" for s, (a, b) in sorted(split.items()))
+    layout = f"(0 embedding, 1-{config.num_hidden_layers} decoder, {names.norm_idx} norm, {names.norm_idx + 1} head)"
+    startup_summary(run, say, extra=[("stages", f"{stages} {layout}")])
 
     comm = Collectives()
     resume_from = choose_checkpoint(resume, out / "checkpoints", rank, comm, say) if resume else None
@@ -606,7 +670,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         rank == 0,
     )
     checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
-    control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, comm.any)
+    control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
     control.install_signal_handlers()
 
     def save(step: int) -> None:
@@ -621,53 +685,27 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         as_pipeline_batch(b)
         for b in eval_batches(eval_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.eval.batches)
     ]
-    tokens_per_step = plan.global_batch_size * recipe.data.seq_len
+    cfg = LoopConfig(
+        max_steps=max_steps,
+        grad_accum=plan.grad_accum,
+        tokens_per_step=plan.global_batch_size * recipe.data.seq_len,
+        log_every=recipe.output.log_every,
+        eval_every=recipe.eval.every,
+        start_step=start_step,
+    )
     say(
-        f"training {max_steps} steps, {tokens_per_step:,} tokens per step; "
+        f"training {max_steps} steps, {cfg.tokens_per_step:,} tokens per step; "
         f"setup took {time.perf_counter() - started:.1f}s"
     )
-    batches = _pairs(stream)
-    metrics: dict[str, float] = {}
-    loop_started = time.perf_counter()
-    for step in range(start_step + 1, max_steps + 1):
-        t0 = time.perf_counter()
-        # grad_accum micro-batches through the 1F1B schedule; the loss comes back averaged over
-        # micro-batches and data-parallel ranks, on every stage.
-        loss = float(engine.train_batch(data_iter=batches))
-        if loss != loss or loss in (float("inf"), float("-inf")):
-            raise NonFiniteLoss(
-                f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr"
-            )
-        step_time = time.perf_counter() - t0
-        if step % recipe.output.log_every == 0 or step in (start_step + 1, max_steps):
-            norm = engine.get_global_grad_norm()
-            lr = engine.get_lr()[0]
-            metrics = {
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": float(norm) if norm is not None else float("nan"),
-                "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time,
-            }
-            tracker.log(metrics, step)
-            eta = (time.perf_counter() - loop_started) / (step - start_step) * (max_steps - step)
-            say(
-                f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {metrics['grad_norm']:.3f} | "
-                f"{metrics['tokens_per_s']:,.0f} tok/s | eta {eta:,.0f}s"
-            )
-        if evals and ((recipe.eval.every and step % recipe.eval.every == 0) or step == max_steps):
-            eval_loss = float(engine.eval_batch(iter(evals), num_micro_batches=len(evals)))
-            tracker.log({"eval_loss": eval_loss}, step)
-            say(f"step {step}: eval loss {eval_loss:.4f}")
-            metrics["eval_loss"] = eval_loss
-        save_now, stop_now = control.after_step(step)
-        if save_now and step < max_steps:
-            save(step)
-        if stop_now and step < max_steps:
-            tracker.close()
-            say(f"stopped by signal {control.stop_signal} after step {step}; resume with --resume auto")
-            dist.destroy_process_group()
-            return EXIT_PREEMPTED
+    result = pipeline_loop(engine, _pairs(stream), evals, cfg, tracker, control, save, say)
+    metrics = result.metrics
+    if result.preempted:  # the loop saved after the agreed stop step: exit resumable, no export
+        tracker.close()
+        say(
+            f"stopped by signal {control.stop_signal} after step {result.last_step}; resume with --resume auto"
+        )
+        dist.destroy_process_group()
+        return EXIT_PREEMPTED
     if recipe.checkpoint.at_end:
         save(max_steps)
 

@@ -59,6 +59,19 @@ class ModelSection(Section):
     )
 
     @model_validator(mode="after")
+    def _no_credentials(self) -> ModelSection:
+        from llm_train.credentials import is_secret_key
+
+        for key in self.config:
+            if is_secret_key(key):
+                # model.config is copied into the exported config.json and the run's recipe.yaml.
+                raise ValueError(
+                    f"model.config.{key} looks like a credential; recipes are saved with every run, "
+                    "so pass secrets through the environment (HF_TOKEN, WANDB_API_KEY) instead"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _source_is_known(self) -> ModelSection:
         if self.init == "pretrained" and not self.name_or_path:
             raise ValueError("model.init=pretrained needs model.name_or_path (a hub id or a local directory)")

@@ -30,7 +30,11 @@ def create_run_dir(path: Path, run: Resolved, overwrite: bool) -> None:
     if overwrite and path.is_dir():
         shutil.rmtree(path)
     (path / "config").mkdir(parents=True, exist_ok=True)
-    (path / "config" / "recipe.yaml").write_text(run.recipe_yaml())
+    import yaml
+
+    # Belt and braces: the schema refuses credential-like keys, and nothing secret is written anyway.
+    recipe = redact(run.recipe.model_dump(mode="json"))
+    (path / "config" / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     import json
 
     (path / "config" / "ds_config.json").write_text(json.dumps(redact(run.ds_config), indent=2) + "\n")

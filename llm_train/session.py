@@ -202,9 +202,10 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         "plan": plan.as_dict(),
     }
     torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
-    start_step = 0
+    start_step, tracker_run_id = 0, None
     if resume_from is not None:
-        start_step = restore_run_state(engine, resume_from, stream, rank)["step"]
+        restored = restore_run_state(engine, resume_from, stream, rank)
+        start_step, tracker_run_id = restored["step"], restored.get("tracker_run_id")
         say(f"resumed from {resume_from} at step {start_step}")
     elif args.resume:
         say("no complete checkpoint to resume from; starting at step 0")
@@ -220,15 +221,25 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         on_nonfinite=recipe.checkpoint.on_nonfinite,
         start_step=start_step,
     )
-    tracker = open_trackers(recipe.tracking, out, config_for_tracker, accelerator.is_main_process)
+    tracker = open_trackers(
+        recipe.tracking, out, config_for_tracker, accelerator.is_main_process, tracker_run_id, start_step
+    )
     checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
-    control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, comm.any)
+    control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
     control.install_signal_handlers()
 
     def save(step: int) -> None:
         t0 = time.perf_counter()
         path = save_run_state(
-            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, recipe, {}
+            checkpointer,
+            engine,
+            step,
+            stream,
+            tokenizer,
+            rank,
+            plan.world_size,
+            recipe,
+            {"tracker_run_id": tracker.run_id},  # W&B continues the same run after a resume
         )
         control.saved()
         say(f"checkpoint {path.name} committed in {time.perf_counter() - t0:.1f}s")

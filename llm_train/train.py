@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides, e.g. optim.lr=1e-4."
     )
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def is_rank0() -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,12 @@ from llm_train.checkpoint import (
     verify,
 )
 
-FILES = ["state/ds/model_states.pt", "state/ds/optim_rank0.pt", "state/ds/optim_rank1.pt", "trainer/rank00000.json"]
+FILES = [
+    "state/ds/model_states.pt",
+    "state/ds/optim_rank0.pt",
+    "state/ds/optim_rank1.pt",
+    "trainer/rank00000.json",
+]
 
 
 def _writer(step: int):
@@ -104,7 +108,9 @@ def test_free_space_checked_before_writing(ckpt: Checkpointer, monkeypatch: pyte
 
     _save(ckpt, 1)
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(100, 90, 10))
-    with pytest.raises(CheckpointIOError, match=r"checkpoint at step 2 needs about .* GiB but .* has 0.00 GiB free"):
+    with pytest.raises(
+        CheckpointIOError, match=r"checkpoint at step 2 needs about .* GiB but .* has 0.00 GiB free"
+    ):
         _save(ckpt, 2)
     assert [p.name for p in committed(ckpt.root)] == ["step-00000001"]
 
@@ -150,7 +156,9 @@ def test_crash_at_every_file_operation_of_a_save_leaves_a_complete_latest(tmp_pa
     while True:
         root = tmp_path / f"run{crash_at}" / "checkpoints"
         _save(Checkpointer(root, 0, 2, Collectives()), 1)  # step 1 committed
-        result = subprocess.run([sys.executable, str(script), str(crash_at), str(root)], capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, str(script), str(crash_at), str(root)], capture_output=True, text=True
+        )
         found = find_resumable(root, lambda _m: None)
         assert found is not None and verify(found) is None, (crash_at, result.stderr)
         assert (root / LATEST).read_text() in ("step-00000001", "step-00000002")

@@ -64,8 +64,13 @@ def test_save_to_disk_folders(tmp_path: Path, expected: list[int]) -> None:
 
 
 def test_hub_id_offline_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets.config
+    import huggingface_hub.constants
+
+    # The libraries read these at import time; patch the values they use, not just the environment.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(
         UserError, match=r"cannot load 'nobody/no-such-dataset' as a local path or a hub dataset"
     ):

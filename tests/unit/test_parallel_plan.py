@@ -132,3 +132,12 @@ def test_shipped_parallel_recipes_at_their_world_size(recipe: str, world: int, r
     run = resolve_run(recipe, [], world_size=world)  # the hardware the recipe declares
     assert run.recipe.hardware.world_size == world
     assert dict(run.plan.rows())["world size"] == row
+
+
+def test_entry_point_reports_one_line_and_exit_2() -> None:
+    from tests.helpers import train_py
+
+    result = train_py(["--recipe", "tiny-cpu-pp2", "--dry-run", "--ds-config", "zero3"], timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("llm-train: error:")]
+    assert len(lines) == 1 and "deepspeed.pipeline_stages=2 needs ZeRO stage 0 or 1" in lines[0]

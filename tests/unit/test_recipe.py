@@ -57,6 +57,7 @@ def test_parse_override_types() -> None:
         (["lr=3"], "unknown key 'lr'"),
         (["optim.lr"], "is not key.sub=value"),
         (["optim.lr.x=1"], "optim.lr is a value, not a section"),
+        (["model.config.hub_token=hf_x"], "model.config.hub_token looks like a credential"),
     ],
 )
 def test_bad_overrides_are_one_line_errors(overrides: list[str], message: str) -> None:
