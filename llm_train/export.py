@@ -110,6 +110,9 @@ def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     pipeline_state = pipeline_checkpoint_state_dict(state_dir / DS_TAG, ckpt_dir / "hf")
     if pipeline_state is not None:
         return pipeline_state
+    from llm_train.parallel import refuse_tensor_parallel_checkpoint
+
+    refuse_tensor_parallel_checkpoint(state_dir / DS_TAG, str(ckpt_dir))
     if read_manifest(ckpt_dir)["zero_stage"] == 0:
         model_states = state_dir / DS_TAG / "mp_rank_00_model_states.pt"
         return {

@@ -13,6 +13,7 @@ TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with Z
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from llm_train.errors import UserError
@@ -95,4 +96,19 @@ def _check_tensor_parallel(
         raise UserError(
             f"{degrees}: tensor_parallel.autotp_size={tp} must divide the attention heads, the model has "
             f"num_attention_heads={heads} and num_key_value_heads={kv_heads}; pick a tp that divides both"
+        )
+
+
+def refuse_tensor_parallel_checkpoint(ds_dir: Path, source: str) -> None:
+    """One line instead of DeepSpeed's traceback: a tensor-parallel checkpoint holds one weight shard per TP rank.
+
+    Consolidating ZeRO partitions (what `llm-train export` does) does not merge AutoTP shards;
+    the run's own export (final/) is gathered across TP ranks at the end of training.
+    """
+    model_files = list(ds_dir.glob("mp_rank_*_model_states.pt"))
+    if len(model_files) > 1 and not any(ds_dir.glob("layer_*-model_states.pt")):
+        raise UserError(
+            f"checkpoint {source} was written by a tensor-parallel run ({len(model_files)} model shards); "
+            "llm-train export cannot merge AutoTP shards: use the run's final/ (gathered at the end of "
+            "training), or resume it with --resume and let it finish"
         )

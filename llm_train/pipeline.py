@@ -653,9 +653,10 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
 
     engine = _engine(run, module, max_steps)
     torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
-    start_step = 0
+    start_step, tracker_run_id = 0, None
     if resume_from is not None:
-        start_step = restore_run_state(engine, resume_from, stream, rank)["step"]
+        restored = restore_run_state(engine, resume_from, stream, rank)
+        start_step, tracker_run_id = restored["step"], restored.get("tracker_run_id")
         say(f"resumed from {resume_from} at step {start_step}")
     elif resume:
         say("no complete checkpoint to resume from; starting at step 0")
@@ -668,6 +669,8 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         out,
         {"recipe": recipe.model_dump(mode="json"), "ds_config": run.ds_config, "plan": plan.as_dict()},
         rank == 0,
+        tracker_run_id,
+        start_step,
     )
     checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
     control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
@@ -676,7 +679,15 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     def save(step: int) -> None:
         t0 = time.perf_counter()
         path = save_run_state(
-            checkpointer, engine, step, stream, tokenizer, rank, plan.world_size, recipe, {}
+            checkpointer,
+            engine,
+            step,
+            stream,
+            tokenizer,
+            rank,
+            plan.world_size,
+            recipe,
+            {"tracker_run_id": tracker.run_id},  # W&B continues the same run after a resume
         )
         control.saved()
         say(f"checkpoint {path.name} committed in {time.perf_counter() - t0:.1f}s")

@@ -114,29 +114,13 @@ def steps_for_epochs(epochs: float, micro_batches_per_epoch: int, grad_accum: in
 
 
 def memory_rows(run: Resolved) -> list[tuple[str, str]]:
-    """The first per-GPU memory estimate for the dry run (empty when the shape is not a known family)."""
-    from llm_train.memory import MemoryInputs, estimate_memory
+    """The per-GPU memory estimate for the dry run (empty when the shape is not a known family)."""
+    from llm_train.memory import estimate_memory
+    from llm_train.planner import memory_inputs
     from llm_train.shapes import shape_from_config
 
     try:
         shape = shape_from_config(run.model_fields)
     except UserError:
         return []
-    plan = run.plan
-    inputs = MemoryInputs(
-        shape=shape,
-        world_size=plan.world_size,
-        tp=plan.tp,
-        pp=plan.pp,
-        zero_stage=plan.zero_stage,
-        offload_optimizer=plan.offload_optimizer,
-        offload_params=plan.offload_params,
-        precision=plan.precision,
-        micro_batch=plan.micro_batch_size,
-        seq_len=run.recipe.data.seq_len,
-        activation_checkpointing=run.recipe.memory.activation_checkpointing,
-        attn_impl=run.recipe.memory.attention,
-        gpus_per_node=run.recipe.hardware.processes_per_node,
-        lora_rank=run.recipe.lora.rank if run.recipe.lora else None,
-    )
-    return estimate_memory(inputs).table()
+    return estimate_memory(memory_inputs(run, shape)).table()

@@ -259,7 +259,8 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
             f"stopped by signal {control.stop_signal} after step {result.last_step}; resume with --resume auto"
         )
         accelerator.end_training()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return EXIT_PREEMPTED
     if recipe.checkpoint.at_end:
         save(result.last_step)

@@ -141,3 +141,16 @@ def test_entry_point_reports_one_line_and_exit_2() -> None:
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("llm-train: error:")]
     assert len(lines) == 1 and "deepspeed.pipeline_stages=2 needs ZeRO stage 0 or 1" in lines[0]
+
+
+def test_export_refuses_a_tensor_parallel_checkpoint_in_one_line(tmp_path: Path) -> None:
+    from llm_train.parallel import refuse_tensor_parallel_checkpoint
+
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (tmp_path / name).touch()
+    refuse_tensor_parallel_checkpoint(tmp_path, "ckpt")  # data parallel: one model file
+    (tmp_path / "mp_rank_01_model_states.pt").touch()
+    with pytest.raises(UserError, match="written by a tensor-parallel run \\(2 model shards\\)"):
+        refuse_tensor_parallel_checkpoint(tmp_path, "ckpt")
+    (tmp_path / "layer_00-model_states.pt").touch()  # a pipeline checkpoint: one model file per stage
+    refuse_tensor_parallel_checkpoint(tmp_path, "ckpt")
