@@ -77,10 +77,19 @@ def world_from_accelerate_parent() -> LocalWorld | None:
     args = _accelerate_launch_args()
     if args is None:
         return None
+    import logging
+
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     parsed, _ = launch_command_parser().parse_known_args(args)
-    parsed, _, _ = _validate_launch_command(parsed)  # applies the accelerate config file, if any
+    # It logs its "values were not passed" warning again; accelerate launch already printed it.
+    launch_logger = logging.getLogger("accelerate.commands.launch")
+    level = launch_logger.level
+    launch_logger.setLevel(logging.ERROR)
+    try:
+        parsed, _, _ = _validate_launch_command(parsed)  # applies the accelerate config file, if any
+    finally:
+        launch_logger.setLevel(level)
     total = int(parsed.num_processes or 1)
     nnodes = int(parsed.num_machines or 1)
     if total <= 1 and nnodes <= 1:

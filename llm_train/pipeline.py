@@ -575,11 +575,9 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
 
     from llm_train.checkpoint import Checkpointer, Collectives
     from llm_train.control import EXIT_PREEMPTED, RunControl
-    from llm_train.data import BatchStream, eval_batches, load_blocks
+    from llm_train.data import eval_batches
     from llm_train.export import sample_text, verify_export
     from llm_train.loop import LoopConfig
-    from llm_train.model import load_tokenizer
-    from llm_train.resolve import resolve_run, steps_for_epochs
     from llm_train.run_state import (
         check_compatible,
         choose_checkpoint,
@@ -609,24 +607,9 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     grid = module._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
 
-    tokenizer = load_tokenizer(recipe.model)
-    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
-    stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
-    max_steps = recipe.optim.max_steps or steps_for_epochs(
-        recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
-    )
-    if recipe.optim.max_steps is None:
-        from llm_train.plan import Device
+    from llm_train.session import build_data
 
-        run = resolve_run(
-            args.recipe,
-            args.overrides,
-            plan.world_size,
-            Device.detect(),
-            args.ds_config,
-            max_steps,
-            args.output_dir,
-        )
+    run, tokenizer, stream, eval_blocks, max_steps = build_data(run, args, dp_rank, say)
 
     ranks: list[Any] = [None] * plan.world_size
     layers = [int(module._local_start), int(module._local_stop)]  # this stage's slice of the layer list

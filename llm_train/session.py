@@ -91,6 +91,36 @@ def _prepare_engine(run: Resolved, accelerator: Any, model: Any, max_steps: int)
     return engine
 
 
+def build_data(run: Resolved, args: argparse.Namespace, dp_rank: int, say: Callable[[str], None]) -> tuple:
+    """(run, tokenizer, train stream for this data-parallel rank, eval blocks, max_steps).
+
+    Data comes before the engine: with optim.epochs the number of steps is only known here,
+    and it feeds the DeepSpeed scheduler's "auto" values, so the run is resolved again.
+    """
+    from llm_train.data import BatchStream, load_blocks
+    from llm_train.model import load_tokenizer
+    from llm_train.plan import Device
+
+    recipe, plan = run.recipe, run.plan
+    tokenizer = load_tokenizer(recipe.model)
+    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
+    stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
+    max_steps = recipe.optim.max_steps or steps_for_epochs(
+        recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
+    )
+    if recipe.optim.max_steps is None:
+        run = resolve_run(
+            args.recipe,
+            args.overrides,
+            plan.world_size,
+            Device.detect(),
+            args.ds_config,
+            max_steps,
+            args.output_dir,
+        )
+    return run, tokenizer, stream, eval_blocks, max_steps
+
+
 def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], None]) -> int:
     if run.plan.pp > 1:  # Accelerate cannot drive DeepSpeed's pipeline engine: llm_train/pipeline.py does
         from llm_train.pipeline import run_pipeline
@@ -106,12 +136,12 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     import torch
     import torch.distributed as dist
 
-    from llm_train.data import BatchStream, eval_batches, load_blocks
+    from llm_train.data import eval_batches
     from llm_train.export import sample_text, save_hf_model, verify_export
     from llm_train.fast import apply_liger, compile_engine, set_cuda_alloc_conf
     from llm_train.loop import LoopConfig, train_loop
     from llm_train.metrics import StartupClock, StepMeter
-    from llm_train.model import build_model, load_tokenizer
+    from llm_train.model import build_model
     from llm_train.profiling import enable_flops_profiler, make_profiler
     from llm_train.rundir import check_output_dir, create_run_dir
     from llm_train.tracking import open_trackers
@@ -126,24 +156,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     # Data first: the number of steps (for epochs) feeds the DeepSpeed scheduler's "auto" values.
     rank = int(os.environ["RANK"])
     dp_rank = rank // (plan.tp * plan.pp)  # ranks of one TP/PP group share a data-parallel rank
-    tokenizer = load_tokenizer(recipe.model)
-    train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
-    stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
-    max_steps = recipe.optim.max_steps or steps_for_epochs(
-        recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
-    )
-    if recipe.optim.max_steps is None:
-        from llm_train.plan import Device
-
-        run = resolve_run(
-            args.recipe,
-            args.overrides,
-            plan.world_size,
-            Device.detect(),
-            args.ds_config,
-            max_steps,
-            args.output_dir,
-        )
+    run, tokenizer, stream, eval_blocks, max_steps = build_data(run, args, dp_rank, say)
 
     clock.mark("data")
     enable_flops_profiler(run.ds_config, args, out)  # --flops-profiler: DeepSpeed reads it from the DS config

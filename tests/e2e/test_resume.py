@@ -64,25 +64,41 @@ def test_kill_9_and_resume_is_exact(
     print(f"{variant}: killed at {kill_points}, resumed exactly")
 
 
-def test_sigterm_checkpoints_and_exits_resumable(
-    runs: dict[str, Path], pretrained: Path, tmp_path: Path
+def _signal_during_save(run_dir: Path, proc, spawner) -> None:
+    """Signal while a checkpoint is being written (its temporary directory exists)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if list((run_dir / "checkpoints").glob(".tmp-*")):
+            break
+        time.sleep(0.005)
+    spawner.send_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("during", ["step", "save"])
+def test_stop_signal_checkpoints_and_exits_resumable(
+    runs: dict[str, Path], pretrained: Path, tmp_path: Path, during: str
 ) -> None:
-    run_dir = tmp_path / "sigterm"
-    args = run_args("zero2", run_dir, pretrained) + ["--resume", "auto"]  # no periodic checkpoints
-    proc = accelerate_popen(args)
-    assert wait_for_step(run_dir, 2, proc)
-    # SLURM signals the job's tasks; here: the worker launcher that accelerate started.
     import psutil
 
+    run_dir = tmp_path / during
+    cadence = ["checkpoint.every_steps=1"] if during == "save" else []  # saves to land in
+    args = run_args("zero2", run_dir, pretrained) + cadence + ["--resume", "auto"]
+    proc = accelerate_popen(args)
+    assert wait_for_step(run_dir, 1, proc)
+    # SLURM signals the job's tasks; here: the worker launcher that accelerate started.
     spawner = psutil.Process(proc.pid).children()[0]
     sent = time.monotonic()
-    spawner.send_signal(signal.SIGUSR1)
+    if during == "save":
+        _signal_during_save(run_dir, proc, spawner)
+    else:
+        wait_for_step(run_dir, 2, proc)
+        spawner.send_signal(signal.SIGUSR1)
     output, _ = proc.communicate(timeout=120)
     elapsed = time.monotonic() - sent
     assert elapsed < 25, elapsed  # the default grace budget
     assert "exit status 75" in output, output[-3000:]  # EXIT_PREEMPTED, reported through accelerate
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
-    assert 2 <= stopped_at < STEPS
+    assert 1 <= stopped_at < STEPS
     assert not (run_dir / "final").exists()
     assert_ok(accelerate_launch(args))
     _assert_identical(run_dir, runs["zero2"])
