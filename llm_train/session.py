@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,15 +18,6 @@ from llm_train import launcher
 from llm_train.resolve import Resolved, resolve_run, steps_for_epochs
 
 _MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-
-
-def _quiet(verbose: bool) -> None:
-    if verbose:
-        return
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore")
-    for name in ("DeepSpeed", "accelerate", "torch.distributed", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _accelerator(run: Resolved) -> Any:
