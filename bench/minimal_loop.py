@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -93,3 +95,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    # As in llm_train/train.py: skip interpreter teardown, where gloo/shm threads sometimes
+    # abort ("terminate called without an active exception") after all results are written.
+    os._exit(0)
