@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -118,3 +120,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo/shm threads sometimes abort there (see train.py)
