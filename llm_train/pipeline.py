@@ -581,8 +581,8 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     from llm_train.run_state import (
         check_compatible,
         choose_checkpoint,
+        make_saver,
         restore_run_state,
-        save_run_state,
         truncate_metrics,
     )
     from llm_train.rundir import check_output_dir, create_run_dir
@@ -659,21 +659,9 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
     control.install_signal_handlers()
 
-    def save(step: int) -> None:
-        t0 = time.perf_counter()
-        path = save_run_state(
-            checkpointer,
-            engine,
-            step,
-            stream,
-            tokenizer,
-            rank,
-            plan.world_size,
-            recipe,
-            {"tracker_run_id": tracker.run_id},  # W&B continues the same run after a resume
-        )
-        control.saved()
-        say(f"checkpoint {path.name} committed in {time.perf_counter() - t0:.1f}s")
+    save = make_saver(
+        checkpointer, control, engine, stream, tokenizer, rank, plan.world_size, recipe, tracker, say
+    )
 
     evals = [
         as_pipeline_batch(b)

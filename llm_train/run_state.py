@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,30 @@ def save_run_state(
 
     meta = SaveMeta(step, world_size, recipe_hash(recipe), engine.zero_optimization_stage())
     return checkpointer.save(meta, write, checkpoint_bytes_estimate(engine, checkpointer.root))
+
+
+def make_saver(
+    checkpointer: Checkpointer,
+    control: Any,
+    engine: Any,
+    stream: Any,
+    tokenizer: Any,
+    rank: int,
+    world_size: int,
+    recipe: Recipe,
+    tracker: Any,
+    say: Any,
+) -> Any:
+    """The `save(step)` the training loops call: commit a checkpoint, reset the time cadence, report."""
+
+    def save(step: int) -> None:
+        started = time.perf_counter()
+        extra = {"tracker_run_id": tracker.run_id}  # W&B continues the same run after a resume
+        path = save_run_state(checkpointer, engine, step, stream, tokenizer, rank, world_size, recipe, extra)
+        control.saved()
+        say(f"checkpoint {path.name} committed in {time.perf_counter() - started:.1f}s")
+
+    return save
 
 
 def choose_checkpoint(spec: str, root: Path, rank: int, comm: Collectives, warn: Any) -> Path | None:

@@ -33,11 +33,8 @@ def run_cmd(cmd: list[str], timeout: float = 900, env: dict[str, str] | None = N
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def accelerate_launch(
-    args: list[str], nproc: int = 2, timeout: float = 900, env: dict[str, str] | None = None
-):
-    """`accelerate launch --num_processes N llm_train/train.py ARGS` with no config file, on a fresh port."""
-    cmd = [
+def _accelerate_cmd(args: list[str], nproc: int) -> list[str]:
+    return [
         str(ACCELERATE),
         "launch",
         "--num_processes",
@@ -47,6 +44,13 @@ def accelerate_launch(
         str(TRAIN),
         *args,
     ]
+
+
+def accelerate_launch(
+    args: list[str], nproc: int = 2, timeout: float = 900, env: dict[str, str] | None = None
+):
+    """`accelerate launch --num_processes N llm_train/train.py ARGS` with no config file, on a fresh port."""
+    cmd = _accelerate_cmd(args, nproc)
     return run_cmd(cmd, timeout=timeout, env=env)
 
 
@@ -87,16 +91,7 @@ def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
 
 def accelerate_popen(args: list[str], nproc: int = 2) -> subprocess.Popen:
     """Like accelerate_launch, but in the background and in its own process group (to signal or kill it)."""
-    cmd = [
-        str(ACCELERATE),
-        "launch",
-        "--num_processes",
-        str(nproc),
-        "--main_process_port",
-        str(free_port()),
-        str(TRAIN),
-        *args,
-    ]
+    cmd = _accelerate_cmd(args, nproc)
     return subprocess.Popen(
         cmd,
         cwd=REPO,
