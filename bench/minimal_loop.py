@@ -41,6 +41,22 @@ def packed_blocks(seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
 
 
+def setup(ds_config_path: str) -> tuple[dict, dict, Accelerator, torch.nn.Module]:
+    """tiny-cpu's recipe, the resolved DS config, an Accelerator on it, and the seeded tiny model."""
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu.yaml").read_text())
+    ds_config = json.loads(Path(ds_config_path).read_text())
+    handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config), kwargs_handlers=handlers
+    )
+    fields = dict(recipe["model"]["config"])
+    torch.manual_seed(recipe["optim"]["seed"])
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(fields.pop("model_type"), **fields), attn_implementation="sdpa"
+    )
+    return recipe, ds_config, accelerator, model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ds-config", required=True)
@@ -50,18 +66,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu.yaml").read_text())
-    ds_config = json.loads(Path(args.ds_config).read_text())
-    handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
-    accelerator = Accelerator(
-        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config), kwargs_handlers=handlers
-    )
-
-    fields = dict(recipe["model"]["config"])
-    torch.manual_seed(recipe["optim"]["seed"])
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(fields.pop("model_type"), **fields), attn_implementation="sdpa"
-    )
+    recipe, ds_config, accelerator, model = setup(args.ds_config)
     optim = recipe["optim"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim["lr"], weight_decay=optim["weight_decay"])
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -21,11 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import yaml
-from accelerate import Accelerator, DeepSpeedPlugin
-from accelerate.utils import InitProcessGroupKwargs
-from minimal_loop import REPO, packed_blocks  # bench/ is this script's folder
-from transformers import AutoConfig, AutoModelForCausalLM
+from minimal_loop import packed_blocks, setup  # bench/ is this script's folder
 
 from llm_train.checkpoint import Collectives
 from llm_train.control import RunControl
@@ -43,17 +39,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu.yaml").read_text())
-    ds_config = json.loads(Path(args.ds_config).read_text())
-    handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
-    accelerator = Accelerator(
-        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config), kwargs_handlers=handlers
-    )
-    fields = dict(recipe["model"]["config"])
-    torch.manual_seed(recipe["optim"]["seed"])
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(fields.pop("model_type"), **fields), attn_implementation="sdpa"
-    )
+    recipe, ds_config, accelerator, model = setup(args.ds_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["optim"]["lr"])
     engine, optimizer = accelerator.prepare(model, optimizer)
 
