@@ -118,6 +118,7 @@ def train_loop(
         t0 = time.perf_counter()
         micro_losses = []
         grad_norm = None
+        logged = step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps)
         for _ in range(cfg.grad_accum):
             loss = engine(**_to(next(batches), engine.device)).loss
             # Skipping must be decided before backward, by all ranks together (one collective per
@@ -130,7 +131,7 @@ def train_loop(
                 skipped += 1  # drop this micro-batch before backward: the weights never see it
                 loss = engine(**_to(next(batches), engine.device)).loss
             engine.backward(loss)
-            if engine.is_gradient_accumulation_boundary():
+            if logged and engine.is_gradient_accumulation_boundary():  # only measured when it is logged
                 grad_norm = _grad_norm_if_untracked(engine)
             engine.step()
             micro_losses.append(loss.detach())
@@ -144,7 +145,7 @@ def train_loop(
         meter.record(step_time)
         profiler.step()
 
-        if step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps):
+        if logged:
             if grad_norm is None:
                 tracked = engine.get_global_grad_norm()
                 grad_norm = float(tracked) if tracked is not None else float("nan")
