@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from llm_train.data.tokenize_memo import TokenizeMemo
 from llm_train.errors import UserError
 from llm_train.recipe import ChatSource, InstructionSource, Source, TextSource, TokenizedSource
 
@@ -75,13 +76,23 @@ def check_fields(columns: list[str], source: Source, key: str, where: str) -> No
         )
 
 
-def encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
-    """Batched fast-tokenizer encoding without the offsets and Python wrappers a plain call builds."""
+Encode = Callable[[list[str], bool], list[list[int]]]
+
+
+def make_encoder(tokenizer: Any) -> Encode:
+    """`encode(texts, add_special_tokens)`: batched token ids, by the fastest exact route for this tokenizer.
+
+    Byte-level BPE tokenizers get a per-word memo (tokenize_memo.py); other fast tokenizers their
+    batch encoder without the offsets and Python wrappers a plain call builds; slow ones a plain call.
+    """
+    memo = TokenizeMemo.for_tokenizer(tokenizer)
+    if memo is not None:
+        return memo.encode
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return tokenizer(texts, add_special_tokens=special)["input_ids"]
+        return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
     batch_encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return [e.ids for e in batch_encode(texts, add_special_tokens=special)]
+    return lambda texts, special: [e.ids for e in batch_encode(texts, add_special_tokens=special)]
 
 
 def make_tokenize_fn(source: Source, tokenizer: Any, chat_template: str | None, key: str) -> TokenizeFn:
@@ -104,18 +115,25 @@ def _as_text(value: Any) -> str:
 
 def _text_fn(source: TextSource, tokenizer: Any) -> TokenizeFn:
     field, eos = source.text_field or "text", tokenizer.eos_token_id
+    encode = make_encoder(tokenizer)
 
     def tokenize(batch: Batch, indices: list[int]) -> Batch:
         texts = [_as_text(t) for t in batch[field]]
-        ids = encode(tokenizer, texts, special=True)
+        ids = encode(texts, True)
         # eos ends every document so the model learns where one stops; blank documents are dropped.
-        return {"input_ids": [[*x, eos] if t.strip() else [] for x, t in zip(ids, texts, strict=True)]}
+        for x, text in zip(ids, texts, strict=True):
+            if text and not text.isspace():
+                x.append(eos)  # each list is the encoder's own, fresh one
+            else:
+                x.clear()
+        return {"input_ids": ids}
 
     return tokenize
 
 
 def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
     eos = tokenizer.eos_token_id
+    encode = make_encoder(tokenizer)
 
     def tokenize(batch: Batch, indices: list[int]) -> Batch:
         n = len(indices)
@@ -127,8 +145,8 @@ def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
         ]
         responses = [_as_text(r) for r in batch[source.response_field]]
         # Prompt and response are tokenised apart so the boundary is exact (no merge across it).
-        prompt_ids = encode(tokenizer, prompts, special=True)
-        response_ids = encode(tokenizer, responses, special=False)
+        prompt_ids = encode(prompts, True)
+        response_ids = encode(responses, False)
         ids, masks = [], []
         for p, r, text in zip(prompt_ids, response_ids, responses, strict=True):
             if not text.strip():

@@ -10,7 +10,7 @@ import pytest
 
 from llm_train.data import prepare_data
 from llm_train.data.batches import build_rows
-from llm_train.data.formats import encode
+from llm_train.data.formats import make_encoder
 from tests.unit.test_data_fixtures import data_section, get_tokenizer, write_jsonl
 
 CONVERSATION = [
@@ -150,7 +150,7 @@ def test_fast_encode_matches_the_tokenizer_call() -> None:
     tok = get_tokenizer()
     texts = ["héllo wörld 🙂", "  indented\n\ttabs", "<|user|>\nspecial tokens inline<|eos|>", ""]
     for special in (True, False):
-        assert encode(tok, texts, special) == tok(texts, add_special_tokens=special)["input_ids"]
+        assert make_encoder(tok)(texts, special) == tok(texts, add_special_tokens=special)["input_ids"]
 
 
 @pytest.mark.parametrize("packing", ["packed", "padded"])
