@@ -8,8 +8,10 @@ measures, in the same run and on the same file:
 
   naive     json.loads + tokenizer(text) per row, then next-fit packing in arrival order
             (the loop most scripts start with);
-  pipeline  llm_train.data.prepare_data on a cold cache: datasets' Arrow JSON reader, batched
-            fast-tokenizer map (num_proc workers), flat memory-mapped arrays, best-fit-decreasing
+  pipeline  llm_train.data.prepare_data on a cold cache: datasets' Arrow JSON reader, a batched
+            map (num_proc workers) through the per-word tokenisation memo (data/tokenize_memo.py:
+            the tokenizer's exact ids: the run asserts that its token stream hashes like the naive
+            loop's), flat memory-mapped arrays, best-fit-decreasing
             packing; once with one process and once with the automatic num_proc;
   warm      the same prepare_data again: the cache hit a second training run pays.
 
@@ -22,6 +24,8 @@ cores it names (one, or num_proc). A benchmark, not a test: it prints ratios, ne
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
 import os
 import resource
@@ -68,8 +72,13 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def naive(path: Path, tokenizer, seq_len: int) -> tuple[int, float, float]:
-    """(tokens, seconds, packing efficiency) of the one-sample-at-a-time loop."""
+def stream_digest(ids: np.ndarray) -> str:
+    """Hash of a token stream (every row's ids end to end, in file order) as int32."""
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest()
+
+
+def naive(path: Path, tokenizer, seq_len: int) -> tuple[int, float, float, str]:
+    """(tokens, seconds, packing efficiency, stream digest) of the one-sample-at-a-time loop."""
     eos = tokenizer.eos_token_id
     started = time.perf_counter()
     sequences: list[list[int]] = []
@@ -88,13 +97,17 @@ def naive(path: Path, tokenizer, seq_len: int) -> tuple[int, float, float]:
     if current:
         sequences.append(current)
     seconds = time.perf_counter() - started
-    return tokens, seconds, tokens / (len(sequences) * seq_len)
+    # Next-fit keeps file order, so the sequences end to end are the token stream (hashed untimed).
+    digest = stream_digest(
+        np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int32, count=tokens)
+    )
+    return tokens, seconds, tokens / (len(sequences) * seq_len), digest
 
 
 def pipeline(
     path: Path, tokenizer, seq_len: int, cache: Path, num_proc: int | None
 ) -> tuple[int, float, float, float]:
-    """(tokens, cold seconds, warm seconds, packing efficiency) of prepare_data."""
+    """(tokens, cold seconds, warm seconds, packing efficiency, stream digest) of prepare_data."""
     from llm_train.data import prepare_data
     from llm_train.recipe import DataSection
 
@@ -115,8 +128,9 @@ def pipeline(
     prepare_data(data, tokenizer, seed=0)
     warm = time.perf_counter() - started
     stats = prepared.train.parts[0].stats
-    store_tokens = int(prepared.train.parts[0].store.offsets[-1])
-    return store_tokens, cold, warm, stats["efficiency"]
+    store = prepared.train.parts[0].store
+    store_tokens = int(store.offsets[-1])
+    return store_tokens, cold, warm, stats["efficiency"], stream_digest(store.input_ids[:store_tokens])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             f"corpus: {corpus.stat().st_size / 1e6:.1f} MB, {rows:,} rows; seq_len {args.seq_len}; {os.cpu_count()} CPUs"
         )
         cpu = cpu_seconds()
-        n_tokens, naive_s, naive_eff = naive(corpus, tokenizer, args.seq_len)
+        n_tokens, naive_s, naive_eff, naive_digest = naive(corpus, tokenizer, args.seq_len)
         naive_cpu = cpu_seconds() - cpu
         print(
             f"{'naive':<23} {n_tokens / naive_s:>10,.0f} tokens/s  {naive_s:6.1f}s wall  {naive_cpu:6.1f}s CPU  "
@@ -151,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for label, procs in (("pipeline, 1 process", 1), ("pipeline, auto num_proc", None)):
             cpu = cpu_seconds()
-            tokens, cold, warm, eff = pipeline(corpus, tokenizer, args.seq_len, work / "cache", procs)
+            tokens, cold, warm, eff, digest = pipeline(corpus, tokenizer, args.seq_len, work / "cache", procs)
             used = cpu_seconds() - cpu
-            assert tokens == n_tokens, (tokens, n_tokens)  # the same tokens, or the comparison is void
+            # The very same ids, id for id, or the comparison is void.
+            assert (tokens, digest) == (n_tokens, naive_digest), (tokens, n_tokens)
             results[label] = (cold, warm, eff, used)
             print(
                 f"{label:<23} {tokens / cold:>10,.0f} tokens/s  {cold:6.1f}s wall  {used:6.1f}s CPU  "

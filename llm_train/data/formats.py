@@ -4,7 +4,8 @@ Each `make_tokenize_fn` result is a batched `datasets.map` function. A sample's 
 marks the tokens the model is trained to predict: every token of a text sample; the
 response (and its eos) of an instruction sample; the assistant turns of a chat sample;
 the tokens whose label is not -100 in a tokenized sample. Text sources return no mask
-(all ones), which keeps pre-training caches a fifth smaller.
+(all ones), which keeps pre-training caches a fifth smaller. Text and instruction samples
+come as rows (rows.py: int32 / uint8 bytes), chat and tokenized ones as lists of ints.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from llm_train.data.rows import as_row, mask_row, width
 from llm_train.data.tokenize_memo import TokenizeMemo
 from llm_train.errors import UserError
 from llm_train.recipe import ChatSource, InstructionSource, Source, TextSource, TokenizedSource
@@ -76,11 +78,11 @@ def check_fields(columns: list[str], source: Source, key: str, where: str) -> No
         )
 
 
-Encode = Callable[[list[str], bool], list[list[int]]]
+Encode = Callable[[list[str], bool], list[bytes]]
 
 
 def make_encoder(tokenizer: Any) -> Encode:
-    """`encode(texts, add_special_tokens)`: batched token ids, by the fastest exact route for this tokenizer.
+    """`encode(texts, add_special_tokens)`: each text's ids as a row (int32 bytes, see `as_row`).
 
     Byte-level BPE tokenizers get a per-word memo (tokenize_memo.py); other fast tokenizers their
     batch encoder without the offsets and Python wrappers a plain call builds; slow ones a plain call.
@@ -90,9 +92,11 @@ def make_encoder(tokenizer: Any) -> Encode:
         return memo.encode
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
+        return lambda texts, special: list(
+            map(as_row, tokenizer(texts, add_special_tokens=special)["input_ids"])
+        )
     batch_encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return lambda texts, special: [e.ids for e in batch_encode(texts, add_special_tokens=special)]
+    return lambda texts, special: [as_row(e.ids) for e in batch_encode(texts, add_special_tokens=special)]
 
 
 def make_tokenize_fn(source: Source, tokenizer: Any, chat_template: str | None, key: str) -> TokenizeFn:
@@ -114,25 +118,23 @@ def _as_text(value: Any) -> str:
 
 
 def _text_fn(source: TextSource, tokenizer: Any) -> TokenizeFn:
-    field, eos = source.text_field or "text", tokenizer.eos_token_id
+    field, eos = source.text_field or "text", as_row([tokenizer.eos_token_id])
     encode = make_encoder(tokenizer)
 
     def tokenize(batch: Batch, indices: list[int]) -> Batch:
         texts = [_as_text(t) for t in batch[field]]
-        ids = encode(texts, True)
+        rows = encode(texts, True)
         # eos ends every document so the model learns where one stops; blank documents are dropped.
-        for x, text in zip(ids, texts, strict=True):
-            if text and not text.isspace():
-                x.append(eos)  # each list is the encoder's own, fresh one
-            else:
-                x.clear()
+        ids = [
+            row + eos if text and not text.isspace() else b"" for row, text in zip(rows, texts, strict=True)
+        ]
         return {"input_ids": ids}
 
     return tokenize
 
 
 def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
-    eos = tokenizer.eos_token_id
+    eos = as_row([tokenizer.eos_token_id])
     encode = make_encoder(tokenizer)
 
     def tokenize(batch: Batch, indices: list[int]) -> Batch:
@@ -145,16 +147,16 @@ def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
         ]
         responses = [_as_text(r) for r in batch[source.response_field]]
         # Prompt and response are tokenised apart so the boundary is exact (no merge across it).
-        prompt_ids = encode(prompts, True)
-        response_ids = encode(responses, False)
+        prompt_rows = encode(prompts, True)
+        response_rows = encode(responses, False)
         ids, masks = [], []
-        for p, r, text in zip(prompt_ids, response_ids, responses, strict=True):
+        for p, r, text in zip(prompt_rows, response_rows, responses, strict=True):
             if not text.strip():
-                ids.append([])
-                masks.append([])
+                ids.append(b"")
+                masks.append(b"")
                 continue
-            ids.append([*p, *r, eos])
-            masks.append([0] * len(p) + [1] * (len(r) + 1))
+            ids.append(p + r + eos)
+            masks.append(mask_row(width(p), width(r) + 1))
         return {"input_ids": ids, "loss_mask": masks}
 
     return tokenize

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from llm_train.data.formats import TokenizeFn
+from llm_train.data.rows import IDS, MASK, to_arrow
 
 _SMALL_SOURCE_ROWS = 10_000  # below this, starting worker processes costs more than it saves
 
@@ -68,26 +69,16 @@ def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Any:
     """`tokenize`, building its output Arrow arrays directly.
 
     datasets' generic conversion of nested Python lists cost as much as tokenising itself;
-    one flat int32 array plus offsets per batch costs a small fraction of it.
+    one flat array plus offsets per batch (rows.to_arrow) costs a small fraction of it.
     """
-    import itertools
-
     import pyarrow as pa
 
-    types = {"input_ids": np.int32, "loss_mask": np.uint8}
-
-    def as_lists(values: list[list[int]], kind: Any) -> Any:
-        lengths = np.fromiter(map(len, values), dtype=np.int32, count=len(values))
-        offsets = np.zeros(len(values) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        # numpy reads the ints straight from the lists; Arrow then takes its buffer without a copy.
-        flat = np.fromiter(itertools.chain.from_iterable(values), dtype=kind, count=int(offsets[-1]))
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+    dtypes = {"input_ids": IDS, "loss_mask": MASK}
 
     def apply(batch: Any, indices: list[int]) -> Any:
         out = tokenize(batch, indices)
         names = ["input_ids"] + (["loss_mask"] if with_mask else [])
-        return pa.table({name: as_lists(out[name], types[name]) for name in names})
+        return pa.table({name: to_arrow(out[name], dtypes[name]) for name in names})
 
     return apply
 

@@ -33,6 +33,8 @@ import re
 from itertools import chain, islice
 from typing import Any
 
+from llm_train.data.rows import as_row
+
 _GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _LLAMA3 = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
@@ -52,6 +54,7 @@ _CUTS = {
     _LLAMA3: re.compile(rf"(?<=[A-Za-z0-9])(?={_ASCII_SPACE})"),
     _QWEN2: re.compile(rf"(?<=[A-Za-z0-9])(?={_ASCII_SPACE})"),
 }
+_INNER_SPACE = re.compile(_ASCII_SPACE)
 _MAX_ENTRIES = 1 << 21  # distinct units kept; past this the memo starts over (bounded memory)
 
 
@@ -78,7 +81,7 @@ def _pre_token_pattern(pre_tokenizer: dict[str, Any] | None) -> str | None:
     return (split.get("pattern") or {}).get("Regex")
 
 
-def _post_affixes(backend: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _post_affixes(backend: Any) -> tuple[bytes, bytes] | None:
     """(prefix, suffix): the ids the post-processor puts around every single text, or None if they vary."""
     found = set()
     for probe in ("a", "Hello world", " 12 !"):
@@ -87,20 +90,34 @@ def _post_affixes(backend: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | Non
         starts = [k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain]
         if not starts:
             return None
-        found.add((tuple(full[: starts[0]]), tuple(full[starts[0] + len(plain) :])))
+        found.add((as_row(full[: starts[0]]), as_row(full[starts[0] + len(plain) :])))
     return found.pop() if len(found) == 1 else None
 
 
-class TokenizeMemo:
-    """`encode(texts, special)`: the ids `backend.encode_batch_fast` gives, from memoised units."""
+# A text whose units are not all memoised yet: (its index in the batch, its units, the row found
+# per unit with None where a unit is new).
+_Pending = tuple[int, list[str], list[bytes | None]]
 
-    def __init__(
-        self,
-        backend: Any,
-        cut: re.Pattern[str],
-        added: list[str],
-        affixes: tuple[tuple[int, ...], tuple[int, ...]],
-    ):
+
+def _holes(found: list[bytes | None]) -> list[int]:
+    """Positions of the Nones, by list.index (C speed: most of the list is skipped, not looped over)."""
+    holes, k = [], -1
+    try:
+        while True:
+            k = found.index(None, k + 1)
+            holes.append(k)
+    except ValueError:
+        return holes
+
+
+class TokenizeMemo:
+    """`encode(texts, special)`: the ids `backend.encode_batch_fast` gives, as rows, from memoised units.
+
+    Ids are kept and returned as int32 bytes (`as_row`): joining a text's units is then one
+    memory copy, and the rows go into the cache's arrays without passing through Python ints.
+    """
+
+    def __init__(self, backend: Any, cut: re.Pattern[str], added: list[str], affixes: tuple[bytes, bytes]):
         self._backend = backend
         self._cut_again = cut
         self._prefix, self._suffix = affixes
@@ -109,9 +126,9 @@ class TokenizeMemo:
             re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) if added else None
         )
         self._added_starts = frozenset(token[0] for token in added)
-        self._first: dict[str, tuple[int, ...]] = {}  # a text's first unit -> its ids
-        self._spaced: dict[str, tuple[int, ...]] = {}  # any later unit, without its leading space -> its ids
-        self._pieces: dict[str, tuple[int, ...]] = {}  # what _cut_again makes of learnt units -> ids
+        self._first: dict[str, bytes] = {}  # a text's first unit -> its row
+        self._spaced: dict[str, bytes] = {}  # any later unit, without its leading space -> its row
+        self._pieces: dict[str, bytes] = {}  # what _cut_again makes of learnt units -> their rows
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenizeMemo | None:
@@ -126,15 +143,12 @@ class TokenizeMemo:
         affixes = _post_affixes(backend) if cut is not None else None
         if affixes is None:
             return None
-        return cls(
-            backend, cut, [t["content"] for t in spec.get("added_tokens", []) if t["content"]], affixes
-        )
+        added = [t["content"] for t in spec.get("added_tokens", []) if t["content"]]
+        return cls(backend, cut, added, affixes)
 
-    def encode(self, texts: list[str], special: bool) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in texts]
-        pending: list[
-            tuple[int, list[str], list[tuple[int, ...] | None]]
-        ] = []  # texts with units not seen yet
+    def encode(self, texts: list[str], special: bool) -> list[bytes]:
+        out: list[bytes] = [b""] * len(texts)
+        pending: list[_Pending] = []
         by_tokenizer: list[int] = []
         spaced = self._spaced.get
         for i, text in enumerate(texts):
@@ -142,24 +156,24 @@ class TokenizeMemo:
                 by_tokenizer.append(i)
                 continue
             units = _units(text)
-            # One lookup per unit; a unit not seen yet leaves a None, which chain() refuses.
+            # One lookup per unit; a unit not seen yet leaves a None, which join() refuses.
             found = [self._first.get(units[0]), *map(spaced, islice(units, 1, None))]
             try:
-                out[i] = list(chain.from_iterable(found))  # type: ignore[arg-type]
+                out[i] = b"".join(found)  # type: ignore[arg-type]
             except TypeError:
                 pending.append((i, units, found))
         if pending:
             self._learn(pending)
             for i, _, found in pending:
-                out[i] = list(chain.from_iterable(found))  # type: ignore[arg-type]  # holes filled by _learn
+                out[i] = b"".join(found)  # type: ignore[arg-type]  # holes filled by _learn
         if special and (self._prefix or self._suffix):
-            out = [[*self._prefix, *ids, *self._suffix] for ids in out]
+            out = [self._prefix + row + self._suffix for row in out]
         if by_tokenizer:
             encoded = self._backend.encode_batch_fast(
                 [texts[i] for i in by_tokenizer], add_special_tokens=special
             )
             for i, encoding in zip(by_tokenizer, encoded, strict=True):
-                out[i] = encoding.ids
+                out[i] = as_row(encoding.ids)
         return out
 
     def _has_added_token(self, text: str) -> bool:
@@ -170,13 +184,13 @@ class TokenizeMemo:
             and self._added.search(text) is not None
         )
 
-    def _learn(self, pending: list[tuple[int, list[str], list[tuple[int, ...] | None]]]) -> None:
+    def _learn(self, pending: list[_Pending]) -> None:
         """Tokenise every unit the pending texts miss, and fill their holes."""
         if len(self._first) + len(self._spaced) + len(self._pieces) > _MAX_ENTRIES:
             self._first.clear()
             self._spaced.clear()
             self._pieces.clear()
-        holes = [[k for k, ids in enumerate(found) if ids is None] for _, _, found in pending]
+        holes = [_holes(found) for _, _, found in pending]
         first_set: set[str] = set()
         spaced_set: set[str] = set()
         for (_, units, _), where in zip(pending, holes, strict=True):
@@ -184,20 +198,21 @@ class TokenizeMemo:
             if where[0] == 0:
                 first_set.add(units[0])
         first, spaced = list(first_set), list(spaced_set)
-        encoded = self._tokenize([*first, *(" " + unit for unit in spaced)])
-        self._first.update(zip(first, encoded[: len(first)], strict=True))
-        self._spaced.update(zip(spaced, encoded[len(first) :], strict=True))
+        rows = self._tokenize([*first, *(" " + unit for unit in spaced)])
+        self._first.update(zip(first, rows[: len(first)], strict=True))
+        self._spaced.update(zip(spaced, rows[len(first) :], strict=True))
         for (_, units, found), where in zip(pending, holes, strict=True):
             for k in where:
                 found[k] = self._spaced[units[k]] if k else self._first[units[0]]
 
-    def _tokenize(self, units: list[str]) -> list[tuple[int, ...]]:
-        """Ids of new units, from their pieces; the pieces not seen yet are tokenised in one batch."""
-        pieces = [self._cut_again.split(unit) for unit in units]
+    def _tokenize(self, units: list[str]) -> list[bytes]:
+        """Rows of new units, from their pieces; the pieces not seen yet are tokenised in one batch."""
+        # Most units are one word with no whitespace after their leading space: nothing to cut.
+        pieces = [self._cut_again.split(u) if _INNER_SPACE.search(u, 1) else [u] for u in units]
         new = list(set(chain.from_iterable(pieces)).difference(self._pieces))
         encoded = self._backend.encode_batch_fast(new, add_special_tokens=False)
-        self._pieces.update(zip(new, (tuple(e.ids) for e in encoded), strict=True))
-        return [tuple(chain.from_iterable(map(self._pieces.__getitem__, cut))) for cut in pieces]
+        self._pieces.update(zip(new, (as_row(e.ids) for e in encoded), strict=True))
+        return [b"".join(map(self._pieces.__getitem__, cut)) for cut in pieces]
 
 
 def _units(text: str) -> list[str]:
