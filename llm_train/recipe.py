@@ -249,7 +249,7 @@ class DataSection(Section):
     num_proc: int | None = Field(
         None,
         ge=1,
-        description="Processes for tokenisation; default: CPU count (capped at 8) for large sources.",
+        description="Processes for tokenisation; default: one per 16 MB of source, up to the CPU count (capped at 8).",
     )
     loader_workers: int | None = Field(
         None, ge=0, description="DataLoader worker processes; default 2 on CUDA (pinned memory), 0 on CPU."

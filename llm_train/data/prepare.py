@@ -175,7 +175,7 @@ class _Job:
             loaded = rows if rows is not None else load_rows(located, source, key, self.cache_dir)
             formats.check_fields(loaded.column_names, source, key, located.describe())
             fn = formats.make_tokenize_fn(source, self.tokenizer, self.template, where)
-            procs = auto_num_proc(len(loaded), self.data.num_proc)
+            procs = auto_num_proc(len(loaded), loaded.data.nbytes, self.data.num_proc)
             columns = formats.fields_read(source, loaded.column_names)
             meta = build_store(out, loaded, fn, columns, formats.has_loss_mask(source), procs, tok_key)
             if meta["tokens"] == 0:

@@ -55,6 +55,24 @@ _CUTS = {
     _QWEN2: re.compile(rf"(?<=[A-Za-z0-9])(?={_ASCII_SPACE})"),
 }
 _INNER_SPACE = re.compile(_ASCII_SPACE)
+# Per supported regex, its exact equivalent on ASCII text (\p{L} is [A-Za-z] there, \p{N} [0-9], and
+# \s the same six characters for both engines): new ASCII units are cut into their pre-tokens,
+# which repeat far more than units do in text with many distinct words (code, names, numbers).
+_ASCII_PRE_TOKENS = {
+    _GPT2: re.compile(
+        r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""", re.ASCII
+    ),
+    _LLAMA3: re.compile(
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|"""
+        r"""\s*[\r\n]+|\s+(?!\S)|\s+""",
+        re.ASCII,
+    ),
+    _QWEN2: re.compile(
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]| ?[^\sA-Za-z0-9]+[\r\n]*|"""
+        r"""\s*[\r\n]+|\s+(?!\S)|\s+""",
+        re.ASCII,
+    ),
+}
 _MAX_ENTRIES = 1 << 21  # distinct units kept; past this the memo starts over (bounded memory)
 
 
@@ -117,9 +135,10 @@ class TokenizeMemo:
     memory copy, and the rows go into the cache's arrays without passing through Python ints.
     """
 
-    def __init__(self, backend: Any, cut: re.Pattern[str], added: list[str], affixes: tuple[bytes, bytes]):
+    def __init__(self, backend: Any, pattern: str, added: list[str], affixes: tuple[bytes, bytes]):
         self._backend = backend
-        self._cut_again = cut
+        self._cut_again = _CUTS[pattern]
+        self._ascii_pre_tokens = _ASCII_PRE_TOKENS[pattern]
         self._prefix, self._suffix = affixes
         # Longest first, so a token that contains another is found whole.
         self._added = (
@@ -139,12 +158,12 @@ class TokenizeMemo:
         model = spec.get("model") or {}
         if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
             return None
-        cut = _CUTS.get(_pre_token_pattern(spec.get("pre_tokenizer")) or "")
-        affixes = _post_affixes(backend) if cut is not None else None
-        if affixes is None:
+        pattern = _pre_token_pattern(spec.get("pre_tokenizer"))
+        affixes = _post_affixes(backend) if pattern in _CUTS else None
+        if pattern is None or affixes is None:
             return None
         added = [t["content"] for t in spec.get("added_tokens", []) if t["content"]]
-        return cls(backend, cut, added, affixes)
+        return cls(backend, pattern, added, affixes)
 
     def encode(self, texts: list[str], special: bool) -> list[bytes]:
         out: list[bytes] = [b""] * len(texts)
@@ -207,12 +226,19 @@ class TokenizeMemo:
 
     def _tokenize(self, units: list[str]) -> list[bytes]:
         """Rows of new units, from their pieces; the pieces not seen yet are tokenised in one batch."""
-        # Most units are one word with no whitespace after their leading space: nothing to cut.
-        pieces = [self._cut_again.split(u) if _INNER_SPACE.search(u, 1) else [u] for u in units]
+        pieces = [self._pieces_of(unit) for unit in units]
         new = list(set(chain.from_iterable(pieces)).difference(self._pieces))
         encoded = self._backend.encode_batch_fast(new, add_special_tokens=False)
         self._pieces.update(zip(new, (as_row(e.ids) for e in encoded), strict=True))
         return [b"".join(map(self._pieces.__getitem__, cut)) for cut in pieces]
+
+    def _pieces_of(self, unit: str) -> list[str]:
+        if unit.isascii():
+            pre_tokens = self._ascii_pre_tokens.findall(unit)
+            if sum(map(len, pre_tokens)) == len(unit):  # every character matched, as it always is
+                return pre_tokens
+        # Elsewhere only whitespace runs are cut at; most units are one word and stay whole.
+        return self._cut_again.split(unit) if _INNER_SPACE.search(unit, 1) else [unit]
 
 
 def _units(text: str) -> list[str]:

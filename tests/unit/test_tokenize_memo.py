@@ -203,3 +203,19 @@ def test_cuts_only_where_the_tokenizer_sees_no_whitespace() -> None:
     assert set(" \t\n\r\x0b\x0c") <= onig_space  # the probe sees whitespace when it is there
     not_space = re.compile(tokenize_memo._NOT_SPACE)
     assert not [hex(ord(c)) for c in onig_space if not_space.match(c)]
+
+
+@pytest.mark.parametrize("name", ["_GPT2", "_LLAMA3", "_QWEN2"])
+def test_ascii_forms_split_ascii_text_like_the_tokenizer(name: str) -> None:
+    from tokenizers import Regex, pre_tokenizers
+
+    pattern = getattr(tokenize_memo, name)
+    theirs = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    ours = tokenize_memo._ASCII_PRE_TOKENS[pattern]
+    ascii_chars = [chr(c) for c in range(128)]
+    pool = [*ascii_chars, *" \t\n\r0aZ'", "'s", "'LL", "'Re", "0000", "12345", "   ", "\r\n", "\n\n", " \n"]
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(1, 30))) for _ in range(4000)]
+    texts.append("".join(a + b for a in ascii_chars for b in ascii_chars))  # every pair, once
+    for text in texts:
+        assert ours.findall(text) == [piece for piece, _ in theirs.pre_tokenize_str(text)], repr(text)
