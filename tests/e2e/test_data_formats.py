@@ -55,9 +55,14 @@ def _write_sources(tmp: Path) -> dict[str, Path]:
 
 
 def _prepared_line(fmt: str, stdout: str) -> bool:
-    # Rank 0 prints; whichever rank took the cache lock first tokenised, the other read its result.
+    # Rank 0 prints. The cache folder is new, so one of the two ranks tokenised in this launch:
+    # rank 0 itself, or rank 1 while rank 0 waited on the lock ("tokenised by another
+    # process"), or rank 1 before rank 0 even looked ("cached").
     return bool(
-        re.search(rf"\({fmt}\): (tokenised [\d,]+ rows|[\d,]+ rows, .*tokenised by another process)", stdout)
+        re.search(
+            rf"\({fmt}\): (tokenised [\d,]+ rows|[\d,]+ rows, .*\((cached|tokenised by another process)\))",
+            stdout,
+        )
     )
 
 
