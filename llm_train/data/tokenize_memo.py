@@ -9,10 +9,13 @@ tokenised alone. For the regexes in `_CUTS`:
   take a space take it first, and a whitespace run gives up its last space to the word after
   it). `text.split(" ")` makes these cuts at C speed, and text repeats its words: the 50 MB
   benchmark corpus has 6.3 million such units but only 110 thousand distinct ones.
-- a whitespace run starts a pre-token when the character before it is one no pre-token ends
-  on whitespace after: any non-whitespace character for GPT-2; a letter or digit for Llama 3
-  and Qwen2, whose punctuation branch also takes the newlines after it. Units seen for the
-  first time are cut here too, so "type.\n\nFor" is learnt as "type." and "\n\nFor".
+- a unit seen for the first time is cut further before it goes to the tokenizer. An ASCII
+  unit is cut into its pre-tokens by the regex's ASCII form (`_ASCII_PRE_TOKENS`: on ASCII
+  text \p{L} is [A-Za-z] and \p{N} [0-9] for both regex engines); code and names repeat as
+  pre-tokens far more than as units. Any other unit is cut where a whitespace run starts
+  after a character no pre-token ends on whitespace after: any non-whitespace character for
+  GPT-2; a letter or digit for Llama 3 and Qwen2, whose punctuation branch also takes the
+  newlines after it ("type.\n\nFor" is learnt as "type." and "\n\nFor").
 
 The Rust tokenizer spends ~2 us on each pre-token (regex, byte mapping, a locked cache,
 Encoding objects with offsets); a dict lookup costs a fraction of that. Every piece the memo
@@ -23,7 +26,7 @@ of those regexes in a ByteLevel (or Split then ByteLevel) pre-tokenizer, BPE wit
 no truncation or padding, and a post-processor that only puts fixed ids around a text. A text
 containing an added token (special tokens, chat markers) is encoded by the tokenizer itself.
 tests/unit/test_tokenize_memo.py compares the ids with the tokenizer's on adversarial text and
-checks the whitespace classes below against the tokenizer's own regex engine.
+checks the whitespace classes and ASCII forms below against the tokenizer's own regex engine.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ _ASCII_PRE_TOKENS = {
         re.ASCII,
     ),
 }
-_MAX_ENTRIES = 1 << 21  # distinct units kept; past this the memo starts over (bounded memory)
+# Distinct units and pieces kept; past this the memo starts over. ~460 bytes each (measured), so
+# at most ~240 MB per tokenising process.
+_MAX_ENTRIES = 1 << 19
 
 
 def _pre_token_pattern(pre_tokenizer: dict[str, Any] | None) -> str | None:
