@@ -473,6 +473,13 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         # zero.Init: no rank materialises the model; each reads one checkpoint shard
         # at a time, keeps its partition and frees the rest.
         host["model_load_peak"] = ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
+    elif inp.pp > 1:
+        # A pipeline stage is built as its own module (~1/pp of the layers) and reads only its
+        # tensors from the checkpoint, one at a time; the first and last stages also hold the
+        # embedding or the head, hence one largest tensor on top. (init: random builds the whole
+        # model once per rank instead; that path is for tiny test models.)
+        stage = full_model / inp.pp + shape.largest_layer_params * weight_bytes
+        host["model_load_peak"] = ranks * min(full_model, stage)
     else:
         # Without zero.Init every rank on the node loads the full 16-bit model on the
         # CPU before DeepSpeed moves it to the GPU (the classic host-RAM OOM at load).

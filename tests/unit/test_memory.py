@@ -252,6 +252,14 @@ def test_zero_init_avoids_full_model_per_rank_at_load() -> None:
     assert with_init.host_bytes < without.host_bytes
 
 
+def test_pipeline_stages_load_only_their_share_of_the_model() -> None:
+    whole = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, zero_stage=1, zero_init=False))
+    staged = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, pp=8, zero_stage=1, zero_init=False))
+    stage = 2 * LLAMA2_7B.num_params / 8 + 2 * LLAMA2_7B.largest_layer_params  # 16-bit
+    assert staged.host_terms["model_load_peak"] == int(8 * stage)
+    assert staged.host_terms["model_load_peak"] < whole.host_terms["model_load_peak"] / 4
+
+
 def test_known_budget_7b_on_a_24gb_card() -> None:
     """DESIGN: a 7-8B full fine-tune fits 24 GB only with offload, and needs ~100-120 GiB host RAM."""
     shape = resolve_shape("meta-llama/Llama-3.1-8B")
