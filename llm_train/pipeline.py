@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from llm_train.errors import UserError
+from llm_train.metrics import StepMeter
 from llm_train.resolve import Resolved
 
 if TYPE_CHECKING:
@@ -399,6 +400,14 @@ def pipeline_checkpoint_state_dict(ds_dir: Path, hf_dir: Path) -> dict[str, torc
 # ---------------------------------------------------------------- the run
 
 
+def _whole_model_on_meta(config: Any) -> nn.Module:
+    """The whole HF model without memory: what the step meter counts FLOPs per token on."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def _init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -515,6 +524,7 @@ def pipeline_loop(
     control: RunControl,
     save: Callable[[int], None],
     say: Callable[[str], None],
+    meter: StepMeter,
 ) -> LoopResult:
     """loop.train_loop for the pipeline engine: one `train_batch` per optimizer step.
 
@@ -537,15 +547,14 @@ def pipeline_loop(
             raise NonFiniteLoss(
                 f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr"
             )
-        step_time = time.perf_counter() - t0
+        meter.record(time.perf_counter() - t0)
         if step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps):
             norm = engine.get_global_grad_norm()
             metrics = {
                 "loss": loss,
                 "lr": engine.get_lr()[0],
                 "grad_norm": float(norm) if norm is not None else float("nan"),
-                "tokens_per_s": cfg.tokens_per_step / step_time,
-                "step_time_s": step_time,
+                **meter.flush(),  # throughput, MFU, memory: the same fields as the ZeRO loop's
             }
             tracker.log(metrics, step)
             eta = (time.perf_counter() - started) / (step - cfg.start_step) * (cfg.max_steps - step)
@@ -679,7 +688,8 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         f"training {max_steps} steps, {cfg.tokens_per_step:,} tokens per step; "
         f"setup took {time.perf_counter() - started:.1f}s"
     )
-    result = pipeline_loop(engine, _pairs(stream), evals, cfg, tracker, control, save, say)
+    meter = StepMeter.for_run(run, _whole_model_on_meta(config), args)
+    result = pipeline_loop(engine, _pairs(stream), evals, cfg, tracker, control, save, say, meter)
     metrics = result.metrics
     if result.preempted:  # the loop saved after the agreed stop step: exit resumable, no export
         tracker.close()

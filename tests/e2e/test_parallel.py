@@ -130,7 +130,9 @@ def test_run_directory_contract(runs: dict[str, Path], name: str) -> None:
     )
     assert (run_dir / "config" / "recipe.yaml").is_file()
     for row in (m for m in read_metrics(run_dir) if "loss" in m):
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(row)
+        # The pipeline loop meters like the ZeRO loop: the same throughput and memory fields.
+        meter = {"tokens_per_s", "tokens_per_s_per_gpu", "samples_per_s", "step_time_s", "host_rss_gib"}
+        assert {"step", "loss", "lr", "grad_norm", *meter} <= set(row)
         assert row["tokens_per_s"] > 0 and row["grad_norm"] == row["grad_norm"]  # not NaN
     assert json.loads((run_dir / "final" / "export_check.json").read_text())["ok"]
 
