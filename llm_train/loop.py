@@ -74,11 +74,30 @@ def _finite_everywhere(loss: torch.Tensor) -> bool:
 
 
 def _grad_norm_if_untracked(engine: Any) -> float | None:
-    # ZeRO-0 in fp32 clips without keeping the norm; measure it at the boundary, before the step.
-    if engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-    return None
+    """ZeRO-0 in fp32 clips without keeping the norm: measure it at the boundary, before the step.
+
+    Under AutoTP a rank holds a slice of each replaced weight (DeepSpeed marks those
+    `tensor_model_parallel`) and a whole copy of the rest: the slices' squares are summed over
+    the tensor-parallel group, the copies counted once.
+    """
+    if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None
+    sliced, whole = torch.zeros(()), torch.zeros(())
+    tp = False
+    for param in engine.module.parameters():
+        if param.grad is None:
+            continue
+        square = param.grad.detach().float().pow(2).sum().cpu()
+        if getattr(param, "tensor_model_parallel", False):
+            sliced += square
+            tp = True
+        else:
+            whole += square
+    if tp and dist.is_initialized():
+        from deepspeed.utils import groups
+
+        dist.all_reduce(sliced, group=groups.get_tensor_model_parallel_group())
+    return float((sliced + whole).sqrt())
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ of Llama, Mistral and Qwen2 is tested without DeepSpeed in tests/unit/test_paral
 
     reference   1 process              micro 8 x accum 2            (ZeRO-0)
     tp2         2 processes, AutoTP 2  micro 8 x accum 2 x dp 1     (ZeRO-1)
+    tp2_zero0   tp2 on ZeRO-0 (llm_train measures the gradient norm across the TP slices)
     pp2         2 processes, 2 stages  micro 8 x accum 2 x dp 1     (ZeRO-1, checkpoint at step 3)
     pp2_resumed pp2 resumed from its step-3 checkpoint
     pp2_dp2     4 processes, 2 stages  micro 8 x accum 1 x dp 2     (ZeRO-0: llm_train's own clipping
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.reference import SHORT_RUN, STEPS
-from tests.helpers import accelerate_launch, assert_ok, losses, read_metrics, train_py
+from tests.helpers import REPO, accelerate_launch, assert_ok, losses, read_metrics, train_py
 
 pytestmark = pytest.mark.e2e
 
@@ -82,9 +83,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     base = tmp_path_factory.mktemp("parallel")
     pretrained = make_tiny_qwen2(base / "pretrained")
-    out = {name: base / name for name in ("reference", "tp2", "pp2", "pp2_resumed", "pp2_dp2")}
+    out = {name: base / name for name in ("reference", "tp2", "tp2_zero0", "pp2", "pp2_resumed", "pp2_dp2")}
     assert_ok(train_py(_args("tiny-cpu", out["reference"], pretrained, 2, "--ds-config", "zero0")))
     assert_ok(accelerate_launch(_args("tiny-cpu-tp2", out["tp2"], pretrained, 2)))
+    # ZeRO-0 keeps no gradient norm: llm_train measures it, over the TP slices and the copies.
+    zero0_tp = json.loads((REPO / "ds_configs" / "zero1_tp.json").read_text())
+    zero0_tp["zero_optimization"] = {"stage": 0}
+    (base / "zero0_tp.json").write_text(json.dumps(zero0_tp))
+    tp2_zero0 = _args(
+        "tiny-cpu-tp2", out["tp2_zero0"], pretrained, 2, "--ds-config", str(base / "zero0_tp.json")
+    )
+    assert_ok(accelerate_launch(tp2_zero0))
     assert_ok(accelerate_launch(_args("tiny-cpu-pp2", out["pp2"], pretrained, 2, "checkpoint.every_steps=3")))
     checkpoint = out["pp2"] / "checkpoints" / step_name(3)
     resumed = _args("tiny-cpu-pp2", out["pp2_resumed"], pretrained, 2, "--resume", str(checkpoint))
@@ -99,7 +108,7 @@ def _world(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(world["ranks"], key=lambda r: r["rank"])
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "pp2_dp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2_zero0", "pp2", "pp2_dp2"])
 def test_losses_equal_the_single_process_run(runs: dict[str, Path], name: str) -> None:
     reference, candidate = losses(runs["reference"]), losses(runs[name])
     assert sorted(candidate) == list(range(1, STEPS + 1))
