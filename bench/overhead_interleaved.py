@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from minimal_loop import packed_blocks, setup  # bench/ is this script's folder
 
-from llm_train.checkpoint import Collectives
 from llm_train.control import RunControl
 from llm_train.loop import LoopConfig, train_loop
 from llm_train.metrics import StepMeter
@@ -58,7 +57,7 @@ def main() -> None:
     main_rank = accelerator.is_main_process
     say = print if main_rank else (lambda _: None)
     tracker = open_trackers(TrackingSection(), Path(tempfile.mkdtemp(prefix="overhead_")), {}, main_rank)
-    control = RunControl(0, 0.0, Collectives().any)
+    control = RunControl(0, 0.0)
     tokens_per_step = micro * seq_len * accelerator.num_processes
 
     def ours(first: int) -> None:
