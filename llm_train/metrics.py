@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llm_train.resolve import Resolved
+    from llm_train.shapes import ModelShape
 
 GIB = 1024**3
 
@@ -36,6 +37,15 @@ def flops_per_token(
     the activation gradient, but no weight gradient.
     """
     return 6.0 * n_params + 4.0 * n_frozen + 12.0 * n_layers * n_heads * head_dim * seq_len
+
+
+def shape_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """`model_flops_per_token` from the config's shape alone (no model needed): every weight trained,
+    the input embedding (a lookup, not a matmul) left out unless it is tied to the output head."""
+    embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+    return flops_per_token(
+        shape.num_params - embedding, shape.num_layers, shape.num_heads, shape.head_dim, seq_len
+    )
 
 
 def _numel(param: Any) -> int:
@@ -199,19 +209,18 @@ class StepMeter:
 
     @classmethod
     def for_run(
-        cls, run: Resolved, model: Any, args: Any = None, clock: StartupClock | None = None
+        cls, run: Resolved, flops_per_token: float | None, args: Any = None, clock: StartupClock | None = None
     ) -> StepMeter:
         """The meter of a training run: its batch arithmetic, the model's FLOPs and the device's peak."""
         import torch
 
         plan = run.plan
         cuda = torch.cuda.is_available()
-        seq_len = run.recipe.data.seq_len
         return cls(
-            tokens_per_step=plan.global_batch_size * seq_len,
+            tokens_per_step=plan.global_batch_size * run.recipe.data.seq_len,
             samples_per_step=plan.global_batch_size,
             world_size=plan.world_size,
-            flops_per_token=model_flops_per_token(model, seq_len),
+            flops_per_token=flops_per_token,
             peak_tflops=resolve_peak_tflops(getattr(args, "peak_tflops", None), cuda),
             cuda=cuda,
             clock=clock,

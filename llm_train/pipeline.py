@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from llm_train.errors import UserError
-from llm_train.metrics import StepMeter
+from llm_train.metrics import StepMeter, shape_flops_per_token
 from llm_train.resolve import Resolved
+from llm_train.shapes import shape_from_config
 
 if TYPE_CHECKING:
     from llm_train.control import RunControl
@@ -400,14 +401,6 @@ def pipeline_checkpoint_state_dict(ds_dir: Path, hf_dir: Path) -> dict[str, torc
 # ---------------------------------------------------------------- the run
 
 
-def _whole_model_on_meta(config: Any) -> nn.Module:
-    """The whole HF model without memory: what the step meter counts FLOPs per token on."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
 def _init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -688,7 +681,8 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         f"training {max_steps} steps, {cfg.tokens_per_step:,} tokens per step; "
         f"setup took {time.perf_counter() - started:.1f}s"
     )
-    meter = StepMeter.for_run(run, _whole_model_on_meta(config), args)
+    flops = shape_flops_per_token(shape_from_config(config.to_dict()), recipe.data.seq_len)
+    meter = StepMeter.for_run(run, flops, args)
     result = pipeline_loop(engine, _pairs(stream), evals, cfg, tracker, control, save, say, meter)
     metrics = result.metrics
     if result.preempted:  # the loop saved after the agreed stop step: exit resumable, no export

@@ -129,7 +129,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     from llm_train.export import sample_text, save_hf_model, verify_export
     from llm_train.fast import apply_liger, compile_engine, set_cuda_alloc_conf
     from llm_train.loop import LoopConfig, train_loop
-    from llm_train.metrics import StartupClock, StepMeter
+    from llm_train.metrics import StartupClock, StepMeter, model_flops_per_token
     from llm_train.model import build_model
     from llm_train.profiling import enable_flops_profiler, make_profiler
     from llm_train.rundir import check_output_dir, create_run_dir
@@ -195,7 +195,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     if notice := compile_engine(engine, recipe.memory):
         say(notice)
     clock.mark("deepspeed init")
-    meter = StepMeter.for_run(run, model, args, clock)
+    meter = StepMeter.for_run(run, model_flops_per_token(model, recipe.data.seq_len), args, clock)
     del hf_ds_config
 
     config_for_tracker = {

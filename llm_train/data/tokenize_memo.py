@@ -52,10 +52,11 @@ _ASCII_SPACE = r"[\t\n\r\x0b\x0c ]"
 _CUT = re.compile(rf" (?={_NOT_SPACE})")
 _SPACE_BEFORE_SPACE = re.compile(rf" (?!{_NOT_SPACE})")  # a space followed by whitespace or the end
 # Per supported regex: where a learnt unit may be cut again (zero-width: before a whitespace run).
+_AFTER_ALNUM = re.compile(rf"(?<=[A-Za-z0-9])(?={_ASCII_SPACE})")
 _CUTS = {
     _GPT2: re.compile(rf"(?<={_NOT_SPACE})(?={_ASCII_SPACE})"),
-    _LLAMA3: re.compile(rf"(?<=[A-Za-z0-9])(?={_ASCII_SPACE})"),
-    _QWEN2: re.compile(rf"(?<=[A-Za-z0-9])(?={_ASCII_SPACE})"),
+    _LLAMA3: _AFTER_ALNUM,
+    _QWEN2: _AFTER_ALNUM,
 }
 _INNER_SPACE = re.compile(_ASCII_SPACE)
 # Per supported regex, its exact equivalent on ASCII text (\p{L} is [A-Za-z] there, \p{N} [0-9], and
