@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, versions  # bench/ is this script's folder
+
 WARMUP = 5  # steps left out of the medians: allocator warm-up, cuDNN/cuBLAS autotuning
 
 GPU_MODEL = [
@@ -102,20 +103,6 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         wall_s=time.time() - started,
     )
     return record
-
-
-def versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "deepspeed", "accelerate", "transformers"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = "missing"
-    import torch
-
-    out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    out["cuda"] = str(torch.version.cuda)
-    return out
 
 
 def ratio(records: dict[str, dict[str, Any]], a: str, b: str) -> float | None:

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,14 +94,22 @@ def main() -> None:
         Path(args.out).write_text(
             json.dumps({"iteration_s": iterations, "world_size": accelerator.num_processes})
         )
+    finish(accelerator)
+
+
+def finish(accelerator: Accelerator) -> None:
     accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run_and_exit(main: Callable[[], None]) -> None:
     main()
     sys.stdout.flush()
     # As in llm_train/train.py: skip interpreter teardown, where gloo/shm threads sometimes
     # abort ("terminate called without an active exception") after all results are written.
     os._exit(0)
+
+
+if __name__ == "__main__":
+    run_and_exit(main)

@@ -19,39 +19,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-ACCELERATE = Path(sys.executable).with_name("accelerate")
+from common import REPO, accelerate_launch, versions, write_result  # bench/ is this script's folder
+from common import run as run_offline
+
 # One intra-op thread per rank for both loops (what llm_train's launcher and Accelerate pick on a
 # 2-core machine anyway), so threading never differs between them.
-ENV = {
-    **os.environ,
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "WANDB_MODE": "disabled",
-    "OMP_NUM_THREADS": "1",
-}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 TARGET = 1.03
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(cmd: list[str]) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
+def run(cmd: list[str]) -> None:
+    run_offline(cmd, timeout=1800, env=ONE_THREAD)
 
 
 def resolved_ds_config() -> dict:
@@ -66,10 +50,8 @@ def resolved_ds_config() -> dict:
 
 def llm_train_iterations(work: Path, i: int, steps: int, warmup: int, log_every: int) -> list[float]:
     run_dir = work / f"llm_train-{i}"
-    launch = [str(ACCELERATE), "launch", "--num_processes", "2", "--main_process_port", str(free_port())]
     run(
-        [
-            *launch,
+        accelerate_launch(
             "llm_train/train.py",
             "--recipe",
             "tiny-cpu",
@@ -80,7 +62,7 @@ def llm_train_iterations(work: Path, i: int, steps: int, warmup: int, log_every:
             "eval.every=0",
             "output.sample_prompt=null",
             "checkpoint.at_end=false",
-        ]
+        )
     )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     elapsed = {r["step"]: r["elapsed_s"] for r in rows if "elapsed_s" in r}
@@ -91,24 +73,11 @@ def minimal_iterations(
     work: Path, i: int, ds_config: Path, steps: int, warmup: int, log_every: int
 ) -> list[float]:
     out = work / f"minimal-{i}.json"
+    script_args = [f"--steps={steps}", f"--warmup={warmup}", f"--log-every={log_every}", "--out", str(out)]
     run(
-        [
-            str(ACCELERATE),
-            "launch",
-            "--num_processes",
-            "2",
-            "--use_deepspeed",
-            "--main_process_port",
-            str(free_port()),
-            "bench/minimal_loop.py",
-            "--ds-config",
-            str(ds_config),
-            f"--steps={steps}",
-            f"--warmup={warmup}",
-            f"--log-every={log_every}",
-            "--out",
-            str(out),
-        ]
+        accelerate_launch(
+            "bench/minimal_loop.py", "--ds-config", str(ds_config), *script_args, deepspeed=True
+        )
     )
     return json.loads(out.read_text())["iteration_s"]
 
@@ -116,42 +85,14 @@ def minimal_iterations(
 def interleaved(work: Path, ds_config: Path, rounds: int, block: int) -> list[float]:
     """Per-round ratios of the one-engine, alternating-blocks comparison (bench/overhead_interleaved.py)."""
     out = work / "interleaved.json"
+    script_args = [f"--rounds={rounds}", f"--block={block}", "--out", str(out)]
     run(
-        [
-            str(ACCELERATE),
-            "launch",
-            "--num_processes",
-            "2",
-            "--use_deepspeed",
-            "--main_process_port",
-            str(free_port()),
-            "bench/overhead_interleaved.py",
-            "--ds-config",
-            str(ds_config),
-            f"--rounds={rounds}",
-            f"--block={block}",
-            "--out",
-            str(out),
-        ]
+        accelerate_launch(
+            "bench/overhead_interleaved.py", "--ds-config", str(ds_config), *script_args, deepspeed=True
+        )
     )
     blocks = json.loads(out.read_text())
     return [a / b for a, b in zip(blocks["llm_train"], blocks["minimal"], strict=True)]
-
-
-def versions() -> dict[str, str]:
-    import accelerate
-    import deepspeed
-    import torch
-    import transformers
-
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "accelerate": accelerate.__version__,
-        "transformers": transformers.__version__,
-        "cpus": str(os.cpu_count()),
-    }
 
 
 def main() -> None:
@@ -228,10 +169,7 @@ def main() -> None:
         "target": TARGET,
         "versions": versions(),
     }
-    out = REPO / "bench" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    write_result("overhead", record)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from minimal_loop import packed_blocks, setup  # bench/ is this script's folder
+from minimal_loop import finish, packed_blocks, run_and_exit, setup  # bench/ is this script's folder
 
 from llm_train.control import RunControl
 from llm_train.loop import LoopConfig, train_loop
@@ -98,12 +96,8 @@ def main() -> None:
     tracker.close()
     if main_rank:
         Path(args.out).write_text(json.dumps(blocks_s))
-    accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish(accelerator)
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: gloo/shm threads sometimes abort there (see train.py)
+    run_and_exit(main)

@@ -23,33 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-ACCELERATE = Path(sys.executable).with_name("accelerate")
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from common import accelerate_launch, run, versions, write_result  # bench/ is this script's folder
 
 
 def one_launch(run_dir: Path) -> dict[str, float]:
-    cmd = [
-        str(ACCELERATE),
-        "launch",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
+    cmd = accelerate_launch(
         "llm_train/train.py",
         "--recipe",
         "tiny-cpu",
@@ -60,11 +43,9 @@ def one_launch(run_dir: Path) -> dict[str, float]:
         "eval.batches=1",
         "output.sample_prompt=null",
         "checkpoint.at_end=false",
-    ]
+    )
     launched = time.time()
-    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        sys.exit(f"launch failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    run(cmd, timeout=900)
     record = json.loads((run_dir / "startup.json").read_text())
     phases = {"launcher": record["process_start"] - launched, **record["phases_s"]}
     phases["total"] = record["marks"]["first step"] - launched
@@ -90,11 +71,6 @@ def main() -> None:
         if phase != "total":
             print(f"  {phase:<18} {seconds:6.1f}s  {seconds / total:6.1%}")
     print(f"  {'total':<18} {total:6.1f}s")
-    import accelerate
-    import deepspeed
-    import torch
-    import transformers
-
     record = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "benchmark": "startup",
@@ -103,19 +79,9 @@ def main() -> None:
         "share_of_total": {k: v / total for k, v in median.items() if k != "total"},
         "launches": runs,
         "load_average": os.getloadavg(),
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__,
-            "accelerate": accelerate.__version__,
-            "transformers": transformers.__version__,
-            "cpus": str(os.cpu_count()),
-        },
+        "versions": versions(),
     }
-    out = REPO / "bench" / "results" / f"startup-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    write_result("startup", record)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""What the launching benchmarks share: the repo, an accelerate command on a free port, offline
+runs that stop the benchmark on failure, the versions measured, and where results are written.
+
+Imported as `common` (bench/ is the script's folder when a benchmark runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def accelerate_launch(script: str, *args: str, deepspeed: bool = False) -> list[str]:
+    """`accelerate launch` of a repo script on 2 processes, on its own port."""
+    flags = ["--use_deepspeed"] if deepspeed else []
+    return [
+        str(ACCELERATE),
+        "launch",
+        "--num_processes",
+        "2",
+        *flags,
+        "--main_process_port",
+        str(free_port()),
+        script,
+        *args,
+    ]
+
+
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run offline from the repo root; a failure ends the benchmark with the command's output tail."""
+    full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    result = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "cpus": str(os.cpu_count())}
+    for name in ("torch", "deepspeed", "accelerate", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "missing"
+    import torch
+
+    out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def write_result(name: str, record: dict[str, Any]) -> Path:
+    """bench/results/<name>-<date>.json; prints where it went."""
+    out = REPO / "bench" / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out.relative_to(REPO)}")
+    return out
