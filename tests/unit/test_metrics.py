@@ -17,6 +17,7 @@ from llm_train.metrics import (
     host_rss_gib,
     model_flops_per_token,
     resolve_peak_tflops,
+    shape_flops_per_token,
 )
 from llm_train.shapes import shape_from_config
 
@@ -128,24 +129,7 @@ def test_progress_line() -> None:
 @pytest.mark.parametrize("tied", [True, False])
 def test_flops_from_the_shape_equal_the_models(tied: bool) -> None:
     """The pipeline path counts FLOPs on the config's shape; the ZeRO path on the model: same number."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from llm_train.metrics import model_flops_per_token, shape_flops_per_token
-    from llm_train.shapes import shape_from_config
-
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model, config = _tiny_llama(tie=tied)
     assert shape_flops_per_token(shape_from_config(config.to_dict()), 128) == model_flops_per_token(
         model, 128
     )
