@@ -33,7 +33,8 @@ def run_cmd(cmd: list[str], timeout: float = 900, env: dict[str, str] | None = N
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def _accelerate_cmd(args: list[str], nproc: int) -> list[str]:
+def accelerate_cmd(args: list[str], nproc: int) -> list[str]:
+    """The `accelerate launch` command line of llm_train/train.py on N processes, on a fresh port."""
     return [
         str(ACCELERATE),
         "launch",
@@ -50,7 +51,7 @@ def accelerate_launch(
     args: list[str], nproc: int = 2, timeout: float = 900, env: dict[str, str] | None = None
 ):
     """`accelerate launch --num_processes N llm_train/train.py ARGS` with no config file, on a fresh port."""
-    cmd = _accelerate_cmd(args, nproc)
+    cmd = accelerate_cmd(args, nproc)
     return run_cmd(cmd, timeout=timeout, env=env)
 
 
@@ -91,7 +92,7 @@ def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
 
 def accelerate_popen(args: list[str], nproc: int = 2) -> subprocess.Popen:
     """Like accelerate_launch, but in the background and in its own process group (to signal or kill it)."""
-    cmd = _accelerate_cmd(args, nproc)
+    cmd = accelerate_cmd(args, nproc)
     return subprocess.Popen(
         cmd,
         cwd=REPO,

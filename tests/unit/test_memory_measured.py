@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from llm_train.plan import Device
 from llm_train.planner import memory_inputs, needs
 from llm_train.resolve import resolve_run
 from llm_train.shapes import shape_from_config
-from tests.helpers import ACCELERATE, OFFLINE_ENV, REPO, TRAIN, free_port
+from tests.helpers import accelerate_cmd, run_cmd
 
 # Runs a command and reports the peak RSS of its largest descendant (Linux: KiB), so the
 # measurement is not polluted by what this pytest process started before.
@@ -35,30 +34,9 @@ def tiny_cpu_estimate_per_process() -> float:
 
 @pytest.mark.e2e
 def test_tiny_cpu_estimate_bounds_measured_peak_rss(tmp_path: Path) -> None:
-    import os
-
-    cmd = [
-        sys.executable,
-        "-c",
-        PEAK_RSS_WRAPPER,
-        str(ACCELERATE),
-        "launch",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        str(TRAIN),
-        "--recipe",
-        "tiny-cpu",
-        "--output-dir",
-        str(tmp_path / "run"),
-        "--max-steps",
-        "5",
-        "output.sample_prompt=null",
-    ]
-    result = subprocess.run(
-        cmd, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900
-    )
+    args = ["--recipe", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--max-steps", "5"]
+    cmd = [sys.executable, "-c", PEAK_RSS_WRAPPER, *accelerate_cmd([*args, "output.sample_prompt=null"], 2)]
+    result = run_cmd(cmd, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     peak = int(result.stdout.rsplit("PEAK_RSS_KIB", 1)[1].split()[0]) * 1024
     estimate = tiny_cpu_estimate_per_process()
@@ -71,12 +49,8 @@ def test_tiny_cpu_estimate_bounds_measured_peak_rss(tmp_path: Path) -> None:
 @pytest.mark.e2e
 def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path: Path) -> None:
     """bench/gpu_memory_7b.py is prepared for an H200; its --tiny mode runs the same code path here."""
-    import os
-
     cmd = [sys.executable, "bench/gpu_memory_7b.py", "--tiny", "--steps", "2", "--out", str(tmp_path)]
-    result = subprocess.run(
-        cmd, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900
-    )
+    result = run_cmd(cmd, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     lines = (tmp_path / "gpu_memory_7b.jsonl").read_text().splitlines()
     record = json.loads(lines[-1])
