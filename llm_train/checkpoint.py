@@ -24,14 +24,16 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does not need it
+    from llm_train.collectives import Collectives
 
 EXIT_CHECKPOINT_IO = 4  # a save failed (disk full, I/O error); the previous checkpoint is intact
 MANIFEST = "manifest.json"
@@ -143,35 +145,6 @@ class SaveMeta:
     zero_stage: int
 
 
-class Collectives:
-    """The three collectives the commit protocol needs (no-ops in a world of one)."""
-
-    def __init__(self) -> None:
-        # Without torch imported there is no process group to talk to (and no import to pay for).
-        dist = sys.modules.get("torch.distributed")
-        self.dist = dist if dist is not None and dist.is_available() and dist.is_initialized() else None
-
-    def barrier(self) -> None:
-        if self.dist:
-            self.dist.barrier()
-
-    def any(self, flag: bool) -> bool:
-        if not self.dist:
-            return flag
-        import torch
-
-        value = torch.tensor([1 if flag else 0])
-        self.dist.all_reduce(value, op=self.dist.ReduceOp.MAX)
-        return bool(value.item())
-
-    def from_rank0(self, obj: Any) -> Any:
-        if not self.dist:
-            return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
 class Checkpointer:
     """Saves committed checkpoints of one run; every method is called on every rank."""
 
@@ -278,7 +251,9 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        # This rank's device only: get_rng_state_all() would create a CUDA context on every GPU
+        # of the node from every rank (hundreds of MiB each, on GPUs other ranks are filling).
+        state["cuda_device"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -293,8 +268,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "cuda_device" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda_device"], dtype=torch.uint8))
 
 
 def trainer_state_path(ckpt_dir: Path, rank: int) -> Path:

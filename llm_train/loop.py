@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from llm_train.collectives import WORLD, Collectives
 from llm_train.console import progress_line
 from llm_train.control import RunControl
 from llm_train.errors import UserError
@@ -49,30 +49,6 @@ class LoopResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _reduce_step(loss: torch.Tensor, flags: list[float]) -> tuple[float, list[bool]]:
-    """One collective per step: the mean loss over ranks, and which flags any rank raised."""
-    packed = torch.cat([loss.detach().float().reshape(1).cpu(), torch.tensor(flags, dtype=torch.float32)])
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        dist.all_reduce(packed)
-    return float(packed[0]) / world, [bool(f > 0) for f in packed[1:].tolist()]
-
-
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return float(value)
-
-
-def _finite_everywhere(loss: torch.Tensor) -> bool:
-    bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0.0
-
-
 def _grad_norm_if_untracked(engine: Any) -> float | None:
     """ZeRO-0 in fp32 clips without keeping the norm: measure it at the boundary, before the step.
 
@@ -82,21 +58,21 @@ def _grad_norm_if_untracked(engine: Any) -> float | None:
     """
     if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
         return None
-    sliced, whole = torch.zeros(()), torch.zeros(())
+    sliced, whole = torch.zeros((), device=engine.device), torch.zeros((), device=engine.device)
     tp = False
     for param in engine.module.parameters():
         if param.grad is None:
             continue
-        square = param.grad.detach().float().pow(2).sum().cpu()
+        square = param.grad.detach().float().pow(2).sum()
         if getattr(param, "tensor_model_parallel", False):
             sliced += square
             tp = True
         else:
             whole += square
-    if tp and dist.is_initialized():
+    if tp:
         from deepspeed.utils import groups
 
-        dist.all_reduce(sliced, group=groups.get_tensor_model_parallel_group())
+        sliced = Collectives(groups.get_tensor_model_parallel_group()).sum(sliced)
     return float((sliced + whole).sqrt())
 
 
@@ -105,7 +81,7 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> float:
     engine.eval()
     losses = [engine(**_to(b, engine.device)).loss for b in batches]
     engine.train()
-    return _mean_over_ranks(torch.stack(losses).mean()) if losses else float("nan")
+    return WORLD.mean(torch.stack(losses).mean()) if losses else float("nan")
 
 
 def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -142,7 +118,7 @@ def train_loop(
             loss = engine(**_to(next(batches), engine.device)).loss
             # Skipping must be decided before backward, by all ranks together (one collective per
             # micro-batch), so it is only paid for when asked for.
-            while cfg.on_nonfinite == "skip" and not _finite_everywhere(loss):
+            while cfg.on_nonfinite == "skip" and not WORLD.all_finite(loss):
                 if skipped >= MAX_SKIPS_IN_A_ROW:
                     raise NonFiniteLoss(
                         f"non-finite loss at step {step}: {skipped} micro-batches skipped in a row"
@@ -154,7 +130,7 @@ def train_loop(
                 grad_norm = _grad_norm_if_untracked(engine)
             engine.step()
             micro_losses.append(loss.detach())
-        loss_value, flags = _reduce_step(torch.stack(micro_losses).mean(), control.local_flags())
+        loss_value, flags = WORLD.mean_and_any(torch.stack(micro_losses).mean(), control.local_flags())
         if not math.isfinite(loss_value):  # on_nonfinite=stop: exit before anything is saved
             raise NonFiniteLoss(
                 f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr, "

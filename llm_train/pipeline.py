@@ -347,9 +347,10 @@ def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, o
     Called on every rank; the data-parallel rank 0 of each stage writes its shard (the run
     directory must be on a filesystem all nodes share, as for checkpoints).
     """
-    import torch.distributed as dist
     from safetensors.torch import save_file
     from transformers import GenerationConfig
+
+    from llm_train import collectives
 
     grid = engine.grid
     stage, stages = grid.get_stage_id(), grid.get_pipe_parallel_world_size()
@@ -360,9 +361,8 @@ def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, o
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(state, str(out_dir / shard), metadata={"format": "pt"})
         keys = [(k, v.numel() * v.element_size()) for k, v in state.items()]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (shard, keys))
-    if dist.get_rank() == 0:
+    gathered = collectives.WORLD.gather_objects((shard, keys))
+    if collectives.rank() == 0:
         weight_map = {key: name for name, entries in gathered for key, _ in entries}
         total = sum(size for _, entries in gathered for _, size in entries)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -373,7 +373,7 @@ def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, o
         with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
             GenerationConfig.from_model_config(config).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
-    dist.barrier()
+    collectives.WORLD.barrier()
 
 
 def pipeline_checkpoint_state_dict(ds_dir: Path, hf_dir: Path) -> dict[str, torch.Tensor] | None:
@@ -467,7 +467,9 @@ def _clip_fp32_across_stages(engine: Any) -> None:
     """
     if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
         return
-    import torch.distributed as dist
+    from llm_train.collectives import Collectives
+
+    pipe = Collectives(engine.grid.get_pipe_parallel_group())
 
     def clip() -> None:
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
@@ -480,8 +482,7 @@ def _clip_fp32_across_stages(engine: Any) -> None:
         squares = torch.zeros((), device=grads[0].device, dtype=torch.float32)
         for grad in owned:
             squares += grad.detach().float().pow(2).sum()
-        dist.all_reduce(squares, group=engine.grid.get_pipe_parallel_group())
-        norm = squares.sqrt()
+        norm = pipe.sum(squares).sqrt()
         coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)  # as torch/DeepSpeed clip
         for grad in grads:
             grad.detach().mul_(coef.to(grad.dtype))
@@ -527,7 +528,7 @@ def pipeline_loop(
     """
     import math
 
-    from llm_train.checkpoint import Collectives
+    from llm_train.collectives import WORLD
     from llm_train.console import progress_line
     from llm_train.loop import LoopResult, NonFiniteLoss
 
@@ -557,7 +558,7 @@ def pipeline_loop(
             tracker.log({"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}, step)
             say(f"step {step}: eval loss {eval_loss:.4f}")
             metrics["eval_loss"] = eval_loss
-        save_now, stop_now = control.after_step(step, Collectives().any)
+        save_now, stop_now = control.after_step(step, WORLD.any)
         if save_now and step < cfg.max_steps:
             save(step)
         if stop_now and step < cfg.max_steps:
@@ -573,9 +574,8 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     quiet(args.verbose)  # before DeepSpeed is imported
     started = time.perf_counter()
     _init_distributed()
-    import torch.distributed as dist
-
-    from llm_train.checkpoint import Checkpointer, Collectives
+    from llm_train import collectives
+    from llm_train.checkpoint import Checkpointer
     from llm_train.control import EXIT_PREEMPTED, RunControl
     from llm_train.data import eval_batches
     from llm_train.export import sample_text, verify_export
@@ -595,10 +595,10 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     resume = getattr(args, "resume", None)
     if not resume:
         check_output_dir(out, args.overwrite)
-    rank = dist.get_rank()
-    if dist.get_world_size() != plan.world_size:
+    rank = collectives.rank()
+    if collectives.world_size() != plan.world_size:
         raise RuntimeError(
-            f"DeepSpeed sees a world of {dist.get_world_size()}, the plan says {plan.world_size}"
+            f"DeepSpeed sees a world of {collectives.world_size()}, the plan says {plan.world_size}"
         )
 
     config = hf_config(run)
@@ -613,16 +613,15 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
 
     run, tokenizer, stream, eval_blocks, max_steps = build_data(run, args, dp_rank, say)
 
-    ranks: list[Any] = [None] * plan.world_size
     layers = [int(module._local_start), int(module._local_stop)]  # this stage's slice of the layer list
     me = {
         "rank": rank,
         "dp_rank": dp_rank,
         "stage": stage,
         "layers": layers,
-        "world_size": dist.get_world_size(),
+        "world_size": collectives.world_size(),
     }
-    dist.all_gather_object(ranks, me)
+    ranks = collectives.WORLD.gather_objects(me)
     if rank == 0:
         create_run_dir(out, run, args.overwrite and not resume)
         (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
@@ -631,7 +630,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     layout = f"(0 embedding, 1-{config.num_hidden_layers} decoder, {names.norm_idx} norm, {names.norm_idx + 1} head)"
     startup_summary(run, say, extra=[("stages", f"{stages} {layout}")])
 
-    comm = Collectives()
+    comm = collectives.WORLD
     resume_from = choose_checkpoint(resume, out / "checkpoints", rank, comm, say) if resume else None
     if resume_from is not None:
         check_compatible(resume_from, plan.world_size, recipe, say)
@@ -647,7 +646,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         say("no complete checkpoint to resume from; starting at step 0")
     if rank == 0:
         truncate_metrics(out / "metrics.jsonl", start_step)
-    dist.barrier()
+    comm.barrier()
 
     tracker = open_trackers(
         recipe.tracking,
@@ -690,7 +689,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         say(
             f"stopped by signal {control.stop_signal} after step {result.last_step}; resume with --resume auto"
         )
-        dist.destroy_process_group()
+        collectives.destroy()
         return EXIT_PREEMPTED
     if recipe.checkpoint.at_end:
         save(max_steps)
@@ -702,7 +701,7 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         f"trained in {time.perf_counter() - started:.0f}s: final loss {metrics.get('loss', float('nan')):.4f}; "
         f"run directory {out} (config/, metrics.jsonl, final/)"
     )
-    dist.destroy_process_group()
+    collectives.destroy()
     if rank == 0:
         tensors = verify_export(final)
         say(f"exported {tensors} tensors to {final} (verified against the config's shapes)")

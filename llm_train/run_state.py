@@ -15,7 +15,6 @@ from typing import Any
 
 from llm_train.checkpoint import (
     Checkpointer,
-    Collectives,
     SaveMeta,
     committed,
     dir_size,
@@ -26,6 +25,7 @@ from llm_train.checkpoint import (
     trainer_state_path,
     verify,
 )
+from llm_train.collectives import Collectives
 from llm_train.errors import UserError
 from llm_train.recipe import Recipe, recipe_to_yaml
 

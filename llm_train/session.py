@@ -123,11 +123,11 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     started = time.perf_counter()
 
     import torch
-    import torch.distributed as dist
 
+    from llm_train import collectives
     from llm_train.data import eval_batches
     from llm_train.export import sample_text, save_hf_model, verify_export
-    from llm_train.fast import apply_liger, compile_engine, set_cuda_alloc_conf
+    from llm_train.fast import apply_liger, compile_engine
     from llm_train.loop import LoopConfig, train_loop
     from llm_train.metrics import StartupClock, StepMeter, model_flops_per_token
     from llm_train.model import build_model
@@ -138,7 +138,6 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
     recipe, plan = run.recipe, run.plan
     out = recipe.output_dir
     clock = StartupClock.start(out)  # start-up split -> startup.json at the first step
-    set_cuda_alloc_conf()  # before the first CUDA allocation
     if not args.resume:
         check_output_dir(out, args.overwrite)  # every rank checks before rank 0 creates anything
 
@@ -163,14 +162,15 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
             f"the launcher said rank {rank} of {plan.world_size}"
         )
     clock.mark("distributed init")
-    ranks = [None] * plan.world_size
-    dist.all_gather_object(ranks, {"rank": rank, "dp_rank": dp_rank, "world_size": accelerator.num_processes})
+    ranks = collectives.WORLD.gather_objects(
+        {"rank": rank, "dp_rank": dp_rank, "world_size": accelerator.num_processes}
+    )
     if accelerator.is_main_process:
         create_run_dir(out, run, args.overwrite)
         (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
     startup_summary(run, say)
 
-    from llm_train.checkpoint import Checkpointer, Collectives
+    from llm_train.checkpoint import Checkpointer
     from llm_train.control import EXIT_PREEMPTED, RunControl
     from llm_train.run_state import (
         check_compatible,
@@ -180,7 +180,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         truncate_metrics,
     )
 
-    comm = Collectives()
+    comm = collectives.WORLD
     resume_from = (
         choose_checkpoint(args.resume, out / "checkpoints", rank, comm, say) if args.resume else None
     )
@@ -249,8 +249,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
             f"stopped by signal {control.stop_signal} after step {result.last_step}; resume with --resume auto"
         )
         accelerator.end_training()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        collectives.destroy()
         return EXIT_PREEMPTED
     if recipe.checkpoint.at_end:
         save(result.last_step)
@@ -271,8 +270,7 @@ def run_training(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         f"run directory {out} (config/, metrics.jsonl, final/)"
     )
     accelerator.end_training()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    collectives.destroy()
 
     # Checked the way a user loads it: plain transformers, no ZeRO-3 context (which would try to
     # partition the skeleton across a world that has just been torn down).

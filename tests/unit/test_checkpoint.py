@@ -15,12 +15,12 @@ from llm_train.checkpoint import (
     LATEST,
     Checkpointer,
     CheckpointIOError,
-    Collectives,
     SaveMeta,
     committed,
     find_resumable,
     verify,
 )
+from llm_train.collectives import Collectives
 
 FILES = [
     "state/ds/model_states.pt",
@@ -121,7 +121,8 @@ CRASHER = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, {repo!r})
     from tests.unit.test_checkpoint import _save
-    from llm_train.checkpoint import Checkpointer, Collectives
+    from llm_train.checkpoint import Checkpointer
+    from llm_train.collectives import Collectives
     import llm_train.checkpoint as module
 
     crash_at = int(sys.argv[1])

@@ -1,0 +1,155 @@
+"""Every collective llm_train issues itself, with its tensors on the device the group talks on.
+
+Why one module: on GPUs Accelerate and DeepSpeed create an NCCL process group, and NCCL
+accepts only CUDA tensors. An all-reduce of a CPU tensor fails there with "No backend type
+associated with device type cpu", while the very same call passes on CPU/gloo (DESIGN.md
+fact 13), so the CPU test suite cannot see this class of bug. Hence:
+
+- no other module of the package imports `torch.distributed` (or `deepspeed.comm`):
+  tests/unit/test_collectives.py fails if one does;
+- every tensor goes to `comm_device()` before the collective and the result comes back as
+  a Python value (or on the caller's device): the current CUDA device under NCCL, the CPU
+  under gloo;
+- the collectives run whenever a process group exists, also in a world of one. A one-GPU
+  machine can only ever run a world of one (NCCL refuses two ranks on one GPU), so a
+  `world > 1` shortcut would hide this path from the only GPU check there is. Without a
+  process group (tools, unit tests) each function returns the local value.
+
+Object collectives (`gather_objects`, `from_rank0`) pickle through tensors that
+torch.distributed places itself once `torch.cuda.set_device` has run (Accelerate and the
+pipeline launcher do that); they live here so that the rule "one home" has no exception.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CPU = torch.device("cpu")
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if initialized() else 0
+
+
+def device_for_backend(backend: str) -> torch.device:
+    """The device a group with this backend string communicates on.
+
+    `backend` is what `dist.get_backend` reports: "nccl", "gloo", or a per-device map such
+    as "cpu:gloo,cuda:nccl". A group with a CPU backend takes CPU tensors (the cheapest for
+    the few bytes sent here); a group that only speaks NCCL (or binds gloo to cuda only, the
+    way fact 13 reproduces the NCCL failure on CPU) needs the current CUDA device.
+    """
+    backend = backend.lower()
+    if ":" in backend:
+        devices = {part.split(":", 1)[0].strip() for part in backend.split(",")}
+        return CPU if "cpu" in devices else _current_cuda()
+    return _current_cuda() if backend == "nccl" else CPU
+
+
+def _current_cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors must be for a collective on `group` (None: the world)."""
+    if not initialized():
+        return CPU
+    return device_for_backend(str(dist.get_backend(group)))
+
+
+class Collectives:
+    """The collectives of one process group (default: the world), as small typed operations.
+
+    An object rather than bare functions so that callers can be handed a group-bound
+    instance, and tests a fake one.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @property
+    def device(self) -> torch.device:
+        return comm_device(self.group)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """All-reduce a copy of `tensor` on the communication device; the result stays there."""
+        on_comm = tensor.detach().to(self.device, dtype=torch.float32).clone()
+        if initialized():
+            dist.all_reduce(on_comm, op=op if op is not None else dist.ReduceOp.SUM, group=self.group)
+        return on_comm
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise fp32 sum over the group, back on `tensor`'s device."""
+        return self._all_reduce(tensor).to(tensor.device)
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean over ranks of a scalar tensor."""
+        return float(self._all_reduce(value.reshape(1)).cpu()[0]) / world_size_of(self.group)
+
+    def mean_and_any(self, value: torch.Tensor, flags: list[float]) -> tuple[float, list[bool]]:
+        """One collective for the step: the mean of a scalar over ranks, and which flags any rank raised.
+
+        Flags are 0/1, so their sum is positive exactly when some rank raised one.
+        """
+        flag_tensor = torch.tensor(flags, dtype=torch.float32, device=value.device)
+        packed = self._all_reduce(torch.cat([value.detach().float().reshape(1), flag_tensor])).cpu()
+        return float(packed[0]) / world_size_of(self.group), [bool(f > 0) for f in packed[1:].tolist()]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any rank."""
+        value = torch.tensor([1.0 if flag else 0.0])
+        return bool(self._all_reduce(value, op=dist.ReduceOp.MAX).cpu()[0] > 0)
+
+    def all_finite(self, value: torch.Tensor) -> bool:
+        """Whether `value` is finite on every rank."""
+        return not self.any(not bool(torch.isfinite(value.detach()).all()))
+
+    def barrier(self) -> None:
+        if not initialized():
+            return
+        device = self.device
+        if device != CPU:
+            # Without device_ids NCCL guesses the device from the rank and warns that it may hang.
+            dist.barrier(group=self.group, device_ids=[device.index])
+        else:
+            dist.barrier(group=self.group)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not initialized():
+            return [obj]
+        gathered: list[Any] = [None] * world_size_of(self.group)
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def from_rank0(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def world_size_of(group: Any) -> int:
+    return dist.get_world_size(group) if initialized() else 1
+
+
+WORLD = Collectives()
+
+
+def destroy() -> None:
+    """Tear the process group down (idempotent): the end of a run, or after a stop signal."""
+    if initialized():
+        dist.destroy_process_group()
