@@ -22,17 +22,36 @@ def set_cuda_alloc_conf() -> bool:
 
     Expandable segments let the allocator grow a segment instead of carving new fixed
     blocks, which removes most fragmentation OOMs of long runs with varying shapes (eval,
-    the last partial batch, ZeRO-3's gathered parameters) at no measured speed cost. Must
-    run before the first CUDA allocation; returns whether it set the variable.
+    the last partial batch, ZeRO-3's gathered parameters) at no measured speed cost.
+
+    The allocator reads the variable once, when CUDA is first initialised, and asking the
+    device for its name or bf16 support (hardware detection) already initialises it. So the
+    entry point calls this before anything touches torch.cuda, and this function itself asks
+    torch nothing: on a machine without CUDA the variable is simply unused. Workers the entry
+    point starts inherit it. Returns whether it set the variable.
     """
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return False
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     return True
+
+
+def check_attention_kernel(memory: MemorySection) -> None:
+    """flash_attention_2 only when its package is importable: refuse in one line before any worker starts.
+
+    With it, packed batches (position ids restarting per sample, no attention mask) run
+    padding-free through flash-attn's variable-length kernel; without the package
+    transformers would fail inside every worker while loading the model.
+    """
+    if memory.attention != "flash_attention_2":
+        return
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            f"memory.attention=flash_attention_2 but flash-attn does not import ({exc}); "
+            "pip install flash-attn --no-build-isolation, or set memory.attention=sdpa"
+        ) from None
 
 
 def apply_liger(memory: MemorySection, model_type: str | None, zero_stage: int) -> str | None:

@@ -17,6 +17,7 @@ if __package__ in (None, ""):
 
 from llm_train import launcher
 from llm_train.errors import UserError
+from llm_train.fast import check_attention_kernel, set_cuda_alloc_conf
 from llm_train.resolve import Resolved, resolve_run
 
 
@@ -82,6 +83,9 @@ def print_dry_run(run: Resolved) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First of all: the CUDA allocator reads its settings when CUDA initialises, and hardware
+    # detection below initialises it.
+    set_cuda_alloc_conf()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.resume:
             check_output_dir(run.recipe.output_dir, args.overwrite)
+        check_attention_kernel(run.recipe.memory)
         if not args.skip_ram_check:
             check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
         if spawn is not None:

@@ -178,3 +178,23 @@ def test_loader_workers_produce_the_same_batches(corpus: tuple) -> None:
     assert np.array_equal(
         plain.state_dict()["sequences_consumed"], workers.state_dict()["sequences_consumed"]
     )
+
+
+def test_loader_workers_never_touch_cuda(corpus: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On GPUs the loader forks its workers after CUDA is initialised (and pins their batches in
+    the parent): a worker that touched torch.cuda would die with "Cannot re-initialize CUDA in
+    forked subprocess". Forked workers inherit these patches, so any CUDA call there fails the test."""
+    split, _ = corpus
+    plain = BatchStream(split, MICRO, 0, 1, seed=3, workers=0, pin_memory=False)
+    expected = [next(plain) for _ in range(4)]
+
+    def no_cuda(*args: object, **kwargs: object) -> None:
+        raise AssertionError("CUDA touched in a data loader worker")
+
+    forked = BatchStream(split, MICRO, 0, 1, seed=3, workers=2, pin_memory=False)
+    for name in ("_lazy_init", "is_available", "current_device", "device_count", "init"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    got = [next(forked) for _ in range(4)]
+    assert forked.workers == 2
+    for mine, theirs in zip(got, expected, strict=True):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs if isinstance(theirs[k], torch.Tensor))

@@ -36,17 +36,56 @@ def test_compile_needs_an_engine_that_can() -> None:
     assert engine.compiled
 
 
-def test_alloc_conf_only_when_unset_and_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
+def test_alloc_conf_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert set_cuda_alloc_conf() is False
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert set_cuda_alloc_conf() is True
-    import os
-
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # the user's choice, even empty, is kept
     assert set_cuda_alloc_conf() is False
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")  # torch's newer name counts too
+    assert set_cuda_alloc_conf() is False
+
+
+def test_alloc_conf_is_set_before_anything_initialises_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hardware detection initialises CUDA (device name, bf16 support): the allocator setting must precede it."""
+    import torch
+
+    from llm_train import train
+    from llm_train.errors import UserError
+    from llm_train.plan import Device
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    seen: dict[str, str | None] = {}
+
+    def first_cuda_call(*args: object, **kwargs: object) -> None:
+        seen.setdefault("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        raise UserError("stop here")
+
+    import os
+
+    monkeypatch.setattr(Device, "detect", staticmethod(first_cuda_call))
+    monkeypatch.setattr(torch.cuda, "_lazy_init", first_cuda_call)
+    assert train.main(["--recipe", "tiny-cpu"]) == 2
+    assert seen == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def test_flash_attention_2_is_refused_in_one_line_when_flash_attn_does_not_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+    import types
+
+    from llm_train.errors import UserError
+    from llm_train.fast import check_attention_kernel
+
+    check_attention_kernel(MemorySection(attention="sdpa"))  # nothing to check
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # an import of it raises ImportError
+    with pytest.raises(UserError, match=r"memory.attention=flash_attention_2 .*memory.attention=sdpa"):
+        check_attention_kernel(MemorySection(attention="flash_attention_2"))
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    check_attention_kernel(MemorySection(attention="flash_attention_2"))  # installed: accepted
