@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # Tests and the demo never wait on a network that is not there.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 
-.PHONY: install demo test test-fast lint
+.PHONY: install demo test test-fast lint gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,3 +33,8 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check llm_train tests bench
 	$(VENV)/bin/ruff format --check llm_train tests bench
+
+# Wheels for the GPU machine, which reaches no registry: what its image lacks, into .whl/, checked
+# complete for its Python 3.12 before they travel (bench/gpu_wheels.sh says how they are used there).
+gpu-wheels: install
+	bash bench/gpu_wheels.sh

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# `make gpu-wheels`: the wheels the GPU machine lacks, in .whl/, checked complete before they travel.
+#
+# The GPU machine (DESIGN.md, "The GPU check") runs a fixed Python 3.12 image with torch, accelerate,
+# transformers and friends (bench/gpu_machine_packages.txt) and reaches no package registry. It lacks
+# deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection
+# and wandb, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
+# pure Python; the versions this .venv runs, so what is tested here is what travels) into .whl/. There:
+#
+#   pip install --no-index --no-deps --target DIR .whl/*.whl
+#   PYTHONPATH=DIR bash bench/gpu_check.sh
+#
+# `--no-deps` means no resolver runs there, so bench/gpu_wheels.py runs one here at the end: every
+# wheel's Requires-Dist met by another wheel or by the image, tags for cp312 manylinux, one version
+# per project, under the size budget; then pip's own resolver offline over the same set. A failure
+# here is cheaper than one in the GPU machine's 15 minutes.
+#
+#   bash bench/gpu_wheels.sh          # or: make gpu-wheels
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-.venv/bin/python}
+OUT=.whl
+BUDGET_MIB=40
+PRESENT=bench/gpu_machine_packages.txt
+
+# What pip on the GPU machine accepts: CPython 3.12, manylinux up to glibc 2.28, or pure Python.
+TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64
+  --platform manylinux_2_28_x86_64 --platform any --no-deps)
+
+installed() { "$PY" -c 'import importlib.metadata, sys; print(importlib.metadata.version(sys.argv[1]))' "$1"; }
+pins() { for name in "$@"; do echo "$name==$(installed "$name")"; done; }
+# This machine's pip config names local index folders that lack most projects; pip warns per project.
+pip_() { "$PY" -m pip -q --disable-pip-version-check "$@" 2> >(grep -v 'is ignored: it is neither a file' >&2); }
+mib() { du -cb "$@" | tail -1 | awk '{printf "%.1f", $1 / 1048576}'; }
+
+rm -rf "$OUT"
+mkdir -p "$OUT"
+
+# DeepSpeed publishes only an sdist. DS_BUILD_OPS=0 compiles nothing (its CUDA ops JIT-build on the GPU
+# machine with its own nvcc), so the wheel is pure Python; no build isolation, because its setup.py
+# imports torch and an isolated build would fetch a multi-GB one.
+DS_BUILD_OPS=0 pip_ wheel --no-deps --no-build-isolation \
+  -w "$OUT" "$(pins deepspeed)"
+ls "$OUT"/deepspeed-*-py3-none-any.whl >/dev/null || {
+  echo "gpu-wheels: deepspeed did not build as py3-none-any: $(ls "$OUT")" >&2
+  exit 1
+}
+
+# datasets 5.0.1, not this .venv's 5.2: datasets >= 5.1 requires huggingface-hub >= 1.31, while the
+# image's transformers 5.17 pins huggingface-hub < 2.0 and may have any 1.x from 1.5 on; 5.0.1 accepts
+# every 1.x (>= 0.25, < 2.0). Checked on a Python 3.12 with huggingface-hub 1.5.0: 5.2.0 fails at import
+# (HfFileSystemResolvedBucketPath), 5.0.1 imports, loads JSON, maps with 2 processes, saves and loads
+# from disk, also with fsspec 2026.9.0 above its own cap (<= 2026.6.0) and pyarrow 21 at its floor.
+# Its other requirements are assumed met by the image; gpu_wheels.py prints each such assumption.
+# typing-extensions ships although the image has one: pydantic wants >= 4.16, torch 2.11 only >= 4.10,
+# and a newer typing-extensions earlier on PYTHONPATH is safe for the image's packages (it only adds).
+# msgpack: deepspeed requires it and nothing in the image does.
+pip_ download "${TARGET[@]}" -d "$OUT" datasets==5.0.1 \
+  $(pins deepspeed hjson msgpack dill multiprocess pydantic pydantic-core annotated-types typing-inspection \
+    typing-extensions | grep -v '^deepspeed==')
+
+# llm_train from a clean copy of the working tree (tracked and new files, not ignored ones): a build in
+# place reuses build/lib, which keeps modules that have since been deleted or moved.
+SRC=$(mktemp -d)
+trap 'rm -rf "$SRC"' EXIT
+git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+  [[ -e "$f" ]] && printf '%s\0' "$f"
+done | tar --null -T - -cf - | tar -xf - -C "$SRC"
+pip_ wheel --no-deps --no-build-isolation -w "$OUT" "$SRC"
+
+# wandb is optional there (the GPU check runs tracking.mode=disabled, and llm_train imports wandb only
+# when a tracker is on): it travels only if it and what it pulls in keep the folder under the budget.
+WANDB=(wandb cwevals distro platformdirs googleapis-common-protos opentelemetry-api opentelemetry-sdk
+  opentelemetry-semantic-conventions opentelemetry-proto opentelemetry-exporter-otlp-proto-http
+  opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common
+  opentelemetry-exporter-http-transport)
+pip_ download "${TARGET[@]}" -d "$SRC/wandb" $(pins "${WANDB[@]}")
+WAIVE=()
+core=$(mib "$OUT"/*.whl)
+with_wandb=$(mib "$OUT"/*.whl "$SRC"/wandb/*.whl)
+if awk -v t="$with_wandb" -v b="$BUDGET_MIB" 'BEGIN { exit !(t < b) }'; then
+  mv "$SRC"/wandb/*.whl "$OUT"/
+  echo "gpu-wheels: wandb included (${core} MiB without it, ${with_wandb} MiB with it)"
+else
+  WAIVE=(--waive wandb)
+  echo "gpu-wheels: wandb left out: ${with_wandb} MiB with it is over ${BUDGET_MIB} MiB (${core} MiB without)"
+fi
+
+"$PY" bench/gpu_wheels.py "$OUT" --present "$PRESENT" --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
+  --resolve llm_train
