@@ -657,7 +657,9 @@ def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], N
         start_step,
     )
     checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
-    control = RunControl(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes)
+    control = RunControl(
+        recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, grace_s=recipe.checkpoint.grace_s
+    )
     control.install_signal_handlers()
 
     save = make_saver(

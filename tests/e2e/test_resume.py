@@ -104,6 +104,31 @@ def test_stop_signal_checkpoints_and_exits_resumable(
     _assert_identical(run_dir, runs["zero2"])
 
 
+def test_grace_budget_cuts_the_stop_short_and_latest_stays_complete(pretrained: Path, tmp_path: Path) -> None:
+    """checkpoint.grace_s smaller than a step: the run exits 75 at once, without committing the stop
+    checkpoint, and `latest` still names the previous complete one."""
+    import psutil
+
+    from llm_train.checkpoint import verify
+
+    run_dir = tmp_path / "grace"
+    long_run = ["--max-steps=40", "checkpoint.every_steps=2", "checkpoint.grace_s=0.001"]
+    args = run_args("zero2", run_dir, pretrained) + long_run
+    proc = accelerate_popen(args)
+    assert wait_for_step(run_dir, 3, proc)
+    spawner = psutil.Process(proc.pid).children()[0]
+    spawner.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert "exit status 75" in output, output[-3000:]
+    assert "checkpoint.grace_s=0.001 ran out" in output
+    checkpoints = run_dir / "checkpoints"
+    latest = checkpoints / (checkpoints / "latest").read_text().strip()
+    assert verify(latest) is None  # never a partial one
+    assert not (run_dir / "final").exists()
+    saved = [int(p.name.split("-")[1]) for p in checkpoints.glob("step-*")]
+    assert saved and all(step % 2 == 0 and step < 40 for step in saved)  # periodic saves only
+
+
 @pytest.mark.parametrize("variant", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
 def test_export_round_trip(runs: dict[str, Path], tmp_path: Path, variant: str) -> None:
     from transformers import AutoModelForCausalLM
