@@ -1,12 +1,15 @@
 """`llm-train doctor`: what this machine has, and what will break before it breaks.
 
-    llm-train doctor [--skip-build] [--build-timeout SECONDS]
+    llm-train doctor [--skip-build] [--build-timeout SECONDS] [--recipe NAME [key.sub=value ...]]
 
 Prints GPUs (name, memory, compute capability, bf16), host RAM, CPU cores, free disk,
 the GPU interconnect (`nvidia-smi topo -m`) when present, the versions that matter
 (torch and its CUDA, DeepSpeed, Accelerate, Transformers, PEFT, flash-attn), and whether
 DeepSpeed's CPU Adam actually builds and loads here: the ZeRO-Offload recipes need it and
-its JIT build is a classic failure (missing compiler, headers, mismatched CUDA). Every
+its JIT build is a classic failure (missing compiler, headers, mismatched CUDA). It also
+says whether DeepSpeed's async I/O op (NVMe offload, ZeRO-Infinity) can build: that needs
+libaio, which most machines lack. That is a warning only when --recipe names a recipe that
+offloads to nvme (then its deepspeed.nvme_path is checked too), else information. Every
 warning comes with its fix. Runs on a machine without a GPU or without nvidia-smi.
 """
 
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 GiB = 1024**3
 DEFAULT_BUILD_TIMEOUT_S = 300.0
@@ -320,20 +324,118 @@ def check_cpu_adam(report: Report, timeout: float) -> None:
     )
 
 
+# How DeepSpeed's own op builder explains a failed libaio check (op_builder/async_io.py), as one fix.
+AIO_FIX = (
+    "install libaio's headers: apt install libaio-dev (yum install libaio-devel, pacman -S libaio); "
+    "if libaio is installed elsewhere, set CFLAGS=-I<prefix>/include and LDFLAGS=-L<prefix>/lib; "
+    "`ds_report` shows DeepSpeed's own view"
+)
+
+
+def _async_io_builder() -> Any:
+    """DeepSpeed's AsyncIOBuilder for this machine's accelerator (a seam the tests replace)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder()
+
+
+def async_io_status() -> tuple[bool, str]:
+    """(whether DeepSpeed's async_io op can build here, why not), decided the way ds_report does.
+
+    `is_compatible` links a test program against libaio's io_submit (a second or two, no JIT
+    build of the op itself) and adds the builder's generic checks.
+    """
+    try:
+        builder = _async_io_builder()
+        if builder.is_compatible(verbose=False):
+            return True, ""
+        if not builder.has_function("io_submit", ("aio",)):
+            return False, "libaio headers or library not found (DeepSpeed's io_submit link test failed)"
+        return False, "DeepSpeed's op builder refuses it on this machine although libaio was found"
+    except Exception as exc:  # a broken deepspeed install must not take the whole report down
+        return False, f"the check itself failed: {_first_line(exc)}"
+
+
+def check_async_io(report: Report, uses_nvme: bool) -> None:
+    """One row on DeepSpeed's async I/O op; a warning only when the recipe at hand needs it."""
+    section = "DeepSpeed ops"
+    if not _version("deepspeed"):
+        report.add(section, "async I/O", "not tried: deepspeed is not installed")
+        return
+    ok, why = async_io_status()
+    if ok:
+        report.add(section, "async I/O", "can build (libaio found): NVMe offload is possible")
+        return
+    if uses_nvme:
+        report.add(section, "async I/O", f"CANNOT build: {why}")
+        report.warn(f"DeepSpeed async I/O cannot build, and the recipe offloads to NVMe: {why}", AIO_FIX)
+    else:
+        # Most machines lack libaio and most recipes never touch it: information, not a warning.
+        report.add(
+            section, "async I/O", f"cannot build: {why}; only NVMe offload needs it. To enable: {AIO_FIX}"
+        )
+
+
+def recipe_uses_nvme(recipe_name: str, overrides: list[str]) -> bool:
+    """Whether the recipe (with overrides) offloads anything to nvme or names deepspeed.nvme_path."""
+    from llm_train import dsconfig
+    from llm_train.recipe import load_recipe
+
+    recipe = load_recipe(recipe_name, overrides)
+    _, raw = dsconfig.load_ds_config(recipe.deepspeed.config)
+    devices = {dsconfig.offload_device(raw, what) for what in ("optimizer", "param")}
+    return "nvme" in devices or recipe.deepspeed.nvme_path is not None
+
+
+def check_nvme_recipe(report: Report, recipe_name: str, overrides: list[str]) -> None:
+    """The recipe's NVMe directory, with the checks a real run makes before it starts."""
+    from llm_train.dsconfig import nvme_paths
+    from llm_train.errors import UserError
+    from llm_train.recipe import load_recipe
+    from llm_train.resolve import nvme_problems, resolve_run
+
+    section = "NVMe offload"
+    try:
+        world = load_recipe(recipe_name, overrides).hardware.world_size
+        run = resolve_run(recipe_name, overrides, world_size=world)
+        problems = nvme_problems(run)
+    except UserError as exc:  # no path given, or a contradiction: same line a run would print
+        problems = [str(exc)]
+        run = None
+    paths = ", ".join(sorted(set(nvme_paths(run.ds_config).values()))) if run else "(no usable path)"
+    report.add(section, "recipe", f"{recipe_name} offloads to nvme at {paths}")
+    report.add(section, "path check", "ok (exists, writable, enough free space)" if not problems else "FAILS")
+    for line in problems:
+        problem, _, fix = line.partition("; ")
+        report.warn(problem, fix or "see the message")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
-def collect(build: bool = True, timeout: float = DEFAULT_BUILD_TIMEOUT_S, cwd: Path | None = None) -> Report:
+def collect(
+    build: bool = True,
+    timeout: float = DEFAULT_BUILD_TIMEOUT_S,
+    cwd: Path | None = None,
+    recipe: str | None = None,
+    overrides: list[str] | None = None,
+) -> Report:
     report = Report()
+    # The recipe first: a misspelled name is a one-line error before minutes of probing.
+    uses_nvme = recipe_uses_nvme(recipe, overrides or []) if recipe else False
     check_system(report, cwd or Path.cwd())
     gpus = check_gpus(report)
     check_software(report, gpus)
     if build:
         check_cpu_adam(report, timeout)
+        check_async_io(report, uses_nvme)
     else:
         report.add("DeepSpeed ops", "CPU Adam", "not tried (--skip-build)")
+        report.add("DeepSpeed ops", "async I/O", "not tried (--skip-build)")
+    if recipe and uses_nvme:
+        check_nvme_recipe(report, recipe, overrides or [])
     if gpus:
         import psutil
 
@@ -350,10 +452,14 @@ def collect(build: bool = True, timeout: float = DEFAULT_BUILD_TIMEOUT_S, cwd: P
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "doctor",
-        help="Check this machine: GPUs, RAM, disk, versions, DeepSpeed CPU Adam build.",
+        help="Check this machine: GPUs, RAM, disk, versions, DeepSpeed CPU Adam and async I/O builds.",
         description="Report the hardware and software llm_train depends on; every warning comes with its fix.",
     )
-    p.add_argument("--skip-build", action="store_true", help="Do not try to build/load DeepSpeed's CPU Adam.")
+    p.add_argument(
+        "--skip-build",
+        action="store_true",
+        help="Do not build/load DeepSpeed's CPU Adam nor probe its async I/O op.",
+    )
     p.add_argument(
         "--build-timeout",
         type=float,
@@ -361,10 +467,21 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="Give up on the CPU Adam build after this long (the first build takes 1-3 minutes).",
     )
+    p.add_argument(
+        "--recipe",
+        help="Also check what this recipe needs: with NVMe offload, async I/O and deepspeed.nvme_path.",
+    )
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides (with --recipe).")
     p.set_defaults(func=cmd_doctor)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    report = collect(build=not args.skip_build, timeout=args.build_timeout)
+    from llm_train.errors import UserError
+
+    if args.overrides and not args.recipe:
+        raise UserError("doctor: key.sub=value overrides need --recipe NAME")
+    report = collect(
+        build=not args.skip_build, timeout=args.build_timeout, recipe=args.recipe, overrides=args.overrides
+    )
     print(report.render())
     return 0

@@ -4,7 +4,9 @@ DeepSpeed's own "auto" resolution lives in the HF Trainer; outside it an "auto" 
 DeepSpeed unresolved. Here every value the recipe owns is filled in before DeepSpeed (or
 Accelerate) sees the config, so the config used and the one saved in the run directory
 are the same, with no "auto" left. DeepSpeed validates nested sections strictly but
-silently ignores unknown top-level keys, so those are checked here.
+silently ignores unknown top-level keys, so those are checked here. The NVMe offload
+directory belongs to the user's machine, not to a shipped file: the JSON says "auto" and the
+recipe's deepspeed.nvme_path fills it (resolve.check_nvme_path checks the directory itself).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +106,7 @@ class RecipeValues:
     weight_decay: float
     warmup_steps: int
     max_steps: int
+    nvme_path: str | None = None  # deepspeed.nvme_path: fills every nvme offload's "nvme_path"
 
 
 def find_ds_config(name_or_path: str) -> Path:
@@ -154,6 +158,72 @@ def offload_device(config: dict[str, Any], what: str) -> str:
     """'none' | 'cpu' | 'nvme' for what = 'optimizer' or 'param'."""
     section = config.get("zero_optimization", {}).get(f"offload_{what}") or {}
     return str(section.get("device", "none")) or "none"
+
+
+OFFLOAD_SECTIONS = ("offload_optimizer", "offload_param")
+NVME_PATH_KEY = "deepspeed.nvme_path"
+
+
+def nvme_paths(config: dict[str, Any]) -> dict[str, str]:
+    """{"offload_optimizer": path, ...} for each offload that goes to nvme, in a resolved config."""
+    zero = config.get("zero_optimization") or {}
+    out = {}
+    for section in OFFLOAD_SECTIONS:
+        offload = zero.get(section) or {}
+        if isinstance(offload, dict) and offload.get("device") == "nvme":
+            out[section] = str(offload.get("nvme_path"))
+    return out
+
+
+def _same_dir(a: str, b: str) -> bool:
+    # DeepSpeed opens the swap files relative to the workers' cwd, which is this process's cwd.
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+
+
+def _resolve_nvme(config: dict[str, Any], recipe_path: str | None, source: str) -> None:
+    """Fill every nvme offload's nvme_path from the recipe, in place; refuse a missing or double path.
+
+    The directory is the user's machine, not the config's: the shipped JSON says "auto" and the
+    recipe (or `deepspeed.nvme_path=...` on the command line) names it. A recipe path that no
+    offload uses is refused too: a setting that silently does nothing hides a wrong config.
+    """
+    zero = config.get("zero_optimization") or {}
+    on_nvme = []
+    for section in OFFLOAD_SECTIONS:
+        offload = zero.get(section)
+        if not isinstance(offload, dict):
+            continue
+        current = offload.get("nvme_path")
+        if offload.get("device") != "nvme":
+            if current == "auto":
+                # DeepSpeed reads nvme_path only for device "nvme"; an "auto" here stands for nothing.
+                del offload["nvme_path"]
+            continue
+        on_nvme.append(section)
+        key = f"zero_optimization.{section}.nvme_path"
+        if current is None or current == "auto":
+            if recipe_path is None:
+                raise UserError(
+                    f"DeepSpeed config {source}: {section} goes to nvme but no directory is given; pass "
+                    f"{NVME_PATH_KEY}=/path/on/nvme (a directory on a fast local drive) or set nvme_path in "
+                    "the recipe's deepspeed: section"
+                )
+            offload["nvme_path"] = recipe_path
+        elif not isinstance(current, str) or not current.strip():
+            raise UserError(
+                f'DeepSpeed config {source}: {key}={json.dumps(current)} is not a directory; set it to "auto" '
+                f"and pass {NVME_PATH_KEY}=/path/on/nvme"
+            )
+        elif recipe_path is not None and not _same_dir(current, recipe_path):
+            raise UserError(
+                f"DeepSpeed config {source}: {key}={json.dumps(current)} contradicts {NVME_PATH_KEY} "
+                f'(which gives {json.dumps(recipe_path)}); set it to "auto" in the JSON or change {NVME_PATH_KEY}'
+            )
+    if recipe_path is not None and not on_nvme:
+        raise UserError(
+            f"{NVME_PATH_KEY}={recipe_path} is set but DeepSpeed config {source} offloads nothing to nvme, so "
+            f"it would do nothing; remove {NVME_PATH_KEY} or use deepspeed.config=zero3_offload_nvme"
+        )
 
 
 def precision_of(config: dict[str, Any]) -> str | None:
@@ -270,6 +340,7 @@ def resolve(config: dict[str, Any], values: RecipeValues, source: str) -> dict[s
                 f'{recipe_key} (which gives {json.dumps(value)}); set it to "auto" in the JSON '
                 f"or change {recipe_key}"
             )
+    _resolve_nvme(resolved, values.nvme_path, source)
     if zero_stage(resolved) == 3:
         # Export gathers the partitioned weights through this switch; without it the saved
         # model would be empty (a classic ZeRO-3 pitfall).

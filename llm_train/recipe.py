@@ -9,6 +9,7 @@ distributed lives in the DeepSpeed JSON the recipe names (see dsconfig.py).
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -354,6 +355,22 @@ class DeepSpeedSection(Section):
         ge=1,
         description="Pipeline-parallel degree: the model is cut into this many stages (ZeRO-0/1 only).",
     )
+    nvme_path: str | None = Field(
+        None,
+        description="Directory on a fast local NVMe drive for ZeRO-Infinity offload (DS JSON device 'nvme'); "
+        "checked for existence, write access and free space before the run starts.",
+    )
+
+    @model_validator(mode="after")
+    def _nvme_path_is_a_path(self) -> DeepSpeedSection:
+        # The DS JSON spells "let the recipe decide" as "auto"; in the recipe itself that would
+        # reach DeepSpeed as a directory literally named "auto".
+        if self.nvme_path is not None and self.nvme_path.strip() in ("", "auto"):
+            raise ValueError(
+                f"deepspeed.nvme_path={self.nvme_path!r} is not a directory; give a path on a local NVMe "
+                "drive (e.g. deepspeed.nvme_path=/mnt/nvme) or remove the key"
+            )
+        return self
 
 
 class EvalSection(Section):
@@ -493,6 +510,9 @@ def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: st
 # Fields that hold paths; relative paths in a YAML file are taken relative to that file
 # (so recipes work from any working directory), those from overrides relative to the cwd.
 _PATH_FIELDS = (("model", "tokenizer"), ("model", "name_or_path"), ("deepspeed", "config"))
+# Fields that can only be local paths, so a bare relative name ('nvme') is anchored too; workers may
+# start in another directory, and DeepSpeed receives the absolute path.
+_LOCAL_PATH_FIELDS = (("deepspeed", "nvme_path"),)
 _PATH_LIST_FIELDS = (("data", "train"), ("data", "eval"))
 
 
@@ -508,6 +528,11 @@ def _anchor_paths(data: dict[str, Any], base: Path) -> None:
         value = (data.get(section) or {}).get(key)
         if isinstance(value, str):
             data[section][key] = _anchor_path(value, base)
+    for section, key in _LOCAL_PATH_FIELDS:
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str) and value.strip() not in ("", "auto"):  # those two: the schema explains
+            # abspath, not resolve(): keep the user's spelling of a symlinked mount in every message.
+            data[section][key] = os.path.abspath(base / Path(value).expanduser())
     for section, key in _PATH_LIST_FIELDS:
         value = (data.get(section) or {}).get(key)
         if isinstance(value, str):

@@ -18,7 +18,7 @@ if __package__ in (None, ""):
 from llm_train import launcher
 from llm_train.errors import UserError
 from llm_train.fast import check_attention_kernel, set_cuda_alloc_conf
-from llm_train.resolve import Resolved, resolve_run
+from llm_train.resolve import Resolved, check_nvme_path, resolve_run
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         check_attention_kernel(run.recipe.memory)
         if not args.skip_ram_check:
             check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
+        check_nvme_path(run, spawn.nproc_per_node if spawn is not None else None)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])

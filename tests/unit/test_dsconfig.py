@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from llm_train import DS_CONFIGS_DIR
-from llm_train.dsconfig import RecipeValues, load_ds_config, resolve
+from llm_train.dsconfig import RecipeValues, load_ds_config, offload_device, resolve
 from llm_train.errors import UserError
 from llm_train.plan import Device
 from llm_train.resolve import resolve_run
@@ -40,7 +41,9 @@ def _autos(node: object) -> int:
 @pytest.mark.parametrize("name", sorted(p.stem for p in DS_CONFIGS_DIR.glob("*.json")))
 def test_shipped_configs_resolve_without_auto(name: str) -> None:
     _, raw = load_ds_config(name)
-    resolved = resolve(raw, VALUES, name)
+    # The NVMe directory is the user's (deepspeed.nvme_path); configs without nvme refuse one.
+    on_nvme = "nvme" in (offload_device(raw, "optimizer"), offload_device(raw, "param"))
+    resolved = resolve(raw, replace(VALUES, nvme_path="/mnt/nvme") if on_nvme else VALUES, name)
     assert _autos(resolved) == 0
     assert resolved["train_micro_batch_size_per_gpu"] == 4
     assert resolved["gradient_accumulation_steps"] == 2
