@@ -158,19 +158,15 @@ def measure(
     run: Any, args: argparse.Namespace, record: dict[str, Any], cuda: bool, psutil: Any, torch: Any
 ) -> None:
     """Build the engine exactly as a training run does, then time steps on random tokens."""
-    from transformers.integrations import HfDeepSpeedConfig
-
-    from llm_train.model import build_model
-    from llm_train.session import _accelerator, _prepare_engine
+    from llm_train.runtime.zero_engine import ZeroEngine
 
     recipe, plan = run.recipe, run.plan
     proc = psutil.Process()
     started = time.perf_counter()
-    hf_ds_config = HfDeepSpeedConfig(run.ds_config) if plan.zero_stage == 3 else None  # zero.Init
-    accelerator = _accelerator(run)
-    model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed, recipe.lora)
-    engine = _prepare_engine(run, accelerator, model, args.steps + 1)
-    del hf_ds_config
+    zero = ZeroEngine(run, print)
+    zero.start()  # zero.Init under ZeRO-3, as in a run
+    zero.build(args.steps + 1, lambda phase: None)
+    engine, model = zero.ds, zero.model
     record["setup_s"] = round(time.perf_counter() - started, 1)
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)

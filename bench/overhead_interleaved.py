@@ -22,9 +22,11 @@ import torch
 from minimal_loop import finish, packed_blocks, run_and_exit, setup  # bench/ is this script's folder
 
 from llm_train.control import RunControl
-from llm_train.loop import LoopConfig, train_loop
 from llm_train.metrics import StepMeter
 from llm_train.recipe import TrackingSection
+from llm_train.resolve import resolve_run
+from llm_train.runtime.loop import LoopConfig, train_loop
+from llm_train.runtime.zero_engine import ZeroEngine
 from llm_train.tracking import open_trackers
 
 
@@ -57,18 +59,17 @@ def main() -> None:
     tracker = open_trackers(TrackingSection(), Path(tempfile.mkdtemp(prefix="overhead_")), {}, main_rank)
     control = RunControl(0, 0.0)
     tokens_per_step = micro * seq_len * accelerator.num_processes
+    # llm_train's own engine code (train_step, grad norm) around the engine prepared above.
+    run = resolve_run(
+        "tiny-cpu", ["optim.grad_accum=1"], accelerator.num_processes, ds_config_path=args.ds_config
+    )
+    wrapped = ZeroEngine(run, say)
+    wrapped.ds, wrapped.model, wrapped.accelerator = engine, model, accelerator
 
     def ours(first: int) -> None:
-        cfg = LoopConfig(
-            max_steps=first + args.block - 1,
-            grad_accum=1,
-            tokens_per_step=tokens_per_step,
-            log_every=1,
-            eval_every=0,
-            start_step=first - 1,
-        )
+        cfg = LoopConfig(max_steps=first + args.block - 1, log_every=1, eval_every=0, start_step=first - 1)
         meter = StepMeter(tokens_per_step, micro * accelerator.num_processes, accelerator.num_processes)
-        train_loop(engine, stream, [], cfg, tracker, control, lambda step: None, say, meter)
+        train_loop(wrapped, stream, [], cfg, tracker, control, lambda step: None, say, meter)
 
     def minimal(first: int) -> None:
         for step in range(first, first + args.block):

@@ -30,12 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_train.errors import UserError
+from llm_train.errors import EXIT_CHECKPOINT_IO, UserError
 
 if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does not need it
     from llm_train.collectives import Collectives
 
-EXIT_CHECKPOINT_IO = 4  # a save failed (disk full, I/O error); the previous checkpoint is intact
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step-"

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a committed checkpoint; resume with --resume auto
+from llm_train.errors import EXIT_PREEMPTED
 
 
 class RunControl:
@@ -77,7 +77,3 @@ class RunControl:
     def saved(self) -> None:
         self.last_save = self.clock()
         self.saved_after_stop = self.stop_signal is not None
-
-    def after_step(self, step: int, any_rank: Callable[[bool], bool]) -> tuple[bool, bool]:
-        """For loops without a per-step collective of their own (the pipeline engine's)."""
-        return self.decide(step, [any_rank(bool(flag)) for flag in self.local_flags()])

@@ -1,4 +1,4 @@
-"""Errors a user can cause, and the exit codes the entry points use.
+"""Errors a user can cause, and every exit code llm_train's processes end with (here and nowhere else).
 
 Every mistake a user can make (a bad recipe key, a missing file, batch arithmetic that
 does not divide) raises `UserError` with one line that names the key/file/flag and the
@@ -6,7 +6,10 @@ fix. The entry points print that line and exit with `EXIT_USER_ERROR`, never a t
 """
 
 EXIT_OK = 0
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = 2  # a bad input: one line that names the key, file or flag and the fix
+EXIT_NONFINITE = 3  # the loss became NaN/inf (the step is named); resume with a lower optim.lr
+EXIT_CHECKPOINT_IO = 4  # a save failed (disk full, I/O error); the previous checkpoint is intact
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request (SIGTERM/SIGUSR1); resume with --resume auto
 
 
 class UserError(Exception):

@@ -105,7 +105,9 @@ def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         # DeepSpeed's shards are pickles: never load them from a directory that does not verify.
         raise UserError(f"checkpoint {ckpt_dir}: {reason}; not loading it")
     state_dir = ckpt_dir / "state"
-    from llm_train.pipeline import pipeline_checkpoint_state_dict  # pipeline runs save one file per layer
+    from llm_train.runtime.pipeline_model import (
+        pipeline_checkpoint_state_dict,  # pipeline runs save one file per layer
+    )
 
     pipeline_state = pipeline_checkpoint_state_dict(state_dir / DS_TAG, ckpt_dir / "hf")
     if pipeline_state is not None:

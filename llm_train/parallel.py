@@ -9,6 +9,7 @@ Supported (verified on CPU with loss parity against one process: tests/e2e/test_
 TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with ZeRO-0 were run by hand):
   tensor parallel (AutoTP)  x data parallel  with ZeRO-0/1/2 (and ZeRO-3 for init: random)
   pipeline (PipelineModule) x data parallel  with ZeRO-0/1, Llama / Mistral / Qwen2
+    (without LoRA, checkpoint.on_nonfinite=skip, Liger kernels, torch.compile, --flops-profiler)
 """
 
 from __future__ import annotations
@@ -58,6 +59,25 @@ def _check_pipeline(
             f"{degrees}: lora is not supported with deepspeed.pipeline_stages={pp}; "
             "train LoRA with ZeRO (deepspeed.pipeline_stages=1)"
         )
+    # What the pipeline engine cannot do, refused here rather than ignored at run time.
+    unsupported = {
+        "checkpoint.on_nonfinite=skip": (
+            recipe.checkpoint.on_nonfinite == "skip",
+            "the 1F1B schedule runs backward before every micro-batch's loss is known; use "
+            "checkpoint.on_nonfinite=stop",
+        ),
+        "memory.liger_kernels=true": (
+            recipe.memory.liger_kernels,
+            "Liger patches the HF model classes, which pipeline stages do not use; set memory.liger_kernels=false",
+        ),
+        "memory.torch_compile=true": (
+            recipe.memory.torch_compile,
+            "DeepSpeed's pipeline engine does not compile its stages; set memory.torch_compile=false",
+        ),
+    }
+    for setting, (asked, why) in unsupported.items():
+        if asked:
+            raise UserError(f"{setting} is not supported with deepspeed.pipeline_stages={pp}: {why}")
     model_type = fields.get("model_type")
     if model_type is not None and model_type not in PIPELINE_MODEL_TYPES:
         raise UserError(

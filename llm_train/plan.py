@@ -103,6 +103,16 @@ class ParallelPlan:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of a global rank: which share of the data it trains on.
+
+        Ranks of one tensor-parallel group are consecutive (AutoTP: rank = dp * tp + t), while
+        DeepSpeed's pipeline grid puts the data axis fastest (rank = stage * dp + d).
+        """
+        if self.pp > 1:
+            return rank % self.dp
+        return rank // self.tp
+
 
 def batch_arithmetic(recipe: Recipe, dp: int) -> tuple[int, int]:
     """(grad_accum, global_batch) with the same rule DeepSpeed asserts, explained when it fails."""

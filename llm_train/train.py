@@ -127,15 +127,32 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             check_output_dir(run.recipe.output_dir, args.overwrite)
         check_attention_kernel(run.recipe.memory)
+        if args.flops_profiler and run.plan.pp > 1:
+            raise UserError(
+                f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.plan.pp} (DeepSpeed "
+                "profiles the engine's forward, which the pipeline schedule bypasses); use --profile A-B"
+            )
         if not args.skip_ram_check:
             check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
         check_nvme_path(run, spawn.nproc_per_node if spawn is not None else None)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
-        from llm_train.session import run_training
+        from llm_train.runtime.session import RunOptions, run_training
 
-        return run_training(run, args, say)
+        options = RunOptions(
+            recipe=args.recipe,
+            overrides=tuple(args.overrides),
+            ds_config=args.ds_config,
+            output_dir=args.output_dir,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            verbose=args.verbose,
+            profile=args.profile,
+            flops_profiler=args.flops_profiler,
+            peak_tflops=args.peak_tflops,
+        )
+        return run_training(run, options, say)
     except UserError as exc:
         if is_rank0():
             print(f"llm-train: error: {exc}", file=sys.stderr, flush=True)

@@ -68,7 +68,7 @@ def test_wandb_disabled_is_never_imported(tmp_path: Path) -> None:
         "from pathlib import Path\n"
         "from llm_train.recipe import TrackingSection\n"
         "from llm_train.tracking import open_trackers\n"
-        "import llm_train.loop, llm_train.metrics, llm_train.console, llm_train.profiling\n"
+        "import llm_train.runtime.loop, llm_train.metrics, llm_train.console, llm_train.profiling\n"
         f"t = open_trackers(TrackingSection(mode='disabled'), Path({str(tmp_path)!r}), {{}}, True)\n"
         "t.log({'loss': 1.0}, 1); t.close()\n"
         "assert t.run_id is None\n"

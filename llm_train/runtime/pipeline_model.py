@@ -1,8 +1,7 @@
-"""Pipeline parallelism: a Llama-family HF causal LM as DeepSpeed `PipelineModule` stages.
+"""Pipeline parallelism's model side: a Llama-family HF causal LM as DeepSpeed `PipelineModule` stages.
 
-Accelerate does not drive DeepSpeed's pipeline engine, so this path owns the run from the
-same `llm_train/train.py` entry (session.run_training hands over when plan.pp > 1). The
-model is expressed as a flat list of pipeline layers that pass plain tensors:
+The engine that runs it is runtime/pipeline_engine.py. The model is expressed as a flat
+list of pipeline layers that pass plain tensors:
 
     embedding                      input_ids            -> (hidden, position_ids)
     decoder layer i (+ its RoPE)   (hidden, position_ids) -> (hidden, position_ids)   x L
@@ -12,7 +11,7 @@ model is expressed as a flat list of pipeline layers that pass plain tensors:
 DeepSpeed partitions the list over stages by parameter count, runs micro-batches
 (= gradient accumulation steps) through a 1F1B schedule in `engine.train_batch`, and
 recomputes activations every `activation_checkpoint_interval` layers when the recipe asks.
-Only ZeRO-0/1 are allowed (DeepSpeed refuses ZeRO-2/3 with pipelines); plan.py checks that
+Only ZeRO-0/1 are allowed (DeepSpeed refuses ZeRO-2/3 with pipelines); parallel.py checks that
 before anything loads. Each stage builds and loads only its own layers from the HF
 safetensors, and the export writes one safetensors shard per stage plus the HF index, so
 no rank ever holds the whole model (except `init: random`, see `_full_random_state`).
@@ -20,30 +19,22 @@ no rank ever holds the whole model (except `init: random`, see `_full_random_sta
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import json
-import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from llm_train import collectives
 from llm_train.errors import UserError
-from llm_train.metrics import StepMeter, shape_flops_per_token
+from llm_train.model import model_config
 from llm_train.resolve import Resolved
-from llm_train.shapes import shape_from_config
-
-if TYPE_CHECKING:
-    from llm_train.control import RunControl
-    from llm_train.loop import LoopConfig, LoopResult
-    from llm_train.tracking import Trackers
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -259,8 +250,6 @@ def build_pipeline_module(config: Any, stages: int, checkpoint_interval: int) ->
 
 
 def hf_config(run: Resolved) -> Any:
-    from llm_train.model import model_config
-
     config = model_config(run.recipe.model)
     config._attn_implementation = run.recipe.memory.attention
     config.use_cache = False
@@ -350,8 +339,6 @@ def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, o
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    from llm_train import collectives
-
     grid = engine.grid
     stage, stages = grid.get_stage_id(), grid.get_pipe_parallel_world_size()
     shard = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
@@ -396,317 +383,3 @@ def pipeline_checkpoint_state_dict(ds_dir: Path, hf_dir: Path) -> dict[str, torc
             if hf_name is not None:
                 out[hf_name] = tensor.float()
     return out
-
-
-# ---------------------------------------------------------------- the run
-
-
-def _init_distributed() -> None:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if torch.cuda.is_available():
-        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # DeepSpeed picks gloo for its CPU accelerator and NCCL on GPUs.
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-
-
-def _engine(run: Resolved, module: nn.Module, max_steps: int) -> Any:
-    import deepspeed
-
-    from llm_train.optim import build_optimizer, build_scheduler
-
-    optim = run.recipe.optim
-    # Our schedule unless the JSON has one; DeepSpeed calls it with the unwrapped torch optimizer,
-    # steps it at each optimizer step and saves it in its checkpoints (as on the Accelerate path).
-    schedule = (
-        None if "scheduler" in run.ds_config else partial(build_scheduler, optim=optim, max_steps=max_steps)
-    )
-    rope = _rope_buffers(module)
-    if "optimizer" in run.ds_config:  # a DS JSON with its own optimizer: DeepSpeed builds it
-        params = [p for p in module.parameters() if p.requires_grad]
-        engine, _, _, _ = deepspeed.initialize(
-            model=module, model_parameters=params, config=run.ds_config, lr_scheduler=schedule
-        )
-    else:
-        optimizer = build_optimizer(module, optim, run.plan.offload_optimizer)
-        engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=run.ds_config, lr_scheduler=schedule
-        )
-    _restore_rope_buffers(engine.module, rope)
-    _clip_fp32_across_stages(engine)
-    return engine
-
-
-def _rope_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The fp32 RoPE frequency buffers, taken before DeepSpeed casts the module to bf16/fp16."""
-    return {
-        name: buffer.detach().clone()
-        for name, buffer in module.named_buffers()
-        if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq")
-    }
-
-
-def _restore_rope_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    # DeepSpeed casts buffers along with weights; RoPE frequencies must stay fp32 (transformers
-    # computes cos/sin from them in fp32), or positions far into the sequence lose precision.
-    for name, value in saved.items():
-        owner, _, leaf = name.rpartition(".")
-        target = module.get_submodule(owner)
-        setattr(target, leaf, value.to(getattr(target, leaf).device))
-
-
-def _clip_fp32_across_stages(engine: Any) -> None:
-    """ZeRO-0 in fp32: clip on the norm over every stage, and keep that norm for the metrics.
-
-    DeepSpeed 0.19 clips these gradients with `clip_grad_norm_(mpu=grid)`, which keeps only
-    the parameters of model-parallel rank 0, i.e. of the first stage, and then averages the
-    norm over the whole world: the clip factor is wrong as soon as clipping is active (losses
-    drifted ~1e-3 from a single process in 3 steps). Gradients are already summed over
-    data-parallel ranks and tied copies here, so one all-reduce over the pipeline suffices.
-    """
-    if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
-        return
-    from llm_train.collectives import Collectives
-
-    pipe = Collectives(engine.grid.get_pipe_parallel_group())
-
-    def clip() -> None:
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        # A tied embedding's second copy (on the last stage) is marked replicated: count it once.
-        owned = [
-            p.grad
-            for p in engine.module.parameters()
-            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
-        ]
-        squares = torch.zeros((), device=grads[0].device, dtype=torch.float32)
-        for grad in owned:
-            squares += grad.detach().float().pow(2).sum()
-        norm = pipe.sum(squares).sqrt()
-        coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)  # as torch/DeepSpeed clip
-        for grad in grads:
-            grad.detach().mul_(coef.to(grad.dtype))
-        engine._global_grad_norm = float(norm)
-
-    engine.clip_fp32_gradients = clip
-
-
-Pair = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def as_pipeline_batch(batch: dict[str, Any]) -> Pair:
-    """((input_ids, position_ids), labels): the engine feeds inputs to the first stage, labels to the last."""
-    input_ids = batch["input_ids"]
-    position_ids = batch.get("position_ids")
-    if position_ids is None:
-        # repeat, not expand: tensors sent between stages must own contiguous storage.
-        position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0).repeat(input_ids.shape[0], 1)
-    return (input_ids, position_ids.contiguous()), batch["labels"]
-
-
-def _pairs(batches: Iterator[dict[str, Any]]) -> Iterator[Pair]:
-    for batch in batches:
-        yield as_pipeline_batch(batch)
-
-
-def pipeline_loop(
-    engine: Any,
-    batches: Iterator[Pair],
-    evals: list[Pair],
-    cfg: LoopConfig,
-    tracker: Trackers,
-    control: RunControl,
-    save: Callable[[int], None],
-    say: Callable[[str], None],
-    meter: StepMeter,
-) -> LoopResult:
-    """loop.train_loop for the pipeline engine: one `train_batch` per optimizer step.
-
-    `train_batch` pulls cfg.grad_accum micro-batches through the 1F1B schedule, steps the
-    optimizer and LR schedule, and returns the loss averaged over micro-batches and
-    data-parallel ranks, broadcast to every stage.
-    """
-    import math
-
-    from llm_train.collectives import WORLD
-    from llm_train.console import progress_line
-    from llm_train.loop import LoopResult, NonFiniteLoss
-
-    metrics: dict[str, float] = {}
-    started = time.perf_counter()
-    for step in range(cfg.start_step + 1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
-        loss = float(engine.train_batch(data_iter=batches))
-        if not math.isfinite(loss):  # every stage holds the same value: all stop together
-            raise NonFiniteLoss(
-                f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr"
-            )
-        meter.record(time.perf_counter() - t0)
-        if step % cfg.log_every == 0 or step in (cfg.start_step + 1, cfg.max_steps):
-            norm = engine.get_global_grad_norm()
-            metrics = {
-                "loss": loss,
-                "lr": engine.get_lr()[0],
-                "grad_norm": float(norm) if norm is not None else float("nan"),
-                **meter.flush(),  # throughput, MFU, memory: the same fields as the ZeRO loop's
-            }
-            tracker.log(metrics, step)
-            eta = (time.perf_counter() - started) / (step - cfg.start_step) * (cfg.max_steps - step)
-            say(progress_line(step, cfg.max_steps, metrics, eta))
-        if evals and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
-            eval_loss = float(engine.eval_batch(iter(evals), num_micro_batches=len(evals)))
-            tracker.log({"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}, step)
-            say(f"step {step}: eval loss {eval_loss:.4f}")
-            metrics["eval_loss"] = eval_loss
-        save_now, stop_now = control.after_step(step, WORLD.any)
-        if save_now and step < cfg.max_steps:
-            save(step)
-        if stop_now and step < cfg.max_steps:
-            return LoopResult(step, True, metrics)
-    return LoopResult(cfg.max_steps, False, metrics)
-
-
-def run_pipeline(run: Resolved, args: argparse.Namespace, say: Callable[[str], None]) -> int:
-    from llm_train import launcher
-    from llm_train.console import quiet, startup_summary
-
-    launcher.set_single_process_env()
-    quiet(args.verbose)  # before DeepSpeed is imported
-    started = time.perf_counter()
-    _init_distributed()
-    from llm_train import collectives
-    from llm_train.checkpoint import Checkpointer
-    from llm_train.control import EXIT_PREEMPTED, RunControl
-    from llm_train.data import eval_batches
-    from llm_train.export import sample_text, verify_export
-    from llm_train.loop import LoopConfig
-    from llm_train.run_state import (
-        check_compatible,
-        choose_checkpoint,
-        make_saver,
-        restore_run_state,
-        truncate_metrics,
-    )
-    from llm_train.rundir import check_output_dir, create_run_dir
-    from llm_train.tracking import open_trackers
-
-    recipe, plan = run.recipe, run.plan
-    out = recipe.output_dir
-    resume = getattr(args, "resume", None)
-    if not resume:
-        check_output_dir(out, args.overwrite)
-    rank = collectives.rank()
-    if collectives.world_size() != plan.world_size:
-        raise RuntimeError(
-            f"DeepSpeed sees a world of {collectives.world_size()}, the plan says {plan.world_size}"
-        )
-
-    config = hf_config(run)
-    names = LayerMap(config.num_hidden_layers, bool(getattr(config, "tie_word_embeddings", False)))
-    interval = 1 if recipe.memory.activation_checkpointing else 0
-    module = build_pipeline_module(config, plan.pp, interval)
-    load_stage_weights(module, run, config, names)
-    grid = module._grid
-    stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
-
-    from llm_train.session import build_data
-
-    run, tokenizer, stream, eval_blocks, max_steps = build_data(run, args, dp_rank, say)
-
-    layers = [int(module._local_start), int(module._local_stop)]  # this stage's slice of the layer list
-    me = {
-        "rank": rank,
-        "dp_rank": dp_rank,
-        "stage": stage,
-        "layers": layers,
-        "world_size": collectives.world_size(),
-    }
-    ranks = collectives.WORLD.gather_objects(me)
-    if rank == 0:
-        create_run_dir(out, run, args.overwrite and not resume)
-        (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
-    split = {r["stage"]: r["layers"] for r in ranks}
-    stages = ", ".join(f"{s}: layers {a}-{b - 1}" for s, (a, b) in sorted(split.items()))
-    layout = f"(0 embedding, 1-{config.num_hidden_layers} decoder, {names.norm_idx} norm, {names.norm_idx + 1} head)"
-    startup_summary(run, say, extra=[("stages", f"{stages} {layout}")])
-
-    comm = collectives.WORLD
-    resume_from = choose_checkpoint(resume, out / "checkpoints", rank, comm, say) if resume else None
-    if resume_from is not None:
-        check_compatible(resume_from, plan.world_size, recipe, say)
-
-    engine = _engine(run, module, max_steps)
-    torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
-    start_step, tracker_run_id = 0, None
-    if resume_from is not None:
-        restored = restore_run_state(engine, resume_from, stream, rank)
-        start_step, tracker_run_id = restored["step"], restored.get("tracker_run_id")
-        say(f"resumed from {resume_from} at step {start_step}")
-    elif resume:
-        say("no complete checkpoint to resume from; starting at step 0")
-    if rank == 0:
-        truncate_metrics(out / "metrics.jsonl", start_step)
-    comm.barrier()
-
-    tracker = open_trackers(
-        recipe.tracking,
-        out,
-        {"recipe": recipe.model_dump(mode="json"), "ds_config": run.ds_config, "plan": plan.as_dict()},
-        rank == 0,
-        tracker_run_id,
-        start_step,
-    )
-    checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
-    control = RunControl(
-        recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, grace_s=recipe.checkpoint.grace_s
-    )
-    control.install_signal_handlers()
-
-    save = make_saver(
-        checkpointer, control, engine, stream, tokenizer, rank, plan.world_size, recipe, tracker, say
-    )
-
-    evals = [
-        as_pipeline_batch(b)
-        for b in eval_batches(eval_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.eval.batches)
-    ]
-    cfg = LoopConfig(
-        max_steps=max_steps,
-        grad_accum=plan.grad_accum,
-        tokens_per_step=plan.global_batch_size * recipe.data.seq_len,
-        log_every=recipe.output.log_every,
-        eval_every=recipe.eval.every,
-        start_step=start_step,
-    )
-    say(
-        f"training {max_steps} steps, {cfg.tokens_per_step:,} tokens per step; "
-        f"setup took {time.perf_counter() - started:.1f}s"
-    )
-    flops = shape_flops_per_token(shape_from_config(config.to_dict()), recipe.data.seq_len)
-    meter = StepMeter.for_run(run, flops, args)
-    result = pipeline_loop(engine, _pairs(stream), evals, cfg, tracker, control, save, say, meter)
-    metrics = result.metrics
-    if result.preempted:  # the loop saved after the agreed stop step: exit resumable, no export
-        tracker.close()
-        say(
-            f"stopped by signal {control.stop_signal} after step {result.last_step}; resume with --resume auto"
-        )
-        collectives.destroy()
-        return EXIT_PREEMPTED
-    if recipe.checkpoint.at_end:
-        save(max_steps)
-
-    final = out / "final"
-    export_pipeline(engine, config, tokenizer, names, final)
-    tracker.close()
-    say(
-        f"trained in {time.perf_counter() - started:.0f}s: final loss {metrics.get('loss', float('nan')):.4f}; "
-        f"run directory {out} (config/, metrics.jsonl, final/)"
-    )
-    collectives.destroy()
-    if rank == 0:
-        tensors = verify_export(final)
-        say(f"exported {tensors} tensors to {final} (verified against the config's shapes)")
-        if recipe.output.sample_prompt:
-            say(f"sample: {sample_text(final, recipe.output.sample_prompt)!r}")
-    return 0

@@ -1,0 +1,83 @@
+"""The interface between one run and the DeepSpeed engine that trains it.
+
+Two engines exist: ZeRO through Accelerate (zero_engine.py) and DeepSpeed's pipeline engine
+(pipeline_engine.py). The session and the step loop are written once against this
+interface; whatever an engine cannot do is refused when the run is resolved
+(parallel.check_parallel), never skipped here.
+
+Life of an engine: `start` joins the process group (the world exists from then on),
+`build` creates the model and the DeepSpeed engine, then `train_step` / `eval_loss` run,
+`export` writes final/ (a collective), and `finish` tears the world down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from llm_train.errors import EXIT_NONFINITE, UserError
+
+
+class NonFiniteLoss(UserError):
+    exit_code = EXIT_NONFINITE
+
+
+Batch = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: torch.Tensor
+    """This rank's loss for the step (mean over its micro-batches), or the global one (`loss_is_global`)."""
+    loss_is_global: bool = False
+    """True when the engine already averaged the loss over data-parallel ranks (the pipeline engine)."""
+    grad_norm: float | None = None
+    """A norm the engine measured itself this step; None: ask DeepSpeed (`Engine.grad_norm`)."""
+
+
+class Engine(Protocol):
+    ds: Any
+    """The DeepSpeed engine: checkpoints (save/load_checkpoint), LR, ZeRO stage, module."""
+    skipped_microbatches: int
+    """Micro-batches dropped so far for a non-finite loss (checkpoint.on_nonfinite=skip)."""
+
+    def start(self) -> None:
+        """Join the process group (and pin this rank's device)."""
+
+    def build(self, max_steps: int, mark: Callable[[str], None]) -> None:
+        """The model, optimizer, LR schedule and DeepSpeed engine; `mark` times "model build", "deepspeed init"."""
+
+    def world_info(self) -> dict[str, Any]:
+        """What this rank holds, for world.json (beyond rank and data-parallel rank)."""
+
+    def summary_rows(self, ranks: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        """Extra start-up lines from every rank's world info (e.g. the pipeline's stage split)."""
+
+    def flops_per_token(self, seq_len: int) -> float | None:
+        """Training FLOPs per token of the model, for MFU."""
+
+    def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
+        """One optimizer step: forward and backward over the accumulation steps, then the update."""
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, as DeepSpeed tracks it."""
+
+    def eval_loss(self, batches: list[Batch]) -> float:
+        """The mean loss over the eval batches and all data-parallel ranks."""
+
+    def export(self, final: Path, tokenizer: Any) -> None:
+        """Write a plain Hugging Face model directory (every rank takes part)."""
+
+    def finish(self) -> None:
+        """End training and tear the process group down."""
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    # Non-tensor entries are forward flags (packed batches carry use_cache=False).
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }

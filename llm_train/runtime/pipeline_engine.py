@@ -1,0 +1,210 @@
+"""The pipeline engine: DeepSpeed's `PipelineEngine` over the stages of runtime/pipeline_model.py.
+
+Accelerate does not drive DeepSpeed's pipeline engine, so this engine joins the process
+group and builds the engine itself. One optimizer step is one `train_batch`, which pulls
+the accumulation steps' micro-batches through the 1F1B schedule, steps the optimizer and LR
+schedule, and returns the loss averaged over micro-batches and data-parallel ranks,
+broadcast to every stage. What it cannot do (skip a non-finite micro-batch before backward,
+Liger kernels, torch.compile, the flops profiler, LoRA) is refused by parallel.check_parallel.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llm_train import collectives
+from llm_train.collectives import Collectives
+from llm_train.metrics import shape_flops_per_token
+from llm_train.optim import build_optimizer, build_scheduler
+from llm_train.resolve import Resolved
+from llm_train.runtime.engine import Batch, StepResult
+from llm_train.runtime.pipeline_model import (
+    LayerMap,
+    build_pipeline_module,
+    export_pipeline,
+    hf_config,
+    load_stage_weights,
+)
+from llm_train.shapes import shape_from_config
+
+Pair = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def as_pipeline_batch(batch: Batch) -> Pair:
+    """((input_ids, position_ids), labels): the engine feeds inputs to the first stage, labels to the last."""
+    input_ids = batch["input_ids"]
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        # repeat, not expand: tensors sent between stages must own contiguous storage.
+        position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0).repeat(input_ids.shape[0], 1)
+    return (input_ids, position_ids.contiguous()), batch["labels"]
+
+
+class _Pairs:
+    """The micro-batch stream as the pipeline engine reads it (it calls next() itself)."""
+
+    def __init__(self, batches: Iterator[Batch]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> _Pairs:
+        return self
+
+    def __next__(self) -> Pair:
+        return as_pipeline_batch(next(self.batches))
+
+
+class PipelineEngine:
+    def __init__(self, run: Resolved, say: Any) -> None:
+        self.run, self.say = run, say
+        self.ds: Any = None
+        self.module: Any = None
+        self.skipped_microbatches = 0  # never: on_nonfinite=skip is refused for pipelines
+        self.config = hf_config(run)
+        self.names = LayerMap(
+            self.config.num_hidden_layers, bool(getattr(self.config, "tie_word_embeddings", False))
+        )
+        self._pairs: _Pairs | None = None
+
+    def start(self) -> None:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if torch.cuda.is_available():
+            get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # DeepSpeed picks gloo for its CPU accelerator and NCCL on GPUs.
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        if collectives.world_size() != self.run.plan.world_size:
+            raise RuntimeError(
+                f"DeepSpeed sees a world of {collectives.world_size()}, the plan says {self.run.plan.world_size}"
+            )
+        # Each stage builds and loads only its own layers, before the engine exists.
+        interval = 1 if self.run.recipe.memory.activation_checkpointing else 0
+        self.module = build_pipeline_module(self.config, self.run.plan.pp, interval)
+        load_stage_weights(self.module, self.run, self.config, self.names)
+        grid = self.module._grid
+        expected = self.run.plan.dp_rank(collectives.rank())
+        if grid.get_data_parallel_id() != expected:
+            raise RuntimeError(
+                f"DeepSpeed's pipeline grid puts this rank at dp {grid.get_data_parallel_id()}"
+            )
+
+    def world_info(self) -> dict[str, Any]:
+        layers = [int(self.module._local_start), int(self.module._local_stop)]  # this stage's slice
+        return {"stage": self.module._grid.get_stage_id(), "layers": layers}
+
+    def summary_rows(self, ranks: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        split = {info["stage"]: info["layers"] for info in ranks}
+        stages = ", ".join(f"{s}: layers {a}-{b - 1}" for s, (a, b) in sorted(split.items()))
+        n = self.config.num_hidden_layers
+        layout = f"(0 embedding, 1-{n} decoder, {self.names.norm_idx} norm, {self.names.norm_idx + 1} head)"
+        return [("stages", f"{stages} {layout}")]
+
+    def build(self, max_steps: int, mark: Callable[[str], None]) -> None:
+        import deepspeed
+
+        mark("model build")  # this stage's layers were built and loaded in start()
+        run, optim = self.run, self.run.recipe.optim
+        # Our schedule unless the JSON has one; DeepSpeed calls it with the unwrapped torch optimizer,
+        # steps it at each optimizer step and saves it in its checkpoints (as on the Accelerate path).
+        schedule = (
+            None
+            if "scheduler" in run.ds_config
+            else partial(build_scheduler, optim=optim, max_steps=max_steps)
+        )
+        rope = _rope_buffers(self.module)
+        if "optimizer" in run.ds_config:  # a DS JSON with its own optimizer: DeepSpeed builds it
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self.ds, _, _, _ = deepspeed.initialize(
+                model=self.module, model_parameters=params, config=run.ds_config, lr_scheduler=schedule
+            )
+        else:
+            optimizer = build_optimizer(self.module, optim, run.plan.offload_optimizer)
+            self.ds, _, _, _ = deepspeed.initialize(
+                model=self.module, optimizer=optimizer, config=run.ds_config, lr_scheduler=schedule
+            )
+        _restore_rope_buffers(self.ds.module, rope)
+        _clip_fp32_across_stages(self.ds)
+        mark("deepspeed init")
+
+    def flops_per_token(self, seq_len: int) -> float | None:
+        return shape_flops_per_token(shape_from_config(self.config.to_dict()), seq_len)
+
+    def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
+        if self._pairs is None or self._pairs.batches is not batches:
+            self._pairs = _Pairs(batches)
+        loss = self.ds.train_batch(data_iter=self._pairs)
+        return StepResult(loss.detach().float().reshape(()), loss_is_global=True)
+
+    def grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else None
+
+    def eval_loss(self, batches: list[Batch]) -> float:
+        if not batches:
+            return float("nan")
+        pairs = [as_pipeline_batch(b) for b in batches]
+        return float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
+
+    def export(self, final: Path, tokenizer: Any) -> None:
+        export_pipeline(self.ds, self.config, tokenizer, self.names, final)
+
+    def finish(self) -> None:
+        collectives.destroy()
+
+
+def _rope_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 RoPE frequency buffers, taken before DeepSpeed casts the module to bf16/fp16."""
+    return {
+        name: buffer.detach().clone()
+        for name, buffer in module.named_buffers()
+        if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq")
+    }
+
+
+def _restore_rope_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    # DeepSpeed casts buffers along with weights; RoPE frequencies must stay fp32 (transformers
+    # computes cos/sin from them in fp32), or positions far into the sequence lose precision.
+    for name, value in saved.items():
+        owner, _, leaf = name.rpartition(".")
+        target = module.get_submodule(owner)
+        setattr(target, leaf, value.to(getattr(target, leaf).device))
+
+
+def _clip_fp32_across_stages(engine: Any) -> None:
+    """ZeRO-0 in fp32: clip on the norm over every stage, and keep that norm for the metrics.
+
+    DeepSpeed 0.19 clips these gradients with `clip_grad_norm_(mpu=grid)`, which keeps only
+    the parameters of model-parallel rank 0, i.e. of the first stage, and then averages the
+    norm over the whole world: the clip factor is wrong as soon as clipping is active (losses
+    drifted ~1e-3 from a single process in 3 steps). Gradients are already summed over
+    data-parallel ranks and tied copies here, so one all-reduce over the pipeline suffices.
+    """
+    if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return
+    pipe = Collectives(engine.grid.get_pipe_parallel_group())
+
+    def clip() -> None:
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        # A tied embedding's second copy (on the last stage) is marked replicated: count it once.
+        owned = [
+            p.grad
+            for p in engine.module.parameters()
+            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+        ]
+        squares = torch.zeros((), device=grads[0].device, dtype=torch.float32)
+        for grad in owned:
+            squares += grad.detach().float().pow(2).sum()
+        norm = pipe.sum(squares).sqrt()
+        coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)  # as torch/DeepSpeed clip
+        for grad in grads:
+            grad.detach().mul_(coef.to(grad.dtype))
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip
