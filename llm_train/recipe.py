@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -480,6 +481,25 @@ def find_recipe(name_or_path: str) -> Path:
     )
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as users write numbers: `1e-5` is a float (PyYAML follows YAML 1.1, where it is a string).
+
+    Typed fields coerce strings anyway, but `model.config` passes values straight to
+    transformers, whose configs refuse a string epsilon.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'optim.lr=3e-4' -> (['optim', 'lr'], 3e-4). Values are parsed as YAML (numbers, lists, null)."""
     if "=" not in text:
@@ -489,7 +509,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not parts:
         raise UserError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -584,7 +604,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
     """Load, override and validate a recipe; every problem is a one-line UserError."""
     path = find_recipe(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             if world_size
             else _resolve_declared(args)
         )
+        if args.flops_profiler and run.plan.pp > 1:
+            raise UserError(
+                f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.plan.pp} (DeepSpeed "
+                "profiles the engine's forward, which the pipeline schedule bypasses); use --profile A-B"
+            )
         if args.dry_run:
             print_dry_run(run)
             return 0
@@ -127,11 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             check_output_dir(run.recipe.output_dir, args.overwrite)
         check_attention_kernel(run.recipe.memory)
-        if args.flops_profiler and run.plan.pp > 1:
-            raise UserError(
-                f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.plan.pp} (DeepSpeed "
-                "profiles the engine's forward, which the pipeline schedule bypasses); use --profile A-B"
-            )
         if not args.skip_ram_check:
             check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
         check_nvme_path(run, spawn.nproc_per_node if spawn is not None else None)

@@ -96,3 +96,15 @@ def test_relative_paths_in_a_recipe_are_relative_to_its_file() -> None:
     recipe = load_recipe("tiny-cpu")
     assert Path(recipe.data.train[0]).is_file()
     assert Path(recipe.model.tokenizer or "").is_dir()
+
+
+def test_scientific_numbers_are_floats_in_recipes_and_overrides(tmp_path) -> None:
+    """PyYAML reads `1e-5` as a string (YAML 1.1); model.config hands values to transformers unchanged."""
+    from llm_train.recipe import load_recipe, parse_override
+
+    assert parse_override("model.config.rms_norm_eps=1e-5") == (["model", "config", "rms_norm_eps"], 1e-5)
+    assert (
+        parse_override("optim.lr=2E-4")[1] == 2e-4 and parse_override("tracking.run_name=1e5x")[1] == "1e5x"
+    )
+    recipe = load_recipe("tiny-cpu", ["model.config.rms_norm_eps=1e-6"])
+    assert recipe.model.config["rms_norm_eps"] == 1e-6

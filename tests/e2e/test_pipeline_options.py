@@ -1,0 +1,214 @@
+"""Every recipe option under pipeline parallelism (pp=2): it works in a real run, or it is refused.
+
+The pipeline engine shares the session and the step loop with the ZeRO engine
+(llm_train/runtime/); what it cannot do must be refused when the run is resolved, in one
+line, never ignored. OPTIONS classifies every leaf key of the recipe schema, and a test
+fails when a new key is not classified. The "works" options are set together in two real
+2-process runs (two, because some of them exclude each other); the refused ones are checked
+through the dry run, which resolves exactly as a launch does.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from llm_train import train
+from llm_train.recipe import Recipe
+from tests.helpers import accelerate_launch, assert_ok, read_metrics
+
+pytestmark = pytest.mark.e2e
+
+RUN_A, RUN_B = "a", "b"
+
+# key -> (RUN_A | RUN_B, override) for options exercised in a run; ("refused", override, message).
+OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
+    "name": (RUN_A, "name=tiny-pp-options"),
+    "description": (RUN_A, "description=options walk"),
+    "hardware.device": (RUN_A, "hardware.device=cpu"),
+    "hardware.nodes": (RUN_A, "hardware.nodes=1"),
+    "hardware.processes_per_node": (RUN_A, "hardware.processes_per_node=2"),
+    "hardware.gpu_name": (RUN_A, "hardware.gpu_name=RTX 4090"),
+    "hardware.gpu_mem_gib": (RUN_A, "hardware.gpu_mem_gib=24"),
+    "hardware.host_ram_gib": (RUN_A, "hardware.host_ram_gib=4"),
+    "model.name_or_path": (RUN_B, "model.name_or_path={pretrained}"),
+    "model.init": (RUN_B, "model.init=pretrained"),
+    "model.config": (RUN_A, "model.config.rms_norm_eps=1e-5"),
+    "model.tokenizer": (RUN_A, "model.tokenizer={tokenizer}"),
+    "model.revision": (RUN_B, "model.revision=main"),  # a local directory has no revisions: ignored by HF
+    "model.trust_remote_code": (RUN_A, "model.trust_remote_code=false"),
+    "data.train": (RUN_A, "data.train=[{corpus}]"),
+    "data.eval": (RUN_B, "data.eval=[{corpus}]"),
+    "data.eval_fraction": (RUN_A, "data.eval_fraction=0.1"),
+    "data.text_field": (RUN_A, "data.text_field=text"),
+    "data.seq_len": (RUN_A, "data.seq_len=64"),
+    "data.packing": (RUN_A, "data.packing=padded"),
+    "data.chat_template": (RUN_A, "data.chat_template=unused by text sources"),
+    "data.cache_dir": (RUN_A, "data.cache_dir={cache}"),
+    "data.num_proc": (RUN_A, "data.num_proc=1"),
+    "data.loader_workers": (RUN_A, "data.loader_workers=1"),
+    "optim.lr": (RUN_A, "optim.lr=1e-3"),
+    "optim.weight_decay": (RUN_A, "optim.weight_decay=0.1"),
+    "optim.betas": (RUN_A, "optim.betas=[0.8,0.9]"),
+    "optim.eps": (RUN_A, "optim.eps=1e-6"),
+    "optim.schedule": (RUN_A, "optim.schedule=linear"),
+    "optim.warmup_steps": (RUN_A, "optim.warmup_steps=1"),
+    "optim.min_lr_ratio": (RUN_A, "optim.min_lr_ratio=0.2"),
+    "optim.grad_clip": (RUN_A, "optim.grad_clip=0.5"),
+    "optim.micro_batch_size": (RUN_A, "optim.micro_batch_size=4"),
+    "optim.grad_accum": (RUN_B, "optim.grad_accum=2"),
+    "optim.global_batch_size": (RUN_A, "optim.global_batch_size=8"),
+    "optim.max_steps": (RUN_A, "optim.max_steps=4"),
+    "optim.epochs": (RUN_B, "optim.epochs=0.02"),
+    "optim.seed": (RUN_A, "optim.seed=7"),
+    "precision": (RUN_A, "precision=bf16"),
+    "memory.activation_checkpointing": (RUN_A, "memory.activation_checkpointing=true"),
+    "memory.attention": (RUN_A, "memory.attention=eager"),
+    "memory.liger_kernels": (
+        "refused",
+        "memory.liger_kernels=true",
+        "memory.liger_kernels=true is not supported",
+    ),
+    "memory.torch_compile": (
+        "refused",
+        "memory.torch_compile=true",
+        "memory.torch_compile=true is not supported",
+    ),
+    "lora.rank": ("refused", "lora.rank=8", "lora is not supported with deepspeed.pipeline_stages=2"),
+    "lora.alpha": ("refused", "lora.alpha=16", "lora is not supported with deepspeed.pipeline_stages=2"),
+    "lora.dropout": ("refused", "lora.dropout=0.0", "lora is not supported with deepspeed.pipeline_stages=2"),
+    "lora.target_modules": (
+        "refused",
+        "lora.target_modules=[q_proj]",
+        "lora is not supported with deepspeed.pipeline_stages=2",
+    ),
+    "lora.export": (
+        "refused",
+        "lora.export=adapter",
+        "lora is not supported with deepspeed.pipeline_stages=2",
+    ),
+    "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),
+    "deepspeed.pipeline_stages": (RUN_A, "deepspeed.pipeline_stages=2"),
+    "deepspeed.nvme_path": ("refused", "deepspeed.nvme_path=/tmp", "offloads nothing to nvme"),
+    "eval.every": (RUN_A, "eval.every=2"),
+    "eval.batches": (RUN_A, "eval.batches=2"),
+    "output.dir": (RUN_A, "output.dir={run_dir}"),
+    "output.log_every": (RUN_A, "output.log_every=1"),
+    "output.sample_prompt": (RUN_A, "output.sample_prompt=The"),
+    "checkpoint.every_steps": (RUN_A, "checkpoint.every_steps=2"),
+    "checkpoint.every_minutes": (RUN_B, "checkpoint.every_minutes=60"),
+    "checkpoint.at_end": (RUN_B, "checkpoint.at_end=false"),
+    "checkpoint.keep_last_n": (RUN_A, "checkpoint.keep_last_n=2"),
+    "checkpoint.grace_s": (RUN_A, "checkpoint.grace_s=30"),
+    "checkpoint.on_nonfinite": (
+        "refused",
+        "checkpoint.on_nonfinite=skip",
+        "checkpoint.on_nonfinite=skip is not supported",
+    ),
+    "tracking.mode": (RUN_A, "tracking.mode=offline"),
+    "tracking.project": (RUN_A, "tracking.project=pp-options"),
+    "tracking.entity": (RUN_A, "tracking.entity=nobody"),
+    "tracking.run_name": (RUN_A, "tracking.run_name=walk"),
+    "tracking.tags": (RUN_A, "tracking.tags=[pp]"),
+    "tracking.group": (RUN_A, "tracking.group=walk"),
+    "tracking.tensorboard": (RUN_A, "tracking.tensorboard=true"),
+}
+# Refused values that are option values rather than keys (the key itself works in a run above).
+REFUSED_VALUES = [
+    ("deepspeed.config=zero2", "needs ZeRO stage 0 or 1"),
+    ("memory.attention=flash_attention_2", "flash_attention_2 needs a CUDA GPU"),
+    ("precision=fp16", "precision=fp16 is not supported on CPU"),
+]
+
+
+def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        sections = [a for a in (typing.get_args(field.annotation) or (field.annotation,)) if _is_model(a)]
+        if sections and name != "config":
+            keys += _leaf_keys(sections[0], f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _is_model(annotation: object) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def test_every_recipe_option_is_classified_for_pipelines() -> None:
+    assert sorted(OPTIONS) == sorted(_leaf_keys(Recipe))
+
+
+def _dry_run(overrides: list[str], capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
+    code = train.main(["--recipe", "tiny-cpu-pp2", "--dry-run", "--world-size", "2", *flags, *overrides])
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [(o[1], o[2]) for o in OPTIONS.values() if o[0] == "refused"] + REFUSED_VALUES,
+)
+def test_what_the_pipeline_engine_cannot_do_is_refused_in_one_line(
+    override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _dry_run([override], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert message in err
+
+
+def test_the_flops_profiler_flag_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _dry_run([], capsys, "--flops-profiler")
+    assert code == 2 and "--flops-profiler is not supported with deepspeed.pipeline_stages=2" in err
+
+
+def _overrides(run: str, values: dict[str, str]) -> list[str]:
+    return [o[1].format(**values) for o in OPTIONS.values() if o[0] == run]
+
+
+def test_every_other_option_works_in_a_real_two_stage_run(pretrained: Path, tmp_path: Path) -> None:
+    from llm_train import ASSETS_DIR
+
+    values = {
+        "pretrained": str(pretrained),
+        "tokenizer": str(ASSETS_DIR / "tiny" / "tokenizer"),
+        "corpus": str(ASSETS_DIR / "tiny" / "corpus.txt"),
+        "cache": str(tmp_path / "cache"),
+        "run_dir": str(tmp_path / "a"),
+    }
+    common = ["--recipe", "tiny-cpu-pp2"]
+    a = common + _overrides(RUN_A, values) + ["--profile", "2-3"]
+    assert_ok(accelerate_launch(a))
+    run_a = tmp_path / "a"
+    rows = read_metrics(run_a)
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3, 4]
+    # The same metrics and eval lines as the ZeRO engine's (one loop writes both).
+    assert {"lr", "grad_norm", "tokens_per_s", "skipped_microbatches", "overflow_skipped_steps"} <= set(
+        trained[-1]
+    )
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+    assert (run_a / "startup.json").is_file()
+    assert any((run_a / "profile").iterdir())  # --profile traced steps 2-3
+    assert (run_a / "tensorboard").is_dir() and (run_a / "wandb").is_dir()
+    assert sorted(p.name for p in (run_a / "checkpoints").glob("step-*")) == [
+        "step-00000002",
+        "step-00000004",
+    ]
+    config = json.loads((run_a / "final" / "config.json").read_text())
+    assert config["rms_norm_eps"] == 1e-5 and config["dtype"] == "bfloat16"
+
+    values["run_dir"] = str(tmp_path / "b")
+    b = common + _overrides(RUN_B, values) + ["--output-dir", str(tmp_path / "b"), "optim.max_steps=null"]
+    assert_ok(accelerate_launch(b))
+    run_b = tmp_path / "b"
+    steps = [r["step"] for r in read_metrics(run_b) if "loss" in r]
+    assert steps and steps == list(range(1, len(steps) + 1))  # optim.epochs decided the length
+    assert not (run_b / "checkpoints").exists() or not any(
+        (run_b / "checkpoints").glob("step-*")
+    )  # at_end=false
+    assert (run_b / "final" / "config.json").is_file()
