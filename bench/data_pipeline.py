@@ -135,8 +135,8 @@ def pipeline(
     path: Path, tokenizer, seq_len: int, cache: Path, num_proc: int | None
 ) -> tuple[int, float, float, float]:
     """(tokens, cold seconds, warm seconds, packing efficiency, stream digest) of prepare_data."""
+    from llm_train.config.recipe import DataSection
     from llm_train.data import prepare_data
-    from llm_train.recipe import DataSection
 
     shutil.rmtree(cache, ignore_errors=True)
     data = DataSection.model_validate(

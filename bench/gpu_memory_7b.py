@@ -84,7 +84,7 @@ def overrides_for(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from llm_train import launcher
+    from llm_train.runtime import launcher
 
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
@@ -93,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     import psutil
     import torch
 
-    from llm_train.memory import estimate_memory
-    from llm_train.plan import Device
-    from llm_train.planner import check_host_ram, memory_inputs, needs
-    from llm_train.recipe import load_recipe
-    from llm_train.resolve import resolve_run
-    from llm_train.shapes import shape_from_config
+    from llm_train.config.hardware import Device
+    from llm_train.config.recipe import load_recipe
+    from llm_train.config.resolution import resolve_run
+    from llm_train.planning.fit import memory_inputs, needs
+    from llm_train.planning.guards import check_host_ram
+    from llm_train.planning.memory import estimate_memory
+    from llm_train.planning.shapes import shape_from_config
 
     cuda = torch.cuda.is_available() and not args.tiny
     cap_gib = None

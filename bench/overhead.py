@@ -40,8 +40,8 @@ def run(cmd: list[str]) -> None:
 
 def resolved_ds_config() -> dict:
     sys.path.insert(0, str(REPO))
-    from llm_train.plan import Device
-    from llm_train.resolve import resolve_run
+    from llm_train.config.hardware import Device
+    from llm_train.config.resolution import resolve_run
 
     return resolve_run(
         "tiny-cpu", ["checkpoint.at_end=false"], world_size=2, device=Device.detect()

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from minimal_loop import finish, packed_blocks, run_and_exit, setup  # bench/ is this script's folder
 
-from llm_train.control import RunControl
-from llm_train.metrics import StepMeter
-from llm_train.recipe import TrackingSection
-from llm_train.resolve import resolve_run
+from llm_train.config.recipe import TrackingSection
+from llm_train.config.resolution import resolve_run
+from llm_train.observability.metrics import StepMeter
+from llm_train.observability.tracking import open_trackers
+from llm_train.runtime.control import RunControl
 from llm_train.runtime.loop import LoopConfig, train_loop
 from llm_train.runtime.zero_engine import ZeroEngine
-from llm_train.tracking import open_trackers
 
 
 def main() -> None:

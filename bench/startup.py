@@ -1,6 +1,6 @@
 """Start-up of tiny-cpu: from `accelerate launch` to the end of the first optimizer step, by phase.
 
-Each run records epoch-time marks on rank 0 (llm_train/metrics.py StartupClock ->
+Each run records epoch-time marks on rank 0 (llm_train/observability/metrics.py StartupClock ->
 RUN_DIR/startup.json); this script notes the time it launched, so the split is:
 
     launcher        accelerate CLI + llm_train's parent process + spawning the workers

@@ -15,20 +15,22 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
+from llm_train.observability.console import print_recipe_table
+from llm_train.runtime.checkpoint import find_resumable
+from llm_train.runtime.export import export_checkpoint
+from llm_train.train import main as train_main
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from llm_train.console import print_recipe_table
-    from llm_train.recipe import available_recipes
 
     print_recipe_table(available_recipes())
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from llm_train.recipe import load_recipe
-    from llm_train.resolve import resolve_run
 
     recipe = load_recipe(args.recipe, args.overrides)
     run = resolve_run(args.recipe, args.overrides, world_size=args.world_size or recipe.hardware.world_size)
@@ -40,12 +42,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from llm_train.export import export_checkpoint
-
     ckpt = Path(args.checkpoint)
     if (ckpt / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
-        from llm_train.checkpoint import find_resumable
-
         found = find_resumable(ckpt / "checkpoints", lambda m: print(m, file=sys.stderr))
         if found is None:
             raise UserError(f"{ckpt}: no complete checkpoint under {ckpt / 'checkpoints'}")
@@ -63,13 +61,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    from llm_train.train import main as train_main
 
     return train_main(rest)
 
 
 def cmd_dry_run(args: argparse.Namespace, rest: list[str]) -> int:
-    from llm_train.train import main as train_main
 
     return train_main(["--recipe", args.recipe, "--dry-run", *rest])
 
@@ -119,7 +115,12 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []
 def _load_extensions() -> None:
     import importlib
 
-    for module in ("llm_train.planner", "llm_train.doctor", "llm_train.report", "llm_train.data.cli"):
+    for module in (
+        "llm_train.commands.plan",
+        "llm_train.commands.doctor",
+        "llm_train.observability.report",
+        "llm_train.commands.data",
+    ):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError:

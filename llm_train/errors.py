@@ -19,3 +19,7 @@ class UserError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+class ExportError(UserError):
+    """An exported model directory failed its check (missing, empty or mis-shaped tensors)."""

@@ -15,10 +15,16 @@ if __package__ in (None, ""):
     # Run as a script: import the package, not this folder's modules as top-level names.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from llm_train import launcher
+from llm_train.config.hardware import Device
+from llm_train.config.recipe import load_recipe
+from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.errors import UserError
-from llm_train.fast import check_attention_kernel, set_cuda_alloc_conf
-from llm_train.resolve import Resolved, check_nvme_path, resolve_run
+from llm_train.observability.console import add_train_args
+from llm_train.planning.guards import check_host_ram, check_nvme_path, memory_rows
+from llm_train.runtime import launcher
+from llm_train.runtime.fast import check_attention_kernel, set_cuda_alloc_conf
+from llm_train.runtime.rundir import check_output_dir
+from llm_train.runtime.session import RunOptions, run_training
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +53,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--world-size", type=int, help="With --dry-run: plan for this many processes.")
     parser.add_argument("--verbose", action="store_true", help="Keep DeepSpeed / torch / transformers logs.")
-    from llm_train.console import add_train_args
 
     add_train_args(parser)  # --peak-tflops, --profile A-B, --flops-profiler
     parser.add_argument(
@@ -66,7 +71,6 @@ def say(message: str) -> None:
 
 
 def print_dry_run(run: Resolved) -> None:
-    from llm_train.resolve import memory_rows
 
     print(f"# recipe {run.recipe.name} (resolved)\n{run.recipe_yaml()}")
     print(f"# DeepSpeed config {run.ds_path} (effective)\n{run.ds_json()}\n")
@@ -91,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spawn = None
         if args.dry_run:
-            from llm_train.plan import Device
-
             world_size = args.world_size
             device = None
         else:
@@ -102,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
             spawn = launcher.world_from_accelerate_parent()
             world_size = launcher.world_from_env() or (spawn.world_size if spawn else 1)
-            from llm_train.plan import Device
 
             device = Device.detect()
         run = (
@@ -126,8 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print_dry_run(run)
             return 0
-        from llm_train.planner import check_host_ram
-        from llm_train.rundir import check_output_dir
 
         if not args.resume:
             check_output_dir(run.recipe.output_dir, args.overwrite)
@@ -138,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
-        from llm_train.runtime.session import RunOptions, run_training
 
         options = RunOptions(
             recipe=args.recipe,
@@ -161,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resolve_declared(args: argparse.Namespace) -> Resolved:
     """Dry run without --world-size: the hardware the recipe declares."""
-    from llm_train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     return resolve_run(

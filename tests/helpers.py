@@ -79,7 +79,7 @@ def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from llm_train.recipe import load_recipe
+    from llm_train.config.recipe import load_recipe
 
     recipe = load_recipe("tiny-cpu")
     fields = dict(recipe.model.config)

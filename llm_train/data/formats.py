@@ -14,10 +14,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from llm_train.config.recipe import ChatSource, InstructionSource, Source, TextSource, TokenizedSource
 from llm_train.data.rows import as_row, mask_row, width
 from llm_train.data.tokenize_memo import TokenizeMemo
 from llm_train.errors import UserError
-from llm_train.recipe import ChatSource, InstructionSource, Source, TextSource, TokenizedSource
 
 Batch = dict[str, list[Any]]
 TokenizeFn = Callable[[Batch, list[int]], Batch]

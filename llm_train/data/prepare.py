@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from llm_train.config.recipe import ChatSource, DataSection, Source
 from llm_train.data import formats
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
@@ -34,7 +35,6 @@ from llm_train.data.packing import (
 from llm_train.data.sources import load_rows, locate
 from llm_train.data.store import TokenStore, auto_num_proc, build_store
 from llm_train.errors import UserError
-from llm_train.recipe import ChatSource, DataSection, Source
 
 Say = Callable[[str], None]
 

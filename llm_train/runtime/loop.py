@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from llm_train.collectives import WORLD
-from llm_train.console import progress_line
-from llm_train.control import RunControl
-from llm_train.metrics import StepMeter
-from llm_train.profiling import NullProfiler, StepProfiler
+from llm_train.observability.console import progress_line
+from llm_train.observability.metrics import StepMeter
+from llm_train.observability.profiling import NullProfiler, StepProfiler
+from llm_train.observability.tracking import Trackers
+from llm_train.runtime.collectives import WORLD
+from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Batch, Engine, NonFiniteLoss
-from llm_train.tracking import Trackers
 
 
 @dataclass(frozen=True)

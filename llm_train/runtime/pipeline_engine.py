@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llm_train import collectives
-from llm_train.collectives import Collectives
-from llm_train.metrics import shape_flops_per_token
-from llm_train.optim import build_optimizer, build_scheduler
-from llm_train.resolve import Resolved
+from llm_train.config.resolution import Resolved
+from llm_train.observability.metrics import shape_flops_per_token
+from llm_train.planning.shapes import shape_from_config
+from llm_train.runtime import collectives
+from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.engine import Batch, StepResult
+from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
     LayerMap,
     build_pipeline_module,
@@ -32,7 +33,6 @@ from llm_train.runtime.pipeline_model import (
     hf_config,
     load_stage_weights,
 )
-from llm_train.shapes import shape_from_config
 
 Pair = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -11,7 +11,7 @@ list of pipeline layers that pass plain tensors:
 DeepSpeed partitions the list over stages by parameter count, runs micro-batches
 (= gradient accumulation steps) through a 1F1B schedule in `engine.train_batch`, and
 recomputes activations every `activation_checkpoint_interval` layers when the recipe asks.
-Only ZeRO-0/1 are allowed (DeepSpeed refuses ZeRO-2/3 with pipelines); parallel.py checks that
+Only ZeRO-0/1 are allowed (DeepSpeed refuses ZeRO-2/3 with pipelines); config/parallel.py checks that
 before anything loads. Each stage builds and loads only its own layers from the HF
 safetensors, and the export writes one safetensors shard per stage plus the HF index, so
 no rank ever holds the whole model (except `init: random`, see `_full_random_state`).
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llm_train import collectives
+from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.model import model_config
-from llm_train.resolve import Resolved
+from llm_train.runtime import collectives
+from llm_train.runtime.model import model_config
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}

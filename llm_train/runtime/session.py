@@ -17,30 +17,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llm_train import collectives, launcher
-from llm_train.checkpoint import Checkpointer
-from llm_train.console import quiet, startup_summary
-from llm_train.control import RunControl
+from llm_train.config.hardware import Device
+from llm_train.config.resolution import Resolved, resolve_run, steps_for_epochs
 from llm_train.data import BatchStream, eval_batches, load_blocks
 from llm_train.errors import EXIT_PREEMPTED
-from llm_train.export import sample_text, verify_export
-from llm_train.lora import is_adapter_export, verify_adapter_export
-from llm_train.metrics import StartupClock, StepMeter
-from llm_train.model import load_tokenizer
-from llm_train.plan import Device
-from llm_train.profiling import enable_flops_profiler, make_profiler
-from llm_train.resolve import Resolved, resolve_run, steps_for_epochs
-from llm_train.run_state import (
+from llm_train.observability.console import quiet, startup_summary
+from llm_train.observability.metrics import StartupClock, StepMeter
+from llm_train.observability.profiling import enable_flops_profiler, make_profiler
+from llm_train.observability.tracking import open_trackers
+from llm_train.runtime import collectives, launcher
+from llm_train.runtime.checkpoint import Checkpointer
+from llm_train.runtime.control import RunControl
+from llm_train.runtime.engine import Engine
+from llm_train.runtime.export import sample_text, verify_export
+from llm_train.runtime.loop import LoopConfig, train_loop
+from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
+from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.run_state import (
     check_compatible,
     choose_checkpoint,
     make_saver,
     restore_run_state,
     truncate_metrics,
 )
-from llm_train.rundir import check_output_dir, create_run_dir
-from llm_train.runtime.engine import Engine
-from llm_train.runtime.loop import LoopConfig, train_loop
-from llm_train.tracking import open_trackers
+from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 
 @dataclass(frozen=True)

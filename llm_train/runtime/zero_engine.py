@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from llm_train.collectives import WORLD, Collectives
+from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.export import save_hf_model
-from llm_train.fast import apply_liger, compile_engine
-from llm_train.lora import export_view
-from llm_train.metrics import model_flops_per_token
-from llm_train.model import build_model
-from llm_train.optim import build_optimizer, build_scheduler
-from llm_train.resolve import Resolved
+from llm_train.observability.metrics import model_flops_per_token
+from llm_train.runtime.collectives import WORLD, Collectives, destroy
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
+from llm_train.runtime.export import save_hf_model
+from llm_train.runtime.fast import apply_liger, compile_engine
+from llm_train.runtime.lora import export_view
+from llm_train.runtime.model import build_model
+from llm_train.runtime.optim import build_optimizer, build_scheduler
 
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
@@ -206,7 +206,6 @@ class ZeroEngine:
     def finish(self) -> None:
         if self.accelerator is not None:
             self.accelerator.end_training()
-        from llm_train.collectives import destroy
 
         destroy()
         # Checked the way a user loads it afterwards: plain transformers, no ZeRO-3 context (which

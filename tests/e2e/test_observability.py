@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.report import make_report
+from llm_train.observability.report import make_report
 from tests.helpers import accelerate_launch, assert_ok, read_metrics
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ of Llama, Mistral and Qwen2 is tested without DeepSpeed in tests/unit/test_paral
     pp2         2 processes, 2 stages  micro 8 x accum 2 x dp 1     (ZeRO-1, checkpoint at step 3)
     pp2_resumed pp2 resumed from its step-3 checkpoint
     pp2_dp2     4 processes, 2 stages  micro 8 x accum 1 x dp 2     (ZeRO-0: llm_train's own clipping
-                                                                  across stages, see pipeline.py)
+                                                                  across stages, see runtime/pipeline_engine.py)
 
 fp32 on CPU: splitting matrices (TP) or layers (PP) changes where numbers are computed, not
 what they are, so the per-step losses agree within 1e-4 (measured: ~1e-6).
@@ -40,7 +40,7 @@ def make_tiny_qwen2(path: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from llm_train.recipe import load_recipe
+    from llm_train.config.recipe import load_recipe
 
     config = AutoConfig.for_model(
         "qwen2",
@@ -79,7 +79,7 @@ def _args(recipe: str, run_dir: Path, pretrained: Path, accum: int, *extra: str)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from llm_train.checkpoint import step_name
+    from llm_train.runtime.checkpoint import step_name
 
     base = tmp_path_factory.mktemp("parallel")
     pretrained = make_tiny_qwen2(base / "pretrained")
@@ -164,9 +164,9 @@ def _eval_loss_of_export(final: Path, recipe: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from llm_train.config.recipe import load_recipe
     from llm_train.data import eval_batches, load_blocks
-    from llm_train.model import load_tokenizer
-    from llm_train.recipe import load_recipe
+    from llm_train.runtime.model import load_tokenizer
 
     r = load_recipe(recipe, ["eval.batches=2"])
     _, eval_split = load_blocks(r.data, load_tokenizer(r.model), r.optim.seed)
@@ -202,8 +202,8 @@ def test_llm_train_export_reads_a_pipeline_checkpoint(runs: dict[str, Path], tmp
     import torch
     from safetensors.torch import load_file
 
-    from llm_train.checkpoint import step_name
-    from llm_train.export import export_checkpoint
+    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.export import export_checkpoint
 
     report = export_checkpoint(runs["pp2"] / "checkpoints" / step_name(STEPS), tmp_path / "out", "fp32")
     expected = json.loads((runs["pp2"] / "final" / "export_check.json").read_text())["tensors"]

@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from llm_train import train
-from llm_train.recipe import Recipe
+from llm_train.config.recipe import Recipe
 from tests.helpers import accelerate_launch, assert_ok, read_metrics
 
 pytestmark = pytest.mark.e2e

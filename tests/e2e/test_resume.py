@@ -109,7 +109,7 @@ def test_grace_budget_cuts_the_stop_short_and_latest_stays_complete(pretrained: 
     checkpoint, and `latest` still names the previous complete one."""
     import psutil
 
-    from llm_train.checkpoint import verify
+    from llm_train.runtime.checkpoint import verify
 
     run_dir = tmp_path / "grace"
     long_run = ["--max-steps=40", "checkpoint.every_steps=2", "checkpoint.grace_s=0.001"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.checkpoint import (
+from llm_train.runtime.checkpoint import (
     LATEST,
     Checkpointer,
     CheckpointIOError,
@@ -20,7 +20,7 @@ from llm_train.checkpoint import (
     find_resumable,
     verify,
 )
-from llm_train.collectives import Collectives
+from llm_train.runtime.collectives import Collectives
 
 FILES = [
     "state/ds/model_states.pt",
@@ -121,9 +121,9 @@ CRASHER = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, {repo!r})
     from tests.unit.test_checkpoint import _save
-    from llm_train.checkpoint import Checkpointer
-    from llm_train.collectives import Collectives
-    import llm_train.checkpoint as module
+    from llm_train.runtime.checkpoint import Checkpointer
+    from llm_train.runtime.collectives import Collectives
+    import llm_train.runtime.checkpoint as module
 
     crash_at = int(sys.argv[1])
     calls = 0

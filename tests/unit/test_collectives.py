@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llm_train import collectives
-from llm_train.collectives import Collectives, device_for_backend
+from llm_train.runtime import collectives
+from llm_train.runtime.collectives import Collectives, device_for_backend
 from tests.helpers import free_port
 
 PACKAGE = Path(collectives.__file__).resolve().parent
@@ -179,7 +179,7 @@ def _offences(path: Path) -> list[str]:
 def test_no_other_module_talks_to_torch_distributed_directly() -> None:
     home = Path(collectives.__file__).resolve()
     offences = [o for f in sorted(PACKAGE.rglob("*.py")) if f.resolve() != home for o in _offences(f)]
-    assert offences == [], "use llm_train.collectives instead:\n" + "\n".join(offences)
+    assert offences == [], "use llm_train.runtime.collectives instead:\n" + "\n".join(offences)
 
 
 def test_the_rule_catches_each_way_of_reaching_torch_distributed(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from llm_train.config.recipe import load_recipe
 from llm_train.data import prepare_data
 from llm_train.errors import UserError
-from llm_train.recipe import load_recipe
 from tests.unit.test_data_fixtures import data_section, fresh_tokenizer, get_tokenizer, write_jsonl
 
 

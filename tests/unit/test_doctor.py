@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from llm_train import cli, doctor
+from llm_train import cli
+from llm_train.commands import doctor
 
 
 def test_doctor_prints_its_sections(capsys: pytest.CaptureFixture[str]) -> None:

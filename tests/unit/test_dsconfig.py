@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from llm_train import DS_CONFIGS_DIR
-from llm_train.dsconfig import RecipeValues, load_ds_config, offload_device, resolve
+from llm_train.config.ds_json import RecipeValues, load_ds_config, offload_device, resolve
+from llm_train.config.hardware import Device
+from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.plan import Device
-from llm_train.resolve import resolve_run
 
 VALUES = RecipeValues(
     micro_batch_size=4,

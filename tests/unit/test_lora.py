@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.errors import UserError
-from llm_train.lora import apply_lora, export_view, merged_state_dict, verify_adapter_export
-from llm_train.recipe import LoraSection, load_recipe
-from llm_train.shapes import shape_from_config
+from llm_train.planning.shapes import shape_from_config
+from llm_train.runtime.lora import apply_lora, export_view, merged_state_dict, verify_adapter_export
 
 pytest.importorskip("peft")
 
@@ -120,7 +120,7 @@ def test_tiny_lora_trains_with_two_processes(tmp_path: Path, extra: list[str], m
 
         model = AutoModelForCausalLM.from_pretrained(final)
         assert not any("lora" in n for n, _ in model.named_parameters())
-        from llm_train.model import build_model
+        from llm_train.runtime.model import build_model
 
         recipe = load_recipe("tiny-cpu-lora")  # the run's base weights: same seed, same init
         start = build_model(recipe.model, recipe.memory, "fp32", recipe.optim.seed)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llm_train.errors import UserError
-from llm_train.memory import (
+from llm_train.planning.memory import (
     CUDA_CONTEXT_BYTES,
     GiB,
     MemoryEstimate,
@@ -25,7 +25,7 @@ from llm_train.memory import (
     logits_bytes,
     zero_paper_model_states,
 )
-from llm_train.shapes import ModelShape, resolve_shape
+from llm_train.planning.shapes import ModelShape, resolve_shape
 
 LLAMA2_7B = resolve_shape("meta-llama/Llama-2-7b-hf")  # h=4096, a=32, L=32, V=32000
 GRID_PARAMS = [int(1e8), int(1.3e9), int(7e9), int(7e10)]
@@ -338,7 +338,7 @@ def test_tiny_shape_is_positive_everywhere() -> None:
 
 
 def test_modules_do_not_import_torch_or_deepspeed() -> None:
-    code = "import sys, llm_train.memory, llm_train.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
+    code = "import sys, llm_train.planning.memory, llm_train.planning.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
     repo_root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo_root

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.memory import GiB, estimate_memory
-from llm_train.plan import Device
-from llm_train.planner import memory_inputs, needs
-from llm_train.resolve import resolve_run
-from llm_train.shapes import shape_from_config
+from llm_train.config.hardware import Device
+from llm_train.config.resolution import resolve_run
+from llm_train.planning.fit import memory_inputs, needs
+from llm_train.planning.memory import GiB, estimate_memory
+from llm_train.planning.shapes import shape_from_config
 from tests.helpers import accelerate_cmd, run_cmd
 
 # Runs a command and reports the peak RSS of its largest descendant (Linux: KiB), so the

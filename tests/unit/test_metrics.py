@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_train.console import duration, progress_line
-from llm_train.metrics import (
+from llm_train.observability.console import duration, progress_line
+from llm_train.observability.metrics import (
     StartupClock,
     StepMeter,
     flops_per_token,
@@ -19,7 +19,7 @@ from llm_train.metrics import (
     resolve_peak_tflops,
     shape_flops_per_token,
 )
-from llm_train.shapes import shape_from_config
+from llm_train.planning.shapes import shape_from_config
 
 
 def _tiny_llama(tie: bool = False):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
-from llm_train.fast import apply_liger, compile_engine, set_cuda_alloc_conf
-from llm_train.recipe import MemorySection
+from llm_train.runtime.fast import apply_liger, compile_engine, set_cuda_alloc_conf
 
 
 def test_switches_default_off() -> None:
@@ -55,8 +55,8 @@ def test_alloc_conf_is_set_before_anything_initialises_cuda(monkeypatch: pytest.
     import torch
 
     from llm_train import train
+    from llm_train.config.hardware import Device
     from llm_train.errors import UserError
-    from llm_train.plan import Device
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
@@ -81,7 +81,7 @@ def test_flash_attention_2_is_refused_in_one_line_when_flash_attn_does_not_impor
     import types
 
     from llm_train.errors import UserError
-    from llm_train.fast import check_attention_kernel
+    from llm_train.runtime.fast import check_attention_kernel
 
     check_attention_kernel(MemorySection(attention="sdpa"))  # nothing to check
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # an import of it raises ImportError

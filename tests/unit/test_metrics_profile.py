@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from llm_train.errors import UserError
-from llm_train.profiling import NullProfiler, StepProfiler, flops_profiler_config, make_profiler, parse_range
+from llm_train.observability.profiling import (
+    NullProfiler,
+    StepProfiler,
+    flops_profiler_config,
+    make_profiler,
+    parse_range,
+)
 
 
 def test_parse_range() -> None:

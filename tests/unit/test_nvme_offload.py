@@ -16,13 +16,16 @@ from typing import Any
 
 import pytest
 
-from llm_train import doctor, resolve
-from llm_train.dsconfig import load_ds_config, nvme_paths
-from llm_train.dsconfig import resolve as resolve_ds
+from llm_train.commands import doctor
+from llm_train.config import resolution
+from llm_train.config.ds_json import load_ds_config, nvme_paths
+from llm_train.config.ds_json import resolve as resolve_ds
+from llm_train.config.hardware import Device
+from llm_train.config.recipe import load_recipe
+from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.plan import Device
-from llm_train.recipe import load_recipe
-from llm_train.resolve import check_nvme_path, memory_estimate, nvme_problems, resolve_run
+from llm_train.planning import guards
+from llm_train.planning.guards import check_nvme_path, memory_estimate, nvme_problems
 from tests.unit.test_dsconfig import VALUES
 
 CPU = Device("cpu", "cpu", True)
@@ -30,14 +33,14 @@ NVME = ["deepspeed.config=zero3_offload_nvme"]
 SECTIONS = ("offload_optimizer", "offload_param")
 
 
-def _run(nvme_dir: Path | str, *extra: str) -> resolve.Resolved:
+def _run(nvme_dir: Path | str, *extra: str) -> resolution.Resolved:
     """tiny-cpu on the shipped NVMe config (two processes, one node), offloading to `nvme_dir`."""
     return resolve_run(
         "tiny-cpu", [*NVME, f"deepspeed.nvme_path={nvme_dir}", *extra], world_size=2, device=CPU
     )
 
 
-def _one_line_error(run: resolve.Resolved) -> str:
+def _one_line_error(run: resolution.Resolved) -> str:
     with pytest.raises(UserError) as info:
         check_nvme_path(run, gpus_per_node=2)
     message = str(info.value)
@@ -155,7 +158,7 @@ def test_directory_that_refuses_new_files_is_one_line(
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(resolve.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(guards.tempfile, "mkstemp", refuse)
     message = _one_line_error(_run(tmp_path))
     assert f"deepspeed.nvme_path={tmp_path}: cannot create files there (Permission denied)" in message
     assert "chown/chmod" in message
@@ -177,11 +180,11 @@ def test_too_little_free_space_names_both_sizes(tmp_path: Path, monkeypatch: pyt
     run = _run(tmp_path)
     need = memory_estimate(run, gpus_per_node=2).nvme_bytes  # the planner's figure, not a second formula
     assert need > 0
-    monkeypatch.setattr(resolve.shutil, "disk_usage", lambda p: Usage(need * 4, need * 3, need - 1))
+    monkeypatch.setattr(guards.shutil, "disk_usage", lambda p: Usage(need * 4, need * 3, need - 1))
     message = _one_line_error(run)
     assert f"deepspeed.nvme_path={tmp_path}: {(need - 1) / 2**30:.1f} GiB free" in message
     assert f"need ~{need / 2**30:.1f} GiB" in message and "larger drive" in message
-    monkeypatch.setattr(resolve.shutil, "disk_usage", lambda p: Usage(need * 4, need * 3, need))
+    monkeypatch.setattr(guards.shutil, "disk_usage", lambda p: Usage(need * 4, need * 3, need))
     check_nvme_path(run, gpus_per_node=2)  # exactly enough is enough
 
 
@@ -193,9 +196,9 @@ def test_swap_files_of_an_earlier_run_count_as_free(tmp_path: Path, monkeypatch:
     old.mkdir(parents=True)
     with open(old / "0.tensor.swp", "wb") as f:
         f.truncate(1000)  # sparse: the size is what counts
-    monkeypatch.setattr(resolve.shutil, "disk_usage", lambda p: Usage(need, need, need - 1000))
+    monkeypatch.setattr(guards.shutil, "disk_usage", lambda p: Usage(need, need, need - 1000))
     check_nvme_path(run, gpus_per_node=2)
-    monkeypatch.setattr(resolve.shutil, "disk_usage", lambda p: Usage(need, need, need - 1001))
+    monkeypatch.setattr(guards.shutil, "disk_usage", lambda p: Usage(need, need, need - 1001))
     assert "GiB free" in _one_line_error(run)
 
 
@@ -214,7 +217,7 @@ def test_dry_run_shows_a_failing_check_and_still_succeeds(
 
 
 def test_run_directory_records_the_real_path_and_no_auto(tmp_path: Path) -> None:
-    from llm_train.rundir import create_run_dir
+    from llm_train.runtime.rundir import create_run_dir
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from llm_train.optim import build_optimizer
-from llm_train.recipe import OptimSection
+from llm_train.config.recipe import OptimSection
+from llm_train.runtime.optim import build_optimizer
 
 
 def _model() -> torch.nn.Module:

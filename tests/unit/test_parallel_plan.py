@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from llm_train.config.hardware import Device
+from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.plan import Device
-from llm_train.resolve import resolve_run
 
 CPU = Device(kind="cpu", name="cpu", bf16=True)
 H100 = Device(kind="cuda", name="H100", bf16=True, compute_capability=(9, 0))
@@ -144,7 +144,7 @@ def test_entry_point_reports_one_line_and_exit_2() -> None:
 
 
 def test_export_refuses_a_tensor_parallel_checkpoint_in_one_line(tmp_path: Path) -> None:
-    from llm_train.parallel import refuse_tensor_parallel_checkpoint
+    from llm_train.config.parallel import refuse_tensor_parallel_checkpoint
 
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         (tmp_path / name).touch()

@@ -8,18 +8,14 @@ from pathlib import Path
 import pytest
 
 from llm_train import cli
+from llm_train.config.hardware import GPUS, Device, find_gpu, gpu_spec, peak_tflops, resolve_hardware
+from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.gpus import GPUS, find_gpu, gpu_spec, peak_tflops
-from llm_train.memory import GiB
-from llm_train.plan import Device
-from llm_train.planner import (
-    check_host_ram,
-    choose_auto,
-    plan_recipe,
-    resolve_hardware,
-)
-from llm_train.recipe import available_recipes, load_recipe
-from llm_train.resolve import resolve_run
+from llm_train.planning.auto import choose_auto
+from llm_train.planning.guards import check_host_ram
+from llm_train.planning.memory import GiB
+from llm_train.planning.report import plan_recipe
 
 # --- the GPU table --------------------------------------------------------------------------------
 
@@ -215,7 +211,7 @@ def test_lora_rank_reaches_the_estimate() -> None:
     )
     assert "LoRA r=16" in lora.config_line
     # The dry run's memory rows (resolve.memory_rows) see the rank too.
-    from llm_train.resolve import memory_rows
+    from llm_train.planning.guards import memory_rows
 
     run = resolve_run("8b-lora-rtx4090", [], world_size=1, device=Device("cuda", "RTX 4090", True))
     rows = dict(memory_rows(run))

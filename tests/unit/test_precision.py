@@ -9,8 +9,8 @@ import pytest
 from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
 from llm_train import DS_CONFIGS_DIR
-from llm_train.plan import Device
-from llm_train.resolve import resolve_run
+from llm_train.config.hardware import Device
+from llm_train.config.resolution import resolve_run
 
 T4 = Device("cuda", "Tesla T4", bf16=False, compute_capability=(7, 5))
 H100 = Device("cuda", "NVIDIA H100 80GB HBM3", bf16=True, compute_capability=(9, 0))

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from llm_train import RECIPES_DIR
+from llm_train.config.recipe import available_recipes, load_recipe, parse_override
 from llm_train.errors import UserError
-from llm_train.recipe import available_recipes, load_recipe, parse_override
 
 
 def test_every_shipped_recipe_loads() -> None:
@@ -77,10 +78,7 @@ def test_unknown_recipe_lists_the_available_ones() -> None:
 
 def test_recipe_file_with_unknown_section(tmp_path: Path) -> None:
     path = tmp_path / "mine.yaml"
-    path.write_text(
-        Path(load_recipe.__code__.co_filename).parents[1].joinpath("recipes/tiny-cpu.yaml").read_text()
-        + "\nschedular: {}\n"
-    )
+    path.write_text((RECIPES_DIR / "tiny-cpu.yaml").read_text() + "\nschedular: {}\n")
     with pytest.raises(UserError, match="unknown key 'schedular'"):
         load_recipe(str(path))
 
@@ -100,7 +98,7 @@ def test_relative_paths_in_a_recipe_are_relative_to_its_file() -> None:
 
 def test_scientific_numbers_are_floats_in_recipes_and_overrides(tmp_path) -> None:
     """PyYAML reads `1e-5` as a string (YAML 1.1); model.config hands values to transformers unchanged."""
-    from llm_train.recipe import load_recipe, parse_override
+    from llm_train.config.recipe import load_recipe, parse_override
 
     assert parse_override("model.config.rms_norm_eps=1e-5") == (["model", "config", "rms_norm_eps"], 1e-5)
     assert (

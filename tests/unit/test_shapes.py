@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llm_train.errors import UserError
-from llm_train.shapes import (
+from llm_train.planning.shapes import (
     KNOWN_CONFIGS,
     ModelConfigError,
     ModelShape,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.recipe import TrackingSection
-from llm_train.tracking import (
+from llm_train.config.recipe import TrackingSection
+from llm_train.observability.tracking import (
     REDACTED,
     is_secret_key,
     open_trackers,
@@ -66,9 +66,9 @@ def test_wandb_disabled_is_never_imported(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from llm_train.recipe import TrackingSection\n"
-        "from llm_train.tracking import open_trackers\n"
-        "import llm_train.runtime.loop, llm_train.metrics, llm_train.console, llm_train.profiling\n"
+        "from llm_train.config.recipe import TrackingSection\n"
+        "from llm_train.observability.tracking import open_trackers\n"
+        "import llm_train.runtime.loop, llm_train.observability.metrics, llm_train.observability.console, llm_train.observability.profiling\n"
         f"t = open_trackers(TrackingSection(mode='disabled'), Path({str(tmp_path)!r}), {{}}, True)\n"
         "t.log({'loss': 1.0}, 1); t.close()\n"
         "assert t.run_id is None\n"

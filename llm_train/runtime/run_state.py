@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llm_train.checkpoint import (
+from llm_train.config.recipe import Recipe, recipe_to_yaml
+from llm_train.errors import UserError
+from llm_train.runtime.checkpoint import (
     Checkpointer,
     SaveMeta,
     committed,
@@ -25,9 +27,7 @@ from llm_train.checkpoint import (
     trainer_state_path,
     verify,
 )
-from llm_train.collectives import Collectives
-from llm_train.errors import UserError
-from llm_train.recipe import Recipe, recipe_to_yaml
+from llm_train.runtime.collectives import Collectives
 
 DS_TAG = "ds"
 

@@ -15,8 +15,16 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from llm_train.config import ds_json
+from llm_train.config.hardware import Device, find_gpu
+from llm_train.config.layout import make_plan
+from llm_train.config.recipe import load_recipe
+from llm_train.errors import UserError
+from llm_train.observability.profiling import parse_range
+from llm_train.planning.guards import memory_rows
+
 if TYPE_CHECKING:
-    from llm_train.resolve import Resolved
+    from llm_train.config.resolution import Resolved
 
 BAR_WIDTH = 20
 
@@ -68,8 +76,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 def _profile_range(spec: str) -> str:
     # Checked while parsing, so a typo fails in a second, not after the model has loaded.
-    from llm_train.errors import UserError
-    from llm_train.profiling import parse_range
 
     try:
         parse_range(spec)
@@ -116,7 +122,6 @@ def startup_summary(
     run: Resolved, say: Callable[[str], None], extra: list[tuple[str, str]] | None = None
 ) -> None:
     """Plan, memory estimate and where every output goes, before any weights are loaded."""
-    from llm_train.resolve import memory_rows
 
     recipe, plan = run.recipe, run.plan
     out = recipe.output_dir
@@ -146,21 +151,16 @@ RECIPE_COLUMNS = ("recipe", "model", "ZeRO/TP/PP", "GPUs", "VRAM", "host RAM", "
 
 def recipe_row(name: str) -> tuple[str, ...]:
     """One line of `llm-train recipes`: what the recipe trains, how it is split, what it needs."""
-    from llm_train import dsconfig
-    from llm_train.errors import UserError
-    from llm_train.gpus import find_gpu
-    from llm_train.plan import Device, make_plan
-    from llm_train.recipe import load_recipe
 
     recipe = load_recipe(name)
     hw = recipe.hardware
-    _, raw = dsconfig.load_ds_config(recipe.deepspeed.config)
+    _, raw = ds_json.load_ds_config(recipe.deepspeed.config)
     try:
         plan, _ = make_plan(recipe, raw, hw.world_size, Device.declared(recipe))
         stage, tp, pp = plan.zero_stage, plan.tp, plan.pp
         offload = plan.offload_optimizer != "none" or plan.offload_params != "none"
     except UserError:  # a recipe whose declared hardware does not divide; show what the JSON says
-        stage, tp, pp, offload = dsconfig.zero_stage(raw), 0, 0, False
+        stage, tp, pp, offload = ds_json.zero_stage(raw), 0, 0, False
     layout = f"{stage}{'+off' if offload else ''}/{tp or '?'}/{pp or '?'}"
     count = f"{hw.nodes} nodes x {hw.processes_per_node}" if hw.nodes > 1 else str(hw.processes_per_node)
     if hw.device == "cpu":

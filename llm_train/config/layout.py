@@ -12,39 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from llm_train import dsconfig
+from llm_train.config import ds_json
+from llm_train.config.hardware import Device
+from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
-from llm_train.recipe import Recipe
-
-
-@dataclass(frozen=True)
-class Device:
-    """What the processes will run on. Read from torch at launch, or from the recipe for dry runs."""
-
-    kind: str  # "cuda" | "cpu"
-    name: str
-    bf16: bool
-    compute_capability: tuple[int, int] | None = None
-
-    @staticmethod
-    def detect() -> Device:
-        import torch
-
-        if torch.cuda.is_available():
-            return Device(
-                kind="cuda",
-                name=torch.cuda.get_device_name(0),
-                bf16=torch.cuda.is_bf16_supported(),
-                compute_capability=torch.cuda.get_device_capability(0),
-            )
-        return Device(kind="cpu", name="cpu", bf16=True)
-
-    @staticmethod
-    def declared(recipe: Recipe) -> Device:
-        # A dry run assumes the hardware the recipe is written for; every card it names supports bf16
-        # unless the recipe says fp16, which is why it would.
-        name = recipe.hardware.gpu_name or recipe.hardware.device
-        return Device(kind=recipe.hardware.device, name=name, bf16=recipe.precision != "fp16")
 
 
 def resolve_precision(requested: str, json_precision: str | None, device: Device) -> tuple[str, str | None]:
@@ -152,8 +123,8 @@ def make_plan(
             "processes or change tensor_parallel.autotp_size / deepspeed.pipeline_stages"
         )
     dp = world_size // (tp * pp)
-    stage = dsconfig.zero_stage(ds_config)
-    precision, notice = resolve_precision(recipe.precision, dsconfig.precision_of(ds_config), device)
+    stage = ds_json.zero_stage(ds_config)
+    precision, notice = resolve_precision(recipe.precision, ds_json.precision_of(ds_config), device)
     grad_accum, global_batch = batch_arithmetic(recipe, dp)
     plan = ParallelPlan(
         world_size=world_size,
@@ -161,8 +132,8 @@ def make_plan(
         tp=tp,
         pp=pp,
         zero_stage=stage,
-        offload_optimizer=dsconfig.offload_device(ds_config, "optimizer"),
-        offload_params=dsconfig.offload_device(ds_config, "param"),
+        offload_optimizer=ds_json.offload_device(ds_config, "optimizer"),
+        offload_params=ds_json.offload_device(ds_config, "param"),
         precision=precision,
         micro_batch_size=recipe.optim.micro_batch_size,
         grad_accum=grad_accum,

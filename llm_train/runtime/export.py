@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from llm_train.errors import UserError
-
-
-class ExportError(UserError):
-    """The exported model is incomplete; the run must not report success."""
+from llm_train.config.parallel import refuse_tensor_parallel_checkpoint
+from llm_train.errors import ExportError, UserError
+from llm_train.runtime.checkpoint import read_manifest, verify
+from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
+from llm_train.runtime.run_state import DS_TAG
 
 
 def save_hf_model(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: Path) -> None:
@@ -97,22 +97,16 @@ _LOGIT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.1}
 
 def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """fp32 weights of a verified llm_train checkpoint, consolidated from any ZeRO stage (no GPU needed)."""
-    from llm_train.checkpoint import read_manifest, verify
-    from llm_train.run_state import DS_TAG
 
     reason = verify(ckpt_dir)
     if reason is not None:
         # DeepSpeed's shards are pickles: never load them from a directory that does not verify.
         raise UserError(f"checkpoint {ckpt_dir}: {reason}; not loading it")
     state_dir = ckpt_dir / "state"
-    from llm_train.runtime.pipeline_model import (
-        pipeline_checkpoint_state_dict,  # pipeline runs save one file per layer
-    )
 
     pipeline_state = pipeline_checkpoint_state_dict(state_dir / DS_TAG, ckpt_dir / "hf")
     if pipeline_state is not None:
         return pipeline_state
-    from llm_train.parallel import refuse_tensor_parallel_checkpoint
 
     refuse_tensor_parallel_checkpoint(state_dir / DS_TAG, str(ckpt_dir))
     if read_manifest(ckpt_dir)["zero_stage"] == 0:

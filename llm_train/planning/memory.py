@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass
 
 from llm_train.errors import UserError
-from llm_train.shapes import ModelShape
+from llm_train.planning.shapes import ModelShape
 
 GiB = 1024**3
 

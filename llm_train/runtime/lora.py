@@ -21,8 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llm_train.errors import UserError
-from llm_train.recipe import LoraSection
+from llm_train.config.recipe import LoraSection
+from llm_train.errors import ExportError, UserError
 
 
 def apply_lora(model: Any, lora: LoraSection) -> Any:
@@ -117,8 +117,6 @@ def is_adapter_export(model_dir: Path) -> bool:
 def verify_adapter_export(model_dir: Path) -> int:
     """Check an adapter export: config present, every LoRA A/B tensor non-empty and rank-shaped."""
     from safetensors import safe_open
-
-    from llm_train.export import ExportError
 
     config = json.loads((model_dir / "adapter_config.json").read_text())
     file = model_dir / "adapter_model.safetensors"

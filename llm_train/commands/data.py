@@ -12,6 +12,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from llm_train.config.recipe import load_recipe
+from llm_train.data.prepare import prepare_data
+from llm_train.data.stream import EpochOrder
+from llm_train.data.summary import describe_split, sample_views
+from llm_train.runtime.model import load_tokenizer
+
 
 def register_cli(subparsers: Any) -> None:
     data = subparsers.add_parser("data", help="Prepare (tokenise + pack, cached) or inspect a recipe's data.")
@@ -30,9 +36,6 @@ def _prepared(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     import os
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from llm_train.data.prepare import prepare_data
-    from llm_train.model import load_tokenizer
-    from llm_train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = load_tokenizer(recipe.model)
@@ -43,7 +46,6 @@ def _prepared(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from llm_train.data.summary import describe_split
 
     _, _, prepared = _prepared(args)
     for split in (prepared.train, prepared.eval):
@@ -53,8 +55,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from llm_train.data.stream import EpochOrder
-    from llm_train.data.summary import describe_split, sample_views
 
     recipe, tokenizer, prepared = _prepared(args)
     for split in (prepared.train, prepared.eval):

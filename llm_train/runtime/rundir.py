@@ -11,9 +11,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.resolve import Resolved
-from llm_train.tracking import redact
+from llm_train.observability.tracking import redact
 
 
 def check_output_dir(path: Path, overwrite: bool) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from llm_train.errors import EXIT_CHECKPOINT_IO, UserError
 
 if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does not need it
-    from llm_train.collectives import Collectives
+    from llm_train.runtime.collectives import Collectives
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

@@ -6,7 +6,7 @@ Accelerate) sees the config, so the config used and the one saved in the run dir
 are the same, with no "auto" left. DeepSpeed validates nested sections strictly but
 silently ignores unknown top-level keys, so those are checked here. The NVMe offload
 directory belongs to the user's machine, not to a shipped file: the JSON says "auto" and the
-recipe's deepspeed.nvme_path fills it (resolve.check_nvme_path checks the directory itself).
+recipe's deepspeed.nvme_path fills it (planning/guards.check_nvme_path checks the directory itself).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from llm_train.credentials import is_secret_key
-from llm_train.recipe import TrackingSection
+from llm_train.config.credentials import is_secret_key
+from llm_train.config.recipe import TrackingSection
+from llm_train.errors import UserError
 
 REDACTED = "<redacted>"
 
@@ -128,8 +129,6 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            from llm_train.errors import UserError
-
             raise UserError(
                 "tracking.tensorboard=true needs the tensorboard package: pip install tensorboard "
                 f"(or set tracking.tensorboard=false) [{exc}]"

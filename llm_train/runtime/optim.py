@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from llm_train.recipe import OptimSection
+from llm_train.config.recipe import OptimSection
 
 
 def lr_factor(step: int, optim: OptimSection, max_steps: int) -> float:

@@ -10,8 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llm_train.config.known_models import KNOWN_CONFIGS
+from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError
-from llm_train.recipe import LoraSection, MemorySection, ModelSection
+from llm_train.planning.shapes import to_hf_config
+from llm_train.runtime.lora import apply_lora
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -49,8 +52,6 @@ def model_config(model: ModelSection) -> Any:
                     f"model.name_or_path: cannot load config of '{model.name_or_path}' ({_first_line(exc)})"
                 ) from None
         else:
-            from llm_train.shapes import to_hf_config
-
             known = dict(to_hf_config(model.name_or_path))
             config = AutoConfig.for_model(known.pop("model_type"), **known)
         for key, value in model.config.items():
@@ -61,10 +62,6 @@ def model_config(model: ModelSection) -> Any:
 
 
 def _known_offline(name: str) -> bool:
-    try:
-        from llm_train.shapes import KNOWN_CONFIGS
-    except ImportError:
-        return False
     return name in KNOWN_CONFIGS
 
 
@@ -106,8 +103,6 @@ def build_model(
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = False
     if lora is not None:
-        from llm_train.lora import apply_lora
-
         lm = apply_lora(lm, lora)
     return lm
 

@@ -9,7 +9,7 @@ MFU follows PaLM (appendix B) and torchtitan: training FLOPs per token are
 6N + 12*L*H*Q*T, with N the parameters that take part in matmuls (the input embedding is
 a lookup, so it is left out unless the output head shares it), L layers, H heads, Q head
 dim, T sequence length. It is measured against the device's dense bf16 peak
-(llm_train.gpus) or `--peak-tflops`; without a known peak (CPU) there is no MFU.
+(llm_train.config.hardware) or `--peak-tflops`; without a known peak (CPU) there is no MFU.
 Activation recomputation is not counted: that is hardware FLOPs utilisation, not MFU.
 """
 
@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llm_train.config.hardware import peak_tflops
+
 if TYPE_CHECKING:
-    from llm_train.resolve import Resolved
-    from llm_train.shapes import ModelShape
+    from llm_train.config.resolution import Resolved
+    from llm_train.planning.shapes import ModelShape
 
 GIB = 1024**3
 
@@ -88,8 +90,6 @@ def resolve_peak_tflops(flag: float | None, cuda: bool) -> float | None:
     if not cuda:
         return None
     import torch
-
-    from llm_train.gpus import peak_tflops
 
     return peak_tflops(torch.cuda.get_device_name(0))
 

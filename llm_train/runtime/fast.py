@@ -2,7 +2,7 @@
 
 Each is a recipe field (`memory.liger_kernels`, `memory.torch_compile`) or a safe default
 (the CUDA allocator's expandable segments), documented in docs/observability.md with
-what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/optim.py.
+what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/optim.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import inspect
 import os
 from typing import Any
 
+from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
-from llm_train.recipe import MemorySection
 
 ALLOC_CONF = "expandable_segments:True"
 

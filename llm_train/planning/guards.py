@@ -1,128 +1,71 @@
-"""Recipe + DeepSpeed JSON + world size -> one fully resolved, validated run description.
+"""Checks before a real run starts, from the planner's own estimate: host RAM, the NVMe directory.
 
-This is everything that can be decided without importing torch or touching weights, so
-the same function serves the dry run, the parent of a local multi-process launch (which
-validates before starting workers) and every worker. What depends on the machine that
-trains (the NVMe offload directory: exists, writable, free space) is checked separately, by
-`check_nvme_path`, so a dry run or a plan made elsewhere still resolves.
+Also the dry run's memory rows, so that the dry run, the start-up summary and these checks
+read one estimate (`memory_estimate`) and cannot disagree.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from llm_train import dsconfig
+from llm_train.config import ds_json
+from llm_train.config.hardware import host_ram_bytes
+from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.parallel import check_parallel
-from llm_train.plan import Device, ParallelPlan, make_plan
-from llm_train.recipe import Recipe, load_recipe, recipe_to_yaml
+from llm_train.planning.fit import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
+from llm_train.planning.memory import (
+    GiB,
+    MemoryEstimate,
+    estimate_memory,
+)
+from llm_train.planning.shapes import shape_from_config
 
-if TYPE_CHECKING:
-    from llm_train.memory import MemoryEstimate
-
-GiB = 1024**3
-
-
-@dataclass(frozen=True)
-class Resolved:
-    recipe: Recipe
-    ds_path: Path
-    ds_config: dict[str, Any]  # no "auto" left
-    plan: ParallelPlan
-    hidden_size: int
-    model_fields: dict[str, Any]  # the HF config fields the shape came from
-    notice: str | None
-
-    def recipe_yaml(self) -> str:
-        return recipe_to_yaml(self.recipe)
-
-    def ds_json(self) -> str:
-        return json.dumps(self.ds_config, indent=2)
+# --- host-RAM guard (called by train.py before anything loads) --------------------------------------------
 
 
-def model_fields(recipe: Recipe) -> dict[str, Any]:
-    """The model's config fields, known without downloading anything when possible."""
-    from llm_train.shapes import KNOWN_CONFIGS
-
-    fields: dict[str, Any] = {}
-    name = recipe.model.name_or_path
-    if name:
-        local = Path(name) / "config.json"
-        if local.is_file():
-            fields = json.loads(local.read_text())
-        elif name in KNOWN_CONFIGS:
-            fields = dict(KNOWN_CONFIGS[name])
-        elif recipe.model.init == "random" and not recipe.model.config:
-            raise UserError(
-                f"model.name_or_path={name}: shape unknown offline; give a local directory with config.json"
-            )
-    fields.update(recipe.model.config)
-    return fields
+SKIP_RAM_CHECK_FLAG = "--skip-ram-check"
 
 
-def resolve_run(
-    recipe_name: str,
-    overrides: list[str],
-    world_size: int,
-    device: Device | None = None,
-    ds_config_path: str | None = None,
-    max_steps: int | None = None,
-    output_dir: str | None = None,
-) -> Resolved:
-    extra = list(overrides)
-    if max_steps is not None:
-        extra.append(f"optim.max_steps={max_steps}")
-    if output_dir is not None:
-        extra.append(f"output.dir={Path(output_dir).resolve()}")
-    if ds_config_path is not None:
-        extra.append(
-            f"deepspeed.config={Path(ds_config_path).resolve() if Path(ds_config_path).exists() else ds_config_path}"
+def check_host_ram(run: Any, available: int | None = None) -> None:
+    """Refuse to start when the planner says this node's host RAM cannot hold the run.
+
+    Better one line now than the OS killing a rank mid-load (offload paths keep optimizer
+    states and often the weights in pinned host memory). Skipped, with no estimate, for
+    model types the estimator does not know; train.py's --skip-ram-check bypasses it when
+    you know better than the estimate (an explicit flag, not an environment switch).
+    """
+    try:
+        shape = shape_from_config(run.model_fields)
+    except UserError:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    inp = memory_inputs(run, shape, local or None)
+    kind = "cpu" if run.plan.device == "cpu" else "cuda"
+    est = estimate_memory(inp)
+    device, host = needs(est, inp, kind)
+    total = host_ram_bytes() if available is None else available
+    if host > total:
+        parts = {k.replace("_", " "): v for k, v in est.host_terms.items() if k != "process_overhead"}
+        # Loading and training do not overlap: the total takes the larger phase, not the sum.
+        parts["model load peak (transient)"] = parts.pop("model load peak", 0)
+        ranks = inp.ranks_per_node
+        if kind == "cpu":
+            parts["processes"] = ranks * CPU_PROCESS_HOST_BYTES
+            parts["tensors in the processes"] = ranks * device
+        else:
+            parts["processes"] = est.host_terms["process_overhead"]
+        terms = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v >= 0.05 * GiB)
+        raise UserError(
+            f"host RAM: {run.recipe.name} needs ~{host / GiB:.1f} GiB per node (planner: {terms} GiB; "
+            f"{inp.ranks_per_node} process(es)), this machine has {total / GiB:.1f} GiB; "
+            f"run `llm-train plan --recipe {run.recipe.name}` for options (NVMe offload, LoRA, more nodes), "
+            f"or pass {SKIP_RAM_CHECK_FLAG} if you know the estimate is wrong"
         )
-    recipe = load_recipe(recipe_name, extra)
-    device = device or Device.declared(recipe)
-    ds_path, raw = dsconfig.load_ds_config(recipe.deepspeed.config)
-    plan, notice = make_plan(recipe, raw, world_size, device)
-    fields = model_fields(recipe)
-    check_parallel(plan, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
-    hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)
-    if hidden <= 0:
-        # Only bucket sizes need it; a user model with an exotic config still trains.
-        hidden = 4096
-    values = dsconfig.RecipeValues(
-        micro_batch_size=plan.micro_batch_size,
-        grad_accum=plan.grad_accum,
-        global_batch_size=plan.global_batch_size,
-        grad_clip=recipe.optim.grad_clip,
-        precision=plan.precision,
-        hidden_size=hidden,
-        lr=recipe.optim.lr,
-        betas=recipe.optim.betas,
-        eps=recipe.optim.eps,
-        weight_decay=recipe.optim.weight_decay,
-        warmup_steps=recipe.optim.warmup_steps,
-        max_steps=recipe.optim.max_steps or 0,
-        nvme_path=recipe.deepspeed.nvme_path,
-    )
-    resolved = dsconfig.resolve(raw, values, str(ds_path))
-    if plan.tp > 1:
-        # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
-        # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.
-        resolved["train_batch_size"] = plan.global_batch_size * plan.tp
-        # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
-        resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
-    return Resolved(recipe, ds_path, resolved, plan, hidden, fields, notice)
-
-
-def steps_for_epochs(epochs: float, micro_batches_per_epoch: int, grad_accum: int) -> int:
-    return max(1, math.ceil(epochs * micro_batches_per_epoch / grad_accum))
 
 
 def memory_estimate(run: Resolved, gpus_per_node: int | None = None) -> MemoryEstimate | None:
@@ -131,10 +74,6 @@ def memory_estimate(run: Resolved, gpus_per_node: int | None = None) -> MemoryEs
     The one way a run's memory is estimated: the dry-run table and the NVMe space check
     both read it, so they cannot disagree.
     """
-    from llm_train.memory import estimate_memory
-    from llm_train.planner import memory_inputs
-    from llm_train.shapes import shape_from_config
-
     try:
         shape = shape_from_config(run.model_fields)
     except UserError:
@@ -150,9 +89,9 @@ def memory_rows(run: Resolved) -> list[tuple[str, str]]:
     """
     estimate = memory_estimate(run)
     rows = estimate.table() if estimate else []
-    if dsconfig.nvme_paths(run.ds_config):
+    if ds_json.nvme_paths(run.ds_config):
         problems = nvme_problems(run)
-        paths = ", ".join(sorted(set(dsconfig.nvme_paths(run.ds_config).values())))
+        paths = ", ".join(sorted(set(ds_json.nvme_paths(run.ds_config).values())))
         rows.append(
             (
                 "NVMe path check",
@@ -175,7 +114,7 @@ DS_SWAP_SUBDIR = "zero_stage_3"
 def _nvme_key(run: Resolved, section: str) -> str:
     """The setting the user changes to fix the path: the recipe key, or the JSON key it came from."""
     if run.recipe.deepspeed.nvme_path is not None:
-        return dsconfig.NVME_PATH_KEY
+        return ds_json.NVME_PATH_KEY
     return f"zero_optimization.{section}.nvme_path in {run.ds_path}"
 
 
@@ -213,7 +152,7 @@ def nvme_problems(run: Resolved, gpus_per_node: int | None = None) -> list[str]:
     planner computes for the offloaded states on this node (memory.estimate_memory's nvme_bytes).
     """
     by_path: dict[str, str] = {}
-    for section, path in dsconfig.nvme_paths(run.ds_config).items():
+    for section, path in ds_json.nvme_paths(run.ds_config).items():
         by_path.setdefault(path, section)
     problems: list[str] = []
     free_by_device: dict[int, int] = {}

@@ -3,7 +3,7 @@
 A recipe is one YAML file in `recipes/` (or any path). It is loaded, overridden with
 `key.sub=value` arguments that use the recipe's own names, and validated here; nothing
 downstream ever sees an unknown key or a missing value read as None. *How* the run is
-distributed lives in the DeepSpeed JSON the recipe names (see dsconfig.py).
+distributed lives in the DeepSpeed JSON the recipe names (see ds_json.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llm_train import RECIPES_DIR
+from llm_train.config.credentials import is_secret_key
 from llm_train.errors import UserError
 
 
@@ -62,7 +63,6 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _no_credentials(self) -> ModelSection:
-        from llm_train.credentials import is_secret_key
 
         for key in self.config:
             if is_secret_key(key):

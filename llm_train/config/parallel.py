@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llm_train.config.layout import ParallelPlan
+from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
-from llm_train.plan import ParallelPlan
-from llm_train.recipe import Recipe
 
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED = (

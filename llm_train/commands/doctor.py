@@ -28,6 +28,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from llm_train.config import ds_json
+from llm_train.config.ds_json import nvme_paths
+from llm_train.config.hardware import find_gpu
+from llm_train.config.recipe import load_recipe
+from llm_train.config.resolution import resolve_run
+from llm_train.errors import UserError
+from llm_train.planning.guards import nvme_problems
+
 GiB = 1024**3
 DEFAULT_BUILD_TIMEOUT_S = 300.0
 # Below these, the common recipes run into trouble (checkpoints, NCCL shared memory).
@@ -148,8 +156,6 @@ def check_gpus(report: Report) -> list[tuple[str, float, tuple[int, int], bool]]
     smi = shutil.which("nvidia-smi")
     gpus: list[tuple[str, float, tuple[int, int], bool]] = []
     if torch.cuda.is_available():
-        from llm_train.gpus import find_gpu
-
         arch_list = set(torch.cuda.get_arch_list())
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
@@ -378,21 +384,15 @@ def check_async_io(report: Report, uses_nvme: bool) -> None:
 
 def recipe_uses_nvme(recipe_name: str, overrides: list[str]) -> bool:
     """Whether the recipe (with overrides) offloads anything to nvme or names deepspeed.nvme_path."""
-    from llm_train import dsconfig
-    from llm_train.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, overrides)
-    _, raw = dsconfig.load_ds_config(recipe.deepspeed.config)
-    devices = {dsconfig.offload_device(raw, what) for what in ("optimizer", "param")}
+    _, raw = ds_json.load_ds_config(recipe.deepspeed.config)
+    devices = {ds_json.offload_device(raw, what) for what in ("optimizer", "param")}
     return "nvme" in devices or recipe.deepspeed.nvme_path is not None
 
 
 def check_nvme_recipe(report: Report, recipe_name: str, overrides: list[str]) -> None:
     """The recipe's NVMe directory, with the checks a real run makes before it starts."""
-    from llm_train.dsconfig import nvme_paths
-    from llm_train.errors import UserError
-    from llm_train.recipe import load_recipe
-    from llm_train.resolve import nvme_problems, resolve_run
 
     section = "NVMe offload"
     try:
@@ -476,7 +476,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from llm_train.errors import UserError
 
     if args.overrides and not args.recipe:
         raise UserError("doctor: key.sub=value overrides need --recipe NAME")

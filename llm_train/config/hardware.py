@@ -1,0 +1,293 @@
+"""GPUs the planner knows by name: memory, bf16 support and peak dense tensor throughput.
+
+Used by `llm-train plan --gpu NAME` (memory and bf16), by the planner's speed model and
+by MFU reporting (peak TFLOP/s). Pure data, no torch import.
+
+Memory is what `nvidia-smi` reports as total (MiB / 1024), not the marketing number:
+an "A10 24 GB" has 22.5 GiB, and that is what has to hold the training run.
+
+`peak_tflops` is the dense (no 2:4 sparsity) 16-bit tensor-core throughput with fp32
+accumulation, from NVIDIA's data sheets / architecture whitepapers: bf16 where the card
+has it, else fp16 (the precision such a card trains in). GeForce cards run fp32
+accumulation at half the fp16-accumulate rate; training uses fp32 accumulation, so
+their number is the lower one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    from llm_train.config.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    memory_gib: float
+    bf16: bool
+    peak_tflops: float
+    """Dense 16-bit tensor TFLOP/s (bf16, or fp16 where bf16 is missing), fp32 accumulate."""
+    compute_capability: tuple[int, int]
+    nvlink: bool = False
+    """GPUs of one node talk over NVLink (SXM boards); else PCIe."""
+    aliases: tuple[str, ...] = ()
+
+
+GPUS: tuple[GPUSpec, ...] = (
+    GPUSpec("RTX 2080 Ti", 11264 / 1024, False, 53.8, (7, 5), aliases=("2080ti", "rtx2080ti")),
+    GPUSpec("RTX 3090", 24576 / 1024, True, 71.0, (8, 6), aliases=("3090", "rtx3090")),
+    GPUSpec("RTX 4090", 24564 / 1024, True, 165.2, (8, 9), aliases=("4090", "rtx4090")),
+    GPUSpec("RTX 5090", 32607 / 1024, True, 209.5, (12, 0), aliases=("5090", "rtx5090")),
+    GPUSpec("T4", 15360 / 1024, False, 65.0, (7, 5), aliases=("teslat4",)),
+    GPUSpec("V100", 32768 / 1024, False, 125.0, (7, 0), nvlink=True, aliases=("v10032gb", "teslav100")),
+    GPUSpec("A10", 23028 / 1024, True, 125.0, (8, 6), aliases=("a10g",)),
+    GPUSpec("L4", 23034 / 1024, True, 121.0, (8, 9)),
+    GPUSpec("L40S", 46068 / 1024, True, 362.0, (8, 9)),
+    GPUSpec("A100-40GB", 40960 / 1024, True, 312.0, (8, 0), nvlink=True, aliases=("a10040", "a10040gb")),
+    GPUSpec(
+        "A100-80GB", 81920 / 1024, True, 312.0, (8, 0), nvlink=True, aliases=("a100", "a10080", "a10080gb")
+    ),
+    GPUSpec("H100", 81559 / 1024, True, 989.0, (9, 0), nvlink=True, aliases=("h10080gb", "h100sxm")),
+    GPUSpec("H200", 143771 / 1024, True, 989.0, (9, 0), nvlink=True, aliases=("h200sxm",)),
+)
+
+
+def _key(text: str) -> str:
+    # "NVIDIA GeForce RTX 4090" / "rtx-4090" / "RTX4090" all compare equal.
+    text = text.lower()
+    for noise in ("nvidia", "geforce", "tesla", "pcie", "sxm5", "sxm4", "sxm2", "hbm3", "hbm2e"):
+        text = text.replace(noise, "")
+    return re.sub(r"[^a-z0-9]", "", text)
+
+
+def find_gpu(name: str) -> GPUSpec | None:
+    """The table entry for a user-typed or driver-reported name, or None."""
+    key = _key(name)
+    for spec in GPUS:
+        if key == _key(spec.name) or key in spec.aliases:
+            return spec
+    # Driver names carry extra words ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3").
+    for spec in sorted(GPUS, key=lambda s: -len(_key(s.name))):
+        if _key(spec.name) in key:
+            return spec
+    if "a100" in key:
+        return find_gpu("A100-80GB" if "80" in key else "A100-40GB")
+    return None
+
+
+def gpu_spec(name: str) -> GPUSpec:
+    """Like find_gpu, but an unknown name is a one-line UserError listing the known ones."""
+    spec = find_gpu(name)
+    if spec is None:
+        known = ", ".join(s.name.replace(" ", "-") for s in GPUS)
+        raise UserError(f"--gpu {name}: unknown GPU; known: {known}; or give its memory with --gpu-mem GIB")
+    return spec
+
+
+def peak_tflops(name: str) -> float | None:
+    """Dense 16-bit peak TFLOP/s of a GPU by (driver) name; None when unknown. For MFU."""
+    spec = find_gpu(name)
+    return spec.peak_tflops if spec else None
+
+
+GiB = 1024**3
+# Keep 5% of GPU memory free beyond the estimate (which already counts allocator slack):
+# the estimate claims +-15%, and an OOM at step 900 costs more than a slower step.
+GPU_HEADROOM = 0.05
+# The OS, page cache and everything else on the machine: never plan to use the last
+# max(4 GiB, 5%) of host RAM.
+HOST_RESERVE_BYTES = 4 * GiB
+HOST_RESERVE_FRACTION = 0.05
+# Speed model stand-ins when the hardware's peak is unknown (only ratios matter there).
+UNKNOWN_GPU_PEAK_TFLOPS = 100.0
+CPU_PEAK_TFLOPS = 0.2
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the processes will run on. Read from torch at launch, or from the recipe for dry runs."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    bf16: bool
+    compute_capability: tuple[int, int] | None = None
+
+    @staticmethod
+    def detect() -> Device:
+        import torch
+
+        if torch.cuda.is_available():
+            return Device(
+                kind="cuda",
+                name=torch.cuda.get_device_name(0),
+                bf16=torch.cuda.is_bf16_supported(),
+                compute_capability=torch.cuda.get_device_capability(0),
+            )
+        return Device(kind="cpu", name="cpu", bf16=True)
+
+    @staticmethod
+    def declared(recipe: Recipe) -> Device:
+        # A dry run assumes the hardware the recipe is written for; every card it names supports bf16
+        # unless the recipe says fp16, which is why it would.
+        name = recipe.hardware.gpu_name or recipe.hardware.device
+        return Device(kind=recipe.hardware.device, name=name, bf16=recipe.precision != "fp16")
+
+
+# --- hardware -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the run will have: devices (per GPU) and the host (per node)."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    gpus: int  # processes in the world (GPUs, or CPU processes)
+    gpus_per_node: int
+    gpu_mem_bytes: int  # per GPU; 0 on CPU
+    host_ram_bytes: int  # per node
+    bf16: bool
+    peak_tflops: float
+    nvlink: bool = False
+    compute_capability: tuple[int, int] | None = None
+    sources: tuple[str, ...] = ()  # where the numbers came from, for the printout
+
+    @property
+    def host_limit_bytes(self) -> int:
+        return int(self.host_ram_bytes - max(HOST_RESERVE_BYTES, HOST_RESERVE_FRACTION * self.host_ram_bytes))
+
+    @property
+    def gpu_limit_bytes(self) -> int:
+        return int(self.gpu_mem_bytes * (1 - GPU_HEADROOM))
+
+    def device(self) -> Device:
+        if self.kind == "cpu":
+            return Device(kind="cpu", name="cpu", bf16=True)
+        return Device(kind="cuda", name=self.name, bf16=self.bf16, compute_capability=self.compute_capability)
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            where = f"{self.gpus} CPU process(es)"
+        else:
+            bf16 = "bf16" if self.bf16 else "no bf16: fp16"
+            where = f"{self.gpus} x {self.name} ({self.gpu_mem_bytes / GiB:.2f} GiB, {bf16})"
+            if self.gpus > self.gpus_per_node:
+                where += f" on {-(-self.gpus // self.gpus_per_node)} nodes"
+        text = f"{where}; host RAM {self.host_ram_bytes / GiB:.2f} GiB per node"
+        return text + (f"  [{'; '.join(self.sources)}]" if self.sources else "")
+
+
+def _detected_gpus() -> tuple[int, str, int, bool, tuple[int, int]] | None:
+    """(count, name, memory bytes, bf16, compute capability) of this machine's GPUs, or None."""
+    import shutil
+
+    if shutil.which("nvidia-smi") is None and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return None  # no NVIDIA driver tools: skip the 2 s torch import
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return (
+        torch.cuda.device_count(),
+        props.name,
+        int(props.total_memory),
+        bool(torch.cuda.is_bf16_supported()),
+        (props.major, props.minor),
+    )
+
+
+def host_ram_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def resolve_hardware(
+    gpus: int | None = None,
+    gpu: str | None = None,
+    gpu_mem_gib: float | None = None,
+    host_ram_gib: float | None = None,
+    recipe: Any = None,
+    detect: bool = True,
+) -> Hardware:
+    """Hardware from flags, else this machine's GPUs, else what the recipe declares, else this CPU."""
+    sources: list[str] = []
+    spec: GPUSpec | None = gpu_spec(gpu) if gpu else None
+    declared = recipe.hardware if recipe is not None else None
+    kind = "cuda"
+    name, mem, bf16, cc = "GPU", 0, True, None
+    count_default = declared.world_size if declared else 1
+    found = None
+    from_recipe = False
+    if spec or gpu_mem_gib:
+        sources.append("--gpu" if spec else "--gpu-mem (bf16 assumed; --gpu NAME for a card without it)")
+    elif declared is not None and declared.device == "cpu":
+        kind = "cpu"
+    elif detect and (found := _detected_gpus()) is not None:
+        count, det_name, det_mem, bf16, cc = found
+        spec = find_gpu(det_name)
+        name, mem = det_name, det_mem
+        count_default = count if declared is None else count_default
+        sources.append("detected")
+    elif declared is not None and (declared.gpu_name or declared.gpu_mem_gib):
+        spec = find_gpu(declared.gpu_name) if declared.gpu_name else None
+        if declared.gpu_mem_gib:
+            gpu_mem_gib = declared.gpu_mem_gib
+        from_recipe = True
+        sources.append("GPU as the recipe declares")
+    else:
+        kind = "cpu"
+        sources.append("no GPU found or named: CPU processes; --gpu/--gpu-mem to plan for a GPU")
+
+    if spec is not None:
+        name, bf16, cc = spec.name, spec.bf16, spec.compute_capability
+        mem = mem or int(spec.memory_gib * GiB)
+    if gpu_mem_gib:
+        mem = int(gpu_mem_gib * GiB)
+        if spec is None and found is None:
+            name = f"{gpu_mem_gib:g} GiB GPU"
+    world = gpus or count_default
+    if world < 1:
+        raise UserError(f"--gpus {world}: need at least 1")
+    if declared is not None and world == declared.world_size:
+        per_node = declared.processes_per_node
+    elif found is not None:
+        per_node = min(world, found[0])
+    else:
+        per_node = min(world, 8)  # the usual node: up to 8 GPUs
+
+    if host_ram_gib:
+        host = int(host_ram_gib * GiB)
+        sources.append("--host-ram")
+    elif from_recipe and declared.host_ram_gib:
+        # Planning for the machine the recipe is written for, not this one.
+        host = int(declared.host_ram_gib * GiB)
+        sources[-1] = "GPU and host RAM as the recipe declares; --gpu/--gpu-mem/--host-ram for yours"
+    else:
+        host = host_ram_bytes()
+        sources.append("host RAM of this machine; --host-ram for another")
+    if kind == "cpu":
+        return Hardware("cpu", "cpu", world, per_node, 0, host, True, CPU_PEAK_TFLOPS, sources=tuple(sources))
+    peak = spec.peak_tflops if spec else UNKNOWN_GPU_PEAK_TFLOPS
+    return Hardware(
+        kind="cuda",
+        name=name,
+        gpus=world,
+        gpus_per_node=per_node,
+        gpu_mem_bytes=mem,
+        host_ram_bytes=host,
+        bf16=bf16,
+        peak_tflops=peak,
+        nvlink=bool(spec and spec.nvlink),
+        compute_capability=cc,
+        sources=tuple(sources),
+    )

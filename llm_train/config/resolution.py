@@ -1,0 +1,122 @@
+"""Recipe + DeepSpeed JSON + world size -> one fully resolved, validated run description.
+
+This is everything that can be decided without importing torch or touching weights, so
+the same function serves the dry run, the parent of a local multi-process launch (which
+validates before starting workers) and every worker. What depends on the machine that
+trains (the NVMe offload directory: exists, writable, free space) is checked separately, by
+`check_nvme_path`, so a dry run or a plan made elsewhere still resolves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llm_train.config import ds_json
+from llm_train.config.hardware import Device
+from llm_train.config.known_models import KNOWN_CONFIGS
+from llm_train.config.layout import ParallelPlan, make_plan
+from llm_train.config.parallel import check_parallel
+from llm_train.config.recipe import Recipe, load_recipe, recipe_to_yaml
+from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    pass
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Resolved:
+    recipe: Recipe
+    ds_path: Path
+    ds_config: dict[str, Any]  # no "auto" left
+    plan: ParallelPlan
+    hidden_size: int
+    model_fields: dict[str, Any]  # the HF config fields the shape came from
+    notice: str | None
+
+    def recipe_yaml(self) -> str:
+        return recipe_to_yaml(self.recipe)
+
+    def ds_json(self) -> str:
+        return json.dumps(self.ds_config, indent=2)
+
+
+def model_fields(recipe: Recipe) -> dict[str, Any]:
+    """The model's config fields, known without downloading anything when possible."""
+
+    fields: dict[str, Any] = {}
+    name = recipe.model.name_or_path
+    if name:
+        local = Path(name) / "config.json"
+        if local.is_file():
+            fields = json.loads(local.read_text())
+        elif name in KNOWN_CONFIGS:
+            fields = dict(KNOWN_CONFIGS[name])
+        elif recipe.model.init == "random" and not recipe.model.config:
+            raise UserError(
+                f"model.name_or_path={name}: shape unknown offline; give a local directory with config.json"
+            )
+    fields.update(recipe.model.config)
+    return fields
+
+
+def resolve_run(
+    recipe_name: str,
+    overrides: list[str],
+    world_size: int,
+    device: Device | None = None,
+    ds_config_path: str | None = None,
+    max_steps: int | None = None,
+    output_dir: str | None = None,
+) -> Resolved:
+    extra = list(overrides)
+    if max_steps is not None:
+        extra.append(f"optim.max_steps={max_steps}")
+    if output_dir is not None:
+        extra.append(f"output.dir={Path(output_dir).resolve()}")
+    if ds_config_path is not None:
+        extra.append(
+            f"deepspeed.config={Path(ds_config_path).resolve() if Path(ds_config_path).exists() else ds_config_path}"
+        )
+    recipe = load_recipe(recipe_name, extra)
+    device = device or Device.declared(recipe)
+    ds_path, raw = ds_json.load_ds_config(recipe.deepspeed.config)
+    plan, notice = make_plan(recipe, raw, world_size, device)
+    fields = model_fields(recipe)
+    check_parallel(plan, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
+    hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)
+    if hidden <= 0:
+        # Only bucket sizes need it; a user model with an exotic config still trains.
+        hidden = 4096
+    values = ds_json.RecipeValues(
+        micro_batch_size=plan.micro_batch_size,
+        grad_accum=plan.grad_accum,
+        global_batch_size=plan.global_batch_size,
+        grad_clip=recipe.optim.grad_clip,
+        precision=plan.precision,
+        hidden_size=hidden,
+        lr=recipe.optim.lr,
+        betas=recipe.optim.betas,
+        eps=recipe.optim.eps,
+        weight_decay=recipe.optim.weight_decay,
+        warmup_steps=recipe.optim.warmup_steps,
+        max_steps=recipe.optim.max_steps or 0,
+        nvme_path=recipe.deepspeed.nvme_path,
+    )
+    resolved = ds_json.resolve(raw, values, str(ds_path))
+    if plan.tp > 1:
+        # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
+        # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.
+        resolved["train_batch_size"] = plan.global_batch_size * plan.tp
+        # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
+        resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    return Resolved(recipe, ds_path, resolved, plan, hidden, fields, notice)
+
+
+def steps_for_epochs(epochs: float, micro_batches_per_epoch: int, grad_accum: int) -> int:
+    return max(1, math.ceil(epochs * micro_batches_per_epoch / grad_accum))

@@ -1,0 +1,175 @@
+"""One candidate configuration on given hardware: its memory, its speed, and whether it fits.
+
+The numbers come from `memory.estimate_memory` (per-GPU bytes, host RAM and NVMe per node)
+and `speed.step_time` (a first-order step-time model used only to rank choices). Nothing
+here loads weights or imports deepspeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from llm_train.config.hardware import Hardware
+from llm_train.planning.memory import (
+    ALLOCATOR_SLACK_FRACTION,
+    DS_ALLGATHER_BUCKET_SIZE,
+    DS_SUB_GROUP_SIZE,
+    PROCESS_HOST_BYTES,
+    GiB,
+    MemoryEstimate,
+    MemoryInputs,
+    estimate_memory,
+)
+from llm_train.planning.shapes import ModelShape
+from llm_train.planning.speed import StepTime, step_time
+
+# Host RSS of one CPU-only training process before model state (torch, DeepSpeed,
+# transformers, tokenizer): ~0.7 GiB measured for tiny-cpu; no CUDA libraries.
+CPU_PROCESS_HOST_BYTES = 1 * GiB
+# The adapter rank the planner proposes when it suggests LoRA.
+SUGGESTED_LORA_RANK = 16
+# Candidate micro-batch sizes for `--recipe auto`.
+AUTO_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+# (ZeRO stage, optimizer offload, parameter offload) -> the shipped ds_configs/ file.
+SHIPPED_DS_CONFIGS: dict[tuple[int, str, str], str] = {
+    (0, "none", "none"): "zero0",
+    (1, "none", "none"): "zero1",
+    (2, "none", "none"): "zero2",
+    (3, "none", "none"): "zero3",
+    (2, "cpu", "none"): "zero2_offload",
+    (3, "cpu", "none"): "zero3_offload_optimizer",
+    (3, "cpu", "cpu"): "zero3_offload",
+    (3, "nvme", "nvme"): "zero3_offload_nvme",
+}
+
+# Rule-of-thumb speed cost of each change, printed beside the model's own estimate.
+TYPICAL_COST = {
+    "checkpointing": "recomputes the forward: ~+33% compute",
+    "micro_batch": "smaller matmuls: ~0-15% slower",
+    "zero3": "all-gathers weights every micro-batch: ~+10-30% on PCIe, little on NVLink",
+    "offload_optimizer": "CPU Adam + PCIe traffic each step: ~1.2-2x slower step",
+    "offload_params": "weights cross PCIe every pass: ~2-4x slower step",
+    "nvme": "weights and optimizer stream from the drive: ~5-10x+ slower",
+    "lora": "trains adapters, not all weights (a different fine-tune); faster step",
+    # Changes that spend spare memory on speed (offered when the recipe already fits).
+    "no_checkpointing": "no recompute in backward",
+    "bigger_micro_batch": "fewer, larger micro-batches (and fewer weight fetches under offload)",
+    "less_offload": "less partitioning / offload traffic",
+}
+
+
+# --- one configuration: memory, speed, fit ----------------------------------------------------------
+
+
+def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None) -> MemoryInputs:
+    """MemoryInputs for a resolved run, bucket sizes and overlap read from its final DS config."""
+    zero = run.ds_config.get("zero_optimization", {}) or {}
+    plan, recipe = run.plan, run.recipe
+
+    def number(key: str, default: int | None) -> int | None:
+        value = zero.get(key)
+        return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+    return MemoryInputs(
+        shape=shape,
+        world_size=plan.world_size,
+        tp=plan.tp,
+        pp=plan.pp,
+        gpus_per_node=gpus_per_node or min(recipe.hardware.processes_per_node, plan.world_size),
+        zero_stage=plan.zero_stage,
+        offload_optimizer=plan.offload_optimizer,
+        offload_params=plan.offload_params,
+        precision=plan.precision,
+        micro_batch=plan.micro_batch_size,
+        seq_len=recipe.data.seq_len,
+        activation_checkpointing=recipe.memory.activation_checkpointing,
+        attn_impl=recipe.memory.attention,
+        lora_rank=recipe.lora.rank if recipe.lora else None,
+        reduce_bucket_size=number("reduce_bucket_size", None),
+        prefetch_bucket_size=number("stage3_prefetch_bucket_size", None),
+        # DeepSpeed turns overlap_comm on by default for stage 3 only.
+        overlap_comm=bool(zero.get("overlap_comm", plan.zero_stage == 3)),
+        allgather_bucket_size=number("allgather_bucket_size", DS_ALLGATHER_BUCKET_SIZE)
+        or DS_ALLGATHER_BUCKET_SIZE,
+        param_persistence_threshold=number("stage3_param_persistence_threshold", None),
+        sub_group_size=number("sub_group_size", DS_SUB_GROUP_SIZE) or DS_SUB_GROUP_SIZE,
+    )
+
+
+def needs(est: MemoryEstimate, inp: MemoryInputs, kind: str) -> tuple[int, int]:
+    """(bytes per device, host bytes per node). On CPU the "GPU" terms live in host RAM too."""
+    if kind != "cpu":
+        return est.gpu_bytes, est.host_bytes
+    device = sum(v for k, v in est.gpu_terms.items() if k != "cuda_context_and_slack")
+    device = int(device * (1 + ALLOCATOR_SLACK_FRACTION))
+    ranks = inp.ranks_per_node
+    host = est.host_bytes - ranks * PROCESS_HOST_BYTES + ranks * (CPU_PROCESS_HOST_BYTES + device)
+    return device, host
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The knobs the planner turns."""
+
+    zero_stage: int
+    offload_optimizer: str
+    offload_params: str
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: bool
+    lora_rank: int | None
+
+    @property
+    def ds_key(self) -> tuple[int, str, str]:
+        return (self.zero_stage, self.offload_optimizer, self.offload_params)
+
+    @staticmethod
+    def of(inp: MemoryInputs, grad_accum: int) -> Choice:
+        return Choice(
+            inp.zero_stage,
+            inp.offload_optimizer,
+            inp.offload_params,
+            inp.micro_batch,
+            grad_accum,
+            inp.activation_checkpointing,
+            inp.lora_rank,
+        )
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    choice: Choice
+    inputs: MemoryInputs
+    estimate: MemoryEstimate
+    device_bytes: int
+    host_bytes: int
+    time: StepTime
+    fits_device: bool
+    fits_host: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+
+def evaluate(base: MemoryInputs, choice: Choice, hw: Hardware) -> Evaluation:
+    """Estimate `choice` applied to `base` on `hw`. Raises MemoryInputError for impossible combinations."""
+    inp = dataclasses.replace(
+        base,
+        zero_stage=choice.zero_stage,
+        offload_optimizer=choice.offload_optimizer,
+        offload_params=choice.offload_params,
+        micro_batch=choice.micro_batch,
+        activation_checkpointing=choice.activation_checkpointing,
+        lora_rank=choice.lora_rank,
+        zero_init=None,  # re-derived from the stage
+    )
+    est = estimate_memory(inp)
+    device_bytes, host_bytes = needs(est, inp, hw.kind)
+    fits_device = hw.kind == "cpu" or device_bytes <= hw.gpu_limit_bytes
+    fits_host = host_bytes <= hw.host_limit_bytes
+    speed = step_time(inp, choice.grad_accum, hw.peak_tflops, hw.nvlink)
+    return Evaluation(choice, inp, est, device_bytes, host_bytes, speed, fits_device, fits_host)

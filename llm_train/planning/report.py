@@ -1,0 +1,208 @@
+"""`llm-train plan --recipe NAME`: the verdict for a recipe on given hardware, and how it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llm_train.config.hardware import GPU_HEADROOM, Hardware, resolve_hardware
+from llm_train.config.recipe import load_recipe
+from llm_train.config.resolution import resolve_run
+from llm_train.planning.fit import (
+    CPU_PROCESS_HOST_BYTES,
+    TYPICAL_COST,
+    Choice,
+    Evaluation,
+    evaluate,
+    memory_inputs,
+)
+from llm_train.planning.memory import (
+    _LABELS,
+    GiB,
+    MemoryInputs,
+)
+from llm_train.planning.search import Fix, search_faster, search_fixes
+from llm_train.planning.shapes import shape_from_config
+
+# --- the report -------------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanReport:
+    title: str
+    hardware: Hardware
+    config_line: str
+    evaluation: Evaluation
+    fixes: list[Fix] = field(default_factory=list)
+    faster: list[Fix] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.evaluation.fits
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def verdict(ev: Evaluation, hw: Hardware) -> str:
+    parts = []
+    if hw.kind == "cuda":
+        spare = hw.gpu_mem_bytes - ev.device_bytes
+        parts.append(
+            f"GPU {ev.device_bytes / GiB:.1f} of {hw.gpu_mem_bytes / GiB:.1f} GiB "
+            f"({spare / GiB:+.1f} GiB, {spare / hw.gpu_mem_bytes:+.0%})"
+        )
+    spare_host = hw.host_ram_bytes - ev.host_bytes
+    parts.append(
+        f"host RAM {ev.host_bytes / GiB:.1f} of {hw.host_ram_bytes / GiB:.1f} GiB "
+        f"({spare_host / GiB:+.1f} GiB, {spare_host / hw.host_ram_bytes:+.0%})"
+    )
+    if ev.estimate.nvme_bytes:
+        parts.append(f"NVMe {ev.estimate.nvme_bytes / GiB:.1f} GiB")
+    if ev.fits:
+        word = "FITS"
+    elif hw.kind == "cuda" and ev.device_bytes <= hw.gpu_mem_bytes and ev.fits_host:
+        word = f"TIGHT (under {GPU_HEADROOM:.0%} of GPU memory to spare; the estimate is +-15%)"
+    else:
+        short = []
+        if not ev.fits_device:
+            short.append("GPU memory")
+        if not ev.fits_host:
+            short.append("host RAM")
+        word = f"DOES NOT FIT ({' and '.join(short)})"
+    return f"{word}: " + "; ".join(parts)
+
+
+def render(report: PlanReport) -> str:
+    ev, hw = report.evaluation, report.hardware
+    lines = [report.title, f"hardware: {hw.describe()}", f"config:   {report.config_line}", ""]
+    lines.append("memory estimate" + ("" if hw.kind == "cuda" else " (CPU run: all of it is host RAM)"))
+    rows = ev.estimate.table() if hw.kind == "cuda" else cpu_rows(ev)
+    for key, value in rows:
+        lines.append(f"  {key:<44} {value:>11}")
+    t = ev.time
+    parts = [f"compute {t.compute:.2f}s"]
+    for label, value in (
+        ("ZeRO comm", t.communication),
+        ("PCIe", t.pcie),
+        ("CPU Adam", t.cpu_optimizer),
+        ("NVMe", t.nvme),
+    ):
+        if value:
+            parts.append(f"{label} {value:.2f}s")
+    lines.append(
+        f"speed (rough model): ~{t.total:.2f} s/step, ~{t.tokens_per_s:,.0f} tokens/s ({', '.join(parts)})"
+    )
+    lines.append("")
+    lines.append("verdict: " + verdict(ev, hw))
+    if report.fixes:
+        lines.append("")
+        lines.append("cheapest changes that make it fit, fastest first (speed vs the recipe as written):")
+        lines.extend(_fix_lines(report.fixes, hw))
+    elif not ev.fits:
+        lines.append("")
+        lines.append(
+            "does not fit anywhere: no combination of checkpointing, smaller micro-batch, ZeRO-3, CPU/NVMe "
+            "offload and LoRA fits this hardware; add GPUs (--gpus), use bigger cards, or more host RAM"
+        )
+    if report.faster:
+        lines.append("")
+        lines.append("faster options that also fit (spare memory spent on speed):")
+        lines.extend(_fix_lines(report.faster, hw))
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def cpu_rows(ev: Evaluation) -> list[tuple[str, str]]:
+    """The estimate of a CPU run: per-process tensors (the 'GPU' terms) and the node's total."""
+
+    est, ranks = ev.estimate, ev.inputs.ranks_per_node
+    rows = [
+        (f"per process: {_LABELS.get(k, k)}", _gib(v))
+        for k, v in est.gpu_terms.items()
+        if k != "cuda_context_and_slack"
+    ]
+    rows.append(("per process total (+10% allocator slack)", _gib(ev.device_bytes)))
+    rows += [
+        (f"host {_LABELS.get(k, k)}", _gib(v))
+        for k, v in est.host_terms.items()
+        if v and k != "process_overhead"
+    ]
+    rows.append((f"host {ranks} process(es): torch, Python (no CUDA)", _gib(ranks * CPU_PROCESS_HOST_BYTES)))
+    rows.append(("host RAM total (per node, all processes)", _gib(ev.host_bytes)))
+    return rows
+
+
+def _fix_lines(fixes: list[Fix], hw: Hardware) -> list[str]:
+    lines = []
+    for i, fix in enumerate(fixes, 1):
+        fe = fix.evaluation
+        gpu = f"GPU {fe.device_bytes / GiB:.1f} GiB, " if hw.kind == "cuda" else ""
+        nvme = f", NVMe {fe.estimate.nvme_bytes / GiB:.0f} GiB" if fe.estimate.nvme_bytes else ""
+        lines.append(f"  {i}. {_slowdown(fix.slowdown)}  ({gpu}host {fe.host_bytes / GiB:.1f} GiB{nvme})")
+        for change in fix.changes:
+            lines.append(f"       - {change.text}  [{TYPICAL_COST[change.kind]}]")
+        lines.append(f"       overrides: {' '.join(fix.overrides)}")
+    return lines
+
+
+def _slowdown(ratio: float) -> str:
+    if ratio >= 1.005:
+        return f"{ratio - 1:+.0%} step time"
+    if ratio <= 0.995:
+        return f"{ratio - 1:+.0%} step time (faster)"
+    return "same speed"
+
+
+def config_line(inp: MemoryInputs, grad_accum: int) -> str:
+    offload = (
+        f"offload optimizer={inp.offload_optimizer} params={inp.offload_params}"
+        if inp.offload_optimizer != "none" or inp.offload_params != "none"
+        else "no offload"
+    )
+    what = f"LoRA r={inp.lora_rank}" if inp.lora_rank else "full fine-tune"
+    return (
+        f"{what}, ZeRO-{inp.zero_stage}, {offload}, {inp.precision}, micro {inp.micro_batch} x accum "
+        f"{grad_accum} x dp {inp.dp}, seq {inp.seq_len}, checkpointing "
+        f"{'on' if inp.activation_checkpointing else 'off'}, {inp.attn_impl}"
+    )
+
+
+def plan_recipe(
+    recipe_name: str,
+    overrides: list[str],
+    gpus: int | None = None,
+    gpu: str | None = None,
+    gpu_mem_gib: float | None = None,
+    host_ram_gib: float | None = None,
+    detect: bool = True,
+) -> PlanReport:
+    """The plan for a recipe on the given (or detected, or declared) hardware."""
+
+    recipe = load_recipe(recipe_name, overrides)
+    hw = resolve_hardware(gpus, gpu, gpu_mem_gib, host_ram_gib, recipe, detect)
+    run = resolve_run(recipe_name, overrides, world_size=hw.gpus, device=hw.device())
+    shape = shape_from_config(run.model_fields)
+    base = memory_inputs(run, shape, hw.gpus_per_node)
+    start = Choice.of(base, run.plan.grad_accum)
+    ev = evaluate(base, start, hw)
+    model = run.recipe.model.name_or_path or f"random {shape.model_type}"
+    title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e9:.2f}B parameters)"
+    if shape.num_params < 1e8:
+        title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e6:.1f}M parameters)"
+    report = PlanReport(title, hw, config_line(base, run.plan.grad_accum), ev)
+    if run.notice:
+        report.notes.append(run.notice)
+    tight = hw.kind == "cuda" and ev.device_bytes > hw.gpu_limit_bytes
+    if not ev.fits or tight:
+        report.fixes = search_fixes(base, run.plan.grad_accum, hw, run.recipe)
+    else:
+        report.faster = search_faster(base, run.plan.grad_accum, hw, run.recipe)
+    if ev.estimate.nvme_bytes:
+        report.notes.append(
+            f"NVMe: before start, deepspeed.nvme_path is checked for {ev.estimate.nvme_bytes / 2**30:.1f} GiB "
+            "free per node (and that it exists and is writable)"
+        )
+    return report
