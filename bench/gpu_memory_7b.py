@@ -128,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": RECIPE,
         "overrides": overrides,
         "params": shape.num_params,
-        "zero_stage": run.plan.zero_stage,
-        "offload": [run.plan.offload_optimizer, run.plan.offload_params],
-        "precision": run.plan.precision,
+        "zero_stage": run.layout.zero_stage,
+        "offload": [run.layout.offload_optimizer, run.layout.offload_params],
+        "precision": run.layout.precision,
         "micro_batch": micro,
-        "grad_accum": run.plan.grad_accum,
+        "grad_accum": run.layout.grad_accum,
         "seq_len": recipe.data.seq_len,
         "gpu_mem_cap_gib": cap_gib,
         "estimate_gpu_gib": round(est_device / GiB, 3),
@@ -161,7 +161,7 @@ def measure(
     """Build the engine exactly as a training run does, then time steps on random tokens."""
     from llm_train.runtime.zero_engine import ZeroEngine
 
-    recipe, plan = run.recipe, run.plan
+    recipe, layout = run.recipe, run.layout
     proc = psutil.Process()
     started = time.perf_counter()
     zero = ZeroEngine(run, print)
@@ -171,7 +171,7 @@ def measure(
     record["setup_s"] = round(time.perf_counter() - started, 1)
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, vocab, (plan.micro_batch_size, recipe.data.seq_len), generator=gen)
+    batch = torch.randint(0, vocab, (layout.micro_batch_size, recipe.data.seq_len), generator=gen)
 
     def used_on_device() -> int:
         free, total = torch.cuda.mem_get_info()
@@ -185,7 +185,7 @@ def measure(
     engine.train()
     for step in range(args.steps + 1):  # step 0 warms up (allocator, CPU Adam first call)
         t0 = time.perf_counter()
-        for _ in range(plan.grad_accum):
+        for _ in range(layout.grad_accum):
             x = batch.to(engine.device)
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
@@ -204,7 +204,7 @@ def measure(
     record["step_time_s_median"] = round(statistics.median(times), 3)
     record["step_times_s"] = [round(t, 3) for t in times]
     record["tokens_per_s"] = round(
-        plan.micro_batch_size * plan.grad_accum * recipe.data.seq_len / statistics.median(times), 1
+        layout.micro_batch_size * layout.grad_accum * recipe.data.seq_len / statistics.median(times), 1
     )
     # ru_maxrss is KiB on Linux: the true peak, including moments between our samples.
     record["host_rss_peak_gib"] = round(

@@ -75,7 +75,7 @@ def print_dry_run(run: Resolved) -> None:
     print(f"# recipe {run.recipe.name} (resolved)\n{run.recipe_yaml()}")
     print(f"# DeepSpeed config {run.ds_path} (effective)\n{run.ds_json()}\n")
     print("# parallel plan")
-    for key, value in run.plan.rows():
+    for key, value in run.layout.rows():
         print(f"  {key:<12} {value}")
     rows = memory_rows(run)
     if rows:
@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             if world_size
             else _resolve_declared(args)
         )
-        if args.flops_profiler and run.plan.pp > 1:
+        if args.flops_profiler and run.layout.pp > 1:
             raise UserError(
-                f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.plan.pp} (DeepSpeed "
+                f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.layout.pp} (DeepSpeed "
                 "profiles the engine's forward, which the pipeline schedule bypasses); use --profile A-B"
             )
         if args.dry_run:

@@ -1,4 +1,4 @@
-"""The parallel plan: how one recipe maps onto the processes of this launch.
+"""The layout of a run: how one recipe maps onto the processes of this launch (world = dp x tp x pp).
 
 Everything that depends on the world size is decided here, once, before any weights are
 loaded: the data/tensor/pipeline degrees, the ZeRO stage and offload read from the
@@ -43,7 +43,7 @@ def resolve_precision(requested: str, json_precision: str | None, device: Device
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class Layout:
     world_size: int
     dp: int
     tp: int
@@ -110,10 +110,10 @@ def batch_arithmetic(recipe: Recipe, dp: int) -> tuple[int, int]:
     return derived, global_batch
 
 
-def make_plan(
+def make_layout(
     recipe: Recipe, ds_config: dict[str, Any], world_size: int, device: Device
-) -> tuple[ParallelPlan, str | None]:
-    """Validate the degrees against the world size and fix the precision; returns the plan and any notice."""
+) -> tuple[Layout, str | None]:
+    """Validate the degrees against the world size and fix the precision; returns the layout and any notice."""
     tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
     pp = recipe.deepspeed.pipeline_stages
     if world_size % (tp * pp):
@@ -126,7 +126,7 @@ def make_plan(
     stage = ds_json.zero_stage(ds_config)
     precision, notice = resolve_precision(recipe.precision, ds_json.precision_of(ds_config), device)
     grad_accum, global_batch = batch_arithmetic(recipe, dp)
-    plan = ParallelPlan(
+    layout = Layout(
         world_size=world_size,
         dp=dp,
         tp=tp,
@@ -140,9 +140,9 @@ def make_plan(
         global_batch_size=global_batch,
         device=device.name,
     )
-    if plan.offload_params != "none" and stage != 3:
+    if layout.offload_params != "none" and stage != 3:
         raise UserError(
             f"DeepSpeed config offloads parameters (offload_param) with ZeRO stage {stage}; "
             "parameter offload needs zero_optimization.stage=3"
         )
-    return plan, notice
+    return layout, notice

@@ -1,6 +1,6 @@
 """Which tensor / pipeline / data-parallel combinations a run may use, checked before anything loads.
 
-plan.make_plan splits the world into dp x tp x pp; this module checks the split against the
+layout.make_layout splits the world into dp x tp x pp; this module checks the split against the
 model's shape and against what DeepSpeed 0.19 (and transformers) actually support, so a bad
 combination fails in `--dry-run` and at launch with one line that shows every factor,
 instead of minutes later inside DeepSpeed. No torch import: dry runs stay fast.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llm_train.config.layout import ParallelPlan
+from llm_train.config.layout import Layout
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
@@ -28,10 +28,10 @@ SUPPORTED = (
 )
 
 
-def check_parallel(plan: ParallelPlan, recipe: Recipe, fields: dict[str, Any], ds_source: str) -> None:
+def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_source: str) -> None:
     """Raise a one-line UserError for the first combination that cannot run."""
-    tp, pp = plan.tp, plan.pp
-    degrees = f"world size {plan.world_size} = dp {plan.dp} x tp {tp} x pp {pp}"
+    tp, pp = layout.tp, layout.pp
+    degrees = f"world size {layout.world_size} = dp {layout.dp} x tp {tp} x pp {pp}"
     if tp > 1 and pp > 1:
         raise UserError(
             f"{degrees}: tensor parallel (tensor_parallel.autotp_size={tp} in {ds_source}) cannot be combined "
@@ -39,15 +39,15 @@ def check_parallel(plan: ParallelPlan, recipe: Recipe, fields: dict[str, Any], d
             f"through Accelerate, not PipelineModule stages; {SUPPORTED}"
         )
     if pp > 1:
-        _check_pipeline(plan, recipe, fields, ds_source, degrees)
+        _check_pipeline(layout, recipe, fields, ds_source, degrees)
     if tp > 1:
-        _check_tensor_parallel(plan, recipe, fields, ds_source, degrees)
+        _check_tensor_parallel(layout, recipe, fields, ds_source, degrees)
 
 
 def _check_pipeline(
-    plan: ParallelPlan, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
+    layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
 ) -> None:
-    pp, stage = plan.pp, plan.zero_stage
+    pp, stage = layout.pp, layout.zero_stage
     if stage >= 2:
         raise UserError(
             f"{degrees}: deepspeed.pipeline_stages={pp} needs ZeRO stage 0 or 1, but {ds_source} sets "
@@ -93,9 +93,9 @@ def _check_pipeline(
 
 
 def _check_tensor_parallel(
-    plan: ParallelPlan, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
+    layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
 ) -> None:
-    tp, stage = plan.tp, plan.zero_stage
+    tp, stage = layout.tp, layout.zero_stage
     if stage == 3 and recipe.model.init == "pretrained":
         # DeepSpeed 0.19.8 trains ZeRO-3 + AutoTP, but transformers (5.x) refuses to load a checkpoint
         # into a model built under zero.Init with tensor_parallel set ("Weight conversions ... with

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from llm_train.config import ds_json
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
-from llm_train.config.layout import ParallelPlan, make_plan
+from llm_train.config.layout import Layout, make_layout
 from llm_train.config.parallel import check_parallel
 from llm_train.config.recipe import Recipe, load_recipe, recipe_to_yaml
 from llm_train.errors import UserError
@@ -34,7 +34,7 @@ class Resolved:
     recipe: Recipe
     ds_path: Path
     ds_config: dict[str, Any]  # no "auto" left
-    plan: ParallelPlan
+    layout: Layout
     hidden_size: int
     model_fields: dict[str, Any]  # the HF config fields the shape came from
     notice: str | None
@@ -86,19 +86,19 @@ def resolve_run(
     recipe = load_recipe(recipe_name, extra)
     device = device or Device.declared(recipe)
     ds_path, raw = ds_json.load_ds_config(recipe.deepspeed.config)
-    plan, notice = make_plan(recipe, raw, world_size, device)
+    layout, notice = make_layout(recipe, raw, world_size, device)
     fields = model_fields(recipe)
-    check_parallel(plan, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
+    check_parallel(layout, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
     hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)
     if hidden <= 0:
         # Only bucket sizes need it; a user model with an exotic config still trains.
         hidden = 4096
     values = ds_json.RecipeValues(
-        micro_batch_size=plan.micro_batch_size,
-        grad_accum=plan.grad_accum,
-        global_batch_size=plan.global_batch_size,
+        micro_batch_size=layout.micro_batch_size,
+        grad_accum=layout.grad_accum,
+        global_batch_size=layout.global_batch_size,
         grad_clip=recipe.optim.grad_clip,
-        precision=plan.precision,
+        precision=layout.precision,
         hidden_size=hidden,
         lr=recipe.optim.lr,
         betas=recipe.optim.betas,
@@ -109,13 +109,13 @@ def resolve_run(
         nvme_path=recipe.deepspeed.nvme_path,
     )
     resolved = ds_json.resolve(raw, values, str(ds_path))
-    if plan.tp > 1:
+    if layout.tp > 1:
         # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
         # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.
-        resolved["train_batch_size"] = plan.global_batch_size * plan.tp
+        resolved["train_batch_size"] = layout.global_batch_size * layout.tp
         # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
         resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
-    return Resolved(recipe, ds_path, resolved, plan, hidden, fields, notice)
+    return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice)
 
 
 def steps_for_epochs(epochs: float, micro_batches_per_epoch: int, grad_accum: int) -> int:

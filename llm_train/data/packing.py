@@ -121,7 +121,7 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 
 @dataclass
-class Layout:
+class Placement:
     """Spans grouped into sequences: sequence b holds spans[bin_offsets[b]:bin_offsets[b + 1]]."""
 
     spans: Spans
@@ -138,7 +138,7 @@ class Layout:
         np.save(out / "bin_offsets.npy", self.bin_offsets)
 
     @classmethod
-    def load(cls, path: Any) -> Layout:
+    def load(cls, path: Any) -> Placement:
         spans = Spans(
             np.load(path / "span_start.npy", mmap_mode="r"),
             np.load(path / "span_length.npy", mmap_mode="r"),
@@ -147,14 +147,14 @@ class Layout:
         return cls(spans, np.load(path / "bin_offsets.npy"))
 
 
-def layout(spans: Spans, seq_len: int, mode: str) -> Layout:
+def placement(spans: Spans, seq_len: int, mode: str) -> Placement:
     if mode == "padded" or len(spans) == 0:
-        return Layout(spans, np.arange(len(spans) + 1, dtype=np.int64))
+        return Placement(spans, np.arange(len(spans) + 1, dtype=np.int64))
     bin_of = best_fit_decreasing(spans.length, seq_len)
     order = np.lexsort((spans.start, bin_of))  # by sequence, samples in corpus order within one
     offsets = np.zeros(int(bin_of.max()) + 2, dtype=np.int64)
     np.cumsum(np.bincount(bin_of, minlength=len(offsets) - 1), out=offsets[1:])
-    return Layout(spans.select(order), offsets)
+    return Placement(spans.select(order), offsets)
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, int]:

@@ -26,10 +26,10 @@ from llm_train.data import formats
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import (
-    Layout,
-    layout,
+    Placement,
     length_stats,
     make_spans,
+    placement,
     trained_per_span,
 )
 from llm_train.data.sources import load_rows, locate
@@ -46,14 +46,14 @@ class PackedSource:
     label: str
     source: Source
     store: TokenStore
-    layout: Layout
+    placement: Placement
     stats: dict[str, Any]
     cache: dict[str, str]
     key: str
 
     @property
     def n_sequences(self) -> int:
-        return self.layout.n_sequences
+        return self.placement.n_sequences
 
 
 @dataclass
@@ -78,7 +78,7 @@ class PackedSplit:
         return digest([p.key for p in self.parts], self.weights)
 
     def spans(self, part: int, sequence: int) -> tuple[np.ndarray, np.ndarray]:
-        lay = self.parts[part].layout
+        lay = self.parts[part].placement
         lo, hi = int(lay.bin_offsets[sequence]), int(lay.bin_offsets[sequence + 1])
         return lay.spans.start[lo:hi], lay.spans.length[lo:hi]
 
@@ -204,7 +204,7 @@ class _Job:
 
         def build(out: Path) -> dict[str, Any]:
             spans, counts = make_spans(store, rows, data.seq_len, source.overlong, tokens.label)
-            lay = layout(spans, data.seq_len, data.packing)
+            lay = placement(spans, data.seq_len, data.packing)
             lay.save(out)
             n_tokens = int(spans.length.sum())
             slots = lay.n_sequences * data.seq_len
@@ -229,7 +229,7 @@ class _Job:
                 f"dropped {stats['dropped']}, split {stats['split']})"
             )
         cache = {"tokenize": tokens.status, "pack": status}
-        return PackedSource(tokens.label, source, store, Layout.load(entry), stats, cache, key)
+        return PackedSource(tokens.label, source, store, Placement.load(entry), stats, cache, key)
 
 
 def _chat_template_if_needed(data: DataSection, tokenizer: Any) -> str | None:

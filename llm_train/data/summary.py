@@ -64,7 +64,7 @@ def sample_views(split: PackedSplit, tokenizer: Any, order: Any, n: int) -> list
     while len(views) < n and position < order.epoch_len:
         part_index, sequence = order.at(position)
         part = split.parts[part_index]
-        lay = part.layout
+        lay = part.placement
         lo, hi = int(lay.bin_offsets[sequence]), int(lay.bin_offsets[sequence + 1])
         for k in range(lo, hi):
             if len(views) == n:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from llm_train.config import ds_json
 from llm_train.config.hardware import Device, find_gpu
-from llm_train.config.layout import make_plan
+from llm_train.config.layout import make_layout
 from llm_train.config.recipe import load_recipe
 from llm_train.errors import UserError
 from llm_train.observability.profiling import parse_range
@@ -123,12 +123,12 @@ def startup_summary(
 ) -> None:
     """Plan, memory estimate and where every output goes, before any weights are loaded."""
 
-    recipe, plan = run.recipe, run.plan
+    recipe, layout = run.recipe, run.layout
     out = recipe.output_dir
     say(f"llm-train: recipe {recipe.name} -> {out}")
-    for key, value in plan.rows():
+    for key, value in layout.rows():
         say(f"  {key:<12} {value}")
-    estimate = dict(memory_rows(run)) if plan.device != "cpu" else {}
+    estimate = dict(memory_rows(run)) if layout.device != "cpu" else {}
     if estimate:
         say(
             f"  {'memory':<12} ~{estimate.get('GPU total (per GPU)', '?')} per GPU, "
@@ -156,12 +156,12 @@ def recipe_row(name: str) -> tuple[str, ...]:
     hw = recipe.hardware
     _, raw = ds_json.load_ds_config(recipe.deepspeed.config)
     try:
-        plan, _ = make_plan(recipe, raw, hw.world_size, Device.declared(recipe))
-        stage, tp, pp = plan.zero_stage, plan.tp, plan.pp
-        offload = plan.offload_optimizer != "none" or plan.offload_params != "none"
+        layout, _ = make_layout(recipe, raw, hw.world_size, Device.declared(recipe))
+        stage, tp, pp = layout.zero_stage, layout.tp, layout.pp
+        offload = layout.offload_optimizer != "none" or layout.offload_params != "none"
     except UserError:  # a recipe whose declared hardware does not divide; show what the JSON says
         stage, tp, pp, offload = ds_json.zero_stage(raw), 0, 0, False
-    layout = f"{stage}{'+off' if offload else ''}/{tp or '?'}/{pp or '?'}"
+    degrees = f"{stage}{'+off' if offload else ''}/{tp or '?'}/{pp or '?'}"
     count = f"{hw.nodes} nodes x {hw.processes_per_node}" if hw.nodes > 1 else str(hw.processes_per_node)
     if hw.device == "cpu":
         gpus, vram = f"none (cpu x{hw.world_size})", "-"
@@ -172,7 +172,7 @@ def recipe_row(name: str) -> tuple[str, ...]:
         vram = f"{mem:.0f} GiB" if mem else "-"
     ram = f"{hw.host_ram_gib:.0f} GiB" if hw.host_ram_gib else "-"
     model = recipe.model.name_or_path or f"random {recipe.model.config.get('model_type', 'model')}"
-    return (name, model, layout, gpus, vram, ram, recipe.description)
+    return (name, model, degrees, gpus, vram, ram, recipe.description)
 
 
 def print_recipe_table(names: list[str]) -> None:

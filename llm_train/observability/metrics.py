@@ -214,12 +214,12 @@ class StepMeter:
         """The meter of a training run: its batch arithmetic, the model's FLOPs and the device's peak."""
         import torch
 
-        plan = run.plan
+        layout = run.layout
         cuda = torch.cuda.is_available()
         return cls(
-            tokens_per_step=plan.global_batch_size * run.recipe.data.seq_len,
-            samples_per_step=plan.global_batch_size,
-            world_size=plan.world_size,
+            tokens_per_step=layout.global_batch_size * run.recipe.data.seq_len,
+            samples_per_step=layout.global_batch_size,
+            world_size=layout.world_size,
             flops_per_token=flops_per_token,
             peak_tflops=resolve_peak_tflops(getattr(args, "peak_tflops", None), cuda),
             cuda=cuda,

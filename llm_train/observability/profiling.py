@@ -62,7 +62,7 @@ class StepProfiler:
         warmup = 1 if offset >= 1 else 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "won't be using warmup" when A is the very first step
-            plan = schedule(
+            layout = schedule(
                 skip_first=offset - warmup, wait=0, warmup=warmup, active=last - first + 1, repeat=1
             )
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -78,7 +78,7 @@ class StepProfiler:
 
         self.profiler = profile(
             activities=activities,
-            schedule=plan,
+            schedule=layout,
             on_trace_ready=on_ready,
             record_shapes=True,
             profile_memory=True,

@@ -67,7 +67,7 @@ TYPICAL_COST = {
 def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None) -> MemoryInputs:
     """MemoryInputs for a resolved run, bucket sizes and overlap read from its final DS config."""
     zero = run.ds_config.get("zero_optimization", {}) or {}
-    plan, recipe = run.plan, run.recipe
+    layout, recipe = run.layout, run.recipe
 
     def number(key: str, default: int | None) -> int | None:
         value = zero.get(key)
@@ -75,15 +75,15 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
 
     return MemoryInputs(
         shape=shape,
-        world_size=plan.world_size,
-        tp=plan.tp,
-        pp=plan.pp,
-        gpus_per_node=gpus_per_node or min(recipe.hardware.processes_per_node, plan.world_size),
-        zero_stage=plan.zero_stage,
-        offload_optimizer=plan.offload_optimizer,
-        offload_params=plan.offload_params,
-        precision=plan.precision,
-        micro_batch=plan.micro_batch_size,
+        world_size=layout.world_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        gpus_per_node=gpus_per_node or min(recipe.hardware.processes_per_node, layout.world_size),
+        zero_stage=layout.zero_stage,
+        offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params,
+        precision=layout.precision,
+        micro_batch=layout.micro_batch_size,
         seq_len=recipe.data.seq_len,
         activation_checkpointing=recipe.memory.activation_checkpointing,
         attn_impl=recipe.memory.attention,
@@ -91,7 +91,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         reduce_bucket_size=number("reduce_bucket_size", None),
         prefetch_bucket_size=number("stage3_prefetch_bucket_size", None),
         # DeepSpeed turns overlap_comm on by default for stage 3 only.
-        overlap_comm=bool(zero.get("overlap_comm", plan.zero_stage == 3)),
+        overlap_comm=bool(zero.get("overlap_comm", layout.zero_stage == 3)),
         allgather_bucket_size=number("allgather_bucket_size", DS_ALLGATHER_BUCKET_SIZE)
         or DS_ALLGATHER_BUCKET_SIZE,
         param_persistence_threshold=number("stage3_param_persistence_threshold", None),

@@ -45,7 +45,7 @@ def check_host_ram(run: Any, available: int | None = None) -> None:
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     inp = memory_inputs(run, shape, local or None)
-    kind = "cpu" if run.plan.device == "cpu" else "cuda"
+    kind = "cpu" if run.layout.device == "cpu" else "cuda"
     est = estimate_memory(inp)
     device, host = needs(est, inp, kind)
     total = host_ram_bytes() if available is None else available

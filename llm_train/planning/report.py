@@ -186,20 +186,20 @@ def plan_recipe(
     run = resolve_run(recipe_name, overrides, world_size=hw.gpus, device=hw.device())
     shape = shape_from_config(run.model_fields)
     base = memory_inputs(run, shape, hw.gpus_per_node)
-    start = Choice.of(base, run.plan.grad_accum)
+    start = Choice.of(base, run.layout.grad_accum)
     ev = evaluate(base, start, hw)
     model = run.recipe.model.name_or_path or f"random {shape.model_type}"
     title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e9:.2f}B parameters)"
     if shape.num_params < 1e8:
         title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e6:.1f}M parameters)"
-    report = PlanReport(title, hw, config_line(base, run.plan.grad_accum), ev)
+    report = PlanReport(title, hw, config_line(base, run.layout.grad_accum), ev)
     if run.notice:
         report.notes.append(run.notice)
     tight = hw.kind == "cuda" and ev.device_bytes > hw.gpu_limit_bytes
     if not ev.fits or tight:
-        report.fixes = search_fixes(base, run.plan.grad_accum, hw, run.recipe)
+        report.fixes = search_fixes(base, run.layout.grad_accum, hw, run.recipe)
     else:
-        report.faster = search_faster(base, run.plan.grad_accum, hw, run.recipe)
+        report.faster = search_faster(base, run.layout.grad_accum, hw, run.recipe)
     if ev.estimate.nvme_bytes:
         report.notes.append(
             f"NVMe: before start, deepspeed.nvme_path is checked for {ev.estimate.nvme_bytes / 2**30:.1f} GiB "

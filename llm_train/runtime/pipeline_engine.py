@@ -80,16 +80,16 @@ class PipelineEngine:
             get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # DeepSpeed picks gloo for its CPU accelerator and NCCL on GPUs.
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        if collectives.world_size() != self.run.plan.world_size:
+        if collectives.world_size() != self.run.layout.world_size:
             raise RuntimeError(
-                f"DeepSpeed sees a world of {collectives.world_size()}, the plan says {self.run.plan.world_size}"
+                f"DeepSpeed sees a world of {collectives.world_size()}, the layout says {self.run.layout.world_size}"
             )
         # Each stage builds and loads only its own layers, before the engine exists.
         interval = 1 if self.run.recipe.memory.activation_checkpointing else 0
-        self.module = build_pipeline_module(self.config, self.run.plan.pp, interval)
+        self.module = build_pipeline_module(self.config, self.run.layout.pp, interval)
         load_stage_weights(self.module, self.run, self.config, self.names)
         grid = self.module._grid
-        expected = self.run.plan.dp_rank(collectives.rank())
+        expected = self.run.layout.dp_rank(collectives.rank())
         if grid.get_data_parallel_id() != expected:
             raise RuntimeError(
                 f"DeepSpeed's pipeline grid puts this rank at dp {grid.get_data_parallel_id()}"
@@ -103,8 +103,8 @@ class PipelineEngine:
         split = {info["stage"]: info["layers"] for info in ranks}
         stages = ", ".join(f"{s}: layers {a}-{b - 1}" for s, (a, b) in sorted(split.items()))
         n = self.config.num_hidden_layers
-        layout = f"(0 embedding, 1-{n} decoder, {self.names.norm_idx} norm, {self.names.norm_idx + 1} head)"
-        return [("stages", f"{stages} {layout}")]
+        legend = f"(0 embedding, 1-{n} decoder, {self.names.norm_idx} norm, {self.names.norm_idx + 1} head)"
+        return [("stages", f"{stages} {legend}")]
 
     def build(self, max_steps: int, mark: Callable[[str], None]) -> None:
         import deepspeed
@@ -125,7 +125,7 @@ class PipelineEngine:
                 model=self.module, model_parameters=params, config=run.ds_config, lr_scheduler=schedule
             )
         else:
-            optimizer = build_optimizer(self.module, optim, run.plan.offload_optimizer)
+            optimizer = build_optimizer(self.module, optim, run.layout.offload_optimizer)
             self.ds, _, _, _ = deepspeed.initialize(
                 model=self.module, optimizer=optimizer, config=run.ds_config, lr_scheduler=schedule
             )

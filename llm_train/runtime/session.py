@@ -61,7 +61,7 @@ class RunOptions:
 
 def make_engine(run: Resolved, say: Callable[[str], None]) -> Engine:
     # Accelerate cannot drive DeepSpeed's pipeline engine: pipelines get their own.
-    if run.plan.pp > 1:
+    if run.layout.pp > 1:
         from llm_train.runtime.pipeline_engine import PipelineEngine
 
         return PipelineEngine(run, say)
@@ -76,18 +76,18 @@ def build_data(run: Resolved, options: RunOptions, dp_rank: int, say: Callable[[
     With optim.epochs the number of steps is only known here, and it feeds the DeepSpeed
     scheduler's "auto" values, so the run is resolved again.
     """
-    recipe, plan = run.recipe, run.plan
+    recipe, layout = run.recipe, run.layout
     tokenizer = load_tokenizer(recipe.model)
     train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
-    stream = BatchStream(train_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.optim.seed)
+    stream = BatchStream(train_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.optim.seed)
     max_steps = recipe.optim.max_steps or steps_for_epochs(
-        recipe.optim.epochs or 1.0, stream.per_epoch, plan.grad_accum
+        recipe.optim.epochs or 1.0, stream.per_epoch, layout.grad_accum
     )
     if recipe.optim.max_steps is None:
         run = resolve_run(
             options.recipe,
             list(options.overrides),
-            plan.world_size,
+            layout.world_size,
             Device.detect(),
             options.ds_config,
             max_steps,
@@ -101,14 +101,14 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     launcher.use_deepspeed_in_accelerate()
     quiet(options.verbose)  # before DeepSpeed logs anything
     started = time.perf_counter()
-    recipe, plan = run.recipe, run.plan
+    recipe, layout = run.recipe, run.layout
     out = recipe.output_dir
     clock = StartupClock.start(out)  # start-up split -> startup.json at the first step
     if not options.resume:
         check_output_dir(out, options.overwrite)  # every rank checks before rank 0 creates anything
 
     rank = int(os.environ["RANK"])
-    dp_rank = plan.dp_rank(rank)  # ranks of one TP group / one pipeline share a data-parallel rank
+    dp_rank = layout.dp_rank(rank)  # ranks of one TP group / one pipeline share a data-parallel rank
     run, tokenizer, stream, eval_blocks, max_steps = build_data(run, options, dp_rank, say)
     clock.mark("data")
 
@@ -120,7 +120,9 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     ranks = collectives.WORLD.gather_objects(me)
     if rank == 0:
         create_run_dir(out, run, options.overwrite and not options.resume)
-        (out / "world.json").write_text(json.dumps({"world_size": plan.world_size, "ranks": ranks}, indent=2))
+        (out / "world.json").write_text(
+            json.dumps({"world_size": layout.world_size, "ranks": ranks}, indent=2)
+        )
     startup_summary(run, say, extra=engine.summary_rows(ranks))
 
     comm = collectives.WORLD
@@ -128,7 +130,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         choose_checkpoint(options.resume, out / "checkpoints", rank, comm, say) if options.resume else None
     )
     if resume_from is not None:
-        check_compatible(resume_from, plan.world_size, recipe, say)
+        check_compatible(resume_from, layout.world_size, recipe, say)
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
     meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options, clock)
@@ -150,7 +152,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     config_for_tracker = {
         "recipe": recipe.model_dump(mode="json"),
         "ds_config": run.ds_config,
-        "plan": plan.as_dict(),
+        "plan": layout.as_dict(),
     }
     tracker = open_trackers(recipe.tracking, out, config_for_tracker, rank == 0, tracker_run_id, start_step)
     checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
@@ -159,16 +161,16 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     )
     control.install_signal_handlers()
     save = make_saver(
-        checkpointer, control, engine.ds, stream, tokenizer, rank, plan.world_size, recipe, tracker, say
+        checkpointer, control, engine.ds, stream, tokenizer, rank, layout.world_size, recipe, tracker, say
     )
-    evals = eval_batches(eval_blocks, plan.micro_batch_size, dp_rank, plan.dp, recipe.eval.batches)
+    evals = eval_batches(eval_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.eval.batches)
     cfg = LoopConfig(
         max_steps=max_steps,
         log_every=recipe.output.log_every,
         eval_every=recipe.eval.every,
         start_step=start_step,
     )
-    tokens_per_step = plan.global_batch_size * recipe.data.seq_len
+    tokens_per_step = layout.global_batch_size * recipe.data.seq_len
     say(
         f"training {max_steps} steps, {tokens_per_step:,} tokens per step; "
         f"setup took {time.perf_counter() - started:.1f}s"

@@ -64,7 +64,7 @@ class ZeroEngine:
                 f"({','.join(what)}); with llm_train the recipe and its DeepSpeed JSON "
                 "own them: keep only machines/processes/rendezvous in the accelerate config (see launch/)"
             )
-        if run.plan.zero_stage == 3:
+        if run.layout.zero_stage == 3:
             # Registered before the model exists, so transformers builds it inside zero.Init and no
             # rank materialises the full model. The reference must stay alive while the model is built.
             from transformers.integrations import HfDeepSpeedConfig
@@ -75,14 +75,14 @@ class ZeroEngine:
         handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
         self.accelerator = Accelerator(
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
-            mixed_precision=_MIXED_PRECISION[run.plan.precision],
+            mixed_precision=_MIXED_PRECISION[run.layout.precision],
             kwargs_handlers=handlers,
         )
         rank = int(os.environ["RANK"])
-        if self.accelerator.num_processes != run.plan.world_size or self.accelerator.process_index != rank:
+        if self.accelerator.num_processes != run.layout.world_size or self.accelerator.process_index != rank:
             raise RuntimeError(
                 f"Accelerate sees rank {self.accelerator.process_index} of {self.accelerator.num_processes}, "
-                f"the launcher said rank {rank} of {run.plan.world_size}"
+                f"the launcher said rank {rank} of {run.layout.world_size}"
             )
 
     def world_info(self) -> dict[str, Any]:
@@ -92,10 +92,12 @@ class ZeroEngine:
         return []
 
     def build(self, max_steps: int, mark: Callable[[str], None]) -> None:
-        recipe, plan = self.run.recipe, self.run.plan
-        if notice := apply_liger(recipe.memory, self.run.model_fields.get("model_type"), plan.zero_stage):
+        recipe, layout = self.run.recipe, self.run.layout
+        if notice := apply_liger(recipe.memory, self.run.model_fields.get("model_type"), layout.zero_stage):
             self.say(notice)
-        self.model = build_model(recipe.model, recipe.memory, plan.precision, recipe.optim.seed, recipe.lora)
+        self.model = build_model(
+            recipe.model, recipe.memory, layout.precision, recipe.optim.seed, recipe.lora
+        )
         mark("model build")
         self.ds = self._prepare(max_steps)
         self.ds.train()  # from_pretrained returns the model in eval mode (dropout off)
@@ -120,7 +122,7 @@ class ZeroEngine:
             )
             engine, _, _ = self.accelerator.prepare(model, optimizer, scheduler)
             return engine
-        optimizer = build_optimizer(model, optim, run.plan.offload_optimizer)
+        optimizer = build_optimizer(model, optim, run.layout.offload_optimizer)
         engine, _ = self.accelerator.prepare(model, optimizer)
         if "scheduler" not in run.ds_config:
             # Accelerate hands DeepSpeed only its own scheduler types; giving the engine ours means it
@@ -138,7 +140,7 @@ class ZeroEngine:
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         skip = self.run.recipe.checkpoint.on_nonfinite == "skip"
         losses, grad_norm = [], None
-        for _ in range(self.run.plan.grad_accum):
+        for _ in range(self.run.layout.grad_accum):
             loss = self._loss(next(batches))
             # Skipping must be decided before backward, by all ranks together (one collective per
             # micro-batch), so it is only paid for when asked for.

@@ -38,7 +38,7 @@ def _only_sample(tmp_path: Path, source: dict[str, Any], **data: Any) -> tuple[l
     section = data_section(tmp_path, train=[source], seq_len=128, **data)
     split = prepare_data(section, get_tokenizer(), seed=0).train
     part = split.parts[0]
-    start, length = int(part.layout.spans.start[0]), int(part.layout.spans.length[0])
+    start, length = int(part.placement.spans.start[0]), int(part.placement.spans.length[0])
     ids, mask = part.store.tokens(start, length)
     return ids.tolist(), mask.tolist(), build_rows(split, [(0, 0)])
 

@@ -10,7 +10,7 @@ import torch
 
 from llm_train.data import prepare_data
 from llm_train.data.batches import build_rows
-from llm_train.data.packing import best_fit_decreasing, layout, make_spans
+from llm_train.data.packing import best_fit_decreasing, make_spans, placement
 from llm_train.data.store import TokenStore
 from llm_train.errors import UserError
 from tests.unit.test_data_fixtures import data_section, get_tokenizer, text_rows, write_jsonl
@@ -84,7 +84,7 @@ def test_samples_without_trained_tokens_are_dropped(tmp_path: Path) -> None:
 def test_layout_groups_spans_into_sequences(tmp_path: Path) -> None:
     store = _store(tmp_path, [5, 3, 8, 2, 6])
     spans, _ = make_spans(store, np.arange(5), 8, "truncate", "data.train")
-    lay = layout(spans, 8, "packed")
+    lay = placement(spans, 8, "packed")
     seen = []
     for b in range(lay.n_sequences):
         lo, hi = lay.bin_offsets[b], lay.bin_offsets[b + 1]

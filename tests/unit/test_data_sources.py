@@ -102,8 +102,8 @@ def test_eval_fraction_carves_rows_and_eval_sources_replace_it(tmp_path: Path) -
         data_section(tmp_path, train=[str(path)], seq_len=64, eval_fraction=0.1), get_tokenizer(), 0
     )
     assert carved.eval is not None
-    train_rows = set(carved.train.parts[0].layout.spans.row.tolist())
-    eval_rows = set(carved.eval.parts[0].layout.spans.row.tolist())
+    train_rows = set(carved.train.parts[0].placement.spans.row.tolist())
+    eval_rows = set(carved.eval.parts[0].placement.spans.row.tolist())
     assert len(eval_rows) == 4 and not train_rows & eval_rows and len(train_rows | eval_rows) == 40
     held = write_jsonl(tmp_path / "held.jsonl", text_rows(5, seed=9))
     own = prepare_data(
@@ -111,7 +111,7 @@ def test_eval_fraction_carves_rows_and_eval_sources_replace_it(tmp_path: Path) -
         get_tokenizer(),
         0,
     )
-    assert len(set(own.train.parts[0].layout.spans.row.tolist())) == 40  # nothing carved
+    assert len(set(own.train.parts[0].placement.spans.row.tolist())) == 40  # nothing carved
     assert own.eval is not None and own.eval.parts[0].stats["rows"] == 5
 
 

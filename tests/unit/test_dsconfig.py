@@ -123,6 +123,6 @@ def test_missing_and_unparsable_files(tmp_path: Path) -> None:
 
 def test_recipe_precision_and_json_precision_agree() -> None:
     run = resolve_run("tiny-cpu", ["precision=auto"], world_size=2, device=Device("cpu", "cpu", True))
-    assert run.plan.precision == "fp32" and run.ds_config["bf16"]["enabled"] is False
+    assert run.layout.precision == "fp32" and run.ds_config["bf16"]["enabled"] is False
     run = resolve_run("tiny-cpu", ["precision=bf16"], world_size=2, device=Device("cpu", "cpu", True))
-    assert run.plan.precision == "bf16" and run.ds_config["bf16"]["enabled"] is True
+    assert run.layout.precision == "bf16" and run.ds_config["bf16"]["enabled"] is True

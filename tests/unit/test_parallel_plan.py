@@ -34,14 +34,14 @@ def _one_line_error(*args, **kwargs) -> str:
 
 def test_pipeline_degree_comes_from_the_recipe() -> None:
     run = resolve_run("tiny-cpu-pp2", [], world_size=4, device=CPU)
-    assert (run.plan.pp, run.plan.tp, run.plan.dp) == (2, 1, 2)
+    assert (run.layout.pp, run.layout.tp, run.layout.dp) == (2, 1, 2)
     # DeepSpeed's pipeline engine counts data-parallel ranks only: train_batch = micro x accum x dp.
     assert run.ds_config["train_batch_size"] == 8 * 2 * 2
 
 
 def test_tensor_parallel_batch_counts_every_rank() -> None:
     run = resolve_run("tiny-cpu-tp2", ["optim.grad_accum=2"], world_size=4, device=CPU)
-    assert (run.plan.tp, run.plan.dp, run.plan.global_batch_size) == (2, 2, 32)
+    assert (run.layout.tp, run.layout.dp, run.layout.global_batch_size) == (2, 2, 32)
     # Under AutoTP DeepSpeed asserts micro x accum x world (TP replicas included).
     assert run.ds_config["train_batch_size"] == 64
     assert run.ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
@@ -110,7 +110,7 @@ def test_tensor_parallel_zero3_only_from_scratch(tmp_path: Path) -> None:
     message = _one_line_error("7b-tp2-zero1", [], world_size=8, device=H100, ds_config_path=ds)
     assert "ZeRO-3 with tensor_parallel.autotp_size=2" in message and "zero1_tp" in message
     run = resolve_run("tiny-cpu", [], world_size=2, device=CPU, ds_config_path=ds)  # init: random trains
-    assert (run.plan.tp, run.plan.zero_stage) == (2, 3)
+    assert (run.layout.tp, run.layout.zero_stage) == (2, 3)
 
 
 def test_tensor_parallel_without_lora(tmp_path: Path) -> None:
@@ -131,7 +131,7 @@ def test_tensor_parallel_without_lora(tmp_path: Path) -> None:
 def test_shipped_parallel_recipes_at_their_world_size(recipe: str, world: int, row: str) -> None:
     run = resolve_run(recipe, [], world_size=world)  # the hardware the recipe declares
     assert run.recipe.hardware.world_size == world
-    assert dict(run.plan.rows())["world size"] == row
+    assert dict(run.layout.rows())["world size"] == row
 
 
 def test_entry_point_reports_one_line_and_exit_2() -> None:

@@ -33,7 +33,7 @@ def test_batch_arithmetic() -> None:
     run = resolve_run(
         "tiny-cpu", ["optim.global_batch_size=64", "optim.grad_accum=null"], world_size=2, device=CPU
     )
-    assert (run.plan.micro_batch_size, run.plan.grad_accum, run.plan.dp) == (8, 4, 2)
+    assert (run.layout.micro_batch_size, run.layout.grad_accum, run.layout.dp) == (8, 4, 2)
     assert run.ds_config["train_batch_size"] == 64 and run.ds_config["gradient_accumulation_steps"] == 4
 
 

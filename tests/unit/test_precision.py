@@ -21,7 +21,7 @@ DYNAMIC = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero3_offload"])
 def test_auto_precision_on_a_card_without_bf16_is_fp16_with_dynamic_loss_scaling(ds_config: str) -> None:
     run = resolve_run("7b-zero3", ["precision=auto"], world_size=8, device=T4, ds_config_path=ds_config)
-    assert run.plan.precision == "fp16"
+    assert run.layout.precision == "fp16"
     assert run.notice and "fp16 with dynamic loss scaling" in run.notice
     fp16, bf16 = get_float16_config(run.ds_config), get_bfloat16_config(run.ds_config)
     assert fp16.enabled and not bf16.enabled
@@ -42,5 +42,5 @@ def test_a_json_without_an_fp16_section_still_gets_dynamic_scaling(tmp_path: Pat
 
 def test_bf16_cards_train_bf16_and_leave_fp16_off() -> None:
     run = resolve_run("7b-zero3", ["precision=auto"], world_size=8, device=H100)
-    assert run.plan.precision == "bf16" and run.notice is None
+    assert run.layout.precision == "bf16" and run.notice is None
     assert get_bfloat16_config(run.ds_config).enabled and not get_float16_config(run.ds_config).enabled
