@@ -238,9 +238,19 @@ def precision_of(config: dict[str, Any]) -> str | None:
     return "fp32" if explicit_off else None
 
 
+def zero_bucket_sizes(hidden_size: int) -> dict[str, int]:
+    """ZeRO bucket sizes from the hidden size, as the HF Trainer derives its "auto" (HfTrainerDeepSpeedConfig)."""
+    h = hidden_size
+    return {
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+    }
+
+
 def _owned_values(v: RecipeValues) -> dict[tuple[str, ...], Any]:
     """Paths the recipe owns, with the values the recipe gives them."""
-    h = v.hidden_size
+    buckets = zero_bucket_sizes(v.hidden_size)
     return {
         ("train_micro_batch_size_per_gpu",): v.micro_batch_size,
         ("gradient_accumulation_steps",): v.grad_accum,
@@ -256,10 +266,7 @@ def _owned_values(v: RecipeValues) -> dict[tuple[str, ...], Any]:
         ("scheduler", "params", "warmup_max_lr"): v.lr,
         ("scheduler", "params", "warmup_num_steps"): v.warmup_steps,
         ("scheduler", "params", "total_num_steps"): v.max_steps,
-        # The same sizes the HF Trainer derives from the hidden size (HfTrainerDeepSpeedConfig).
-        ("zero_optimization", "reduce_bucket_size"): h * h,
-        ("zero_optimization", "stage3_prefetch_bucket_size"): int(0.9 * h * h),
-        ("zero_optimization", "stage3_param_persistence_threshold"): 10 * h,
+        **{("zero_optimization", key): size for key, size in buckets.items()},
     }
 
 

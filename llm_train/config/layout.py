@@ -17,16 +17,43 @@ from llm_train.config.hardware import Device
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
+# --- the rules of a layout, each written once (the run, the memory estimator and the planner ask these) ---
+
+PIPELINE_MAX_ZERO_STAGE = 1  # DeepSpeed refuses ZeRO-2/3 with pipeline parallelism
+
+
+def degrees_divide(world_size: int, tp: int, pp: int) -> bool:
+    """world size = data parallel x tensor parallel x pipeline parallel."""
+    return world_size % (tp * pp) == 0
+
+
+def offload_problem(zero_stage: int, offload_optimizer: str, offload_params: str) -> str | None:
+    """Which offload rule a combination breaks: 'params' (needs ZeRO-3), 'optimizer' (needs ZeRO >= 1),
+    'nvme_optimizer' (needs ZeRO-3: stage 1/2 would treat nvme as CPU and fill host RAM); None when fine."""
+    if offload_params != "none" and zero_stage != 3:
+        return "params"
+    if offload_optimizer != "none" and zero_stage == 0:
+        return "optimizer"
+    if offload_optimizer == "nvme" and zero_stage != 3:
+        return "nvme_optimizer"
+    return None
+
+
+def default_precision(kind: str, bf16: bool) -> str:
+    """What precision=auto means on a device: fp32 on CPU, bf16 where the GPU has it, else fp16."""
+    if kind == "cpu":
+        return "fp32"
+    return "bf16" if bf16 else "fp16"
+
 
 def resolve_precision(requested: str, json_precision: str | None, device: Device) -> tuple[str, str | None]:
     """The precision to train in, and a one-line notice when it was chosen for the user."""
     if requested == "auto" and json_precision is not None:
         requested = json_precision
     if requested == "auto":
-        if device.kind == "cpu":
-            return "fp32", None
-        if device.bf16:
-            return "bf16", None
+        chosen = default_precision(device.kind, device.bf16)
+        if chosen != "fp16":
+            return chosen, None
         return (
             "fp16",
             f"{device.name} has no bf16; training in fp16 with dynamic loss scaling (precision=auto)",
@@ -116,7 +143,7 @@ def make_layout(
     """Validate the degrees against the world size and fix the precision; returns the layout and any notice."""
     tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
     pp = recipe.deepspeed.pipeline_stages
-    if world_size % (tp * pp):
+    if not degrees_divide(world_size, tp, pp):
         raise UserError(
             f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} "
             "(world size = data parallel x tensor parallel x pipeline parallel); launch a multiple of that many "
@@ -140,7 +167,7 @@ def make_layout(
         global_batch_size=global_batch,
         device=device.name,
     )
-    if layout.offload_params != "none" and stage != 3:
+    if offload_problem(stage, layout.offload_optimizer, layout.offload_params) == "params":
         raise UserError(
             f"DeepSpeed config offloads parameters (offload_param) with ZeRO stage {stage}; "
             "parameter offload needs zero_optimization.stage=3"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llm_train.config.layout import Layout
+from llm_train.config.layout import PIPELINE_MAX_ZERO_STAGE, Layout
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
@@ -48,7 +48,7 @@ def _check_pipeline(
     layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
 ) -> None:
     pp, stage = layout.pp, layout.zero_stage
-    if stage >= 2:
+    if stage > PIPELINE_MAX_ZERO_STAGE:
         raise UserError(
             f"{degrees}: deepspeed.pipeline_stages={pp} needs ZeRO stage 0 or 1, but {ds_source} sets "
             f"zero_optimization.stage={stage} (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism); "

@@ -10,6 +10,7 @@ from typing import Any
 
 from llm_train import RECIPES_DIR
 from llm_train.config.hardware import Hardware
+from llm_train.config.layout import default_precision
 from llm_train.errors import UserError
 from llm_train.planning.fit import (
     AUTO_MICRO_BATCHES,
@@ -50,9 +51,7 @@ class AutoChoice:
 
     @property
     def precision(self) -> str:
-        if self.hardware.kind == "cpu":
-            return "fp32"
-        return "bf16" if self.hardware.bf16 else "fp16"
+        return default_precision(self.hardware.kind, self.hardware.bf16)
 
 
 def choose_auto(
@@ -69,7 +68,7 @@ def choose_auto(
 
     shape = resolve_shape(model)
     seq = seq_len or min(2048, shape.max_position_embeddings)
-    precision = "fp32" if hw.kind == "cpu" else ("bf16" if hw.bf16 else "fp16")
+    precision = default_precision(hw.kind, hw.bf16)
     dp = hw.gpus
     micro_options = [m for m in AUTO_MICRO_BATCHES if global_batch % (m * dp) == 0]
     if not micro_options:

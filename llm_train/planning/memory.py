@@ -47,6 +47,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llm_train.config.ds_json import zero_bucket_sizes
+from llm_train.config.layout import (
+    PIPELINE_MAX_ZERO_STAGE,
+    degrees_divide,
+    offload_problem,
+)
 from llm_train.errors import UserError
 from llm_train.planning.shapes import ModelShape
 
@@ -205,6 +211,13 @@ def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
 # --- the estimator ------------------------------------------------------------------------------
 
 
+_OFFLOAD_MESSAGES = {  # keyed by config.layout.offload_problem
+    "params": "offload_params needs zero_stage 3 (only ZeRO-3 partitions parameters)",
+    "optimizer": "offload_optimizer needs zero_stage 1, 2 or 3",
+    "nvme_optimizer": "offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)",
+}
+
+
 @dataclass(frozen=True)
 class MemoryInputs:
     """One training configuration, as far as memory is concerned."""
@@ -241,16 +254,18 @@ class MemoryInputs:
     """Model built under deepspeed.zero.Init; None = (zero_stage == 3)."""
 
     def __post_init__(self) -> None:
-        h = self.shape.hidden_size
+        buckets = zero_bucket_sizes(self.shape.hidden_size)
         # Resolve the "auto" defaults once, so every reader sees concrete numbers.
         if self.gpus_per_node is None:
             object.__setattr__(self, "gpus_per_node", min(self.world_size, 8))
         if self.reduce_bucket_size is None:
-            object.__setattr__(self, "reduce_bucket_size", h * h)
+            object.__setattr__(self, "reduce_bucket_size", buckets["reduce_bucket_size"])
         if self.prefetch_bucket_size is None:
-            object.__setattr__(self, "prefetch_bucket_size", int(0.9 * h * h))
+            object.__setattr__(self, "prefetch_bucket_size", buckets["stage3_prefetch_bucket_size"])
         if self.param_persistence_threshold is None:
-            object.__setattr__(self, "param_persistence_threshold", 10 * h)
+            object.__setattr__(
+                self, "param_persistence_threshold", buckets["stage3_param_persistence_threshold"]
+            )
         if self.zero_init is None:
             object.__setattr__(self, "zero_init", self.zero_stage == 3)
         self._validate()
@@ -259,7 +274,7 @@ class MemoryInputs:
         for name in ("world_size", "tp", "pp", "micro_batch", "seq_len", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise MemoryInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.world_size % (self.tp * self.pp) != 0:
+        if not degrees_divide(self.world_size, self.tp, self.pp):
             raise MemoryInputError(
                 f"world_size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}; "
                 "world_size = dp * tp * pp"
@@ -276,15 +291,10 @@ class MemoryInputs:
                 raise MemoryInputError(
                     f"{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'"
                 )
-        if self.offload_params != "none" and self.zero_stage != 3:
-            raise MemoryInputError("offload_params needs zero_stage 3 (only ZeRO-3 partitions parameters)")
-        if self.offload_optimizer != "none" and self.zero_stage == 0:
-            raise MemoryInputError("offload_optimizer needs zero_stage 1, 2 or 3")
-        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
-            # DeepSpeed's stage 1/2 optimizer treats any offload device as CPU: an
-            # "nvme" request would silently fill host RAM instead.
-            raise MemoryInputError("offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)")
-        if self.pp > 1 and self.zero_stage >= 2:
+        broken = offload_problem(self.zero_stage, self.offload_optimizer, self.offload_params)
+        if broken:
+            raise MemoryInputError(_OFFLOAD_MESSAGES[broken])
+        if self.pp > 1 and self.zero_stage > PIPELINE_MAX_ZERO_STAGE:
             raise MemoryInputError(
                 f"DeepSpeed refuses ZeRO-{self.zero_stage} with pipeline parallelism; use 0 or 1"
             )
