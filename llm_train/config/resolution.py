@@ -115,6 +115,13 @@ def resolve_run(
         resolved["train_batch_size"] = layout.global_batch_size * layout.tp
         # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
         resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    if layout.offload_optimizer != "none" and "optimizer" not in resolved:
+        # llm_train builds DeepSpeed's CPU Adam itself, with the recipe's betas, eps and AdamW's
+        # decoupled weight decay. Left at its default (true), this switch makes Accelerate swap it
+        # for a new CPU Adam that keeps only lr and weight_decay: Adam with L2 instead of AdamW,
+        # betas (0.9, 0.999), and an LR schedule left driving the old optimizer, so the LR froze
+        # after a resume.
+        resolved["zero_force_ds_cpu_optimizer"] = False
     return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice)
 
 

@@ -128,7 +128,7 @@ class ZeroEngine:
             # Accelerate hands DeepSpeed only its own scheduler types; giving the engine ours means it
             # steps the LR exactly at accumulation boundaries, skips it on fp16 overflow, and saves it
             # in its checkpoints. The ZeRO wrappers update the client optimizer's param_groups.
-            engine.lr_scheduler = schedule(optimizer)
+            engine.lr_scheduler = schedule(engine.basic_optimizer)  # the optimizer the engine steps
         return engine
 
     def flops_per_token(self, seq_len: int) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 STEPS = 6
-VARIANTS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+VARIANTS = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 SHORT_RUN = [
     f"--max-steps={STEPS}",
     "optim.warmup_steps=0",

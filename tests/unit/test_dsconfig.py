@@ -126,3 +126,12 @@ def test_recipe_precision_and_json_precision_agree() -> None:
     assert run.layout.precision == "fp32" and run.ds_config["bf16"]["enabled"] is False
     run = resolve_run("tiny-cpu", ["precision=bf16"], world_size=2, device=Device("cpu", "cpu", True))
     assert run.layout.precision == "bf16" and run.ds_config["bf16"]["enabled"] is True
+
+
+@pytest.mark.parametrize("ds", ["zero2_offload", "zero3_offload", "zero3_offload_optimizer"])
+def test_our_cpu_adam_is_not_swapped_for_accelerates_copy(ds: str) -> None:
+    """Accelerate's copy keeps only lr and weight_decay (Adam+L2, betas 0.9/0.999) and orphans the LR schedule."""
+    run = resolve_run("tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True), ds_config_path=ds)
+    assert run.ds_config["zero_force_ds_cpu_optimizer"] is False
+    plain = resolve_run("tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True), ds_config_path="zero2")
+    assert "zero_force_ds_cpu_optimizer" not in plain.ds_config
