@@ -1,0 +1,104 @@
+"""bench/gpu_check.sh, the one command a GPU session runs once, works end to end before device time is spent.
+
+`--cpu-tiny` runs the same logic as on the H200 (SIGTERM -> exit 75 -> resume -> export for
+ZeRO-2/3/3+offload, the speed runs, the planner-vs-measured memory check) with the tiny model on
+CPU. Device time is about 15 minutes for all tries together, so a broken script there costs the
+whole measurement: this test is what makes the single GPU run likely to succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXPECTED = [
+    "a_zero2",
+    "a_zero3",
+    "a_zero3_offload",
+    "b_mfu_zero2",
+    "c_zero3",
+    "c_zero0",
+    "c_zero3_over_zero0",
+    "d_consumer_card",
+]
+
+
+def gpu_check(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--cpu-tiny", "--out", str(out), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+def test_cpu_tiny_check_writes_every_result_line_and_every_one_passes(tmp_path: Path) -> None:
+    result = gpu_check(tmp_path, timeout=900)
+    output = (result.stdout + result.stderr)[-4000:]
+    assert result.returncode == 0, output
+    records = read_lines(tmp_path)
+    assert [r["measurement"] for r in records] == EXPECTED, output
+    assert [r["measurement"] for r in records if r["passed"] is not True] == [], output
+    by_name = {r["measurement"]: r for r in records}
+
+    for name in ("a_zero2", "a_zero3", "a_zero3_offload"):
+        a = by_name[name]
+        # Stopped by SIGTERM after the first checkpoint, resumed, and finished with the export.
+        assert (a["exit_code_sigterm"], a["exit_code_resume"]) == (75, 0), a
+        assert a["checkpoint_step_at_stop"] <= a["steps_before"] < a["steps_after"] == a["steps"], a
+        assert all(a["checks"].values()), a
+    b = by_name["b_mfu_zero2"]
+    assert b["mfu"] > 0 and b["mfu_target"] == 0.45 and b["target_met"] is False, b  # CPU: far below
+    ratio = by_name["c_zero3_over_zero0"]
+    assert ratio["ratio"] == pytest.approx(ratio["zero3_step_time_s"] / ratio["zero0_step_time_s"], rel=1e-3)
+    d = by_name["d_consumer_card"]
+    # Measured and estimated host memory, both present and of the same order: the tiny run's RSS
+    # (~0.5 GiB: torch, DeepSpeed, transformers) against the planner's ~1 GiB per CPU process.
+    assert 0.1 < d["host_rss_peak_gib"] < 4 and 0.1 < d["est_host_gib"] < 4, d
+    assert d["planner_tried"][-1]["fits"] is True and d["steps"] == 3, d
+    assert d["cap_note"] == "capped_train: no CUDA device; running without a GPU memory cap", (
+        d
+    )  # the wrapper ran
+
+    summary = json.loads((tmp_path / "gpu_check_summary.json").read_text())
+    assert summary["passed"] is True and summary["lines"] == len(EXPECTED), summary
+    # The device tool brings back at most 8 files from $OUT: the check writes three.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gpu_check.jsonl",
+        "gpu_check.log",
+        "gpu_check_summary.json",
+    ]
+
+
+def test_a_measurement_the_budget_leaves_no_time_for_is_a_failed_line_and_exit_1(tmp_path: Path) -> None:
+    result = gpu_check(tmp_path, "--only", "a_zero2", "d_consumer_card", "--budget-s", "1", timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    records = read_lines(tmp_path)
+    assert [r["measurement"] for r in records] == ["a_zero2", "d_consumer_card"]
+    assert all(r["passed"] is False and r["error"].startswith("not run:") for r in records), records
+    summary = json.loads((tmp_path / "gpu_check_summary.json").read_text())
+    assert summary["failed"] == ["a_zero2", "d_consumer_card"]
+
+
+def test_capped_train_without_a_cap_is_a_one_line_usage_error() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "capped_train.py"), "--recipe", "tiny-cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "capped_train: usage: python bench/capped_train.py --gpu-cap-gib GIB [train.py arguments ...]"
+    ]
