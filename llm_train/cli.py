@@ -15,6 +15,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from llm_train.commands import data, doctor, plan, report
 from llm_train.config.recipe import available_recipes, load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
@@ -107,32 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Other modules add subcommands here (plan, doctor, export, report, data ...): each is a
-# function that receives the subparsers object and sets `func` on its parser.
-_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []
-
-
-def _load_extensions() -> None:
-    import importlib
-
-    for module in (
-        "llm_train.commands.plan",
-        "llm_train.commands.doctor",
-        "llm_train.observability.report",
-        "llm_train.commands.data",
-    ):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue
-        register = getattr(mod, "register_cli", None)
-        if register and register not in _EXTENSIONS:
-            _EXTENSIONS.append(register)
+# The other subcommands live in commands/, one module each; each registers its own parser. They
+# are imported like any module (a broken one fails loudly, never silently disappears), and
+# optional extras (matplotlib, peft, tensorboard) are imported only when their command runs,
+# which then names the missing extra in one line.
+_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = [
+    plan.register_cli,
+    doctor.register_cli,
+    report.register_cli,
+    data.register_cli,
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _load_extensions()
     parser = build_parser()
     try:
         if argv and argv[0] in PASS_THROUGH:

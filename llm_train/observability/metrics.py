@@ -209,7 +209,11 @@ class StepMeter:
 
     @classmethod
     def for_run(
-        cls, run: Resolved, flops_per_token: float | None, args: Any = None, clock: StartupClock | None = None
+        cls,
+        run: Resolved,
+        flops_per_token: float | None,
+        peak_tflops: float | None = None,
+        clock: StartupClock | None = None,
     ) -> StepMeter:
         """The meter of a training run: its batch arithmetic, the model's FLOPs and the device's peak."""
         import torch
@@ -221,7 +225,7 @@ class StepMeter:
             samples_per_step=layout.global_batch_size,
             world_size=layout.world_size,
             flops_per_token=flops_per_token,
-            peak_tflops=resolve_peak_tflops(getattr(args, "peak_tflops", None), cuda),
+            peak_tflops=resolve_peak_tflops(peak_tflops, cuda),
             cuda=cuda,
             clock=clock,
         )

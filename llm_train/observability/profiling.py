@@ -100,15 +100,20 @@ class StepProfiler:
 
 
 def make_profiler(
-    args: Any, run_dir: Path, rank: int, start_step: int, max_steps: int, say: Callable[[str], None]
+    spec: str | None,
+    flops_profiler: bool,
+    run_dir: Path,
+    rank: int,
+    start_step: int,
+    max_steps: int,
+    say: Callable[[str], None],
 ) -> StepProfiler | NullProfiler:
     """The profiler `--profile A-B` asks for (a no-op without it, or when the range was already trained).
 
     Called once the run directory exists (rank 0 may have just replaced it), so this is also
     where the flops profiler's output folder is made.
     """
-    spec = getattr(args, "profile", None)
-    if getattr(args, "flops_profiler", False):
+    if flops_profiler:
         (run_dir / PROFILE_DIR).mkdir(parents=True, exist_ok=True)
         if rank == 0:
             say(f"DeepSpeed flops profiler -> {run_dir / PROFILE_DIR / FLOPS_PROFILE_FILE}")
@@ -145,8 +150,10 @@ def flops_profiler_config(spec: str | None, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def enable_flops_profiler(ds_config: dict[str, Any], args: Any, run_dir: Path) -> None:
+def enable_flops_profiler(
+    ds_config: dict[str, Any], spec: str | None, flops_profiler: bool, run_dir: Path
+) -> None:
     """With --flops-profiler, add the flops profiler to the DS config before the engine is built."""
-    if not getattr(args, "flops_profiler", False):
+    if not flops_profiler:
         return
-    ds_config["flops_profiler"] = flops_profiler_config(getattr(args, "profile", None), run_dir)
+    ds_config["flops_profiler"] = flops_profiler_config(spec, run_dir)

@@ -7,7 +7,6 @@ Several runs go on the same axes, one colour per run, to compare them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -230,25 +229,3 @@ def make_report(run_dirs: list[Path], out: Path | None = None) -> tuple[Path, li
     out.mkdir(parents=True, exist_ok=True)
     images = plot_runs(runs, out)
     return write_summary(runs, images, out), images
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    summary, images = make_report([Path(p) for p in args.run_dirs], Path(args.out) if args.out else None)
-    print(f"wrote {summary} and {len(images)} plots: {', '.join(p.name for p in images)}")
-    print(summary.read_text().split("\n## ")[0])
-    return 0
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "report",
-        help="Plot and summarise runs (loss, eval loss, lr, tokens/s, memory); several runs compare.",
-    )
-    parser.add_argument(
-        "run_dirs", nargs="+", metavar="RUN_DIR", help="Run directories (with metrics.jsonl)."
-    )
-    parser.add_argument(
-        "--out",
-        help="Where to write report.md and the PNGs (default: RUN_DIR/report, or ./report for several).",
-    )
-    parser.set_defaults(func=cmd_report)

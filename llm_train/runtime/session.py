@@ -112,7 +112,9 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     run, tokenizer, stream, eval_blocks, max_steps = build_data(run, options, dp_rank, say)
     clock.mark("data")
 
-    enable_flops_profiler(run.ds_config, options, out)  # --flops-profiler: DeepSpeed reads the DS config
+    enable_flops_profiler(
+        run.ds_config, options.profile, options.flops_profiler, out
+    )  # --flops-profiler: DeepSpeed reads the DS config
     engine = make_engine(run, say)
     engine.start()
     clock.mark("distributed init")
@@ -133,7 +135,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         check_compatible(resume_from, layout.world_size, recipe, say)
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
-    meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options, clock)
+    meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options.peak_tflops, clock)
 
     import torch
 
@@ -176,7 +178,9 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         f"setup took {time.perf_counter() - started:.1f}s"
     )
     clock.mark("resume, trackers")
-    with make_profiler(options, out, rank, start_step, max_steps, say) as profiler:
+    with make_profiler(
+        options.profile, options.flops_profiler, out, rank, start_step, max_steps, say
+    ) as profiler:
         result = train_loop(engine, stream, evals, cfg, tracker, control, save, say, meter, profiler)
     metrics = result.metrics
     if result.preempted:  # the loop saved after the agreed stop step: exit resumable, no export

@@ -61,17 +61,11 @@ def test_first_step_and_resumed_runs(tmp_path: Path) -> None:
 
 def test_make_profiler_skips_ranges_outside_the_run(tmp_path: Path) -> None:
     said: list[str] = []
-
-    class Args:
-        profile = "5-8"
-        flops_profiler = False
-
     assert isinstance(
-        make_profiler(Args(), tmp_path, 0, start_step=10, max_steps=20, say=said.append), NullProfiler
+        make_profiler("5-8", False, tmp_path, 0, start_step=10, max_steps=20, say=said.append), NullProfiler
     )
     assert "not profiling" in said[0]
-    Args.profile = None
-    assert isinstance(make_profiler(Args(), tmp_path, 0, 0, 20, said.append), NullProfiler)
+    assert isinstance(make_profiler(None, False, tmp_path, 0, 0, 20, said.append), NullProfiler)
 
 
 def test_flops_profiler_section_counts_steps_like_deepspeed(tmp_path: Path) -> None:
