@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 EXPECTED = [
     "a_zero2",
@@ -42,7 +44,6 @@ def read_lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.e2e
 def test_cpu_tiny_check_writes_every_result_line_and_every_one_passes(tmp_path: Path) -> None:
     result = gpu_check(tmp_path, timeout=900)
     output = (result.stdout + result.stderr)[-4000:]

@@ -5,7 +5,7 @@ directories. Every run fine-tunes the same saved tiny Qwen2 with warmup 0, the s
 and the same global batch. Qwen2 with tied embeddings and grouped-query attention is the
 harder case: the embedding is shared by the first and the last pipeline stage, and AutoTP
 splits 4 query / 2 key-value heads and the q/k/v biases. (The layer-by-layer equivalence
-of Llama, Mistral and Qwen2 is tested without DeepSpeed in tests/unit/test_parallel_pipeline_layers.py.)
+of Llama, Mistral and Qwen2 is tested without DeepSpeed in tests/unit/test_pipeline_model.py.)
 
     reference   1 process              micro 8 x accum 2            (ZeRO-0)
     tp2         2 processes, AutoTP 2  micro 8 x accum 2 x dp 1     (ZeRO-1)

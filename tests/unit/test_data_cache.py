@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.data import prepare_data
-from tests.unit.test_data_fixtures import data_section, fresh_tokenizer, get_tokenizer, text_rows, write_jsonl
+from tests.unit.data_fixtures import data_section, fresh_tokenizer, get_tokenizer, text_rows, write_jsonl
 
 
 def _cache(section: Any, tokenizer: Any) -> dict[str, str]:

@@ -10,7 +10,7 @@ import pytest
 from llm_train.config.recipe import load_recipe
 from llm_train.data import prepare_data
 from llm_train.errors import UserError
-from tests.unit.test_data_fixtures import data_section, fresh_tokenizer, get_tokenizer, write_jsonl
+from tests.unit.data_fixtures import data_section, fresh_tokenizer, get_tokenizer, write_jsonl
 
 
 def _fails(tmp_path: Path, match: str, tokenizer: Any = None, **fields: Any) -> str:

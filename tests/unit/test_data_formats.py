@@ -11,7 +11,7 @@ import pytest
 from llm_train.data import prepare_data
 from llm_train.data.batches import build_rows
 from llm_train.data.formats import make_encoder
-from tests.unit.test_data_fixtures import data_section, get_tokenizer, write_jsonl
+from tests.unit.data_fixtures import data_section, get_tokenizer, write_jsonl
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

@@ -13,7 +13,7 @@ from llm_train.data.batches import build_rows
 from llm_train.data.packing import best_fit_decreasing, make_spans, placement
 from llm_train.data.store import TokenStore
 from llm_train.errors import UserError
-from tests.unit.test_data_fixtures import data_section, get_tokenizer, text_rows, write_jsonl
+from tests.unit.data_fixtures import data_section, get_tokenizer, text_rows, write_jsonl
 
 
 def _next_fit_bins(lengths: np.ndarray, capacity: int) -> int:

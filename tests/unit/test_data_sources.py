@@ -11,7 +11,7 @@ import pytest
 from llm_train.config.recipe import load_recipe
 from llm_train.data import prepare_data
 from llm_train.errors import UserError
-from tests.unit.test_data_fixtures import CHAT_JSONL, data_section, get_tokenizer, text_rows, write_jsonl
+from tests.unit.data_fixtures import CHAT_JSONL, data_section, get_tokenizer, text_rows, write_jsonl
 
 ROWS = text_rows(12)
 

@@ -14,7 +14,7 @@ import torch
 from llm_train.data import BatchStream, eval_batches, prepare_data
 from llm_train.data.stream import EpochOrder
 from llm_train.errors import UserError
-from tests.unit.test_data_fixtures import data_section, get_tokenizer, samples_of, text_rows, write_jsonl
+from tests.unit.data_fixtures import data_section, get_tokenizer, samples_of, text_rows, write_jsonl
 
 N_DOCS = 60
 MICRO = 2

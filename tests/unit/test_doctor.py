@@ -63,13 +63,3 @@ def test_cpu_adam_probe_timeout_is_reported(monkeypatch: pytest.MonkeyPatch) -> 
     doctor.check_cpu_adam(report, timeout=1)
     assert report.sections["DeepSpeed ops"][0][1].startswith("no answer after 1 s")
     assert "--build-timeout" in report.warnings[0][1]
-
-
-@pytest.mark.e2e
-def test_cpu_adam_really_builds_here() -> None:
-    """The real probe: JIT-builds DeepSpeed's CPU Adam (1-3 minutes the first time, then cached)."""
-    pytest.importorskip("deepspeed")
-    report = doctor.Report()
-    doctor.check_cpu_adam(report, timeout=600)
-    value = report.sections["DeepSpeed ops"][0][1]
-    assert value.startswith("builds and loads"), value

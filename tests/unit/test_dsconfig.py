@@ -133,5 +133,7 @@ def test_our_cpu_adam_is_not_swapped_for_accelerates_copy(ds: str) -> None:
     """Accelerate's copy keeps only lr and weight_decay (Adam+L2, betas 0.9/0.999) and orphans the LR schedule."""
     run = resolve_run("tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True), ds_config_path=ds)
     assert run.ds_config["zero_force_ds_cpu_optimizer"] is False
-    plain = resolve_run("tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True), ds_config_path="zero2")
+    plain = resolve_run(
+        "tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True), ds_config_path="zero2"
+    )
     assert "zero_force_ds_cpu_optimizer" not in plain.ds_config

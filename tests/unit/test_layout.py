@@ -1,4 +1,4 @@
-"""The plan: world-size arithmetic and precision choices, each failure one readable line."""
+"""The run's layout (config/layout.py): world-size arithmetic and precision choices, each failure one line."""
 
 from __future__ import annotations
 

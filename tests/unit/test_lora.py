@@ -1,4 +1,4 @@
-"""LoRA through PEFT: the recipe section, the wrap, the merged export, and a real 2-process run."""
+"""LoRA through PEFT: the recipe section, the wrap, the merged export (real runs: tests/e2e/test_lora.py)."""
 
 from __future__ import annotations
 
@@ -90,46 +90,3 @@ def test_verify_adapter_export(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path)
     assert verify_adapter_export(tmp_path) == 2 * 7 * TINY["num_hidden_layers"]
     assert json.loads((tmp_path / "export_check.json").read_text())["adapter"] is True
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize(
-    ("extra", "merged"),
-    [
-        ([], True),
-        (["deepspeed.config=zero3", "memory.activation_checkpointing=true", "lora.export=adapter"], False),
-    ],
-    ids=["zero2-merged", "zero3-ckpt-adapter"],
-)
-def test_tiny_lora_trains_with_two_processes(tmp_path: Path, extra: list[str], merged: bool) -> None:
-    from tests.helpers import accelerate_launch, assert_ok, read_metrics
-
-    out = tmp_path / "run"
-    result = accelerate_launch(
-        ["--recipe", "tiny-cpu-lora", "--output-dir", str(out), "--max-steps", "5", *extra]
-    )
-    assert_ok(result)
-    world = json.loads((out / "world.json").read_text())
-    assert world["world_size"] == 2 and [r["rank"] for r in world["ranks"]] == [0, 1]
-    losses = [m["loss"] for m in read_metrics(out) if "loss" in m]
-    assert losses and all(loss == loss for loss in losses)
-    final = out / "final"
-    if merged:
-        # A plain HF model: loads without PEFT, and the adapters moved its weights.
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(final)
-        assert not any("lora" in n for n, _ in model.named_parameters())
-        from llm_train.runtime.model import build_model
-
-        recipe = load_recipe("tiny-cpu-lora")  # the run's base weights: same seed, same init
-        start = build_model(recipe.model, recipe.memory, "fp32", recipe.optim.seed)
-        moved = [
-            name
-            for name, p in model.named_parameters()
-            if "q_proj" in name and not torch.allclose(p, dict(start.named_parameters())[name])
-        ]
-        assert moved, "merged export equals the initial weights: adapters were not folded in"
-    else:
-        assert (final / "adapter_config.json").is_file() and not (final / "config.json").exists()
-        assert "exported a LoRA adapter" in result.stdout

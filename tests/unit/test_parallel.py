@@ -1,4 +1,4 @@
-"""Tensor / pipeline / data-parallel plans: the degrees, and one readable line for every combination that cannot run."""
+"""Tensor / pipeline / data parallelism (config/parallel.py): the degrees; one line per refused layout."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 from llm_train.data import tokenize_memo
 from llm_train.data.formats import make_encoder
 from llm_train.data.tokenize_memo import TokenizeMemo
-from tests.unit.test_data_fixtures import TOKENIZER_DIR, get_tokenizer
+from tests.unit.data_fixtures import TOKENIZER_DIR, get_tokenizer
 
 # Every kind of character the cutting rules look at: ASCII and Unicode whitespace (including the
 # ones Python and the Unicode standard disagree on), letters, digits (also non-decimal ones),

@@ -1,4 +1,5 @@
-"""Bad input at the real entry point: one line on stderr, exit code 2, no traceback, nothing written."""
+"""llm_train/train.py, the entry point: every shipped recipe and DeepSpeed config dry-runs, and bad
+input is one line on stderr, exit code 2, no traceback, nothing written."""
 
 from __future__ import annotations
 
