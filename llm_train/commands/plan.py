@@ -12,7 +12,8 @@ import re
 import sys
 from pathlib import Path
 
-from llm_train.config.hardware import resolve_hardware
+from llm_train import train as train_module
+from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.errors import UserError
 from llm_train.planning.auto import auto_recipe_yaml, choose_auto, render_auto
@@ -81,7 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise UserError("--recipe auto needs --model ID_OR_PATH (a known id or a directory with config.json)")
-    hw = resolve_hardware(args.gpus, args.gpu, args.gpu_mem, args.host_ram, None)
+    hw = hardware_for(args.gpus, args.gpu, args.gpu_mem, args.host_ram, None)
     mode = "always" if args.lora else "never" if args.no_lora else "fallback"
     auto = choose_auto(args.model, hw, args.seq_len, args.global_batch, lora=mode)
     out_dir = Path(
@@ -102,7 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         import subprocess
 
         accelerate = Path(sys.executable).with_name("accelerate")
-        train_py = Path(__file__).resolve().parent / "train.py"
+        train_py = Path(train_module.__file__)
         cmd = [str(accelerate), "launch", "--num_processes", str(hw.gpus), str(train_py), *train_args]
         print("launching: " + " ".join(cmd), flush=True)
         return subprocess.call(cmd)

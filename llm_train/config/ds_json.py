@@ -180,7 +180,7 @@ def _same_dir(a: str, b: str) -> bool:
     return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
 
 
-def _resolve_nvme(config: dict[str, Any], recipe_path: str | None, source: str) -> None:
+def _fill_nvme_paths(config: dict[str, Any], recipe_path: str | None, source: str) -> None:
     """Fill every nvme offload's nvme_path from the recipe, in place; refuse a missing or double path.
 
     The directory is the user's machine, not the config's: the shipped JSON says "auto" and the
@@ -319,7 +319,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def resolve(config: dict[str, Any], values: RecipeValues, source: str) -> dict[str, Any]:
+def fill_autos(config: dict[str, Any], values: RecipeValues, source: str) -> dict[str, Any]:
     """A copy of `config` with every "auto" filled from the recipe and recipe-owned keys checked.
 
     An explicit JSON value that contradicts the recipe is an error rather than a silent
@@ -347,7 +347,7 @@ def resolve(config: dict[str, Any], values: RecipeValues, source: str) -> dict[s
                 f'{recipe_key} (which gives {json.dumps(value)}); set it to "auto" in the JSON '
                 f"or change {recipe_key}"
             )
-    _resolve_nvme(resolved, values.nvme_path, source)
+    _fill_nvme_paths(resolved, values.nvme_path, source)
     if zero_stage(resolved) == 3:
         # Export gathers the partitioned weights through this switch; without it the saved
         # model would be empty (a classic ZeRO-3 pitfall).

@@ -211,7 +211,7 @@ def host_ram_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def resolve_hardware(
+def hardware_for(
     gpus: int | None = None,
     gpu: str | None = None,
     gpu_mem_gib: float | None = None,

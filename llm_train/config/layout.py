@@ -46,7 +46,7 @@ def default_precision(kind: str, bf16: bool) -> str:
     return "bf16" if bf16 else "fp16"
 
 
-def resolve_precision(requested: str, json_precision: str | None, device: Device) -> tuple[str, str | None]:
+def choose_precision(requested: str, json_precision: str | None, device: Device) -> tuple[str, str | None]:
     """The precision to train in, and a one-line notice when it was chosen for the user."""
     if requested == "auto" and json_precision is not None:
         requested = json_precision
@@ -151,7 +151,7 @@ def make_layout(
         )
     dp = world_size // (tp * pp)
     stage = ds_json.zero_stage(ds_config)
-    precision, notice = resolve_precision(recipe.precision, ds_json.precision_of(ds_config), device)
+    precision, notice = choose_precision(recipe.precision, ds_json.precision_of(ds_config), device)
     grad_accum, global_batch = batch_arithmetic(recipe, dp)
     layout = Layout(
         world_size=world_size,

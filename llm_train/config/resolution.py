@@ -108,7 +108,7 @@ def resolve_run(
         max_steps=recipe.optim.max_steps or 0,
         nvme_path=recipe.deepspeed.nvme_path,
     )
-    resolved = ds_json.resolve(raw, values, str(ds_path))
+    resolved = ds_json.fill_autos(raw, values, str(ds_path))
     if layout.tp > 1:
         # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
         # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.

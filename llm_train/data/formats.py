@@ -162,7 +162,7 @@ def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
     return tokenize
 
 
-def resolve_chat_template(tokenizer: Any, override: str | None, key: str) -> str:
+def chat_template_for(tokenizer: Any, override: str | None, key: str) -> str:
     """The Jinja template chat sources use: data.chat_template (text or a .jinja path), else the tokenizer's."""
     if override:
         from pathlib import Path
@@ -201,7 +201,7 @@ def _clean_messages(conversation: Any, row: int, key: str) -> list[dict[str, Any
 
 
 def _chat_fn(source: ChatSource, tokenizer: Any, chat_template: str | None, key: str) -> TokenizeFn:
-    template = resolve_chat_template(tokenizer, chat_template, key)
+    template = chat_template_for(tokenizer, chat_template, key)
     marked = bool(_GENERATION_BLOCK.search(template))
 
     def render(conversations: list[list[dict[str, Any]]]) -> tuple[list[list[int]], list[list[int]]]:

@@ -236,7 +236,5 @@ def _chat_template_if_needed(data: DataSection, tokenizer: Any) -> str | None:
     for split in ("train", "eval"):
         for source in data.sources(split):  # type: ignore[arg-type]
             if isinstance(source, ChatSource):
-                return formats.resolve_chat_template(
-                    tokenizer, data.chat_template, f"data.{split} {source.path}"
-                )
+                return formats.chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
     return None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config.hardware import peak_tflops
+from llm_train.planning.flops import training_flops_per_token
 
 if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved
@@ -30,22 +31,11 @@ if TYPE_CHECKING:
 GIB = 1024**3
 
 
-def flops_per_token(
-    n_params: float, n_layers: int, n_heads: int, head_dim: int, seq_len: int, n_frozen: float = 0.0
-) -> float:
-    """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B).
-
-    Frozen parameters (LoRA's base model) cost 4 FLOPs per token instead of 6: forward and
-    the activation gradient, but no weight gradient.
-    """
-    return 6.0 * n_params + 4.0 * n_frozen + 12.0 * n_layers * n_heads * head_dim * seq_len
-
-
 def shape_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """`model_flops_per_token` from the config's shape alone (no model needed): every weight trained,
     the input embedding (a lookup, not a matmul) left out unless it is tied to the output head."""
     embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
-    return flops_per_token(
+    return training_flops_per_token(
         shape.num_params - embedding, shape.num_layers, shape.num_heads, shape.head_dim, seq_len
     )
 
@@ -80,10 +70,10 @@ def model_flops_per_token(model: Any, seq_len: int) -> float | None:
             trainable += _numel(param)
         else:
             frozen += _numel(param)
-    return flops_per_token(trainable, int(layers), int(heads), int(head_dim), seq_len, n_frozen=frozen)
+    return training_flops_per_token(trainable, int(layers), int(heads), int(head_dim), seq_len, frozen=frozen)
 
 
-def resolve_peak_tflops(flag: float | None, cuda: bool) -> float | None:
+def peak_tflops_for(flag: float | None, cuda: bool) -> float | None:
     """The per-device peak for MFU: --peak-tflops wins, else the GPU table; None on CPU or unknown GPUs."""
     if flag:
         return float(flag)
@@ -225,7 +215,7 @@ class StepMeter:
             samples_per_step=layout.global_batch_size,
             world_size=layout.world_size,
             flops_per_token=flops_per_token,
-            peak_tflops=resolve_peak_tflops(peak_tflops, cuda),
+            peak_tflops=peak_tflops_for(peak_tflops, cuda),
             cuda=cuda,
             clock=clock,
         )

@@ -26,7 +26,7 @@ from llm_train.planning.memory import (
     MemoryInputs,
 )
 from llm_train.planning.report import config_line, verdict
-from llm_train.planning.shapes import ModelShape, resolve_shape
+from llm_train.planning.shapes import ModelShape, shape_of
 
 # --- `--recipe auto` ----------------------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ def choose_auto(
     lora: "fallback" = LoRA only when no full fine-tune fits; "never"; "always".
     """
 
-    shape = resolve_shape(model)
+    shape = shape_of(model)
     seq = seq_len or min(2048, shape.max_position_embeddings)
     precision = default_precision(hw.kind, hw.bf16)
     dp = hw.gpus

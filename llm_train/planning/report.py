@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llm_train.config.hardware import GPU_HEADROOM, Hardware, resolve_hardware
+from llm_train.config.hardware import GPU_HEADROOM, Hardware, hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.planning.fit import (
@@ -182,7 +182,7 @@ def plan_recipe(
     """The plan for a recipe on the given (or detected, or declared) hardware."""
 
     recipe = load_recipe(recipe_name, overrides)
-    hw = resolve_hardware(gpus, gpu, gpu_mem_gib, host_ram_gib, recipe, detect)
+    hw = hardware_for(gpus, gpu, gpu_mem_gib, host_ram_gib, recipe, detect)
     run = resolve_run(recipe_name, overrides, world_size=hw.gpus, device=hw.device())
     shape = shape_from_config(run.model_fields)
     base = memory_inputs(run, shape, hw.gpus_per_node)

@@ -222,7 +222,7 @@ def to_hf_config(name_or_path: str) -> dict[str, Any]:
     raise _unknown(name_or_path)
 
 
-def resolve_shape(name_or_path: str) -> ModelShape:
+def shape_of(name_or_path: str) -> ModelShape:
     """Shape of a local directory with config.json (wins) or of a known id; else UnknownModelError."""
     cfg = to_hf_config(name_or_path)
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.memory import MemoryInputs
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
@@ -63,18 +64,20 @@ class StepTime:
 
 
 def flops_per_token(inp: MemoryInputs) -> float:
-    """Training FLOPs per token on one model replica (PaLM appendix B), adjusted for the choices.
-
-    Forward = 2N + 4*L*h*s (the attention score and value matmuls); full fine-tuning
-    does 3 forwards' worth (backward = 2x forward); LoRA skips the frozen weights'
-    gradient matmuls (2 forwards' worth); checkpointing recomputes one more forward.
-    """
+    """Training FLOPs per token on one model replica (planning/flops.py), as the hardware runs them:
+    LoRA trains only its adapters, and activation checkpointing recomputes the forward."""
     shape = inp.shape
-    forward = 2 * shape.num_params + 4 * shape.num_layers * shape.hidden_size * inp.seq_len
-    passes = 2.0 if inp.lora_rank else 3.0
-    if inp.activation_checkpointing:
-        passes += 1.0
-    return passes * forward
+    trainable = shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params
+    frozen = shape.num_params if inp.lora_rank else 0
+    return training_flops_per_token(
+        trainable,
+        shape.num_layers,
+        shape.num_heads,
+        shape.head_dim,
+        inp.seq_len,
+        frozen=frozen,
+        recompute=inp.activation_checkpointing,
+    )
 
 
 def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bool = False) -> StepTime:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llm_train import DS_CONFIGS_DIR
-from llm_train.config.ds_json import RecipeValues, load_ds_config, offload_device, resolve
+from llm_train.config.ds_json import RecipeValues, fill_autos, load_ds_config, offload_device
 from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
@@ -43,7 +43,7 @@ def test_shipped_configs_resolve_without_auto(name: str) -> None:
     _, raw = load_ds_config(name)
     # The NVMe directory is the user's (deepspeed.nvme_path); configs without nvme refuse one.
     on_nvme = "nvme" in (offload_device(raw, "optimizer"), offload_device(raw, "param"))
-    resolved = resolve(raw, replace(VALUES, nvme_path="/mnt/nvme") if on_nvme else VALUES, name)
+    resolved = fill_autos(raw, replace(VALUES, nvme_path="/mnt/nvme") if on_nvme else VALUES, name)
     assert _autos(resolved) == 0
     assert resolved["train_micro_batch_size_per_gpu"] == 4
     assert resolved["gradient_accumulation_steps"] == 2
@@ -77,7 +77,7 @@ def test_config_written_for_the_hf_trainer_resolves() -> None:
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
     }
-    resolved = resolve(foreign, VALUES, "hf.json")
+    resolved = fill_autos(foreign, VALUES, "hf.json")
     assert resolved["optimizer"]["params"] == {
         "lr": 2e-4,
         "betas": [0.9, 0.95],
@@ -93,12 +93,12 @@ def test_explicit_value_that_contradicts_the_recipe_is_an_error() -> None:
     with pytest.raises(
         UserError, match=r"train_micro_batch_size_per_gpu=8 contradicts optim.micro_batch_size"
     ):
-        resolve({"train_micro_batch_size_per_gpu": 8}, VALUES, "x.json")
+        fill_autos({"train_micro_batch_size_per_gpu": 8}, VALUES, "x.json")
 
 
 def test_unresolvable_auto_is_an_error() -> None:
     with pytest.raises(UserError, match=r"\"auto\" at zero_optimization.sub_group_size"):
-        resolve({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, VALUES, "x.json")
+        fill_autos({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, VALUES, "x.json")
 
 
 def test_misspelled_top_level_key(tmp_path: Path) -> None:

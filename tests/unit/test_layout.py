@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llm_train.config.hardware import Device
-from llm_train.config.layout import resolve_precision
+from llm_train.config.layout import choose_precision
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 
@@ -15,18 +15,18 @@ CPU = Device(kind="cpu", name="cpu", bf16=True)
 
 
 def test_auto_precision() -> None:
-    assert resolve_precision("auto", None, H100) == ("bf16", None)
-    assert resolve_precision("auto", None, CPU) == ("fp32", None)
-    precision, notice = resolve_precision("auto", None, T4)
+    assert choose_precision("auto", None, H100) == ("bf16", None)
+    assert choose_precision("auto", None, CPU) == ("fp32", None)
+    precision, notice = choose_precision("auto", None, T4)
     assert precision == "fp16" and "Tesla T4 has no bf16" in (notice or "")
-    assert resolve_precision("auto", "fp16", H100) == ("fp16", None)  # the JSON said so explicitly
+    assert choose_precision("auto", "fp16", H100) == ("fp16", None)  # the JSON said so explicitly
 
 
 def test_bf16_on_a_card_without_it_is_an_error() -> None:
     with pytest.raises(
         UserError, match=r"precision=bf16 but Tesla T4 \(compute capability 7.5\) has no bf16"
     ):
-        resolve_precision("bf16", None, T4)
+        choose_precision("bf16", None, T4)
 
 
 def test_batch_arithmetic() -> None:

@@ -25,9 +25,9 @@ from llm_train.planning.memory import (
     logits_bytes,
     zero_paper_model_states,
 )
-from llm_train.planning.shapes import ModelShape, resolve_shape
+from llm_train.planning.shapes import ModelShape, shape_of
 
-LLAMA2_7B = resolve_shape("meta-llama/Llama-2-7b-hf")  # h=4096, a=32, L=32, V=32000
+LLAMA2_7B = shape_of("meta-llama/Llama-2-7b-hf")  # h=4096, a=32, L=32, V=32000
 GRID_PARAMS = [int(1e8), int(1.3e9), int(7e9), int(7e10)]
 GRID_GPUS = [1, 2, 8]
 GRID_NODES = [1, 4]
@@ -193,7 +193,7 @@ def test_lora_trains_only_adapters() -> None:
 
 def test_stages_order_gpu_model_states() -> None:
     for shape_id, world in itertools.product(["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-0.5B"], [2, 8, 64]):
-        shape = resolve_shape(shape_id)
+        shape = shape_of(shape_id)
         states = []
         for stage in (0, 1, 2, 3):
             t = estimate_memory(MemoryInputs(shape=shape, world_size=world, zero_stage=stage)).gpu_terms
@@ -262,7 +262,7 @@ def test_pipeline_stages_load_only_their_share_of_the_model() -> None:
 
 def test_known_budget_7b_on_a_24gb_card() -> None:
     """DESIGN: a 7-8B full fine-tune fits 24 GB only with offload, and needs ~100-120 GiB host RAM."""
-    shape = resolve_shape("meta-llama/Llama-3.1-8B")
+    shape = shape_of("meta-llama/Llama-3.1-8B")
     common = {"shape": shape, "world_size": 1, "activation_checkpointing": True}
     plain = estimate_memory(MemoryInputs(zero_stage=2, **common))
     assert plain.gpu_bytes > 24 * GiB

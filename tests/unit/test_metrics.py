@@ -13,12 +13,12 @@ from llm_train.observability.console import duration, progress_line
 from llm_train.observability.metrics import (
     StartupClock,
     StepMeter,
-    flops_per_token,
     host_rss_gib,
     model_flops_per_token,
-    resolve_peak_tflops,
+    peak_tflops_for,
     shape_flops_per_token,
 )
+from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.shapes import shape_from_config
 
 
@@ -40,9 +40,11 @@ def _tiny_llama(tie: bool = False):
 
 def test_flops_formula_is_palm() -> None:
     # 6N + 12*L*H*Q*T with N=1e9, L=16, H=32, Q=64, T=4096
-    assert flops_per_token(1e9, 16, 32, 64, 4096) == 6e9 + 12 * 16 * 32 * 64 * 4096
+    assert training_flops_per_token(1e9, 16, 32, 64, 4096) == 6e9 + 12 * 16 * 32 * 64 * 4096
     # Frozen weights: forward + activation gradient only (4 FLOPs per parameter per token).
-    assert flops_per_token(0, 1, 1, 1, 1, n_frozen=10) == 40 + 12
+    assert training_flops_per_token(0, 1, 1, 1, 1, frozen=10) == 40 + 12
+    # Recomputation (activation checkpointing) adds one forward: hardware work, not model FLOPs.
+    assert training_flops_per_token(1, 1, 1, 1, 1, recompute=True) == (6 + 12) + (2 + 4)
 
 
 def test_model_flops_leave_out_the_input_embedding() -> None:
@@ -92,8 +94,8 @@ def test_mfu_against_a_given_peak() -> None:
 
 
 def test_peak_on_cpu_only_from_the_flag() -> None:
-    assert resolve_peak_tflops(None, cuda=False) is None
-    assert resolve_peak_tflops(12.5, cuda=False) == 12.5
+    assert peak_tflops_for(None, cuda=False) is None
+    assert peak_tflops_for(12.5, cuda=False) == 12.5
 
 
 def test_host_rss_is_this_process() -> None:

@@ -18,8 +18,8 @@ import pytest
 
 from llm_train.commands import doctor
 from llm_train.config import resolution
+from llm_train.config.ds_json import fill_autos as resolve_ds
 from llm_train.config.ds_json import load_ds_config, nvme_paths
-from llm_train.config.ds_json import resolve as resolve_ds
 from llm_train.config.hardware import Device
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run

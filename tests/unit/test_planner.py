@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llm_train import cli
-from llm_train.config.hardware import GPUS, Device, find_gpu, gpu_spec, peak_tflops, resolve_hardware
+from llm_train.config.hardware import GPUS, Device, find_gpu, gpu_spec, hardware_for, peak_tflops
 from llm_train.config.recipe import available_recipes, load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
@@ -96,7 +96,7 @@ def test_auto_decisions(
     rank: int | None,
     precision: str,
 ) -> None:
-    hw = resolve_hardware(gpus, gpu, gpu_mem, host, None, detect=False)
+    hw = hardware_for(gpus, gpu, gpu_mem, host, None, detect=False)
     auto = choose_auto(model, hw, lora=lora)
     assert (auto.ds_config, auto.choice.lora_rank, auto.precision) == (ds_config, rank, precision)
     ev = auto.evaluation
@@ -105,7 +105,7 @@ def test_auto_decisions(
 
 
 def test_auto_explains_why_not_lighter() -> None:
-    hw = resolve_hardware(1, None, 24, 128, None, detect=False)
+    hw = hardware_for(1, None, 24, 128, None, detect=False)
     auto = choose_auto("meta-llama/Llama-3.1-8B", hw)
     why = "\n".join(auto.reasons)
     # The CPU-offload configurations miss on host RAM; the evidence names the numbers.
@@ -116,14 +116,14 @@ def test_auto_explains_why_not_lighter() -> None:
 
 
 def test_auto_falls_back_to_lora_and_says_so() -> None:
-    hw = resolve_hardware(1, "RTX-4090", None, 16, None, detect=False)  # too little RAM even for NVMe buffers
+    hw = hardware_for(1, "RTX-4090", None, 16, None, detect=False)  # too little RAM even for NVMe buffers
     auto = choose_auto("meta-llama/Llama-2-7b-hf", hw)
     assert auto.choice.lora_rank == 16
     assert "no full fine-tune fits" in auto.reasons[0]
 
 
 def test_does_not_fit_anywhere() -> None:
-    hw = resolve_hardware(1, "T4", None, 16, None, detect=False)
+    hw = hardware_for(1, "T4", None, 16, None, detect=False)
     with pytest.raises(UserError) as exc:
         choose_auto("meta-llama/Llama-3.1-70B", hw)
     message = str(exc.value)

@@ -13,8 +13,8 @@ from llm_train.planning.shapes import (
     ModelConfigError,
     ModelShape,
     UnknownModelError,
-    resolve_shape,
     shape_from_config,
+    shape_of,
     to_hf_config,
 )
 
@@ -46,24 +46,24 @@ def test_every_known_config_has_a_published_count() -> None:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_num_params_equals_published(name: str) -> None:
-    assert resolve_shape(name).num_params == PUBLISHED_PARAMS[name]
+    assert shape_of(name).num_params == PUBLISHED_PARAMS[name]
 
 
 def test_shape_details_of_a_few_models() -> None:
-    llama3 = resolve_shape("meta-llama/Llama-3.1-8B")
+    llama3 = shape_of("meta-llama/Llama-3.1-8B")
     assert (llama3.head_dim, llama3.num_kv_heads, llama3.max_position_embeddings) == (128, 8, 131072)
     # The embedding / lm_head is the largest module: vocab * hidden.
     assert llama3.largest_layer_params == 128256 * 4096
-    assert resolve_shape("meta-llama/Llama-3.2-1B").tie_word_embeddings
-    assert resolve_shape("Qwen/Qwen2.5-0.5B").tie_word_embeddings
-    assert not resolve_shape("Qwen/Qwen2.5-7B").tie_word_embeddings
-    assert resolve_shape("Qwen/Qwen2.5-0.5B").head_dim == 896 // 14 == 64
+    assert shape_of("meta-llama/Llama-3.2-1B").tie_word_embeddings
+    assert shape_of("Qwen/Qwen2.5-0.5B").tie_word_embeddings
+    assert not shape_of("Qwen/Qwen2.5-7B").tie_word_embeddings
+    assert shape_of("Qwen/Qwen2.5-0.5B").head_dim == 896 // 14 == 64
 
 
 def test_llama2_7b_by_hand() -> None:
     h, i, v, n_layers = 4096, 11008, 32000, 32
     per_layer = 4 * h * h + 3 * h * i + 2 * h
-    assert resolve_shape("meta-llama/Llama-2-7b-hf").num_params == 2 * v * h + n_layers * per_layer + h
+    assert shape_of("meta-llama/Llama-2-7b-hf").num_params == 2 * v * h + n_layers * per_layer + h
 
 
 def test_known_configs_build_in_transformers_with_the_same_count() -> None:
@@ -135,8 +135,8 @@ def test_local_directory_wins_over_known_id(tmp_path: Path, monkeypatch: pytest.
     cfg = {**KNOWN_CONFIGS["meta-llama/Llama-2-7b-hf"], "num_hidden_layers": 2, "hidden_size": 256}
     (local / "config.json").write_text(json.dumps(cfg))
     monkeypatch.chdir(tmp_path)
-    assert resolve_shape("meta-llama/Llama-2-7b-hf").num_layers == 2
-    assert resolve_shape(str(local)).hidden_size == 256
+    assert shape_of("meta-llama/Llama-2-7b-hf").num_layers == 2
+    assert shape_of(str(local)).hidden_size == 256
     assert to_hf_config(str(local))["num_hidden_layers"] == 2
 
 
@@ -150,7 +150,7 @@ def test_to_hf_config_returns_a_copy() -> None:
 
 def test_unknown_id_lists_known_ids_and_suggests_a_directory() -> None:
     with pytest.raises(KeyError) as info:
-        resolve_shape("acme/NotAModel-7B")
+        shape_of("acme/NotAModel-7B")
     message = str(info.value)
     assert isinstance(info.value, UnknownModelError) and isinstance(info.value, UserError)
     assert message.startswith("unknown model 'acme/NotAModel-7B'")  # no KeyError quoting
@@ -159,7 +159,7 @@ def test_unknown_id_lists_known_ids_and_suggests_a_directory() -> None:
 
 def test_directory_without_config_json_says_so(tmp_path: Path) -> None:
     with pytest.raises(UnknownModelError, match="has no config.json"):
-        resolve_shape(str(tmp_path))
+        shape_of(str(tmp_path))
 
 
 def test_missing_key_is_named() -> None:
@@ -172,13 +172,13 @@ def test_missing_key_is_named() -> None:
 def test_missing_key_in_local_config_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(ModelConfigError, match=r"config\.json: model config is missing required key"):
-        resolve_shape(str(tmp_path))
+        shape_of(str(tmp_path))
 
 
 def test_bad_json_and_unsupported_type(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="not valid JSON"):
-        resolve_shape(str(tmp_path))
+        shape_of(str(tmp_path))
     cfg = {**KNOWN_CONFIGS["Qwen/Qwen2.5-0.5B"], "model_type": "gpt2"}
     with pytest.raises(
         ValueError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"
@@ -188,5 +188,5 @@ def test_bad_json_and_unsupported_type(tmp_path: Path) -> None:
 
 def test_kv_heads_default_to_heads() -> None:
     cfg = {k: v for k, v in KNOWN_CONFIGS["meta-llama/Llama-2-7b-hf"].items() if k != "num_key_value_heads"}
-    assert shape_from_config(cfg) == resolve_shape("meta-llama/Llama-2-7b-hf")
+    assert shape_from_config(cfg) == shape_of("meta-llama/Llama-2-7b-hf")
     assert isinstance(shape_from_config(cfg), ModelShape)
