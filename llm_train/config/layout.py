@@ -9,7 +9,7 @@ a far less readable way.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from llm_train.config import ds_json
@@ -69,20 +69,87 @@ def choose_precision(requested: str, json_precision: str | None, device: Device)
     return requested, None
 
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+class LayoutError(UserError, ValueError):
+    """A layout that breaks one of the rules below; `rule` says which, so each caller can phrase it
+    in its own terms (recipe keys for a run, field names for the planner's API)."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
+def check_degrees(world_size: int, tp: int, pp: int) -> None:
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise LayoutError("positive", f"{name} must be >= 1, got {value}")
+    if not degrees_divide(world_size, tp, pp):
+        raise LayoutError(
+            "degrees",
+            f"world size {world_size} is not divisible by tp x pp = {tp} x {pp} (world = dp x tp x pp)",
+        )
+
+
 @dataclass(frozen=True)
 class Layout:
+    """The one description of how a run is laid out: world, degrees, ZeRO, offload, precision, batch.
+
+    The run resolves one (make_layout), the dry run prints it, the memory estimator reads it
+    (planning.memory.MemoryInputs holds one), and the planner's candidates are variations of it
+    (`vary`). Every rule on these fields is checked here, when one is made.
+    """
+
     world_size: int
-    dp: int
-    tp: int
-    pp: int
-    zero_stage: int
-    offload_optimizer: str
-    offload_params: str
-    precision: str
-    micro_batch_size: int
-    grad_accum: int
-    global_batch_size: int
-    device: str
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    precision: str = "bf16"
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        check_degrees(self.world_size, self.tp, self.pp)
+        for name in ("micro_batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise LayoutError("positive", f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise LayoutError("zero_stage", f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in OFFLOAD_DEVICES:
+                raise LayoutError(
+                    "offload_device",
+                    f"{name} must be one of {', '.join(OFFLOAD_DEVICES)}, got '{getattr(self, name)}'",
+                )
+        if self.precision not in PRECISIONS:
+            raise LayoutError(
+                "precision", f"precision must be one of {', '.join(PRECISIONS)}, got '{self.precision}'"
+            )
+        broken = offload_problem(self.zero_stage, self.offload_optimizer, self.offload_params)
+        if broken:
+            raise LayoutError(broken, f"offload ({broken}) is not possible with ZeRO stage {self.zero_stage}")
+        if self.pp > 1 and self.zero_stage > PIPELINE_MAX_ZERO_STAGE:
+            raise LayoutError(
+                "pipeline_zero",
+                f"DeepSpeed refuses ZeRO-{self.zero_stage} with pipeline parallelism; use 0 or 1",
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+    def vary(self, **changes: Any) -> Layout:
+        """The same layout with some fields changed (and checked again)."""
+        return replace(self, **changes)
 
     def rows(self) -> list[tuple[str, str]]:
         return [
@@ -99,7 +166,7 @@ class Layout:
         ]
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "dp": self.dp, "global_batch_size": self.global_batch_size}
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of a global rank: which share of the data it trains on.
@@ -138,38 +205,65 @@ def batch_arithmetic(recipe: Recipe, dp: int) -> tuple[int, int]:
 
 
 def make_layout(
-    recipe: Recipe, ds_config: dict[str, Any], world_size: int, device: Device
+    recipe: Recipe,
+    ds_config: dict[str, Any],
+    world_size: int,
+    device: Device,
+    source: str = "the DeepSpeed config",
 ) -> tuple[Layout, str | None]:
-    """Validate the degrees against the world size and fix the precision; returns the layout and any notice."""
+    """The run's layout from the recipe, its DS JSON and the world size, and any notice (precision).
+
+    The rules are Layout's; a broken one is told here in the recipe's and the JSON's terms.
+    """
     tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
     pp = recipe.deepspeed.pipeline_stages
-    if not degrees_divide(world_size, tp, pp):
-        raise UserError(
-            f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} "
+    stage = ds_json.zero_stage(ds_config)
+    try:
+        check_degrees(world_size, tp, pp)  # the batch arithmetic below needs dp
+        dp = world_size // (tp * pp)
+        precision, notice = choose_precision(recipe.precision, ds_json.precision_of(ds_config), device)
+        grad_accum, _ = batch_arithmetic(recipe, dp)
+        layout = Layout(
+            world_size=world_size,
+            tp=tp,
+            pp=pp,
+            zero_stage=stage,
+            offload_optimizer=ds_json.offload_device(ds_config, "optimizer"),
+            offload_params=ds_json.offload_device(ds_config, "param"),
+            precision=precision,
+            micro_batch_size=recipe.optim.micro_batch_size,
+            grad_accum=grad_accum,
+            device=device.name,
+        )
+    except LayoutError as exc:
+        raise UserError(_recipe_terms(exc, world_size, tp, pp, stage, source)) from None
+    return layout, notice
+
+
+def _recipe_terms(exc: LayoutError, world: int, tp: int, pp: int, stage: int, source: str) -> str:
+    """A broken layout rule, told in the keys a user of recipes and DS JSONs changes."""
+    degrees = f"world size {world} = dp {world // (tp * pp) if degrees_divide(world, tp, pp) else '?'} x tp {tp} x pp {pp}"
+    return {
+        "degrees": (
+            f"world size {world} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} "
             "(world size = data parallel x tensor parallel x pipeline parallel); launch a multiple of that many "
             "processes or change tensor_parallel.autotp_size / deepspeed.pipeline_stages"
-        )
-    dp = world_size // (tp * pp)
-    stage = ds_json.zero_stage(ds_config)
-    precision, notice = choose_precision(recipe.precision, ds_json.precision_of(ds_config), device)
-    grad_accum, global_batch = batch_arithmetic(recipe, dp)
-    layout = Layout(
-        world_size=world_size,
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        zero_stage=stage,
-        offload_optimizer=ds_json.offload_device(ds_config, "optimizer"),
-        offload_params=ds_json.offload_device(ds_config, "param"),
-        precision=precision,
-        micro_batch_size=recipe.optim.micro_batch_size,
-        grad_accum=grad_accum,
-        global_batch_size=global_batch,
-        device=device.name,
-    )
-    if offload_problem(stage, layout.offload_optimizer, layout.offload_params) == "params":
-        raise UserError(
+        ),
+        "params": (
             f"DeepSpeed config offloads parameters (offload_param) with ZeRO stage {stage}; "
             "parameter offload needs zero_optimization.stage=3"
-        )
-    return layout, notice
+        ),
+        "optimizer": (
+            f"{source} offloads the optimizer (offload_optimizer) with ZeRO stage 0; "
+            "optimizer offload needs zero_optimization.stage 1, 2 or 3"
+        ),
+        "nvme_optimizer": (
+            f"{source} offloads the optimizer to nvme with ZeRO stage {stage}; stage 1/2 would keep it in "
+            "host RAM: use offload_optimizer.device=cpu, or zero_optimization.stage=3"
+        ),
+        "pipeline_zero": (
+            f"{degrees}: deepspeed.pipeline_stages={pp} needs ZeRO stage 0 or 1, but {source} sets "
+            f"zero_optimization.stage={stage} (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism); "
+            "use deepspeed.config=zero1"
+        ),
+    }.get(exc.rule, f"{source}: {exc}")

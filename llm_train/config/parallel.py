@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llm_train.config.layout import PIPELINE_MAX_ZERO_STAGE, Layout
+from llm_train.config.layout import Layout
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
@@ -47,13 +47,7 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
 def _check_pipeline(
     layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_source: str, degrees: str
 ) -> None:
-    pp, stage = layout.pp, layout.zero_stage
-    if stage > PIPELINE_MAX_ZERO_STAGE:
-        raise UserError(
-            f"{degrees}: deepspeed.pipeline_stages={pp} needs ZeRO stage 0 or 1, but {ds_source} sets "
-            f"zero_optimization.stage={stage} (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism); "
-            "use deepspeed.config=zero1"
-        )
+    pp = layout.pp
     if recipe.lora is not None:
         raise UserError(
             f"{degrees}: lora is not supported with deepspeed.pipeline_stages={pp}; "

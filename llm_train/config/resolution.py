@@ -86,7 +86,7 @@ def resolve_run(
     recipe = load_recipe(recipe_name, extra)
     device = device or Device.declared(recipe)
     ds_path, raw = ds_json.load_ds_config(recipe.deepspeed.config)
-    layout, notice = make_layout(recipe, raw, world_size, device)
+    layout, notice = make_layout(recipe, raw, world_size, device, str(ds_path))
     fields = model_fields(recipe)
     check_parallel(layout, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
     hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)

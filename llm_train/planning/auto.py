@@ -16,7 +16,6 @@ from llm_train.planning.fit import (
     AUTO_MICRO_BATCHES,
     SHIPPED_DS_CONFIGS,
     SUGGESTED_LORA_RANK,
-    Choice,
     Evaluation,
     evaluate,
 )
@@ -42,12 +41,12 @@ class AutoChoice:
     reasons: list[str]
 
     @property
-    def choice(self) -> Choice:
-        return self.evaluation.choice
+    def inputs(self) -> MemoryInputs:
+        return self.evaluation.inputs
 
     @property
     def ds_config(self) -> str:
-        return SHIPPED_DS_CONFIGS[self.choice.ds_key]
+        return SHIPPED_DS_CONFIGS[self.inputs.ds_key]
 
     @property
     def precision(self) -> str:
@@ -80,23 +79,25 @@ def choose_auto(
     def all_evaluations(lora_rank: int | None) -> list[Evaluation]:
         out = []
         for mode, micro, ckpt in itertools.product(modes, micro_options, (False, True)):
-            base = MemoryInputs(
-                shape=shape,
-                world_size=dp,
-                gpus_per_node=hw.gpus_per_node,
-                zero_stage=mode[0],
-                precision=precision,
-                micro_batch=micro,
-                seq_len=seq,
-                activation_checkpointing=ckpt,
-                lora_rank=lora_rank,
-                overlap_comm=True,
-            )
-            choice = Choice(mode[0], mode[1], mode[2], micro, global_batch // (micro * dp), ckpt, lora_rank)
             try:
-                out.append(evaluate(base, choice, hw))
+                candidate = MemoryInputs.of(
+                    shape=shape,
+                    world_size=dp,
+                    zero_stage=mode[0],
+                    offload_optimizer=mode[1],
+                    offload_params=mode[2],
+                    precision=precision,
+                    micro_batch=micro,
+                    grad_accum=global_batch // (micro * dp),
+                    gpus_per_node=hw.gpus_per_node,
+                    seq_len=seq,
+                    activation_checkpointing=ckpt,
+                    lora_rank=lora_rank,
+                    overlap_comm=True,
+                )
             except MemoryInputError:
-                continue
+                continue  # a combination the layout rules refuse
+            out.append(evaluate(candidate, hw))
         return out
 
     reasons: list[str] = []
@@ -119,20 +120,20 @@ def choose_auto(
     # even at their smallest (micro-batch 1, checkpointing), closest to fitting first.
     by_mode: dict[tuple[int, str, str], list[Evaluation]] = {}
     for e in tried:
-        if bool(e.choice.lora_rank) == bool(chosen.choice.lora_rank):
-            by_mode.setdefault(e.choice.ds_key, []).append(e)
+        if bool(e.inputs.lora_rank) == bool(chosen.inputs.lora_rank):
+            by_mode.setdefault(e.inputs.ds_key, []).append(e)
     misses = [
         min(evs, key=lambda e: _overflow(e, hw))
         for evs in by_mode.values()
         if not any(e.fits for e in evs) and min(e.time.total for e in evs) < chosen.time.total
     ]
     for e in sorted(misses, key=lambda e: _overflow(e, hw))[:3]:
-        reasons.append(f"not {_mode_text(e.choice)}: even at its smallest it needs {_needs_text(e, hw)}")
-    if chosen.choice.activation_checkpointing:
+        reasons.append(f"not {_mode_text(e.inputs)}: even at its smallest it needs {_needs_text(e, hw)}")
+    if chosen.inputs.activation_checkpointing:
         reasons.append("activation checkpointing is on because the faster splits without it do not fit")
     if (
-        "nvme" in (chosen.choice.offload_optimizer, chosen.choice.offload_params)
-        and not chosen.choice.lora_rank
+        "nvme" in (chosen.inputs.offload_optimizer, chosen.inputs.offload_params)
+        and not chosen.inputs.lora_rank
     ):
         reasons.append(
             "NVMe offload is slow; --lora trains LoRA adapters instead, without NVMe and much faster"
@@ -140,7 +141,7 @@ def choose_auto(
     return AutoChoice(chosen, hw, model, shape, seq, global_batch, reasons)
 
 
-def _mode_text(c: Choice) -> str:
+def _mode_text(c: MemoryInputs) -> str:
     off = []
     if c.offload_optimizer != "none":
         off.append(f"optimizer on {c.offload_optimizer}")
@@ -156,7 +157,7 @@ def _overflow(e: Evaluation, hw: Hardware) -> float:
 
 
 def _short(ev: Evaluation) -> str:
-    c = ev.choice
+    c = ev.inputs
     text = (
         _mode_text(c)
         + f", micro-batch {c.micro_batch}"
@@ -202,7 +203,7 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
     """A complete recipe for the chosen configuration, with a header like the shipped ones."""
     import yaml
 
-    hw, c, ev = auto.hardware, auto.choice, auto.evaluation
+    hw, c, ev = auto.hardware, auto.inputs, auto.evaluation
     corpus = data or str((RECIPES_DIR / "../llm_train/assets/tiny/corpus.txt").resolve())
     slug = re.sub(r"[^a-z0-9]+", "-", auto.model.lower()).strip("-")[-40:]
     body: dict[str, Any] = {
@@ -261,7 +262,7 @@ def render_auto(auto: AutoChoice, path: Path | None) -> str:
     lines = [
         f"llm-train plan --recipe auto: {auto.model} ({auto.shape.num_params / 1e9:.2f}B parameters)",
         f"hardware: {hw.describe()}",
-        f"chosen:   {config_line(ev.inputs, ev.choice.grad_accum)}; deepspeed.config={auto.ds_config}",
+        f"chosen:   {config_line(ev.inputs, ev.inputs.grad_accum)}; deepspeed.config={auto.ds_config}",
         f"needs:    {verdict(ev, hw)}",
         f"speed:    ~{ev.time.total:.2f} s/step, ~{ev.time.tokens_per_s:,.0f} tokens/s (rough model)",
         "why:",

@@ -7,7 +7,6 @@ here loads weights or imports deepspeed.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,15 +74,8 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
 
     return MemoryInputs(
         shape=shape,
-        world_size=layout.world_size,
-        tp=layout.tp,
-        pp=layout.pp,
+        layout=layout,
         gpus_per_node=gpus_per_node or min(recipe.hardware.processes_per_node, layout.world_size),
-        zero_stage=layout.zero_stage,
-        offload_optimizer=layout.offload_optimizer,
-        offload_params=layout.offload_params,
-        precision=layout.precision,
-        micro_batch=layout.micro_batch_size,
         seq_len=recipe.data.seq_len,
         activation_checkpointing=recipe.memory.activation_checkpointing,
         attn_impl=recipe.memory.attention,
@@ -111,38 +103,9 @@ def needs(est: MemoryEstimate, inp: MemoryInputs, kind: str) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Choice:
-    """The knobs the planner turns."""
-
-    zero_stage: int
-    offload_optimizer: str
-    offload_params: str
-    micro_batch: int
-    grad_accum: int
-    activation_checkpointing: bool
-    lora_rank: int | None
-
-    @property
-    def ds_key(self) -> tuple[int, str, str]:
-        return (self.zero_stage, self.offload_optimizer, self.offload_params)
-
-    @staticmethod
-    def of(inp: MemoryInputs, grad_accum: int) -> Choice:
-        return Choice(
-            inp.zero_stage,
-            inp.offload_optimizer,
-            inp.offload_params,
-            inp.micro_batch,
-            grad_accum,
-            inp.activation_checkpointing,
-            inp.lora_rank,
-        )
-
-
-@dataclass(frozen=True)
 class Evaluation:
-    choice: Choice
     inputs: MemoryInputs
+    """The candidate: a layout (a variation of the run's) and the memory techniques."""
     estimate: MemoryEstimate
     device_bytes: int
     host_bytes: int
@@ -155,21 +118,11 @@ class Evaluation:
         return self.fits_device and self.fits_host
 
 
-def evaluate(base: MemoryInputs, choice: Choice, hw: Hardware) -> Evaluation:
-    """Estimate `choice` applied to `base` on `hw`. Raises MemoryInputError for impossible combinations."""
-    inp = dataclasses.replace(
-        base,
-        zero_stage=choice.zero_stage,
-        offload_optimizer=choice.offload_optimizer,
-        offload_params=choice.offload_params,
-        micro_batch=choice.micro_batch,
-        activation_checkpointing=choice.activation_checkpointing,
-        lora_rank=choice.lora_rank,
-        zero_init=None,  # re-derived from the stage
-    )
+def evaluate(inp: MemoryInputs, hw: Hardware) -> Evaluation:
+    """Estimate one candidate on `hw`: memory per device and host, step time, whether it fits."""
     est = estimate_memory(inp)
     device_bytes, host_bytes = needs(est, inp, hw.kind)
     fits_device = hw.kind == "cpu" or device_bytes <= hw.gpu_limit_bytes
     fits_host = host_bytes <= hw.host_limit_bytes
-    speed = step_time(inp, choice.grad_accum, hw.peak_tflops, hw.nvlink)
-    return Evaluation(choice, inp, est, device_bytes, host_bytes, speed, fits_device, fits_host)
+    speed = step_time(inp, inp.grad_accum, hw.peak_tflops, hw.nvlink)
+    return Evaluation(inp, est, device_bytes, host_bytes, speed, fits_device, fits_host)

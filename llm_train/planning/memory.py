@@ -44,15 +44,13 @@ busiest one: first pipeline stage); host terms and NVMe are per node.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from llm_train.config.ds_json import zero_bucket_sizes
-from llm_train.config.layout import (
-    PIPELINE_MAX_ZERO_STAGE,
-    degrees_divide,
-    offload_problem,
-)
+from llm_train.config.layout import Layout, LayoutError
 from llm_train.errors import UserError
 from llm_train.planning.shapes import ModelShape
 
@@ -82,8 +80,6 @@ DS_NVME_OPTIMIZER_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
 DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 
-PRECISIONS = ("bf16", "fp16", "fp32")
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ATTN_IMPLS = ("sdpa", "flash_attention_2", "eager")
 
 
@@ -211,10 +207,20 @@ def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
 # --- the estimator ------------------------------------------------------------------------------
 
 
-_OFFLOAD_MESSAGES = {  # keyed by config.layout.offload_problem
+# Layout rules broken through MemoryInputs.of, told in its argument names (keyed by LayoutError.rule).
+_API_MESSAGES = {
+    "degrees": "world_size {world_size} is not divisible by tp*pp = {tp}*{pp}; world_size = dp * tp * pp",
     "params": "offload_params needs zero_stage 3 (only ZeRO-3 partitions parameters)",
     "optimizer": "offload_optimizer needs zero_stage 1, 2 or 3",
     "nvme_optimizer": "offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)",
+}
+_LAYOUT_FIELDS = {
+    "zero_stage",
+    "offload_optimizer",
+    "offload_params",
+    "precision",
+    "micro_batch_size",
+    "grad_accum",
 }
 
 
@@ -223,18 +229,10 @@ class MemoryInputs:
     """One training configuration, as far as memory is concerned."""
 
     shape: ModelShape
-    world_size: int
-    tp: int = 1
-    pp: int = 1
+    layout: Layout
+    """World, degrees, ZeRO stage, offload, precision and batch (config.layout checks their rules)."""
     gpus_per_node: int | None = None
     """GPUs (ranks) per node; None = min(world_size, 8)."""
-    zero_stage: int = 0
-    offload_optimizer: str = "none"
-    """none | cpu | nvme (nvme needs ZeRO-3)."""
-    offload_params: str = "none"
-    """none | cpu | nvme (ZeRO-3 only)."""
-    precision: str = "bf16"
-    micro_batch: int = 1
     seq_len: int = 2048
     activation_checkpointing: bool = False
     attn_impl: str = "sdpa"
@@ -271,39 +269,80 @@ class MemoryInputs:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("world_size", "tp", "pp", "micro_batch", "seq_len", "gpus_per_node"):
+        for name in ("seq_len", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise MemoryInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not degrees_divide(self.world_size, self.tp, self.pp):
+        if self.attn_impl not in ATTN_IMPLS:
             raise MemoryInputError(
-                f"world_size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}; "
-                "world_size = dp * tp * pp"
-            )
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise MemoryInputError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        for name, allowed in (
-            ("offload_optimizer", OFFLOAD_DEVICES),
-            ("offload_params", OFFLOAD_DEVICES),
-            ("precision", PRECISIONS),
-            ("attn_impl", ATTN_IMPLS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise MemoryInputError(
-                    f"{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'"
-                )
-        broken = offload_problem(self.zero_stage, self.offload_optimizer, self.offload_params)
-        if broken:
-            raise MemoryInputError(_OFFLOAD_MESSAGES[broken])
-        if self.pp > 1 and self.zero_stage > PIPELINE_MAX_ZERO_STAGE:
-            raise MemoryInputError(
-                f"DeepSpeed refuses ZeRO-{self.zero_stage} with pipeline parallelism; use 0 or 1"
+                f"attn_impl must be one of {', '.join(ATTN_IMPLS)}, got '{self.attn_impl}'"
             )
         if self.lora_rank is not None and self.lora_rank < 1:
             raise MemoryInputError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
 
+    @classmethod
+    def of(
+        cls,
+        shape: ModelShape,
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        zero_stage: int = 0,
+        offload_optimizer: str = "none",
+        offload_params: str = "none",
+        precision: str = "bf16",
+        micro_batch: int = 1,
+        grad_accum: int = 1,
+        **rest: Any,
+    ) -> MemoryInputs:
+        """Inputs from the layout's fields spelled out (the planner's API and its tests)."""
+        try:
+            layout = Layout(
+                world_size=world_size,
+                tp=tp,
+                pp=pp,
+                zero_stage=zero_stage,
+                offload_optimizer=offload_optimizer,
+                offload_params=offload_params,
+                precision=precision,
+                micro_batch_size=micro_batch,
+                grad_accum=grad_accum,
+            )
+        except LayoutError as exc:
+            raise MemoryInputError(_API_MESSAGES.get(exc.rule, str(exc)).format(**locals())) from None
+        return cls(shape=shape, layout=layout, **rest)
+
+    def vary(self, **changes: Any) -> MemoryInputs:
+        """These inputs with layout fields and/or memory techniques changed (the planner's candidates)."""
+        layout_changes = {k: changes.pop(k) for k in list(changes) if k in _LAYOUT_FIELDS}
+        layout = self.layout
+        if layout_changes:
+            try:
+                layout = layout.vary(**layout_changes)
+            except LayoutError as exc:
+                raise MemoryInputError(str(exc)) from None
+        return dataclasses.replace(self, layout=layout, **changes)
+
     @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+    def ds_key(self) -> tuple[int, str, str]:
+        """(ZeRO stage, optimizer offload, parameter offload): which shipped DS JSON it needs."""
+        return (self.zero_stage, self.offload_optimizer, self.offload_params)
+
+    @property
+    def knobs(self) -> tuple[Any, ...]:
+        """What the planner turns: the DS JSON, micro-batch and accumulation, checkpointing, LoRA."""
+        return (self.ds_key, self.micro_batch, self.grad_accum, self.activation_checkpointing, self.lora_rank)
+
+    # The layout's fields, read as the estimator reads them.
+    world_size = property(lambda self: self.layout.world_size)
+    tp = property(lambda self: self.layout.tp)
+    pp = property(lambda self: self.layout.pp)
+    dp = property(lambda self: self.layout.dp)
+    zero_stage = property(lambda self: self.layout.zero_stage)
+    offload_optimizer = property(lambda self: self.layout.offload_optimizer)
+    offload_params = property(lambda self: self.layout.offload_params)
+    precision = property(lambda self: self.layout.precision)
+    micro_batch = property(lambda self: self.layout.micro_batch_size)
+    grad_accum = property(lambda self: self.layout.grad_accum)
 
     @property
     def ranks_per_node(self) -> int:

@@ -10,7 +10,6 @@ from llm_train.config.resolution import resolve_run
 from llm_train.planning.fit import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
-    Choice,
     Evaluation,
     evaluate,
     memory_inputs,
@@ -186,8 +185,7 @@ def plan_recipe(
     run = resolve_run(recipe_name, overrides, world_size=hw.gpus, device=hw.device())
     shape = shape_from_config(run.model_fields)
     base = memory_inputs(run, shape, hw.gpus_per_node)
-    start = Choice.of(base, run.layout.grad_accum)
-    ev = evaluate(base, start, hw)
+    ev = evaluate(base, hw)
     model = run.recipe.model.name_or_path or f"random {shape.model_type}"
     title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e9:.2f}B parameters)"
     if shape.num_params < 1e8:

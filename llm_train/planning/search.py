@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_train.config.hardware import Hardware
-from llm_train.planning.fit import SHIPPED_DS_CONFIGS, SUGGESTED_LORA_RANK, Choice, Evaluation, evaluate
+from llm_train.planning.fit import SHIPPED_DS_CONFIGS, SUGGESTED_LORA_RANK, Evaluation, evaluate
 from llm_train.planning.memory import (
     MemoryInputError,
     MemoryInputs,
@@ -50,7 +50,7 @@ class Fix:
 
 
 def describe_changes(
-    base: Choice, new: Choice, recipe: Any, ds_name: str | None
+    base: MemoryInputs, new: MemoryInputs, recipe: Any, ds_name: str | None
 ) -> tuple[list[Change], list[str]]:
     """The human-readable changes from `base` to `new`, and the recipe overrides that make them."""
     changes: list[Change] = []
@@ -112,7 +112,7 @@ def _offload_rank(device: str) -> int:
     return {"none": 0, "cpu": 1, "nvme": 2}[device]
 
 
-def _memory_modes(base: Choice, kind: str, saving_only: bool) -> list[tuple[int, str, str]]:
+def _memory_modes(base: MemoryInputs, kind: str, saving_only: bool) -> list[tuple[int, str, str]]:
     """ZeRO stage / offload combinations to try (shipped configs only), the recipe's first."""
     if kind == "cpu":
         # Offloading to the CPU from the CPU saves nothing; only partitioning can help.
@@ -144,7 +144,7 @@ def search(
     faster=False: the recipe does not fit; try only changes that save memory (and LoRA).
     faster=True: it fits; look for changes that keep it fitting and are >5% faster.
     """
-    start = Choice.of(base, grad_accum)
+    start = base if base.grad_accum == grad_accum else base.vary(grad_accum=grad_accum)
     reference = step_time(base, grad_accum, hw.peak_tflops, hw.nvlink).total
     per_rank = start.micro_batch * start.grad_accum  # sequences per rank per step: kept fixed
     if faster:
@@ -164,17 +164,28 @@ def search(
     fixes: list[Fix] = []
     modes = _memory_modes(start, hw.kind, saving_only=not faster)
     for ckpt, mb, mode, rank in itertools.product(checkpointing, micro, modes, lora):
-        choice = Choice(mode[0], mode[1], mode[2], mb, per_rank // mb, ckpt, rank)
-        if choice == start:
-            continue
         try:
-            ev = evaluate(base, choice, hw)
+            candidate = start.vary(
+                zero_stage=mode[0],
+                offload_optimizer=mode[1],
+                offload_params=mode[2],
+                micro_batch_size=mb,
+                grad_accum=per_rank // mb,
+                activation_checkpointing=ckpt,
+                lora_rank=rank,
+                zero_init=None,  # follows the stage
+            )
         except MemoryInputError:
+            continue  # a combination the layout rules refuse
+        if candidate.knobs == start.knobs:
             continue
+        ev = evaluate(candidate, hw)
         slowdown = ev.time.total / reference if reference else 1.0
         if not ev.fits or (faster and slowdown > 0.95):
             continue
-        changes, overrides = describe_changes(start, choice, recipe, SHIPPED_DS_CONFIGS.get(choice.ds_key))
+        changes, overrides = describe_changes(
+            start, candidate, recipe, SHIPPED_DS_CONFIGS.get(candidate.ds_key)
+        )
         fixes.append(Fix(ev, changes, overrides, slowdown))
     # Drop a fix when another one, made of a subset of its kinds of change, is at least as fast.
     kept = [f for f in fixes if not any(g.kinds < f.kinds and g.slowdown <= f.slowdown for g in fixes)]

@@ -73,3 +73,36 @@ def test_param_offload_needs_stage3(tmp_path) -> None:
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}))
     with pytest.raises(UserError, match="parameter offload needs zero_optimization.stage=3"):
         resolve_run("tiny-cpu", [], world_size=2, device=CPU, ds_config_path=str(path))
+
+
+@pytest.mark.parametrize(
+    ("fields", "rule"),
+    [
+        ({"world_size": 6, "tp": 4}, "degrees"),
+        ({"world_size": 0}, "positive"),
+        ({"world_size": 2, "grad_accum": 0}, "positive"),
+        ({"world_size": 2, "zero_stage": 4}, "zero_stage"),
+        ({"world_size": 2, "offload_params": "disk"}, "offload_device"),
+        ({"world_size": 2, "zero_stage": 2, "offload_params": "cpu"}, "params"),
+        ({"world_size": 2, "offload_optimizer": "cpu"}, "optimizer"),
+        ({"world_size": 2, "zero_stage": 2, "offload_optimizer": "nvme"}, "nvme_optimizer"),
+        ({"world_size": 4, "pp": 2, "zero_stage": 2}, "pipeline_zero"),
+        ({"world_size": 2, "precision": "fp8"}, "precision"),
+    ],
+)
+def test_every_layout_rule_is_checked_when_a_layout_is_made(fields: dict, rule: str) -> None:
+    from llm_train.config.layout import Layout, LayoutError
+
+    with pytest.raises(LayoutError) as info:
+        Layout(**fields)
+    assert info.value.rule == rule and "\n" not in str(info.value)
+
+
+def test_a_layout_knows_its_data_parallel_size_and_global_batch_and_varies_under_the_same_rules() -> None:
+    from llm_train.config.layout import Layout, LayoutError
+
+    layout = Layout(world_size=16, tp=2, pp=2, zero_stage=1, micro_batch_size=2, grad_accum=4)
+    assert (layout.dp, layout.global_batch_size) == (4, 2 * 4 * 4)
+    assert layout.vary(zero_stage=0).zero_stage == 0
+    with pytest.raises(LayoutError, match="pipeline"):
+        layout.vary(zero_stage=3)

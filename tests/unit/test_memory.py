@@ -97,17 +97,17 @@ def test_estimate_model_states_follow_the_paper() -> None:
     """With no tp/pp/offload, parameters + gradients + optimizer states are the paper's numbers."""
     n = LLAMA2_7B.num_params
     for stage in (0, 1, 2):
-        terms = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, zero_stage=stage)).gpu_terms
+        terms = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=stage)).gpu_terms
         states = terms["parameters"] + terms["gradients"] + terms["optimizer_states"]
         assert states == pytest.approx(zero_paper_model_states(n, 8, stage), rel=1e-6)
     # ZeRO-3 keeps the small (persistent) tensors whole: a little above 16N/dp.
-    terms = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, zero_stage=3)).gpu_terms
+    terms = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=3)).gpu_terms
     states = terms["parameters"] + terms["gradients"] + terms["optimizer_states"]
     assert states == pytest.approx(zero_paper_model_states(n, 8, 3), rel=1e-3)
 
 
 def test_fp32_is_4_4_8() -> None:
-    terms = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=1, precision="fp32")).gpu_terms
+    terms = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=1, precision="fp32")).gpu_terms
     n = LLAMA2_7B.num_params
     assert (terms["parameters"], terms["gradients"], terms["optimizer_states"]) == (4 * n, 4 * n, 8 * n)
 
@@ -117,7 +117,7 @@ def test_host_offload_agrees_with_deepspeed_up_to_its_buffer_factor() -> None:
     pytest.importorskip("deepspeed")
     n, nodes, gpus = LLAMA2_7B.num_params, 2, 8
     est = estimate_memory(
-        MemoryInputs(
+        MemoryInputs.of(
             shape=LLAMA2_7B,
             world_size=nodes * gpus,
             zero_stage=3,
@@ -153,7 +153,7 @@ def test_estimate_activations_by_hand() -> None:
     s, b, h, n_layers = 2048, 1, 4096, 32
 
     def acts(**kw: object) -> int:
-        inp = MemoryInputs(shape=LLAMA2_7B, world_size=8, micro_batch=b, seq_len=s, **kw)  # type: ignore[arg-type]
+        inp = MemoryInputs.of(shape=LLAMA2_7B, world_size=8, micro_batch=b, seq_len=s, **kw)  # type: ignore[arg-type]
         return estimate_memory(inp).gpu_terms["activations"]
 
     assert acts(attn_impl="eager") == 32 * 956_301_312
@@ -167,19 +167,19 @@ def test_estimate_activations_by_hand() -> None:
 def test_logits_by_hand() -> None:
     # vocab 32000 x s 2048 x b 1 x 4 bytes (fp32), x 2 for the gradient = 524,288,000
     assert logits_bytes(LLAMA2_7B, 2048, 1) == 32000 * 2048 * 1 * 4 * 2 == 524_288_000
-    est = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=1, micro_batch=4, seq_len=1024))
+    est = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=1, micro_batch=4, seq_len=1024))
     assert est.gpu_terms["logits_and_loss"] == 32000 * 1024 * 4 * 4 * 2
 
 
 def test_context_and_slack() -> None:
-    est = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=1))
+    est = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=1))
     others = sum(v for k, v in est.gpu_terms.items() if k != "cuda_context_and_slack")
     assert est.gpu_terms["cuda_context_and_slack"] == pytest.approx(CUDA_CONTEXT_BYTES + 0.1 * others, abs=8)
 
 
 def test_lora_trains_only_adapters() -> None:
     r = 16
-    est = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=1, lora_rank=r)).gpu_terms
+    est = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=1, lora_rank=r)).gpu_terms
     adapters = LLAMA2_7B.lora_params(r)
     # Per layer: q,k,v,o: 4 x r x (4096 + 4096); gate, up, down: 3 x r x (4096 + 11008)
     assert adapters == 32 * r * (4 * 8192 + 3 * (4096 + 11008))
@@ -196,7 +196,7 @@ def test_stages_order_gpu_model_states() -> None:
         shape = shape_of(shape_id)
         states = []
         for stage in (0, 1, 2, 3):
-            t = estimate_memory(MemoryInputs(shape=shape, world_size=world, zero_stage=stage)).gpu_terms
+            t = estimate_memory(MemoryInputs.of(shape=shape, world_size=world, zero_stage=stage)).gpu_terms
             states.append(t["parameters"] + t["gradients"] + t["optimizer_states"])
         assert states[3] < states[2] < states[1] < states[0], (shape_id, world, states)
 
@@ -217,8 +217,8 @@ def test_stages_order_gpu_model_states() -> None:
 )
 @pytest.mark.parametrize("world", [1, 8])
 def test_offload_moves_memory_from_gpu_to_host(before: dict, after: dict, world: int) -> None:
-    a = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=world, **before))
-    b = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=world, **after))
+    a = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=world, **before))
+    b = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=world, **after))
     assert b.gpu_bytes < a.gpu_bytes
 
     def held_on_host(e: MemoryEstimate) -> int:
@@ -235,7 +235,7 @@ def test_offload_moves_memory_from_gpu_to_host(before: dict, after: dict, world:
 
 
 def test_checkpointing_and_sdpa_reduce_activations() -> None:
-    base = MemoryInputs(shape=LLAMA2_7B, world_size=1, attn_impl="eager", seq_len=4096)
+    base = MemoryInputs.of(shape=LLAMA2_7B, world_size=1, attn_impl="eager", seq_len=4096)
     eager = estimate_memory(base).gpu_bytes
     sdpa = estimate_memory(dataclasses.replace(base, attn_impl="sdpa")).gpu_bytes
     ckpt = estimate_memory(
@@ -245,16 +245,18 @@ def test_checkpointing_and_sdpa_reduce_activations() -> None:
 
 
 def test_zero_init_avoids_full_model_per_rank_at_load() -> None:
-    with_init = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, zero_stage=3))
-    without = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, zero_stage=3, zero_init=False))
+    with_init = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=3))
+    without = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=3, zero_init=False))
     assert without.host_terms["model_load_peak"] == 8 * 2 * LLAMA2_7B.num_params  # every rank, 16-bit
     assert with_init.host_terms["model_load_peak"] == 8 * 5 * 10**9  # one 5 GB shard per rank
     assert with_init.host_bytes < without.host_bytes
 
 
 def test_pipeline_stages_load_only_their_share_of_the_model() -> None:
-    whole = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, zero_stage=1, zero_init=False))
-    staged = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, pp=8, zero_stage=1, zero_init=False))
+    whole = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=1, zero_init=False))
+    staged = estimate_memory(
+        MemoryInputs.of(shape=LLAMA2_7B, world_size=8, pp=8, zero_stage=1, zero_init=False)
+    )
     stage = 2 * LLAMA2_7B.num_params / 8 + 2 * LLAMA2_7B.largest_layer_params  # 16-bit
     assert staged.host_terms["model_load_peak"] == int(8 * stage)
     assert staged.host_terms["model_load_peak"] < whole.host_terms["model_load_peak"] / 4
@@ -264,10 +266,10 @@ def test_known_budget_7b_on_a_24gb_card() -> None:
     """DESIGN: a 7-8B full fine-tune fits 24 GB only with offload, and needs ~100-120 GiB host RAM."""
     shape = shape_of("meta-llama/Llama-3.1-8B")
     common = {"shape": shape, "world_size": 1, "activation_checkpointing": True}
-    plain = estimate_memory(MemoryInputs(zero_stage=2, **common))
+    plain = estimate_memory(MemoryInputs.of(zero_stage=2, **common))
     assert plain.gpu_bytes > 24 * GiB
     full = estimate_memory(
-        MemoryInputs(zero_stage=3, offload_optimizer="cpu", offload_params="cpu", **common)
+        MemoryInputs.of(zero_stage=3, offload_optimizer="cpu", offload_params="cpu", **common)
     )
     assert full.gpu_bytes < 24 * GiB
     assert 100 * GiB < full.host_bytes < 160 * GiB
@@ -277,7 +279,9 @@ def test_known_budget_7b_on_a_24gb_card() -> None:
 
 
 def test_estimate_structure_and_table() -> None:
-    est = estimate_memory(MemoryInputs(shape=LLAMA2_7B, world_size=8, zero_stage=3, offload_optimizer="nvme"))
+    est = estimate_memory(
+        MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=3, offload_optimizer="nvme")
+    )
     assert list(est.gpu_terms) == [
         "parameters",
         "gradients",
@@ -300,13 +304,13 @@ def test_estimate_structure_and_table() -> None:
 
 
 def test_auto_defaults_follow_hf() -> None:
-    inp = MemoryInputs(shape=LLAMA2_7B, world_size=16)
+    inp = MemoryInputs.of(shape=LLAMA2_7B, world_size=16)
     assert inp.reduce_bucket_size == 4096 * 4096
     assert inp.prefetch_bucket_size == int(0.9 * 4096 * 4096)
     assert inp.param_persistence_threshold == 40960
     assert (inp.gpus_per_node, inp.num_nodes, inp.dp) == (8, 2, 16)
-    assert MemoryInputs(shape=LLAMA2_7B, world_size=2).gpus_per_node == 2
-    assert MemoryInputs(shape=LLAMA2_7B, world_size=16, tp=2, pp=2).dp == 4
+    assert MemoryInputs.of(shape=LLAMA2_7B, world_size=2).gpus_per_node == 2
+    assert MemoryInputs.of(shape=LLAMA2_7B, world_size=16, tp=2, pp=2).dp == 4
 
 
 @pytest.mark.parametrize(
@@ -326,14 +330,14 @@ def test_auto_defaults_follow_hf() -> None:
 )
 def test_invalid_inputs_are_one_line_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(MemoryInputError, match=message) as info:
-        MemoryInputs(shape=LLAMA2_7B, **kwargs)
+        MemoryInputs.of(shape=LLAMA2_7B, **kwargs)
     assert isinstance(info.value, ValueError) and isinstance(info.value, UserError)
     assert "\n" not in str(info.value)
 
 
 def test_tiny_shape_is_positive_everywhere() -> None:
     tiny = ModelShape("llama", 64, 2, 4, 2, 176, 50, True, 128)
-    est = estimate_memory(MemoryInputs(shape=tiny, world_size=2, zero_stage=3, seq_len=16))
+    est = estimate_memory(MemoryInputs.of(shape=tiny, world_size=2, zero_stage=3, seq_len=16))
     assert est.gpu_bytes > CUDA_CONTEXT_BYTES and est.host_bytes > 0
 
 

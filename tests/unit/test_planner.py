@@ -98,7 +98,7 @@ def test_auto_decisions(
 ) -> None:
     hw = hardware_for(gpus, gpu, gpu_mem, host, None, detect=False)
     auto = choose_auto(model, hw, lora=lora)
-    assert (auto.ds_config, auto.choice.lora_rank, auto.precision) == (ds_config, rank, precision)
+    assert (auto.ds_config, auto.inputs.lora_rank, auto.precision) == (ds_config, rank, precision)
     ev = auto.evaluation
     assert ev.fits and ev.device_bytes <= hw.gpu_limit_bytes and ev.host_bytes <= hw.host_limit_bytes
     assert auto.reasons and "fastest of" in " ".join(auto.reasons)
@@ -118,7 +118,7 @@ def test_auto_explains_why_not_lighter() -> None:
 def test_auto_falls_back_to_lora_and_says_so() -> None:
     hw = hardware_for(1, "RTX-4090", None, 16, None, detect=False)  # too little RAM even for NVMe buffers
     auto = choose_auto("meta-llama/Llama-2-7b-hf", hw)
-    assert auto.choice.lora_rank == 16
+    assert auto.inputs.lora_rank == 16
     assert "no full fine-tune fits" in auto.reasons[0]
 
 
@@ -153,7 +153,7 @@ def test_7b_rtx4090_fits_24gb_with_128gib() -> None:
     assert report.fits and not report.fixes
     assert 3 * GiB < ev.device_bytes < 12 * GiB  # only activations, logits and buffers on the GPU
     assert 100 * GiB < ev.host_bytes < 122 * GiB  # 6.7B x 18 bytes (+ processes) in host RAM
-    assert ev.choice.offload_optimizer == ev.choice.offload_params == "cpu" and ev.choice.zero_stage == 3
+    assert ev.inputs.offload_optimizer == ev.inputs.offload_params == "cpu" and ev.inputs.zero_stage == 3
 
 
 def test_7b_rtx4090_with_64gib_host_is_fixed_by_nvme_or_lora() -> None:
