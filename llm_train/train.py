@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         spawn = None
         if args.dry_run:
             world_size = args.world_size
+            if world_size is not None and world_size < 1:
+                # 0 used to fall through to the recipe's own hardware without a word.
+                raise UserError(f"--world-size {world_size}: plan for at least 1 process (or leave it out)")
             device = None
         else:
             if args.world_size is not None:

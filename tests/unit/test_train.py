@@ -122,3 +122,14 @@ def test_every_ds_config_dry_runs(ds: str, capsys: pytest.CaptureFixture[str], t
     nvme = [f"deepspeed.nvme_path={tmp_path}"] if "nvme" in ds else []  # the drive is the user's to name
     assert main(["--recipe", "tiny-cpu", "--ds-config", ds, "--dry-run", *nvme]) == 0
     assert "# parallel plan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("size", ["0", "-2"])
+def test_a_dry_run_for_fewer_than_one_process_is_refused(
+    size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_train import train
+
+    assert train.main(["--recipe", "tiny-cpu", "--dry-run", "--world-size", size]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"llm-train: error: --world-size {size}: plan for at least 1 process (or leave it out)"
