@@ -216,17 +216,6 @@ def check(wheels: list[WheelInfo], present: dict[str, SpecifierSet], waive: Iter
     return report
 
 
-def _stub_wheel(folder: Path, name: str, version: str) -> None:
-    """An empty py3-none-any wheel that only says "name==version is installed" to pip's resolver."""
-    dist = f"{canonicalize_name(name).replace('-', '_')}-{version}"
-    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as zf:
-        zf.writestr(
-            f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-        )
-        zf.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: gpu_wheels\nRoot-Is-Purelib: true\nTag: py3-none-any\n")  # fmt: skip
-        zf.writestr(f"{dist}.dist-info/RECORD", "")
-
-
 def stand_in_versions(
     wheels: list[WheelInfo], present: dict[str, SpecifierSet], here: dict[str, str]
 ) -> dict[str, set[str]]:
