@@ -308,6 +308,12 @@ class OptimSection(Section):
         None, gt=0, description="Passes over the training data (if max_steps unset)."
     )
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Master weights, gradients and Adam states: fp32, or bf16 to halve their host RAM "
+        "(DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states; needs precision bf16 and "
+        "optimizer CPU offload).",
+    )
 
     @model_validator(mode="after")
     def _length_is_known(self) -> OptimSection:
