@@ -3,7 +3,8 @@
     llm-train doctor [--skip-build] [--build-timeout SECONDS] [--recipe NAME [key.sub=value ...]]
 
 Prints GPUs (name, memory, compute capability, bf16), host RAM, CPU cores, free disk,
-the GPU interconnect (`nvidia-smi topo -m`) when present, the versions that matter
+the GPU interconnect (`nvidia-smi topo -m`) when present, which GPU pairs lack peer-to-peer access
+(NCCL hangs on them; runs set NCCL_P2P_DISABLE=1 themselves), the versions that matter
 (torch and its CUDA, DeepSpeed, Accelerate, Transformers, PEFT, flash-attn), and whether
 DeepSpeed's CPU Adam actually builds and loads here: the ZeRO-Offload recipes need it and
 its JIT build is a classic failure (missing compiler, headers, mismatched CUDA). It also
@@ -30,7 +31,7 @@ from typing import Any
 
 from llm_train.config import ds_json
 from llm_train.config.ds_json import nvme_paths
-from llm_train.config.hardware import find_gpu
+from llm_train.config.hardware import describe_pairs, find_gpu, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
@@ -177,6 +178,7 @@ def check_gpus(report: Report) -> list[tuple[str, float, tuple[int, int], bool]]
                     f"this torch build has no kernels for {props.name} ({sm}; built for {', '.join(sorted(arch_list))})",
                     "install a torch wheel built for your GPU (pytorch.org/get-started)",
                 )
+        check_p2p(report, len(gpus), gpus_without_p2p() if len(gpus) > 1 else [])
         if any(not g[3] for g in gpus):
             names = ", ".join(sorted({g[0] for g in gpus if not g[3]}))
             report.warn(
@@ -217,6 +219,23 @@ def check_gpus(report: Report) -> list[tuple[str, float, tuple[int, int], bool]]
     else:
         report.add(section, "nvidia-smi", "not found (no NVIDIA driver tools)")
     return gpus
+
+
+def check_p2p(report: Report, gpu_count: int, pairs_without_p2p: list[tuple[int, int]]) -> None:
+    """One row on peer-to-peer access between this node's GPUs; a warning for pairs without it."""
+    if gpu_count < 2:
+        return
+    if not pairs_without_p2p:
+        report.add("GPUs", "peer-to-peer", f"every pair of the {gpu_count} GPUs")
+        return
+    pairs = describe_pairs(pairs_without_p2p)
+    report.add("GPUs", "peer-to-peer", f"NONE between GPUs {pairs}")
+    report.warn(
+        f"GPUs {pairs} have no peer-to-peer access (usual on RTX 40xx): NCCL hangs on them unless "
+        "NCCL_P2P_DISABLE=1",
+        "nothing for llm_train runs (they set NCCL_P2P_DISABLE=1 themselves, with a notice); for other "
+        "tools export NCCL_P2P_DISABLE=1",
+    )
 
 
 def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int], bool]]) -> None:

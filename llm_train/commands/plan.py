@@ -1,6 +1,7 @@
 """`llm-train plan`: will this recipe fit my GPUs and host RAM, and if not, what is the cheapest fix?
 
-llm-train plan --recipe 7b-rtx4090 --gpu-mem 24 --host-ram 128
+llm-train plan --recipe 7b-rtx4090 --gpu-mem 24 --host-ram 192
+llm-train plan --recipe 7b-rtx4090 --gpu-mem 24 --host-ram 64 --nvme-gib 900
 llm-train plan --recipe 7b-zero3 --gpus 8 --gpu H100
 llm-train plan --recipe auto --model meta-llama/Llama-3.1-8B --gpu RTX-4090 [--train]
 """
@@ -43,6 +44,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--host-ram", type=float, metavar="GIB", help="Host RAM per node in GiB (default: this machine)."
     )
     p.add_argument(
+        "--nvme-gib",
+        type=float,
+        metavar="GIB",
+        help="Free NVMe space per node for ZeRO-Infinity offload; without it NVMe offload is never chosen.",
+    )
+    p.add_argument(
         "--seq-len", type=int, help="With --recipe auto: tokens per sequence (default min(2048, model max))."
     )
     p.add_argument(
@@ -69,6 +76,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.nvme_gib is not None and args.nvme_gib <= 0:
+        raise UserError(
+            f"--nvme-gib {args.nvme_gib:g}: give the free NVMe space in GiB (> 0), or leave it out"
+        )
     if args.recipe != "auto":
         for flag in ("model", "write", "output_dir", "seq_len"):
             if getattr(args, flag):
@@ -77,14 +88,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--train only applies to --recipe auto; train a recipe with: llm-train train --recipe {args.recipe}"
             )
-        report = plan_recipe(args.recipe, args.overrides, args.gpus, args.gpu, args.gpu_mem, args.host_ram)
+        report = plan_recipe(
+            args.recipe,
+            args.overrides,
+            args.gpus,
+            args.gpu,
+            args.gpu_mem,
+            args.host_ram,
+            nvme_gib=args.nvme_gib,
+        )
         print(render(report))
         return 0
     if not args.model:
         raise UserError("--recipe auto needs --model ID_OR_PATH (a known id or a directory with config.json)")
     hw = hardware_for(args.gpus, args.gpu, args.gpu_mem, args.host_ram, None)
     mode = "always" if args.lora else "never" if args.no_lora else "fallback"
-    auto = choose_auto(args.model, hw, args.seq_len, args.global_batch, lora=mode)
+    auto = choose_auto(args.model, hw, args.seq_len, args.global_batch, lora=mode, nvme_gib=args.nvme_gib)
     out_dir = Path(
         args.output_dir or f"runs/auto-{re.sub(r'[^a-z0-9]+', '-', args.model.lower()).strip('-')[-40:]}"
     )

@@ -107,6 +107,7 @@ class RecipeValues:
     warmup_steps: int
     max_steps: int
     nvme_path: str | None = None  # deepspeed.nvme_path: fills every nvme offload's "nvme_path"
+    state_dtype: str = "fp32"  # optim.state_dtype: bf16 = DeepSpeed bf16 master weights + Adam states
 
 
 def find_ds_config(name_or_path: str) -> Path:
@@ -248,6 +249,9 @@ def zero_bucket_sizes(hidden_size: int) -> dict[str, int]:
     }
 
 
+_BF16_STATE_PATHS = (("bf16", "bf16_master_weights_and_grads"), ("bf16", "bf16_optimizer_states"))
+
+
 def _owned_values(v: RecipeValues) -> dict[tuple[str, ...], Any]:
     """Paths the recipe owns, with the values the recipe gives them."""
     buckets = zero_bucket_sizes(v.hidden_size)
@@ -267,6 +271,9 @@ def _owned_values(v: RecipeValues) -> dict[tuple[str, ...], Any]:
         ("scheduler", "params", "warmup_num_steps"): v.warmup_steps,
         ("scheduler", "params", "total_num_steps"): v.max_steps,
         **{("zero_optimization", key): size for key, size in buckets.items()},
+        # optim.state_dtype=bf16: master weights, gradients and Adam moments all in bf16 (DeepSpeed
+        # needs the first for the second; layout.state_dtype_problem says when DeepSpeed accepts them).
+        **{path: v.state_dtype == "bf16" for path in _BF16_STATE_PATHS},
     }
 
 
@@ -292,6 +299,7 @@ _RECIPE_KEY_FOR = {
     ("scheduler", "params", "warmup_max_lr"): "optim.lr",
     ("scheduler", "params", "warmup_num_steps"): "optim.warmup_steps",
     ("scheduler", "params", "total_num_steps"): "optim.max_steps",
+    **{path: "optim.state_dtype" for path in _BF16_STATE_PATHS},
 }
 
 
@@ -339,6 +347,9 @@ def fill_autos(config: dict[str, Any], values: RecipeValues, source: str) -> dic
                 "gradient_accumulation_steps",
                 "train_batch_size",
             ):
+                _set(resolved, path, value)
+            elif path in _BF16_STATE_PATHS and value:
+                # Written only when asked for: every other run's JSON stays as it was.
                 _set(resolved, path, value)
         elif path not in _TUNABLE and path[0] in resolved and not _same(current, value):
             recipe_key = _RECIPE_KEY_FOR.get(path, "the recipe")

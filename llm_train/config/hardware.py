@@ -205,6 +205,35 @@ def _detected_gpus() -> tuple[int, str, int, bool, tuple[int, int]] | None:
     )
 
 
+def gpus_without_p2p() -> list[tuple[int, int]]:
+    """Pairs (i, j), i < j, of this node's visible GPUs that cannot reach each other's memory directly.
+
+    Consumer cards (RTX 40xx, many RTX 30xx boards and PCIe topologies) have no peer-to-peer
+    access; NCCL's P2P transport then hangs or fails on them instead of falling back, which is a
+    frequent DeepSpeed report. Empty with fewer than two GPUs or no CUDA. Asks torch, so it
+    initialises CUDA: call it after the allocator settings are in place (runtime/fast.py).
+    """
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    count = torch.cuda.device_count()
+    return [
+        (i, j)
+        for i in range(count)
+        for j in range(i + 1, count)
+        # Both directions: one-way access still leaves NCCL a path it cannot use.
+        if not (torch.cuda.can_device_access_peer(i, j) and torch.cuda.can_device_access_peer(j, i))
+    ]
+
+
+def describe_pairs(pairs: list[tuple[int, int]]) -> str:
+    """'0-1, 2-3': GPU pairs as doctor and the run's notice print them."""
+    return ", ".join(f"{i}-{j}" for i, j in pairs)
+
+
 def host_ram_bytes() -> int:
     import psutil
 

@@ -39,6 +39,24 @@ def offload_problem(zero_stage: int, offload_optimizer: str, offload_params: str
     return None
 
 
+def state_dtype_problem(state_dtype: str, precision: str, offload_optimizer: str, pp: int) -> str | None:
+    """Which rule optimizer states in `state_dtype` break: 'state_precision' (bf16 states need bf16
+    training), 'state_offload' (DeepSpeed 0.19 keeps bf16 master weights only with the optimizer
+    offloaded to its CPU Adam), 'state_nvme' (only the CPU path is verified), 'state_pipeline' (the
+    pipeline engine is not verified with them); None when fine or when the states are fp32."""
+    if state_dtype == "fp32":
+        return None
+    if pp > 1:  # first: it is the engine, not a setting, that would have to change
+        return "state_pipeline"
+    if precision != "bf16":
+        return "state_precision"
+    if offload_optimizer == "none":
+        return "state_offload"
+    if offload_optimizer != "cpu":
+        return "state_nvme"
+    return None
+
+
 def default_precision(kind: str, bf16: bool) -> str:
     """What precision=auto means on a device: fp32 on CPU, bf16 where the GPU has it, else fp16."""
     if kind == "cpu":
@@ -237,7 +255,39 @@ def make_layout(
         )
     except LayoutError as exc:
         raise UserError(_recipe_terms(exc, world_size, tp, pp, stage, source)) from None
+    _check_state_dtype(recipe.optim.state_dtype, layout, source)
     return layout, notice
+
+
+def _check_state_dtype(state_dtype: str, layout: Layout, source: str) -> None:
+    """optim.state_dtype against the layout, in the keys a user changes (DeepSpeed would assert deep in init)."""
+    broken = state_dtype_problem(state_dtype, layout.precision, layout.offload_optimizer, layout.pp)
+    if broken is None:
+        return
+    asked = f"optim.state_dtype={state_dtype}"
+    raise UserError(
+        {
+            "state_precision": (
+                f"{asked} needs precision=bf16, but the run trains in {layout.precision}; set precision=bf16 "
+                "(on a GPU with bf16, or CPU) or optim.state_dtype=fp32"
+            ),
+            "state_offload": (
+                f"{asked} needs the optimizer offloaded to CPU (DeepSpeed keeps bf16 master weights and Adam "
+                f"states only in its CPU Adam), but {source} has no zero_optimization.offload_optimizer; use "
+                "deepspeed.config=zero2_offload or zero3_offload, or set optim.state_dtype=fp32"
+            ),
+            "state_nvme": (
+                f"{asked} is supported with offload_optimizer.device=cpu only, but {source} offloads the "
+                f"optimizer to {layout.offload_optimizer} (not verified with bf16 states); use "
+                "deepspeed.config=zero3_offload or set optim.state_dtype=fp32"
+            ),
+            "state_pipeline": (
+                f"{asked} is not supported with deepspeed.pipeline_stages={layout.pp} (the pipeline engine "
+                "is not verified with bf16 master weights); use deepspeed.pipeline_stages=1 with "
+                "deepspeed.config=zero2_offload, or set optim.state_dtype=fp32"
+            ),
+        }[broken]
+    )
 
 
 def _recipe_terms(exc: LayoutError, world: int, tp: int, pp: int, stage: int, source: str) -> str:

@@ -107,6 +107,7 @@ def resolve_run(
         warmup_steps=recipe.optim.warmup_steps,
         max_steps=recipe.optim.max_steps or 0,
         nvme_path=recipe.deepspeed.nvme_path,
+        state_dtype=recipe.optim.state_dtype,
     )
     resolved = ds_json.fill_autos(raw, values, str(ds_path))
     if layout.tp > 1:

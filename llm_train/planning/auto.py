@@ -1,4 +1,12 @@
-"""`--recipe auto`: the fastest configuration of a model that fits given hardware, as a recipe."""
+"""`--recipe auto`: the fastest configuration of a model that fits given hardware, as a recipe.
+
+Preference, in order: a full fine-tune without NVMe, then NVMe offload (only with --nvme-gib).
+Optimizer states stay fp32: bf16 states (optim.state_dtype=bf16) halve the offloaded optimizer's
+host RAM, but their measured quality cost is too high to pick them for anyone
+(bench/results/bf16-states-quality-*.txt: at lr 1e-5 they kept 8% of fp32's eval-loss gain), so
+`plan` only reports what they would save. A full fine-tune that fits but is impractical
+(search.judge) gives way to LoRA unless --no-lora; the choice carries its verdict.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from llm_train.planning.memory import (
     MemoryInputs,
 )
 from llm_train.planning.report import config_line, verdict
+from llm_train.planning.search import Practicality, judge, short_config
 from llm_train.planning.shapes import ModelShape, shape_of
 
 # --- `--recipe auto` ----------------------------------------------------------------------------------
@@ -39,6 +48,8 @@ class AutoChoice:
     seq_len: int
     global_batch: int
     reasons: list[str]
+    practicality: Practicality
+    nvme_bytes: int = 0
 
     @property
     def inputs(self) -> MemoryInputs:
@@ -59,11 +70,14 @@ def choose_auto(
     seq_len: int | None = None,
     global_batch: int = 64,
     lora: str = "fallback",
+    nvme_gib: float | None = None,
 ) -> AutoChoice:
-    """The fastest configuration (by the speed model) that fits `hw`.
+    """The fastest configuration (by the speed model) that fits `hw`, in the order of the module docstring.
 
-    lora: "fallback" = LoRA only when no full fine-tune fits; "never"; "always".
+    lora: "fallback" = LoRA only when no full fine-tune fits, or the one that fits is impractical;
+    "never"; "always". nvme_gib: NVMe space per node (--nvme-gib); without it no NVMe offload.
     """
+    nvme_bytes = int((nvme_gib or 0) * GiB)
 
     shape = shape_of(model)
     seq = seq_len or min(2048, shape.max_position_embeddings)
@@ -78,7 +92,8 @@ def choose_auto(
 
     def all_evaluations(lora_rank: int | None) -> list[Evaluation]:
         out = []
-        for mode, micro, ckpt in itertools.product(modes, micro_options, (False, True)):
+        states = ("fp32",)  # never bf16 states: see the module docstring
+        for mode, micro, ckpt, state in itertools.product(modes, micro_options, (False, True), states):
             try:
                 candidate = MemoryInputs.of(
                     shape=shape,
@@ -94,27 +109,47 @@ def choose_auto(
                     activation_checkpointing=ckpt,
                     lora_rank=lora_rank,
                     overlap_comm=True,
+                    state_dtype=state,
                 )
             except MemoryInputError:
                 continue  # a combination the layout rules refuse
-            out.append(evaluate(candidate, hw))
+            out.append(evaluate(candidate, hw, nvme_bytes))
         return out
 
     reasons: list[str] = []
-    tried = [] if lora == "always" else all_evaluations(None)
-    fitting = [e for e in tried if e.fits]
-    if not fitting and lora != "never":
-        lora_tried = all_evaluations(SUGGESTED_LORA_RANK)
-        fitting = [e for e in lora_tried if e.fits]
-        if fitting and lora == "fallback":
+    full_tried = [] if lora == "always" else all_evaluations(None)
+    lora_all = all_evaluations(SUGGESTED_LORA_RANK)
+    lora_tried = [] if lora == "never" else lora_all
+    full_fitting = [e for e in full_tried if e.fits]
+    lora_fitting = [e for e in lora_tried if e.fits]
+    tried = full_tried + lora_tried
+    # A verdict judges the configuration against everything this hardware could run instead, LoRA
+    # included even under --no-lora: the flag says what to choose, not how fast the choice is.
+    alternatives = full_tried + lora_all
+    full = min(full_fitting, key=_auto_key) if full_fitting else None
+    full_verdict = judge(full, alternatives) if full is not None else None
+    best_lora = min(lora_fitting, key=_auto_key) if lora_fitting else None
+    # LoRA replaces an impractical full fine-tune only when it is practical itself.
+    lora_helps = best_lora is not None and judge(best_lora, alternatives).practical
+    if full is not None and full_verdict is not None and (full_verdict.practical or not lora_helps):
+        chosen, fitting = full, full_fitting
+    elif best_lora is not None:
+        chosen, fitting = best_lora, lora_fitting
+        if full is not None and full_verdict is not None:
             reasons.append(
-                "no full fine-tune fits (even with ZeRO-3 and CPU/NVMe offload), so this trains "
-                f"LoRA adapters (rank {SUGGESTED_LORA_RANK}) on the frozen model"
+                f"a full fine-tune fits ({short_config(full.inputs)}) but is impractical: "
+                f"{'; '.join(full_verdict.reasons)}; so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) "
+                "on the frozen model (--no-lora for the full fine-tune)"
             )
-        tried += lora_tried
-    if not fitting:
-        raise UserError(_nowhere(model, hw, tried, lora))
-    chosen = min(fitting, key=_auto_key)
+        elif lora == "fallback":
+            nvme = "" if nvme_bytes else " (NVMe offload is considered only with --nvme-gib N)"
+            reasons.append(
+                "no full fine-tune fits, even with ZeRO-3 and CPU offload"
+                f"{nvme}, so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) on the frozen model"
+            )
+    else:
+        raise UserError(_nowhere(model, hw, tried, lora, nvme_bytes))
+    practicality = judge(chosen, alternatives)
     reasons.append(f"the fastest of {len(fitting)} fitting configurations (of {len(tried)} estimated)")
     # The evidence for the level of partitioning/offload: the lighter modes that do not fit
     # even at their smallest (micro-batch 1, checkpointing), closest to fitting first.
@@ -125,23 +160,23 @@ def choose_auto(
     misses = [
         min(evs, key=lambda e: _overflow(e, hw))
         for evs in by_mode.values()
-        if not any(e.fits for e in evs) and min(e.time.total for e in evs) < chosen.time.total
+        if not any(e.fits for e in evs)
+        and min(e.time.total for e in evs) < chosen.time.total
+        and (nvme_bytes or not evs[0].inputs.uses_nvme)  # NVMe is no option without --nvme-gib
     ]
     for e in sorted(misses, key=lambda e: _overflow(e, hw))[:3]:
         reasons.append(f"not {_mode_text(e.inputs)}: even at its smallest it needs {_needs_text(e, hw)}")
     if chosen.inputs.activation_checkpointing:
         reasons.append("activation checkpointing is on because the faster splits without it do not fit")
-    if (
-        "nvme" in (chosen.inputs.offload_optimizer, chosen.inputs.offload_params)
-        and not chosen.inputs.lora_rank
-    ):
+    if chosen.inputs.uses_nvme and not chosen.inputs.lora_rank and lora != "never":
         reasons.append(
             "NVMe offload is slow; --lora trains LoRA adapters instead, without NVMe and much faster"
         )
-    return AutoChoice(chosen, hw, model, shape, seq, global_batch, reasons)
+    return AutoChoice(chosen, hw, model, shape, seq, global_batch, reasons, practicality, nvme_bytes)
 
 
 def _mode_text(c: MemoryInputs) -> str:
+    """ZeRO stage and offload in words (the level of partitioning a miss is reported at)."""
     off = []
     if c.offload_optimizer != "none":
         off.append(f"optimizer on {c.offload_optimizer}")
@@ -156,47 +191,57 @@ def _overflow(e: Evaluation, hw: Hardware) -> float:
     return max(gpu, e.host_bytes / max(1, hw.host_limit_bytes))
 
 
-def _short(ev: Evaluation) -> str:
-    c = ev.inputs
-    text = (
-        _mode_text(c)
-        + f", micro-batch {c.micro_batch}"
-        + (", checkpointing" if c.activation_checkpointing else "")
-    )
-    return ("LoRA, " if c.lora_rank else "") + text
-
-
 def _needs_text(ev: Evaluation, hw: Hardware) -> str:
     parts = []
     if not ev.fits_device:
         parts.append(f"{ev.device_bytes / GiB:.1f} GiB per GPU (usable {hw.gpu_limit_bytes / GiB:.1f})")
     if not ev.fits_host:
-        parts.append(f"{ev.host_bytes / GiB:.0f} GiB host RAM (usable {hw.host_limit_bytes / GiB:.0f})")
+        export = ev.estimate.host_terms.get("export_peak", 0)
+        parts.append(
+            f"{ev.host_bytes / GiB:.0f} GiB host RAM (usable {hw.host_limit_bytes / GiB:.0f}; "
+            f"{export / GiB:.0f} of it the final export's 16-bit copies of the model)"
+        )
+    if not ev.fits_nvme:
+        parts.append(f"{ev.estimate.nvme_bytes / GiB:.0f} GiB of NVMe (--nvme-gib)")
     return " and ".join(parts)
 
 
-def _nowhere(model: str, hw: Hardware, tried: list[Evaluation], lora: str) -> str:
+def _nowhere(model: str, hw: Hardware, tried: list[Evaluation], lora: str, nvme_bytes: int) -> str:
     """The one-line 'does not fit anywhere' message, with the least-overflowing configuration."""
 
-    closest = min(tried, key=lambda e: _overflow(e, hw))
+    # The closest by GPU and host RAM; NVMe space is reported separately (it is the user's to give).
+    with_nvme = [e for e in tried if e.fits_device and e.fits_host and not e.fits_nvme]
+    # Without --nvme-gib NVMe is not on the table: the closest is one the user can run as told.
+    pool = [e for e in tried if not e.inputs.uses_nvme] if not nvme_bytes else tried
+    closest = min([e for e in pool if e not in with_nvme] or tried, key=lambda e: _overflow(e, hw))
+    nvme_text = ""
+    if with_nvme:
+        best = min(with_nvme, key=_auto_key)
+        nvme_text = (
+            f"; NVMe offload would fit with --nvme-gib >= {best.estimate.nvme_bytes / GiB:.0f}, at "
+            f"~{best.time.total:,.0f} s/step and ~{best.time.tokens_per_s:,.0f} tokens/s"
+        )
     what = {"fallback": "full or LoRA", "never": "full", "always": "LoRA"}[lora]
     where = (
         f"{hw.gpus} x {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB)"
         if hw.kind == "cuda"
         else f"{hw.gpus} CPU process(es)"
     )
+    offload = "CPU/NVMe offload" if nvme_bytes else "CPU offload"
     return (
-        f"{model} does not fit anywhere on {where} with {hw.host_ram_bytes / GiB:.0f} GiB host RAM "
-        f"({what} fine-tune, every ZeRO stage, CPU/NVMe offload, checkpointing, micro-batch 1): the closest, "
-        f"{_short(closest)}, needs {_needs_text(closest, hw)}; add GPUs (--gpus), bigger cards or more "
-        "host RAM, or shorten --seq-len"
+        f"{model} DOES NOT FIT anywhere on {where} with {hw.host_ram_bytes / GiB:.0f} GiB host RAM "
+        f"({what} fine-tune, every ZeRO stage, {offload}, checkpointing, micro-batch 1): "
+        f"the closest, {short_config(closest.inputs)}, needs {_needs_text(closest, hw)}{nvme_text}; add GPUs "
+        "(--gpus), bigger cards or more host RAM, or shorten --seq-len"
     )
 
 
-def _auto_key(ev: Evaluation) -> tuple[float, int]:
-    # Fastest first; among equally fast ones (same step time to the millisecond) the one
-    # that needs less memory, e.g. ZeRO-0 over ZeRO-1/2 on a single GPU.
-    return (round(ev.time.total, 3), ev.device_bytes + ev.host_bytes)
+def _auto_key(ev: Evaluation) -> tuple[bool, bool, float, int]:
+    # Without NVMe before with it, fp32 optimizer states before bf16 ones (module docstring), then
+    # fastest; among equally fast ones (same step time to the millisecond) the one that needs
+    # less memory, e.g. ZeRO-0 over ZeRO-1/2 on a single GPU.
+    c = ev.inputs
+    return (c.uses_nvme, c.state_dtype == "bf16", round(ev.time.total, 3), ev.device_bytes + ev.host_bytes)
 
 
 def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
@@ -232,6 +277,7 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
             "global_batch_size": auto.global_batch,
             "epochs": 1,
             "seed": 42,
+            **({"state_dtype": "bf16"} if c.state_dtype == "bf16" else {}),
         },
         "precision": auto.precision,
         "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "sdpa"},
@@ -263,8 +309,9 @@ def render_auto(auto: AutoChoice, path: Path | None) -> str:
         f"llm-train plan --recipe auto: {auto.model} ({auto.shape.num_params / 1e9:.2f}B parameters)",
         f"hardware: {hw.describe()}",
         f"chosen:   {config_line(ev.inputs, ev.inputs.grad_accum)}; deepspeed.config={auto.ds_config}",
-        f"needs:    {verdict(ev, hw)}",
+        f"needs:    {verdict(ev, hw, auto.practicality, auto.nvme_bytes)}",
         f"speed:    ~{ev.time.total:.2f} s/step, ~{ev.time.tokens_per_s:,.0f} tokens/s (rough model)",
+        *([f"instead:  {auto.practicality.instead}"] if auto.practicality.instead else []),
         "why:",
         *(f"  - {r}" for r in auto.reasons),
     ]

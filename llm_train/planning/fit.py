@@ -3,6 +3,11 @@
 The numbers come from `memory.estimate_memory` (per-GPU bytes, host RAM and NVMe per node)
 and `speed.step_time` (a first-order step-time model used only to rank choices). Nothing
 here loads weights or imports deepspeed.
+
+NVMe is a resource like the others: a configuration that offloads to NVMe fits only when the
+user said how much NVMe space the node has (`llm-train plan --nvme-gib N`) and its footprint
+is at most that. Without the flag the planner never chooses NVMe: it cannot know the drive
+exists, and ZeRO-Infinity is so slow that it should be a deliberate choice.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ TYPICAL_COST = {
     "offload_params": "weights cross PCIe every pass: ~2-4x slower step",
     "nvme": "weights and optimizer stream from the drive: ~5-10x+ slower",
     "lora": "trains adapters, not all weights (a different fine-tune); faster step",
+    "bf16_states": "halves the offloaded optimizer's host RAM, but rounds away small updates (measured: eval loss +0.14 "
+    "at lr 1e-5, bench/results/bf16-states-quality-*.txt)",
     # Changes that spend spare memory on speed (offered when the recipe already fits).
     "no_checkpointing": "no recompute in backward",
     "bigger_micro_batch": "fewer, larger micro-batches (and fewer weight fetches under offload)",
@@ -88,6 +95,8 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         or DS_ALLGATHER_BUCKET_SIZE,
         param_persistence_threshold=number("stage3_param_persistence_threshold", None),
         sub_group_size=number("sub_group_size", DS_SUB_GROUP_SIZE) or DS_SUB_GROUP_SIZE,
+        state_dtype=recipe.optim.state_dtype,
+        export_adapter_only=bool(recipe.lora and recipe.lora.export == "adapter"),
     )
 
 
@@ -112,17 +121,23 @@ class Evaluation:
     time: StepTime
     fits_device: bool
     fits_host: bool
+    fits_nvme: bool = True
+    """No NVMe needed, or at most the NVMe space the user declared (--nvme-gib)."""
 
     @property
     def fits(self) -> bool:
-        return self.fits_device and self.fits_host
+        return self.fits_device and self.fits_host and self.fits_nvme
 
 
-def evaluate(inp: MemoryInputs, hw: Hardware) -> Evaluation:
-    """Estimate one candidate on `hw`: memory per device and host, step time, whether it fits."""
+def evaluate(inp: MemoryInputs, hw: Hardware, nvme_bytes: int = 0) -> Evaluation:
+    """Estimate one candidate on `hw`: memory per device and host, step time, whether it fits.
+
+    nvme_bytes: the NVMe space per node the user declared (0 = none: NVMe configurations never fit).
+    """
     est = estimate_memory(inp)
     device_bytes, host_bytes = needs(est, inp, hw.kind)
     fits_device = hw.kind == "cpu" or device_bytes <= hw.gpu_limit_bytes
     fits_host = host_bytes <= hw.host_limit_bytes
+    fits_nvme = est.nvme_bytes <= nvme_bytes
     speed = step_time(inp, inp.grad_accum, hw.peak_tflops, hw.nvlink)
-    return Evaluation(inp, est, device_bytes, host_bytes, speed, fits_device, fits_host)
+    return Evaluation(inp, est, device_bytes, host_bytes, speed, fits_device, fits_host, fits_nvme)

@@ -53,6 +53,8 @@ def check_host_ram(run: Any, available: int | None = None) -> None:
         parts = {k.replace("_", " "): v for k, v in est.host_terms.items() if k != "process_overhead"}
         # Loading and training do not overlap: the total takes the larger phase, not the sum.
         parts["model load peak (transient)"] = parts.pop("model load peak", 0)
+        # The export's gathered 16-bit model (memory.export_peak_bytes: after Adam's moments are freed).
+        parts["final export (transient)"] = parts.pop("export peak", 0)
         ranks = inp.ranks_per_node
         if kind == "cpu":
             parts["processes"] = ranks * CPU_PROCESS_HOST_BYTES

@@ -38,6 +38,19 @@ activations while it is recomputed. The formula assumes a 4h GeLU MLP and dropou
 Llama-style SwiGLU MLPs keep a little more and dropout-free models a little less;
 it is within ~15% either way, which is the precision this estimate claims.
 
+Low-precision optimizer states (`state_dtype="bf16"`, DeepSpeed's bf16_master_weights_and_grads +
+bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m and v are 2 bytes
+each instead of 4 (6 instead of 12 per parameter) and the host gradient partition is bf16 (2
+instead of 4): 8 bytes per offloaded parameter on the host instead of 16.
+
+Export. At the end of a run (runtime/zero_engine.py `export`) rank 0 holds the gathered 16-bit
+model on the CPU (Accelerate's get_state_dict: ZeRO-3's consolidated 16-bit state dict, or a CPU
+clone of the module's); `save_hf_model` writes it without another copy (it clones only tensors
+that share storage). Before gathering, every rank frees its Adam moments (runtime/optim.py
+`release_moments`: the final checkpoint is committed, the run is over), two thirds of the
+offloaded optimizer state. The export phase is therefore the training phase, less the
+offloaded moments, plus the gathered copy; the host peak is the larger of the phases.
+
 Units: bytes everywhere; `GiB` (2**30) in tables. GPU terms are per GPU (the
 busiest one: first pipeline stage); host terms and NVMe are per node.
 """
@@ -50,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_train.config.ds_json import zero_bucket_sizes
-from llm_train.config.layout import Layout, LayoutError
+from llm_train.config.layout import Layout, LayoutError, state_dtype_problem
 from llm_train.errors import UserError
 from llm_train.planning.shapes import ModelShape
 
@@ -65,6 +78,9 @@ ALLOCATOR_SLACK_FRACTION = 0.10
 # Host RSS of one training process before any model state: Python, torch + CUDA
 # libraries, DeepSpeed, tokenizer and data loader. Rough (2-4 GiB measured typically).
 PROCESS_HOST_BYTES = 3 * GiB
+# Of the offloaded optimizer state (master weights, Adam m and v, all one dtype), the part
+# runtime/optim.py `release_moments` frees before the export: m and v.
+ADAM_MOMENT_SHARE = 2 / 3
 # Hugging Face's default `max_shard_size` when checkpoints are saved ("5GB").
 # With zero.Init each rank reads one shard at a time into CPU memory, partitions
 # it, and frees it, so the load peak per rank is one shard, not the model.
@@ -214,6 +230,13 @@ _API_MESSAGES = {
     "optimizer": "offload_optimizer needs zero_stage 1, 2 or 3",
     "nvme_optimizer": "offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)",
 }
+STATE_DTYPES = ("fp32", "bf16")
+_STATE_DTYPE_MESSAGES = {
+    "state_precision": "state_dtype 'bf16' needs precision 'bf16'",
+    "state_pipeline": "state_dtype 'bf16' is not supported with pp > 1",
+    "state_offload": "state_dtype 'bf16' needs offload_optimizer 'cpu' (DeepSpeed's CPU Adam keeps them)",
+    "state_nvme": "state_dtype 'bf16' needs offload_optimizer 'cpu', not 'nvme'",
+}
 _LAYOUT_FIELDS = {
     "zero_stage",
     "offload_optimizer",
@@ -250,6 +273,10 @@ class MemoryInputs:
     sub_group_size: int = DS_SUB_GROUP_SIZE
     zero_init: bool | None = None
     """Model built under deepspeed.zero.Init; None = (zero_stage == 3)."""
+    state_dtype: str = "fp32"
+    """Offloaded master weights, gradients and Adam states: "fp32", or "bf16" (optim.state_dtype)."""
+    export_adapter_only: bool = False
+    """LoRA runs that export only the adapter (lora.export=adapter): no merged copy of the model."""
 
     def __post_init__(self) -> None:
         buckets = zero_bucket_sizes(self.shape.hidden_size)
@@ -278,6 +305,14 @@ class MemoryInputs:
             )
         if self.lora_rank is not None and self.lora_rank < 1:
             raise MemoryInputError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise MemoryInputError(
+                f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got '{self.state_dtype}'"
+            )
+        # The recipe's own rule (config.layout), so the planner never proposes what a run refuses.
+        broken = state_dtype_problem(self.state_dtype, self.precision, self.offload_optimizer, self.pp)
+        if broken is not None:
+            raise MemoryInputError(_STATE_DTYPE_MESSAGES[broken])
 
     @classmethod
     def of(
@@ -329,8 +364,19 @@ class MemoryInputs:
 
     @property
     def knobs(self) -> tuple[Any, ...]:
-        """What the planner turns: the DS JSON, micro-batch and accumulation, checkpointing, LoRA."""
-        return (self.ds_key, self.micro_batch, self.grad_accum, self.activation_checkpointing, self.lora_rank)
+        """What the planner turns: the DS JSON, micro-batch and accumulation, checkpointing, LoRA, state dtype."""
+        return (
+            self.ds_key,
+            self.micro_batch,
+            self.grad_accum,
+            self.activation_checkpointing,
+            self.lora_rank,
+            self.state_dtype,
+        )
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.offload_optimizer, self.offload_params)
 
     # The layout's fields, read as the estimator reads them.
     world_size = property(lambda self: self.layout.world_size)
@@ -363,12 +409,13 @@ _LABELS = {
     "deepspeed_buffers": "DeepSpeed buffers",
     "cuda_context_and_slack": "CUDA context + allocator slack",
     "offloaded_optimizer_states": "offloaded optimizer states (pinned)",
-    "offloaded_fp32_gradients": "offloaded fp32 gradients (pinned)",
+    "offloaded_fp32_gradients": "offloaded gradients (pinned)",
     "optimizer_swap_buffers": "optimizer NVMe swap buffers (pinned)",
     "offloaded_parameters": "offloaded parameters (pinned)",
     "param_swap_buffers": "parameter NVMe swap buffers (pinned)",
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
+    "export_peak": "final export: gathered model (transient)",
 }
 
 
@@ -401,7 +448,7 @@ CONVENTION = (
     "model states: mixed-precision Adam at 16 B/param (2 weights + 2 grads + 12 fp32 master/m/v, "
     "ZeRO paper); DeepSpeed's estimators count 18 (fp32 grads too). Activations: Korthikanti et al. "
     "2022. GPU per GPU (first pipeline stage), host and NVMe per node; host total = processes + "
-    "max(load phase, training phase)."
+    "max(load phase, training phase, training phase - offloaded Adam moments + export copy)."
 )
 
 
@@ -416,6 +463,10 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     weight_bytes = 2 if mixed else 4  # the frozen LoRA base too: it is loaded in the training dtype
     grad_bytes = weight_bytes
     optim_bytes = 12 if mixed else 8  # fp32 master + m + v, or just m + v when weights are fp32
+    host_grad_bytes = 4  # CPU Adam's fp32 copy of the gradient partition
+    if inp.state_dtype == "bf16":
+        # bf16 master + m + v, and the host gradient partition in bf16 (offloaded optimizer only).
+        optim_bytes, host_grad_bytes = 6, 2
 
     # tp and pp split the model between GPUs before ZeRO partitions it over dp.
     # Approximation: an even split (embeddings and lm_head really sit on the first /
@@ -500,8 +551,8 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     nvme = 0.0
     if inp.offload_optimizer == "cpu":
         host["offloaded_optimizer_states"] = ranks * opt_part * optim_bytes
-        # CPU Adam steps on an fp32 copy of the gradient partition kept on the host.
-        host["offloaded_fp32_gradients"] = ranks * opt_part * 4
+        # CPU Adam steps on an fp32 (bf16 with bf16 states) copy of the gradient partition on the host.
+        host["offloaded_fp32_gradients"] = ranks * opt_part * host_grad_bytes
     elif inp.offload_optimizer == "nvme":
         nvme += ranks * opt_part * (optim_bytes + 4)
         # Pinned swap-in/out buffers, each as large as the biggest optimizer sub-group.
@@ -534,12 +585,19 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         # CPU before DeepSpeed moves it to the GPU (the classic host-RAM OOM at load).
         host["model_load_peak"] = ranks * full_model
 
+    host["export_peak"] = export_peak_bytes(inp)
+
     # Load and training phases do not overlap: without zero.Init the CPU copy is
     # gone before the optimizer states are allocated; with it, offloaded parameter
-    # partitions already sit in host RAM while the shards stream in.
+    # partitions already sit in host RAM while the shards stream in. The export comes
+    # at the end of training, with every training-phase buffer still allocated.
     load_phase = host["model_load_peak"] + (host["offloaded_parameters"] if inp.zero_init else 0.0)
-    train_phase = sum(v for k, v in host.items() if k not in ("model_load_peak", "process_overhead"))
-    host_total = host["process_overhead"] + max(load_phase, train_phase)
+    train_phase = sum(
+        v for k, v in host.items() if k not in ("model_load_peak", "process_overhead", "export_peak")
+    )
+    moments = ADAM_MOMENT_SHARE * host["offloaded_optimizer_states"]  # freed before the export
+    export_phase = train_phase - moments + host["export_peak"]
+    host_total = host["process_overhead"] + max(load_phase, train_phase, export_phase)
 
     gpu_int = {k: int(v) for k, v in gpu_terms.items()}
     return MemoryEstimate(
@@ -550,3 +608,20 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         host_bytes=int(host_total),
         convention=CONVENTION,
     )
+
+
+def export_peak_bytes(inp: MemoryInputs) -> float:
+    """Host bytes the final export adds on the busiest node (see the module docstring).
+
+    ZeRO engine: rank 0 holds the gathered 16-bit model, which save_hf_model writes as it is: one
+    copy of the whole model. LoRA merged: a second, since lora.merged_state_dict builds new
+    tensors for every adapted projection (nearly all the weights); LoRA adapter: the gathered
+    model only (the adapters are tiny). Pipeline engine: each stage's data-parallel rank 0
+    copies its stage's weights to the CPU once (pipeline_model.stage_hf_state).
+    """
+    full_model = inp.shape.num_params * (2 if inp.precision != "fp32" else 4)
+    if inp.pp > 1:
+        return min(inp.pp, inp.ranks_per_node) * full_model / inp.pp
+    if inp.lora_rank:
+        return (1.0 if inp.export_adapter_only else 2.0) * full_model
+    return 1.0 * full_model

@@ -1,4 +1,9 @@
-"""`llm-train plan --recipe NAME`: the verdict for a recipe on given hardware, and how it reads."""
+"""`llm-train plan --recipe NAME`: the verdict for a recipe on given hardware, and how it reads.
+
+Three verdicts: FITS; FITS BUT IMPRACTICAL (it fits, but nobody would run it: see
+search.judge), with why and what to do instead; DOES NOT FIT (TIGHT when only the GPU
+headroom is missing), with the cheapest changes that make it fit.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +22,17 @@ from llm_train.planning.fit import (
 from llm_train.planning.memory import (
     _LABELS,
     GiB,
+    MemoryInputError,
     MemoryInputs,
 )
-from llm_train.planning.search import Fix, search_faster, search_fixes
+from llm_train.planning.search import (
+    Fix,
+    Practicality,
+    judge,
+    search_faster,
+    search_fixes,
+    without_nvme,
+)
 from llm_train.planning.shapes import shape_from_config
 
 # --- the report -------------------------------------------------------------------------------------
@@ -34,17 +47,37 @@ class PlanReport:
     fixes: list[Fix] = field(default_factory=list)
     faster: list[Fix] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    practicality: Practicality = field(default_factory=Practicality)
+    nvme_bytes: int = 0
+    """NVMe space per node the user declared (--nvme-gib); 0 = none."""
 
     @property
     def fits(self) -> bool:
         return self.evaluation.fits
+
+    @property
+    def word(self) -> str:
+        """FITS, FITS BUT IMPRACTICAL or DOES NOT FIT (or TIGHT)."""
+        return verdict_word(self.evaluation, self.hardware, self.practicality)
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def verdict(ev: Evaluation, hw: Hardware) -> str:
+def verdict_word(ev: Evaluation, hw: Hardware, practicality: Practicality | None = None) -> str:
+    """FITS, FITS BUT IMPRACTICAL (only when `practicality` says so), TIGHT or DOES NOT FIT."""
+    if ev.fits:
+        return "FITS BUT IMPRACTICAL" if practicality is not None and not practicality.practical else "FITS"
+    if hw.kind == "cuda" and ev.device_bytes <= hw.gpu_mem_bytes and ev.fits_host and ev.fits_nvme:
+        return "TIGHT"
+    return "DOES NOT FIT"
+
+
+def verdict(
+    ev: Evaluation, hw: Hardware, practicality: Practicality | None = None, nvme_bytes: int = 0
+) -> str:
+    """One line: the verdict word, then GPU, host RAM (and NVMe) against what the hardware has."""
     parts = []
     if hw.kind == "cuda":
         spare = hw.gpu_mem_bytes - ev.device_bytes
@@ -58,18 +91,22 @@ def verdict(ev: Evaluation, hw: Hardware) -> str:
         f"({spare_host / GiB:+.1f} GiB, {spare_host / hw.host_ram_bytes:+.0%})"
     )
     if ev.estimate.nvme_bytes:
-        parts.append(f"NVMe {ev.estimate.nvme_bytes / GiB:.1f} GiB")
-    if ev.fits:
-        word = "FITS"
-    elif hw.kind == "cuda" and ev.device_bytes <= hw.gpu_mem_bytes and ev.fits_host:
+        declared = f"of {nvme_bytes / GiB:.0f} GiB (--nvme-gib)" if nvme_bytes else "(no --nvme-gib given)"
+        parts.append(f"NVMe {ev.estimate.nvme_bytes / GiB:.1f} GiB {declared}")
+    word = verdict_word(ev, hw, practicality)
+    if word == "TIGHT":
         word = f"TIGHT (under {GPU_HEADROOM:.0%} of GPU memory to spare; the estimate is +-15%)"
-    else:
+    elif word == "DOES NOT FIT":
         short = []
         if not ev.fits_device:
             short.append("GPU memory")
         if not ev.fits_host:
             short.append("host RAM")
+        if not ev.fits_nvme:
+            short.append("NVMe: pass --nvme-gib N, the free space on the drive" if not nvme_bytes else "NVMe")
         word = f"DOES NOT FIT ({' and '.join(short)})"
+    elif word == "FITS BUT IMPRACTICAL" and practicality is not None:
+        word = f"FITS BUT IMPRACTICAL ({'; '.join(practicality.reasons)})"
     return f"{word}: " + "; ".join(parts)
 
 
@@ -94,7 +131,9 @@ def render(report: PlanReport) -> str:
         f"speed (rough model): ~{t.total:.2f} s/step, ~{t.tokens_per_s:,.0f} tokens/s ({', '.join(parts)})"
     )
     lines.append("")
-    lines.append("verdict: " + verdict(ev, hw))
+    lines.append("verdict: " + verdict(ev, hw, report.practicality, report.nvme_bytes))
+    if report.practicality.instead:
+        lines.append(f"instead:  {report.practicality.instead}")
     if report.fixes:
         lines.append("")
         lines.append("cheapest changes that make it fit, fastest first (speed vs the recipe as written):")
@@ -102,8 +141,9 @@ def render(report: PlanReport) -> str:
     elif not ev.fits:
         lines.append("")
         lines.append(
-            "does not fit anywhere: no combination of checkpointing, smaller micro-batch, ZeRO-3, CPU/NVMe "
-            "offload and LoRA fits this hardware; add GPUs (--gpus), use bigger cards, or more host RAM"
+            "does not fit anywhere: no combination of checkpointing, smaller micro-batch, ZeRO-3, CPU "
+            f"offload{'' if report.nvme_bytes else ' (NVMe only with --nvme-gib)'}, bf16 optimizer states and "
+            "LoRA fits this hardware; add GPUs (--gpus), use bigger cards, or more host RAM"
         )
     if report.faster:
         lines.append("")
@@ -141,6 +181,8 @@ def _fix_lines(fixes: list[Fix], hw: Hardware) -> list[str]:
         gpu = f"GPU {fe.device_bytes / GiB:.1f} GiB, " if hw.kind == "cuda" else ""
         nvme = f", NVMe {fe.estimate.nvme_bytes / GiB:.0f} GiB" if fe.estimate.nvme_bytes else ""
         lines.append(f"  {i}. {_slowdown(fix.slowdown)}  ({gpu}host {fe.host_bytes / GiB:.1f} GiB{nvme})")
+        if fix.impractical:
+            lines.append(f"       FITS BUT IMPRACTICAL: {fix.impractical}")
         for change in fix.changes:
             lines.append(f"       - {change.text}  [{TYPICAL_COST[change.kind]}]")
         lines.append(f"       overrides: {' '.join(fix.overrides)}")
@@ -162,6 +204,8 @@ def config_line(inp: MemoryInputs, grad_accum: int) -> str:
         else "no offload"
     )
     what = f"LoRA r={inp.lora_rank}" if inp.lora_rank else "full fine-tune"
+    if inp.state_dtype == "bf16":
+        offload += " (bf16 optimizer states)"
     return (
         f"{what}, ZeRO-{inp.zero_stage}, {offload}, {inp.precision}, micro {inp.micro_batch} x accum "
         f"{grad_accum} x dp {inp.dp}, seq {inp.seq_len}, checkpointing "
@@ -177,30 +221,63 @@ def plan_recipe(
     gpu_mem_gib: float | None = None,
     host_ram_gib: float | None = None,
     detect: bool = True,
+    nvme_gib: float | None = None,
 ) -> PlanReport:
-    """The plan for a recipe on the given (or detected, or declared) hardware."""
+    """The plan for a recipe on the given (or detected, or declared) hardware.
+
+    nvme_gib: NVMe space per node for offload (--nvme-gib); without it NVMe configurations do not fit.
+    """
 
     recipe = load_recipe(recipe_name, overrides)
     hw = hardware_for(gpus, gpu, gpu_mem_gib, host_ram_gib, recipe, detect)
     run = resolve_run(recipe_name, overrides, world_size=hw.gpus, device=hw.device())
     shape = shape_from_config(run.model_fields)
     base = memory_inputs(run, shape, hw.gpus_per_node)
-    ev = evaluate(base, hw)
+    nvme = int((nvme_gib or 0) * GiB)
+    ev = evaluate(base, hw, nvme)
     model = run.recipe.model.name_or_path or f"random {shape.model_type}"
     title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e9:.2f}B parameters)"
     if shape.num_params < 1e8:
         title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e6:.1f}M parameters)"
-    report = PlanReport(title, hw, config_line(base, run.layout.grad_accum), ev)
+    report = PlanReport(title, hw, config_line(base, run.layout.grad_accum), ev, nvme_bytes=nvme)
     if run.notice:
         report.notes.append(run.notice)
     tight = hw.kind == "cuda" and ev.device_bytes > hw.gpu_limit_bytes
     if not ev.fits or tight:
-        report.fixes = search_fixes(base, run.layout.grad_accum, hw, run.recipe)
+        report.fixes = search_fixes(base, run.layout.grad_accum, hw, run.recipe, nvme_bytes=nvme)
+        alternatives = without_nvme(base, hw)
+        for fix in report.fixes:
+            fix.impractical = "; ".join(judge(fix.evaluation, alternatives).reasons)
     else:
-        report.faster = search_faster(base, run.layout.grad_accum, hw, run.recipe)
+        report.practicality = judge(ev, without_nvme(base, hw))
+        report.faster = search_faster(base, run.layout.grad_accum, hw, run.recipe, nvme_bytes=nvme)
+    saving = bf16_states_note(base, hw)
+    if saving:
+        report.notes.append(saving)
     if ev.estimate.nvme_bytes:
         report.notes.append(
             f"NVMe: before start, deepspeed.nvme_path is checked for {ev.estimate.nvme_bytes / 2**30:.1f} GiB "
             "free per node (and that it exists and is writable)"
         )
     return report
+
+
+def bf16_states_note(inp: MemoryInputs, hw: Hardware) -> str | None:
+    """What bf16 optimizer states save (or saved) in host RAM, for a run that offloads its optimizer to CPU."""
+    other = "fp32" if inp.state_dtype == "bf16" else "bf16"
+    try:
+        alt = inp.vary(state_dtype=other)
+    except MemoryInputError:
+        return None  # not a CPU-offloaded bf16 run: the knob does not apply
+    ours, theirs = evaluate(inp, hw).host_bytes, evaluate(alt, hw).host_bytes
+    if other == "bf16":
+        return (
+            f"bf16 optimizer states would save {(ours - theirs) / GiB:.1f} GiB host RAM "
+            f"({ours / GiB:.1f} -> {theirs / GiB:.1f} GiB): optim.state_dtype=bf16, at a measured quality cost "
+            "(eval loss +0.14 at lr 1e-5, +0.09 at 1e-4 on a tiny model: bench/results/bf16-states-quality-*.txt)"
+        )
+    return (
+        f"bf16 optimizer states save {(theirs - ours) / GiB:.1f} GiB host RAM here "
+        f"({theirs / GiB:.1f} GiB with optim.state_dtype=fp32), at a measured quality cost "
+        "(bench/results/bf16-states-quality-*.txt)"
+    )

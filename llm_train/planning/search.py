@@ -1,17 +1,26 @@
-"""The cheapest changes that make a configuration fit (or run faster), found by search.
+"""The cheapest changes that make a configuration fit (or run faster), found by search, and
+whether a configuration that fits is practical.
 
 Fixes are searched, not listed from a script: every combination of activation
 checkpointing, a smaller micro-batch (more accumulation, same global batch), ZeRO-3,
-optimizer offload, parameter offload, NVMe offload and LoRA is estimated; those that fit
-are ranked by estimated step time, and a combination is dropped when a subset of its
-changes already fits at least as fast. Changes that alter what is trained (LoRA) are
-ranked after those that train the same model.
+optimizer offload, parameter offload, NVMe offload (only with --nvme-gib), bf16 optimizer
+states and LoRA is estimated; those that fit are ranked by estimated step time, and a
+combination is dropped when a subset of its changes already fits at least as fast. Changes
+that alter what is trained (LoRA) are ranked after those that train the same model, NVMe after
+no NVMe, and bf16 optimizer states after fp32 ones (the order `--recipe auto` prefers).
+
+Practical: a configuration that fits is FITS BUT IMPRACTICAL when its estimated step is more
+than IMPRACTICAL_SLOWDOWN times the fastest configuration that fits without NVMe (the same
+sequences per step, LoRA included: it is the usual way out), or when it trains fewer than
+IMPRACTICAL_TOKENS_PER_S tokens per second. Both thresholds are far outside the speed model's
++-50%, so the verdict does not hinge on its precision.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from llm_train.config.hardware import Hardware
@@ -21,6 +30,12 @@ from llm_train.planning.memory import (
     MemoryInputs,
 )
 from llm_train.planning.speed import step_time
+
+# A configuration this many times slower per step than the fastest that fits without NVMe, or
+# slower than this many tokens/s (a 7B full fine-tune on one 24 GB card does ~400-500), is one
+# nobody would run: 100 tokens/s is ~8.6M tokens a day, a small fine-tuning set in weeks.
+IMPRACTICAL_SLOWDOWN = 10.0
+IMPRACTICAL_TOKENS_PER_S = 100.0
 
 # --- changes and the search -------------------------------------------------------------------------
 
@@ -39,6 +54,8 @@ class Fix:
     changes: list[Change]
     overrides: list[str]
     slowdown: float  # step time / the recipe's step time
+    impractical: str = ""
+    """Why this fix, though it fits, is impractical (judge); empty when it is practical."""
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -46,7 +63,8 @@ class Fix:
 
     @property
     def changes_training(self) -> bool:
-        return "lora" in self.kinds
+        # bf16 optimizer states train measurably worse (bench/results/bf16-states-quality-*.txt).
+        return bool(self.kinds & {"lora", "bf16_states"})
 
 
 def describe_changes(
@@ -102,6 +120,14 @@ def describe_changes(
             ]
         changes.extend(adds)
         overrides.append(f"deepspeed.config={ds_name}" if ds_name else "deepspeed.config=<a JSON with these>")
+    if new.state_dtype != base.state_dtype:
+        changes.append(
+            Change(
+                "bf16_states" if new.state_dtype == "bf16" else "less_offload",
+                f"{new.state_dtype} optimizer states (master weights, gradients, Adam m/v on the host)",
+            )
+        )
+        overrides.append(f"optim.state_dtype={new.state_dtype}")
     if new.lora_rank and not base.lora_rank:
         changes.append(Change("lora", f"LoRA rank {new.lora_rank} instead of a full fine-tune"))
         overrides.append(f"lora.rank={new.lora_rank}")
@@ -131,6 +157,41 @@ def _memory_modes(base: MemoryInputs, kind: str, saving_only: bool) -> list[tupl
     return [base.ds_key] + [k for k in candidates if k != base.ds_key]
 
 
+def _variants(
+    start: MemoryInputs,
+    checkpointing: list[bool],
+    micro: list[int],
+    modes: list[tuple[int, str, str]],
+    lora: list[int | None],
+    states: list[str],
+) -> Iterator[MemoryInputs]:
+    """Every combination of the knobs that the layout rules accept, same sequences per rank and step."""
+    per_rank = start.micro_batch * start.grad_accum
+    for ckpt, mb, mode, rank, state in itertools.product(checkpointing, micro, modes, lora, states):
+        try:
+            yield start.vary(
+                zero_stage=mode[0],
+                offload_optimizer=mode[1],
+                offload_params=mode[2],
+                micro_batch_size=mb,
+                grad_accum=per_rank // mb,
+                activation_checkpointing=ckpt,
+                lora_rank=rank,
+                state_dtype=state,
+                zero_init=None,  # follows the stage
+            )
+        except MemoryInputError:
+            continue  # a combination the layout rules refuse
+
+
+def _states(start: MemoryInputs) -> list[str]:
+    # bf16 states are a knob only where DeepSpeed has them: bf16 training (the offload rule is
+    # checked per candidate by MemoryInputs).
+    return [start.state_dtype] + (
+        ["bf16"] if start.state_dtype == "fp32" and start.precision == "bf16" else []
+    )
+
+
 def search(
     base: MemoryInputs,
     grad_accum: int,
@@ -138,11 +199,13 @@ def search(
     recipe: Any,
     faster: bool = False,
     limit: int = 6,
+    nvme_bytes: int = 0,
 ) -> list[Fix]:
     """Fitting combinations of changes to `base`, fastest first, without dominated ones.
 
     faster=False: the recipe does not fit; try only changes that save memory (and LoRA).
     faster=True: it fits; look for changes that keep it fitting and are >5% faster.
+    nvme_bytes: NVMe space per node (--nvme-gib); NVMe configurations need it.
     """
     start = base if base.grad_accum == grad_accum else base.vary(grad_accum=grad_accum)
     reference = step_time(base, grad_accum, hw.peak_tflops, hw.nvlink).total
@@ -163,23 +226,10 @@ def search(
         lora = [start.lora_rank] + ([SUGGESTED_LORA_RANK] if start.lora_rank is None else [])
     fixes: list[Fix] = []
     modes = _memory_modes(start, hw.kind, saving_only=not faster)
-    for ckpt, mb, mode, rank in itertools.product(checkpointing, micro, modes, lora):
-        try:
-            candidate = start.vary(
-                zero_stage=mode[0],
-                offload_optimizer=mode[1],
-                offload_params=mode[2],
-                micro_batch_size=mb,
-                grad_accum=per_rank // mb,
-                activation_checkpointing=ckpt,
-                lora_rank=rank,
-                zero_init=None,  # follows the stage
-            )
-        except MemoryInputError:
-            continue  # a combination the layout rules refuse
+    for candidate in _variants(start, checkpointing, micro, modes, lora, _states(start)):
         if candidate.knobs == start.knobs:
             continue
-        ev = evaluate(candidate, hw)
+        ev = evaluate(candidate, hw, nvme_bytes)
         slowdown = ev.time.total / reference if reference else 1.0
         if not ev.fits or (faster and slowdown > 0.95):
             continue
@@ -187,24 +237,116 @@ def search(
             start, candidate, recipe, SHIPPED_DS_CONFIGS.get(candidate.ds_key)
         )
         fixes.append(Fix(ev, changes, overrides, slowdown))
-    # Drop a fix when another one, made of a subset of its kinds of change, is at least as fast.
-    kept = [f for f in fixes if not any(g.kinds < f.kinds and g.slowdown <= f.slowdown for g in fixes)]
+    # Drop a fix when another one, made of a subset of its kinds of change, is at least as fast
+    # (within 1%: far below the speed model's precision, so not worth one more change).
+    kept = [f for f in fixes if not any(g.kinds < f.kinds and g.slowdown <= f.slowdown * 1.01 for g in fixes)]
     # Among fixes of the same kinds (e.g. several micro-batch sizes), keep the fastest.
     best: dict[frozenset[str], Fix] = {}
     for f in kept:
         if f.kinds not in best or f.slowdown < best[f.kinds].slowdown:
             best[f.kinds] = f
-    ranked = sorted(best.values(), key=lambda f: (f.changes_training, f.slowdown, len(f.changes)))
+    # The order --recipe auto prefers too: the same training before LoRA, without NVMe before with it,
+    # fp32 optimizer states before bf16 ones (quality measured, not assumed), then the fastest.
+    ranked = sorted(
+        best.values(),
+        key=lambda f: (
+            f.changes_training,
+            f.evaluation.inputs.uses_nvme,
+            f.evaluation.inputs.state_dtype == "bf16",
+            f.slowdown,
+            len(f.changes),
+        ),
+    )
     return ranked[:limit]
 
 
-def search_fixes(base: MemoryInputs, grad_accum: int, hw: Hardware, recipe: Any, limit: int = 6) -> list[Fix]:
+def search_fixes(
+    base: MemoryInputs, grad_accum: int, hw: Hardware, recipe: Any, limit: int = 6, nvme_bytes: int = 0
+) -> list[Fix]:
     """The cheapest changes that make a run that does not fit (or barely fits) fit."""
-    return search(base, grad_accum, hw, recipe, faster=False, limit=limit)
+    return search(base, grad_accum, hw, recipe, faster=False, limit=limit, nvme_bytes=nvme_bytes)
 
 
 def search_faster(
-    base: MemoryInputs, grad_accum: int, hw: Hardware, recipe: Any, limit: int = 3
+    base: MemoryInputs, grad_accum: int, hw: Hardware, recipe: Any, limit: int = 3, nvme_bytes: int = 0
 ) -> list[Fix]:
     """Changes that keep a fitting run fitting and make it faster (bigger micro-batch, less offload)."""
-    return search(base, grad_accum, hw, recipe, faster=True, limit=limit)
+    return search(base, grad_accum, hw, recipe, faster=True, limit=limit, nvme_bytes=nvme_bytes)
+
+
+# --- practical or not ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Practicality:
+    """Whether a fitting configuration is one anybody would run, and what to do instead if not."""
+
+    reasons: list[str] = field(default_factory=list)
+    """Why it is impractical; empty when it is practical."""
+    reference: Evaluation | None = None
+    """The fastest configuration that fits without NVMe (None when none does)."""
+    instead: str = ""
+
+    @property
+    def practical(self) -> bool:
+        return not self.reasons
+
+
+def without_nvme(base: MemoryInputs, hw: Hardware, lora: bool = True) -> list[Evaluation]:
+    """Every configuration of `base`'s model and batch that the planner could run instead, without NVMe:
+    each shipped ZeRO stage/offload, micro-batch (same sequences per rank and step), checkpointing,
+    state dtype and, when `lora`, LoRA (or `base`'s own rank)."""
+    per_rank = base.micro_batch * base.grad_accum
+    micro = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    modes = [k for k in _memory_modes(base, hw.kind, saving_only=False) if "nvme" not in k[1:]]
+    ranks = [base.lora_rank] + ([SUGGESTED_LORA_RANK] if lora and base.lora_rank is None else [])
+    states = ["fp32", "bf16"] if base.precision == "bf16" else ["fp32"]
+    return [evaluate(c, hw) for c in _variants(base, [False, True], micro, modes, ranks, states)]
+
+
+def judge(ev: Evaluation, alternatives: list[Evaluation]) -> Practicality:
+    """FITS or FITS BUT IMPRACTICAL for a fitting `ev`, against the alternatives that fit without NVMe."""
+    fitting = [a for a in alternatives if a.fits and not a.inputs.uses_nvme]
+    reference = min(fitting, key=lambda a: a.time.total) if fitting else None
+    out = Practicality(reference=reference)
+    t = ev.time
+    if reference is not None and t.total > IMPRACTICAL_SLOWDOWN * reference.time.total:
+        out.reasons.append(
+            f"~{_duration(t.total)} per step, {t.total / reference.time.total:.0f}x the fastest configuration "
+            f"that fits without NVMe (~{_duration(reference.time.total)})"
+        )
+    if t.tokens_per_s < IMPRACTICAL_TOKENS_PER_S:
+        out.reasons.append(f"~{t.tokens_per_s:.0f} tokens/s, under {IMPRACTICAL_TOKENS_PER_S:.0f}")
+    if not out.reasons:
+        return out
+    options = []
+    if reference is not None and reference.time.tokens_per_s >= IMPRACTICAL_TOKENS_PER_S:
+        ref = reference.inputs
+        what = (
+            f"LoRA adapters (lora.rank={ref.lora_rank})" if ref.lora_rank and not ev.inputs.lora_rank else ""
+        )
+        options.append(
+            f"{what or short_config(ref)}: ~{_duration(reference.time.total)} per step, "
+            f"{reference.time.tokens_per_s:,.0f} tokens/s"
+        )
+    options.append("a smaller model, or more GPUs (--gpus)")
+    out.instead = "; ".join(options)
+    return out
+
+
+def short_config(c: MemoryInputs) -> str:
+    """A configuration in a few words: what is trained, ZeRO stage and offload, micro-batch, checkpointing."""
+    off = [f"optimizer on {c.offload_optimizer}"] if c.offload_optimizer != "none" else []
+    off += [f"weights on {c.offload_params}"] if c.offload_params != "none" else []
+    off += ["bf16 optimizer states"] if c.state_dtype == "bf16" else []
+    text = f"ZeRO-{c.zero_stage}" + (f" ({', '.join(off)})" if off else " without offload")
+    text += f", micro-batch {c.micro_batch}" + (", checkpointing" if c.activation_checkpointing else "")
+    return ("LoRA, " if c.lora_rank else "") + text
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.1f} s"

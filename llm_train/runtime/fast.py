@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
+from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
 
@@ -34,6 +36,30 @@ def set_cuda_alloc_conf() -> bool:
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     return True
+
+
+# NCCL's own switch; NCCL_P2P_LEVEL is the finer one. A user who set either has decided already.
+NCCL_P2P_VARS = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL")
+
+
+def disable_nccl_p2p(
+    pairs_without_p2p: list[tuple[int, int]], environ: MutableMapping[str, str] = os.environ
+) -> str | None:
+    """Set NCCL_P2P_DISABLE=1 when some pair of this node's GPUs has no peer-to-peer access.
+
+    On such GPUs (RTX 40xx, many PCIe boards) NCCL's P2P transport hangs or fails instead of
+    falling back; with P2P off NCCL goes through host shared memory, slower but working. NCCL
+    reads the variable when the process group initialises, so the entry point calls this right
+    after hardware detection. A value the user set (even "0") is kept. Returns the one-line
+    notice, or None when nothing was changed.
+    """
+    if not pairs_without_p2p or any(name in environ for name in NCCL_P2P_VARS):
+        return None
+    environ["NCCL_P2P_DISABLE"] = "1"
+    return (
+        f"GPUs {describe_pairs(pairs_without_p2p)} have no peer-to-peer access: set NCCL_P2P_DISABLE=1 so "
+        "NCCL does not hang (export NCCL_P2P_DISABLE=0 to keep P2P)"
+    )
 
 
 def check_attention_kernel(memory: MemorySection) -> None:

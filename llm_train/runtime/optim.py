@@ -45,10 +45,43 @@ def build_optimizer(
         # optimizer there ("ZeRO-Offload with a client optimizer"), its CPU Adam is the fast one.
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, adamw_mode=True)
+        # optim.state_dtype=bf16: the moments take the dtype of the (bf16) master weights. DeepSpeed's
+        # bf16_optimizer_states asserts this flag is off rather than setting it on a client optimizer.
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            adamw_mode=True,
+            fp32_optimizer_states=optim.state_dtype == "fp32",
+        )
     fused = torch.cuda.is_available()  # fused AdamW: one kernel for all params on CUDA
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSection, max_steps: int) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))
+
+
+def release_moments(optimizer: Any) -> int:
+    """Drop the Adam moments of an optimizer whose run is over; returns the bytes freed (this rank).
+
+    At the end of a run the final checkpoint is already committed and only the export is
+    left, which gathers a 16-bit copy of the model into host RAM. With the optimizer
+    offloaded the moments are two thirds of the host's optimizer state (m and v of master,
+    m, v), so freeing them first keeps the export inside the training phase's footprint
+    (planning/memory.py counts it that way). DeepSpeed's ZeRO and bf16 wrappers keep the
+    optimizer that steps, and its state, in `.optimizer`.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = getattr(inner, "state", None)
+    if not isinstance(state, dict):
+        return 0
+    freed = sum(
+        value.numel() * value.element_size()
+        for per_param in state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    )
+    state.clear()
+    return freed

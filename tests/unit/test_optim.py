@@ -45,3 +45,20 @@ def test_fused_adamw_when_cuda_is_present_and_it_updates_like_the_unfused_one(
         assert not torch.equal(value, before[name])  # the weights moved
         # fp32 kernels that order their arithmetic differently: agreement to a few ulps after 5 steps
         torch.testing.assert_close(fused_model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_release_moments_frees_adam_state_inside_a_deepspeed_style_wrapper() -> None:
+    from types import SimpleNamespace
+
+    from llm_train.runtime.optim import release_moments
+
+    weights = torch.nn.Parameter(torch.ones(64, 32))
+    adam = torch.optim.AdamW([weights], lr=1e-3)
+    weights.grad = torch.ones_like(weights)
+    adam.step()
+    moments = sum(v.numel() * v.element_size() for v in adam.state[weights].values() if v.dim() > 0)
+    assert moments == 2 * 64 * 32 * 4  # m and v, fp32
+    wrapper = SimpleNamespace(optimizer=adam)  # ZeRO / bf16 optimizers keep the stepping one here
+    assert release_moments(wrapper) >= moments
+    assert len(adam.state) == 0
+    assert release_moments(SimpleNamespace()) == 0  # nothing to free: no error
