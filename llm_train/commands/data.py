@@ -15,6 +15,7 @@ from typing import Any
 from llm_train.config.recipe import load_recipe
 from llm_train.data.prepare import prepare_data
 from llm_train.data.stream import EpochOrder
+from llm_train.data.streaming import is_streaming
 from llm_train.data.summary import describe_split, sample_views
 from llm_train.runtime.model import load_tokenizer
 
@@ -38,6 +39,12 @@ def _prepared(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if is_streaming(recipe.data):
+        print(
+            f"data for recipe {recipe.name}: data.train is streamed (streaming: true); it is tokenised and "
+            "packed while training, so there is nothing to prepare or inspect up front"
+        )
+        return recipe, None, None
     tokenizer = load_tokenizer(recipe.model)
     print(
         f"data for recipe {recipe.name}: seq_len {recipe.data.seq_len}, {recipe.data.packing}, cache {recipe.data.cache_dir}"
@@ -48,6 +55,8 @@ def _prepared(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def cmd_prepare(args: argparse.Namespace) -> int:
 
     _, _, prepared = _prepared(args)
+    if prepared is None:
+        return 0
     for split in (prepared.train, prepared.eval):
         if split is not None:
             print(describe_split(split)[-1])
@@ -57,6 +66,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
 
     recipe, tokenizer, prepared = _prepared(args)
+    if prepared is None:
+        return 0
     for split in (prepared.train, prepared.eval):
         if split is not None:
             print("\n".join(describe_split(split)))

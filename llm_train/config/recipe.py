@@ -100,6 +100,11 @@ class _SourceFields(Section):
     )
     split: str = Field("train", description="Split to read from a hub dataset or a save_to_disk DatasetDict.")
     subset: str | None = Field(None, description="Hub dataset configuration name (load_dataset's `name`).")
+    streaming: bool = Field(
+        False,
+        description="Read through datasets' streaming mode and tokenise + pack on the fly (corpora too large to "
+        "tokenise up front); train sources only, all or none of them; needs optim.max_steps.",
+    )
 
     @model_validator(mode="after")
     def _weight_is_positive(self) -> _SourceFields:
@@ -256,6 +261,12 @@ class DataSection(Section):
     loader_workers: int | None = Field(
         None, ge=0, description="DataLoader worker processes; default 2 on CUDA (pinned memory), 0 on CPU."
     )
+    max_epochs: float = Field(
+        3.0,
+        gt=0,
+        description="Refuse a run whose optim.max_steps (or optim.epochs) means more passes than this over "
+        "the training data; a guard against a large run on a small corpus.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -271,6 +282,27 @@ class DataSection(Section):
                         key: [_parse_source(v, f"data.{key}[{i}]") for i, v in enumerate(items)],
                     }
         return values
+
+    @model_validator(mode="after")
+    def _streaming_is_all_or_none(self) -> DataSection:
+        # A stream has no length: it cannot share an epoch with counted sources or have eval carved from it.
+        flags = [not isinstance(s, str) and s.streaming for s in self.train]
+        if any(flags) and not all(flags):
+            raise ValueError(
+                f"data.train[{flags.index(False)}] is not streamed while data.train[{flags.index(True)}] is; "
+                "set streaming: true on every data.train source or on none"
+            )
+        for i, source in enumerate(self.eval):
+            if not isinstance(source, str) and source.streaming:
+                raise ValueError(
+                    f"data.eval[{i}].streaming=true: eval sets are read whole; remove streaming from data.eval"
+                )
+        if any(flags) and not self.eval and self.eval_fraction > 0:
+            raise ValueError(
+                "data.train is streamed, so data.eval_fraction cannot be carved from it; give data.eval sources "
+                "or set data.eval_fraction=0"
+            )
+        return self
 
     def sources(self, split: Literal["train", "eval"]) -> list[Source]:
         """The sources of one split, path strings turned into text sources that read data.text_field."""
@@ -455,6 +487,13 @@ class Recipe(Section):
             )
         if self.precision == "fp16" and self.hardware.device == "cpu":
             raise ValueError("precision=fp16 is not supported on CPU; use fp32 or bf16")
+        if self.optim.max_steps is None and any(
+            not isinstance(s, str) and s.streaming for s in self.data.train
+        ):
+            raise ValueError(
+                "data.train is streamed (streaming: true), so its length is unknown and optim.epochs cannot be "
+                "counted; set optim.max_steps"
+            )
         return self
 
     @property

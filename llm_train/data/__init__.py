@@ -9,8 +9,10 @@
     prepare.py      a recipe's data section -> packed train / eval splits
     batches.py      sequences -> model inputs (position ids restart per sample)
     stream.py       epoch order, sharding by data-parallel rank, exact resume
+    streaming.py    `streaming: true` sources: tokenised and packed on the fly, dealt and resumed the same way
+    workers.py      loader workers that end with their training process
+    volume.py       epochs a run implies; the data.max_epochs guard
     summary.py      statistics and decoded samples for `llm-train data inspect`
-    cli.py          `llm-train data prepare | inspect`
 
 Names are imported lazily so `llm-train --help` does not pay for numpy, torch or datasets.
 """
@@ -26,6 +28,10 @@ _EXPORTS = {
     "PreparedData": "llm_train.data.prepare",
     "BatchStream": "llm_train.data.stream",
     "eval_batches": "llm_train.data.stream",
+    "StreamingBatches": "llm_train.data.streaming",
+    "StreamSpec": "llm_train.data.streaming",
+    "eval_split": "llm_train.data.streaming",
+    "is_streaming": "llm_train.data.streaming",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -24,6 +24,7 @@ import numpy as np
 from llm_train.data.batches import build_rows
 from llm_train.data.packing import packing_supported
 from llm_train.data.prepare import PackedSplit
+from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError
 
 _STATE_VERSION = 1
@@ -142,7 +143,11 @@ class BatchStream:
         options: dict[str, Any] = {}
         if self.workers:
             # Workers build the next micro-batches while the model computes; fork shares the memory maps.
-            options = {"prefetch_factor": 4, "multiprocessing_context": _fork_context(multiprocessing)}
+            options = {
+                "prefetch_factor": 4,
+                "multiprocessing_context": _fork_context(multiprocessing),
+                "worker_init_fn": exit_with_parent,  # train.py ends with os._exit: no loader shutdown
+            }
         return DataLoader(
             _MicroBatches(self.split, self.order, self.micro),  # type: ignore[arg-type]
             batch_size=None,  # each item is already a whole micro-batch

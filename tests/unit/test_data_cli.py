@@ -44,3 +44,19 @@ def test_inspect_counts_overlong_samples(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     truncated = re.search(r"\(overlong: truncate\): truncated (\d+)", out)
     assert truncated and int(truncated.group(1)) > 0 and "--- sample" not in out
+
+
+def test_a_streamed_corpus_is_not_tokenised_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text('{"text": "one"}\n{"text": "two"}\n')
+    streamed = [
+        f"data.train=[{{path: {corpus}, streaming: true}}]",
+        "data.eval_fraction=0",
+        f"data.cache_dir={tmp_path}",
+    ]
+    for command in ("prepare", "inspect"):
+        assert main(["data", command, "--recipe", "tiny-cpu", *streamed]) == 0
+        assert "nothing to prepare" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["docs.jsonl"]  # no tokenised cache was written

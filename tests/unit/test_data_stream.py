@@ -198,3 +198,34 @@ def test_loader_workers_never_touch_cuda(corpus: tuple, monkeypatch: pytest.Monk
     assert forked.workers == 2
     for mine, theirs in zip(got, expected, strict=True):
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs if isinstance(theirs[k], torch.Tensor))
+
+
+@pytest.mark.parametrize(("micro_after", "dp_after"), [(MICRO, 1), (MICRO * 2, 1), (1, 3)])
+def test_one_epoch_across_a_layout_and_batch_change_holds_every_sample_once(
+    corpus: tuple, micro_after: int, dp_after: int
+) -> None:
+    """dp 2 for part of an epoch, then a resume on another dp (and micro-batch): each sample once."""
+    split, docs = corpus
+    epoch = split.n_sequences
+    two = [BatchStream(split, MICRO, r, 2, 7) for r in range(2)]
+    before: list[list[tuple[int, ...]]] = []  # one entry per packed sequence, in global position order
+    for _ in range(epoch // (2 * MICRO) // 2):  # about half the epoch on 2 ranks
+        for stream in two:
+            before += _rows(next(stream))
+    after_streams = [BatchStream(split, micro_after, r, dp_after, 7) for r in range(dp_after)]
+    for stream in after_streams:
+        stream.load_state_dict(two[0].state_dict())
+    after: list[list[tuple[int, ...]]] = []
+    while len(before) + len(after) < epoch:
+        for stream in after_streams:  # rank by rank: global position order again
+            after += _rows(next(stream))
+    in_epoch = before + after[: epoch - len(before)]  # the rest ran on into the next epoch
+    assert Counter(s for seq in in_epoch for s in seq) == Counter(docs)
+
+
+def _rows(batch: dict[str, Any]) -> list[list[tuple[int, ...]]]:
+    """The samples of each packed sequence of a micro-batch."""
+    return [
+        samples_of({k: v[i : i + 1] for k, v in batch.items() if k != "use_cache"})
+        for i in range(batch["input_ids"].shape[0])
+    ]
