@@ -63,6 +63,7 @@ from common import OFFLINE_ENV, REPO, versions  # bench/ is this script's folder
 TRAIN = REPO / "llm_train" / "train.py"
 CAPPED_TRAIN = REPO / "bench" / "capped_train.py"
 TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
+CORPUS = REPO / "llm_train" / "assets" / "tiny" / "corpus.txt"
 GiB = 1024**3
 EXIT_PREEMPTED = 75  # llm_train/runtime/control.py; a copy, so that this file imports no llm_train at start
 MFU_TARGET = 0.45
@@ -121,6 +122,8 @@ CPU_TINY_BC = [
 D_GPU = [
     "model.init=random",
     f"model.tokenizer={TOKENIZER}",  # the hub tokenizer is not on that machine
+    f"data.train=[{CORPUS}]",  # nor the recipe's hub dataset: the bundled corpus, as text
+    "data.max_epochs=1000",  # a memory and speed probe of a few steps, not a fine-tune
     "optim.global_batch_size=4",
     "optim.warmup_steps=0",
     "checkpoint.at_end=false",

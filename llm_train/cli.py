@@ -1,21 +1,25 @@
 """`llm-train`: the command-line tool around the training entry point.
 
-    llm-train train --recipe NAME [...]     same as `python llm_train/train.py` (one process here;
-                                            use `accelerate launch llm_train/train.py` for many)
+    llm-train train --recipe NAME [...]     validate in this process, then `accelerate launch` train.py
+                                            (processes from the recipe's hardware or --num-processes)
     llm-train recipes                       the shipped recipes, one line each
     llm-train show RECIPE [key=value ...]   the resolved recipe YAML and effective DeepSpeed JSON
     llm-train dry-run RECIPE [...]          same as train.py --dry-run
 
 Each subcommand lives in its own small function; errors a user can cause are one line, exit 2.
+That includes an optional dependency a command needs and this installation lacks: the line names
+the pyproject extra that brings it.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
+from importlib import metadata
 
-from llm_train.commands import data, doctor, plan, report
+from llm_train.commands import data, doctor, launch_train, plan, report
 from llm_train.config.recipe import available_recipes, load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
@@ -23,6 +27,8 @@ from llm_train.observability.console import print_recipe_table
 from llm_train.runtime.checkpoint import find_resumable
 from llm_train.runtime.export import export_checkpoint
 from llm_train.train import main as train_main
+
+DISTRIBUTION = "llm_train"
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -54,16 +60,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"export: {ckpt} is not a checkpoint directory (expected checkpoints/step-N or a run dir)"
         )
     result = export_checkpoint(ckpt, Path(args.out), args.dtype)
-    print(
-        f"exported {ckpt} -> {args.out}: {result['tensors']} tensors, {args.dtype}, "
-        f"logits within {result['max_logit_diff']:.2g} of the checkpoint"
-    )
+    print(f"exported {ckpt} -> {args.out}: {result['tensors']} tensors, {args.dtype}; {result['verified']}")
     return 0
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
-    return train_main(rest)
+    return launch_train.main(rest)
 
 
 def cmd_dry_run(args: argparse.Namespace, rest: list[str]) -> int:
@@ -83,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llm-train", description="DeepSpeed + Accelerate LLM training recipes."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="Train a recipe (arguments as llm_train/train.py).", add_help=False)
+    sub.add_parser(
+        "train",
+        help="Validate, then `accelerate launch` a recipe (arguments as llm_train/train.py, plus "
+        "--num-processes, --num-machines, --max-restarts; see `llm-train train --help`).",
+        add_help=False,
+    )
     dry = sub.add_parser("dry-run", help="Print the resolved recipe, DS JSON, plan and memory estimate.")
     dry.add_argument("recipe")
     sub.add_parser("recipes", help="List the shipped recipes.").set_defaults(func=cmd_recipes)
@@ -134,6 +142,40 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"llm-train: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except ModuleNotFoundError as exc:
+        fix = missing_dependency_fix(exc.name or "")
+        if fix is None:
+            raise  # not a package this installation should have: a bug, keep its traceback
+        print(f"llm-train {argv[0] if argv else ''}: needs {exc.name}; {fix}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def missing_dependency_fix(module: str) -> str | None:
+    """How to install the distribution that provides `module`, from llm_train's own metadata.
+
+    Read from the installed package's requirements (pyproject.toml's dependencies and extras), so
+    the extras named here are always the ones pyproject.toml defines. None: not ours to require.
+    """
+    wanted = _normalise(module.split(".")[0])
+    try:
+        requirements = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        name = _normalise(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0])
+        if name != wanted:
+            continue
+        extra = re.search(r"extra\s*==\s*[\"']([^\"']+)[\"']", requirement)
+        if extra is None:
+            return f"it is a dependency of {DISTRIBUTION}: reinstall it (pip install -e . in a checkout)"
+        if extra.group(1) == "dev":
+            return None
+        return f"pip install '{DISTRIBUTION}[{extra.group(1)}]'"
+    return None
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 if __name__ == "__main__":

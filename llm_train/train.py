@@ -15,14 +15,17 @@ if __package__ in (None, ""):
     # Run as a script: import the package, not this folder's modules as top-level names.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from llm_train.config.hardware import Device
+from llm_train.config.hardware import Device, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import Resolved, resolve_run
+from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.console import add_train_args
 from llm_train.planning.guards import check_host_ram, check_nvme_path, memory_rows
 from llm_train.runtime import launcher
-from llm_train.runtime.fast import check_attention_kernel, set_cuda_alloc_conf
+from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
+from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.resume_layout import check_resume_early
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
@@ -46,7 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         metavar="auto|PATH",
-        help="Continue from the newest complete checkpoint of the run directory (auto) or from PATH.",
+        help="Continue from the newest complete checkpoint of the run directory (auto) or from PATH; "
+        "the world size, TP degree, ZeRO stage and offload may differ from the checkpoint's.",
+    )
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="With --resume: train on with this launch's global batch instead of keeping the checkpoint's.",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="Print the resolved recipe, DS JSON, plan, memory; exit."
@@ -84,6 +93,14 @@ def print_dry_run(run: Resolved) -> None:
             print(f"  {key:<28} {value}")
     if run.notice:
         print(f"notice: {run.notice}")
+    # Last, because it may tokenise local data (into the cache the run reads) and refuses a run
+    # that would loop over its data more than data.max_epochs times.
+    recipe = run.recipe
+    print("# data volume")
+    line = planned_volume(
+        recipe.data, recipe.optim, run.layout, lambda: load_tokenizer(recipe.model), lambda m: print(f"  {m}")
+    )
+    print(f"  {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,34 +126,15 @@ def main(argv: list[str] | None = None) -> int:
             world_size = launcher.world_from_env() or (spawn.world_size if spawn else 1)
 
             device = Device.detect()
-        run = (
-            resolve_run(
-                args.recipe,
-                args.overrides,
-                world_size=world_size or 0,
-                device=device,
-                ds_config_path=args.ds_config,
-                max_steps=args.max_steps,
-                output_dir=args.output_dir,
-            )
-            if world_size
-            else _resolve_declared(args)
-        )
-        if args.flops_profiler and run.layout.pp > 1:
-            raise UserError(
-                f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.layout.pp} (DeepSpeed "
-                "profiles the engine's forward, which the pipeline schedule bypasses); use --profile A-B"
-            )
+            # NCCL reads its P2P switch when the process group starts (later, in the session).
+            if p2p_notice := disable_nccl_p2p(gpus_without_p2p()):
+                say(f"notice: {p2p_notice}")
+        run = resolve(args, world_size, device)
         if args.dry_run:
             print_dry_run(run)
             return 0
 
-        if not args.resume:
-            check_output_dir(run.recipe.output_dir, args.overwrite)
-        check_attention_kernel(run.recipe.memory)
-        if not args.skip_ram_check:
-            check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
-        check_nvme_path(run, spawn.nproc_per_node if spawn is not None else None)
+        check_before_start(run, args, spawn.nproc_per_node if spawn is not None else None)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
@@ -147,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             ds_config=args.ds_config,
             output_dir=args.output_dir,
             resume=args.resume,
+            allow_batch_change=args.allow_batch_change,
             overwrite=args.overwrite,
             verbose=args.verbose,
             profile=args.profile,
@@ -157,7 +156,47 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if is_rank0():
             print(f"llm-train: error: {exc}", file=sys.stderr, flush=True)
+        launcher.record_error(f"llm-train: error: {exc}")  # every rank: torchrun reports the first to fail
         return exc.exit_code
+
+
+def resolve(args: argparse.Namespace, world_size: int | None, device: Device | None) -> Resolved:
+    """The run these arguments ask for on `world_size` processes (None: the hardware the recipe declares).
+
+    `llm-train train` calls this too, before it starts any launcher, so that a bad input is one line.
+    """
+    run = (
+        resolve_run(
+            args.recipe,
+            args.overrides,
+            world_size=world_size,
+            device=device,
+            ds_config_path=args.ds_config,
+            max_steps=args.max_steps,
+            output_dir=args.output_dir,
+        )
+        if world_size
+        else _resolve_declared(args)
+    )
+    if args.flops_profiler and run.layout.pp > 1:
+        raise UserError(
+            f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.layout.pp} (DeepSpeed "
+            "profiles the engine's forward, which the pipeline schedule bypasses); use --profile A-B"
+        )
+    return run
+
+
+def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: int | None) -> None:
+    """What a dry run cannot know but a start can: the run directory, kernels, host RAM, the NVMe path."""
+    if not args.resume:
+        check_output_dir(run.recipe.output_dir, args.overwrite)
+    else:
+        root = run.recipe.output_dir / "checkpoints"
+        check_resume_early(args.resume, root, run.layout, args.allow_batch_change)
+    check_attention_kernel(run.recipe.memory)
+    if not args.skip_ram_check:
+        check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
+    check_nvme_path(run, nproc_per_node)
 
 
 def _resolve_declared(args: argparse.Namespace) -> Resolved:

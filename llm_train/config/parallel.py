@@ -113,16 +113,13 @@ def _check_tensor_parallel(
         )
 
 
-def refuse_tensor_parallel_checkpoint(ds_dir: Path, source: str) -> None:
-    """One line instead of DeepSpeed's traceback: a tensor-parallel checkpoint holds one weight shard per TP rank.
+def tensor_parallel_shards(ds_dir: Path) -> int:
+    """How many AutoTP weight shards a DeepSpeed checkpoint holds (1: not tensor parallel).
 
-    Consolidating ZeRO partitions (what `llm-train export` does) does not merge AutoTP shards;
-    the run's own export (final/) is gathered across TP ranks at the end of training.
+    Each TP rank saves its slice of every split weight in its own model-states file; a pipeline
+    checkpoint also has one such file per stage, next to its per-layer files, and is not TP.
     """
     model_files = list(ds_dir.glob("mp_rank_*_model_states.pt"))
-    if len(model_files) > 1 and not any(ds_dir.glob("layer_*-model_states.pt")):
-        raise UserError(
-            f"checkpoint {source} was written by a tensor-parallel run ({len(model_files)} model shards); "
-            "llm-train export cannot merge AutoTP shards: use the run's final/ (gathered at the end of "
-            "training), or resume it with --resume and let it finish"
-        )
+    if any(ds_dir.glob("layer_*-model_states.pt")):
+        return 1
+    return max(1, len(model_files))

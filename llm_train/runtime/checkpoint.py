@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does n
     from llm_train.runtime.collectives import Collectives
 
 MANIFEST = "manifest.json"
+DS_TAG = "ds"  # the tag DeepSpeed saves each checkpoint's engine state under (state/ds/)
 LATEST = "latest"
 PREFIX = "step-"
 
@@ -142,6 +143,7 @@ class SaveMeta:
     world_size: int
     recipe_hash: str
     zero_stage: int
+    layout: dict[str, Any]  # Layout.as_dict(): what a resume on another layout compares against
 
 
 class Checkpointer:
@@ -215,6 +217,7 @@ class Checkpointer:
                 "world_size": meta.world_size,
                 "recipe_hash": meta.recipe_hash,
                 "zero_stage": meta.zero_stage,
+                "layout": meta.layout,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             },
         )
@@ -269,6 +272,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda_device" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(state["cuda_device"], dtype=torch.uint8))
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Python, NumPy and torch RNGs from (seed, step, rank): a resumed rank with no saved state of its own."""
+    import random
+
+    import numpy as np
+    import torch
+
+    mixed = int(np.random.SeedSequence([seed & 0xFFFF_FFFF, step, rank]).generate_state(1)[0])
+    random.seed(mixed)
+    np.random.seed(mixed)
+    torch.manual_seed(mixed)  # seeds the CUDA generators too
 
 
 def trainer_state_path(ckpt_dir: Path, rank: int) -> Path:

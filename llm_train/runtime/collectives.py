@@ -22,6 +22,8 @@ pipeline launcher do that); they live here so that the rule "one home" has no ex
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,6 +42,33 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if initialized() else 0
+
+
+def join_restarted_world() -> None:
+    """After a torchrun restart (--max_restarts), join the new attempt's world under keys of its own.
+
+    torchrun's agent keeps one key-value store for every attempt, and the workers of a
+    restarted group read the previous attempt's addresses from it: gloo and NCCL then fail
+    with "Connection refused" (pytorch/pytorch#167288; reproduced with torch 2.13 and a bare
+    gloo script). Creating the process group here, on a store prefixed with the attempt
+    number, avoids it; Accelerate and DeepSpeed use a process group that already exists.
+    The first attempt is left to them, unchanged.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or initialized() or "MASTER_ADDR" not in os.environ:
+        return
+    rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(minutes=30),
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"llm_train/attempt_{attempt}", store), rank=rank_, world_size=world
+    )
 
 
 def device_for_backend(backend: str) -> torch.device:

@@ -20,6 +20,7 @@ initialise DeepSpeed's process group ("Default process group has not been initia
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -168,3 +169,21 @@ def spawn_workers(world: LocalWorld, argv: list[str]) -> int:
     if exit_code == 0:
         exit_code = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
     return exit_code
+
+
+def record_error(message: str) -> None:
+    """Leave `message` where torchrun's failure report looks for a worker's error, if it asked.
+
+    torchrun (accelerate's launcher on GPUs and with --use_deepspeed) gives every worker a
+    TORCHELASTIC_ERROR_FILE; its report then shows this line as the failure's cause instead of
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html". The report and
+    accelerate's traceback around it remain: only `llm-train train` can leave them out.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            json.dump({"message": message, "timestamp": int(time.time())}, fp)
+    except OSError:
+        pass  # the report falls back to its generic line; the error itself is already printed

@@ -25,6 +25,7 @@ from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.engine import Batch, StepResult
+from llm_train.runtime.export import reference_input_ids, write_reference
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
     LayerMap,
@@ -153,7 +154,27 @@ class PipelineEngine:
         return float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
 
     def export(self, final: Path, tokenizer: Any) -> None:
+        reference = self._reference_forward(tokenizer)  # every stage takes part
         export_pipeline(self.ds, self.config, tokenizer, self.names, final)
+        if collectives.rank() == 0:  # export_pipeline ended with a barrier: final/ is complete
+            write_reference(final, *reference)
+
+    def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, logits) of the trained pipeline on the export check's fixed batch, on every rank.
+
+        One micro-batch through the engine's own inference schedule; the logits come out on the
+        last stage of each pipeline and are passed to every rank (rank 0 verifies the export).
+        """
+        input_ids = reference_input_ids(tokenizer, self.config.vocab_size)
+        pair = as_pipeline_batch({"input_ids": input_ids, "labels": input_ids})
+        # The stages exchanged training-shaped activations so far: let them agree on the new shape,
+        # and again afterwards (a later train or eval batch has the training shape).
+        self.ds.reset_activation_shape()
+        _, logits = self.ds.eval_batch(iter([pair]), return_logits=True, num_micro_batches=1)
+        self.ds.reset_activation_shape()
+        holder = self.ds.is_last_stage() and self.ds.grid.get_data_parallel_id() == 0
+        gathered = collectives.WORLD.gather_objects(logits.detach().cpu() if holder else None)
+        return input_ids, next(t for t in gathered if t is not None)
 
     def finish(self) -> None:
         collectives.destroy()

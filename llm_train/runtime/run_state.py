@@ -13,28 +13,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llm_train.config.layout import Layout
 from llm_train.config.recipe import Recipe, recipe_to_yaml
 from llm_train.errors import UserError
 from llm_train.runtime.checkpoint import (
+    DS_TAG,
     Checkpointer,
     SaveMeta,
     committed,
     dir_size,
     find_resumable,
     read_manifest,
+    reseed,
     rng_state,
     set_rng_state,
     trainer_state_path,
     verify,
 )
 from llm_train.runtime.collectives import Collectives
-
-DS_TAG = "ds"
+from llm_train.runtime.resume_layout import ResumeLayout
+from llm_train.runtime.universal import universal_dir
 
 
 def recipe_hash(recipe: Recipe) -> str:
     """What was trained, how: output location, checkpoint cadence and tracking do not count."""
     what = recipe.model_dump(mode="json", exclude={"output", "checkpoint", "tracking"})
+    what["optim"].pop("grad_accum")  # the batch is compared on its own, through the layout (resume_layout.py)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -42,7 +46,8 @@ def checkpoint_bytes_estimate(engine: Any, root: Path) -> int:
     """The size of the previous checkpoint, or 16 bytes per parameter (fp32 weights + Adam m, v + slack)."""
     previous = committed(root)
     if previous:
-        return dir_size(previous[0])
+        converted = universal_dir(previous[0])  # a resume's universal copy is not part of the next save
+        return dir_size(previous[0]) - (dir_size(converted) if converted.is_dir() else 0)
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     return 16 * numel
 
@@ -54,7 +59,7 @@ def save_run_state(
     stream: Any,
     tokenizer: Any,
     rank: int,
-    world_size: int,
+    layout: Layout,
     recipe: Recipe,
     extra: dict[str, Any],
 ) -> Path:
@@ -69,7 +74,9 @@ def save_run_state(
             tokenizer.save_pretrained(tmp / "hf")
             (tmp / "hf" / "recipe.yaml").write_text(recipe_to_yaml(recipe))
 
-    meta = SaveMeta(step, world_size, recipe_hash(recipe), engine.zero_optimization_stage())
+    meta = SaveMeta(
+        step, layout.world_size, recipe_hash(recipe), engine.zero_optimization_stage(), layout.as_dict()
+    )
     return checkpointer.save(meta, write, checkpoint_bytes_estimate(engine, checkpointer.root))
 
 
@@ -80,7 +87,7 @@ def make_saver(
     stream: Any,
     tokenizer: Any,
     rank: int,
-    world_size: int,
+    layout: Layout,
     recipe: Recipe,
     tracker: Any,
     say: Any,
@@ -90,7 +97,7 @@ def make_saver(
     def save(step: int) -> None:
         started = time.perf_counter()
         extra = {"tracker_run_id": tracker.run_id}  # W&B continues the same run after a resume
-        path = save_run_state(checkpointer, engine, step, stream, tokenizer, rank, world_size, recipe, extra)
+        path = save_run_state(checkpointer, engine, step, stream, tokenizer, rank, layout, recipe, extra)
         control.saved()
         say(f"checkpoint {path.name} committed in {time.perf_counter() - started:.1f}s")
 
@@ -114,30 +121,35 @@ def choose_checkpoint(spec: str, root: Path, rank: int, comm: Collectives, warn:
     return Path(path) if path else None
 
 
-def check_compatible(ckpt: Path, world_size: int, recipe: Recipe, warn: Any) -> None:
-    manifest = read_manifest(ckpt)
-    if manifest["world_size"] != world_size:
-        raise UserError(
-            f"checkpoint {ckpt} was written by {manifest['world_size']} processes, this launch has {world_size}; "
-            f"relaunch with {manifest['world_size']} processes, or convert it for any world size with "
-            f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/state/{DS_TAG} "
-            f"--output_folder {ckpt}/universal` and fine-tune from `llm-train export {ckpt} OUT`"
-        )
-    if manifest["recipe_hash"] != recipe_hash(recipe):
+def check_recipe(ckpt: Path, recipe: Recipe, warn: Any) -> None:
+    if read_manifest(ckpt)["recipe_hash"] != recipe_hash(recipe):
         warn(
             f"notice: the recipe differs from the one checkpoint {ckpt.name} was written with; resuming anyway"
         )
 
 
-def restore_run_state(engine: Any, ckpt: Path, stream: Any, rank: int) -> dict[str, Any]:
-    """Load the engine state and this rank's trainer state; returns the trainer state."""
-    # DeepSpeed's shards are pickles: `ckpt` has just been verified against its manifest.
+def restore_run_state(
+    engine: Any, ckpt: Path, stream: Any, rank: int, plan: ResumeLayout, seed: int
+) -> dict[str, Any]:
+    """Load the engine state and the trainer state; returns the trainer state (step, data, tracker id).
+
+    On the layout that wrote the checkpoint every rank restores its own RNG states. On
+    another layout a rank may have had no predecessor, so every rank reseeds its RNGs from
+    (seed, step, rank); the data order is not an RNG stream (data/stream.py) and carries
+    over exactly, as does everything in the DeepSpeed state (weights, Adam, LR schedule, step).
+    """
+    # DeepSpeed's shards are pickles: `ckpt` (and its universal copy) verified against a manifest.
+    load_dir = universal_dir(ckpt) if plan.universal else ckpt / "state"
     engine.load_checkpoint(
-        str(ckpt / "state"), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(load_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )
-    state = json.loads(trainer_state_path(ckpt, rank).read_text())
+    # The data position is the global count of sequences consumed, the same in every rank's file.
+    state = json.loads(trainer_state_path(ckpt, rank if plan.same_layout else 0).read_text())
     stream.load_state_dict(state["data"])
-    set_rng_state(state["rng"])
+    if plan.same_layout:
+        set_rng_state(state["rng"])
+    else:
+        reseed(seed, state["step"], rank)
     return state
 
 

@@ -14,33 +14,51 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from llm_train.config.hardware import Device
 from llm_train.config.resolution import Resolved, resolve_run, steps_for_epochs
-from llm_train.data import BatchStream, eval_batches, load_blocks
-from llm_train.errors import EXIT_PREEMPTED
+from llm_train.data import (
+    BatchStream,
+    StreamingBatches,
+    StreamSpec,
+    eval_batches,
+    eval_split,
+    is_streaming,
+    load_blocks,
+)
+from llm_train.data.volume import DataVolume, check_volume
+from llm_train.errors import EXIT_PREEMPTED, UserError
 from llm_train.observability.console import quiet, startup_summary
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import enable_flops_profiler, make_profiler
 from llm_train.observability.tracking import open_trackers
 from llm_train.runtime import collectives, launcher
-from llm_train.runtime.checkpoint import Checkpointer
+from llm_train.runtime.checkpoint import Checkpointer, read_manifest
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine
-from llm_train.runtime.export import sample_text, verify_export
+from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
 from llm_train.runtime.loop import LoopConfig, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.resume_layout import (
+    ResumeLayout,
+    check_same_plan,
+    peek_manifest,
+    plan_resume,
+    saved_layout,
+)
 from llm_train.runtime.run_state import (
-    check_compatible,
+    check_recipe,
     choose_checkpoint,
     make_saver,
     restore_run_state,
     truncate_metrics,
 )
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
+from llm_train.runtime.universal import ensure_universal
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,7 @@ class RunOptions:
     ds_config: str | None = None
     output_dir: str | None = None
     resume: str | None = None
+    allow_batch_change: bool = False
     overwrite: bool = False
     verbose: bool = False
     profile: str | None = None
@@ -78,22 +97,89 @@ def build_data(run: Resolved, options: RunOptions, dp_rank: int, say: Callable[[
     """
     recipe, layout = run.recipe, run.layout
     tokenizer = load_tokenizer(recipe.model)
+    if is_streaming(recipe.data):
+        # Tokenised and packed on the fly (data/streaming.py). A stream has no length: recipe.py demands
+        # optim.max_steps, and the data-volume guard has no epochs to count.
+        spec = StreamSpec.build(recipe.data, tokenizer, recipe.optim.seed)
+        stream = StreamingBatches(
+            spec, layout.micro_batch_size, dp_rank, layout.dp, workers=recipe.data.loader_workers
+        )
+        say(f"data: data.train is streamed ({stream.workers} loader workers per rank); epochs not counted")
+        eval_blocks = eval_split(recipe.data, tokenizer, recipe.optim.seed, say)
+        return run, tokenizer, stream, eval_blocks, recipe.optim.max_steps
     train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
     stream = BatchStream(train_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.optim.seed)
     max_steps = recipe.optim.max_steps or steps_for_epochs(
         recipe.optim.epochs or 1.0, stream.per_epoch, layout.grad_accum
     )
+    # Before any model is loaded: a run that would loop over a small corpus thousands of times stops here.
+    volume = DataVolume.of(layout, stream.order.epoch_len, max_steps, recipe.data.seq_len)
+    requested = recipe.optim.epochs if recipe.optim.max_steps is None else None
+    say(check_volume(volume, recipe.data.max_epochs, requested))
     if recipe.optim.max_steps is None:
-        run = resolve_run(
-            options.recipe,
-            list(options.overrides),
-            layout.world_size,
-            Device.detect(),
-            options.ds_config,
-            max_steps,
-            options.output_dir,
-        )
+        run = resolve_again(options, layout.world_size, max_steps)
     return run, tokenizer, stream, eval_blocks, max_steps
+
+
+def resolve_again(options: RunOptions, world_size: int, max_steps: int | None = None) -> Resolved:
+    return resolve_run(
+        options.recipe,
+        list(options.overrides),
+        world_size,
+        Device.detect(),
+        options.ds_config,
+        max_steps,
+        options.output_dir,
+    )
+
+
+def plan_layout_change(
+    run: Resolved, options: RunOptions, say: Callable[[str], None]
+) -> tuple[Resolved, RunOptions, ResumeLayout]:
+    """Before anything is built: how the checkpoint to resume differs from this launch's layout.
+
+    A kept global batch changes the accumulation, which the DeepSpeed config and the step
+    count depend on, so the run is resolved again with it.
+    """
+    manifest = peek_manifest(options.resume or "auto", run.recipe.output_dir / "checkpoints")
+    if manifest is None:
+        return run, options, ResumeLayout()
+    plan = plan_resume(saved_layout(manifest), run.layout, options.allow_batch_change)
+    for notice in plan.notices:
+        say(f"notice: {notice}")
+    if plan.grad_accum is not None:
+        options = replace(options, overrides=(*options.overrides, f"optim.grad_accum={plan.grad_accum}"))
+        run = resolve_again(options, run.layout.world_size, run.recipe.optim.max_steps)  # keeps --max-steps
+    return run, options, plan
+
+
+def load_universal(run: Resolved) -> Resolved:
+    """The same run, with DeepSpeed told to load checkpoints in the universal format."""
+    checkpoint = {**run.ds_config.get("checkpoint", {}), "load_universal": True}
+    return replace(run, ds_config={**run.ds_config, "checkpoint": checkpoint})
+
+
+def prepare_resume(
+    options: RunOptions, root: Path, run: Resolved, plan: ResumeLayout, rank: int, say: Callable[[str], None]
+) -> Path | None:
+    """The verified checkpoint to resume (the same on every rank), converted when the layout changed."""
+    comm = collectives.WORLD
+    chosen = choose_checkpoint(options.resume or "auto", root, rank, comm, say)
+    if chosen is None:
+        return None
+    check_recipe(chosen, run.recipe, say)
+    verified = plan_resume(saved_layout(read_manifest(chosen)), run.layout, options.allow_batch_change)
+    check_same_plan(chosen, plan, verified)
+    if plan.universal:
+        error = None
+        if rank == 0:
+            try:
+                ensure_universal(chosen, say)
+            except (UserError, OSError) as exc:
+                error = str(exc)
+        if error := comm.from_rank0(error):
+            raise UserError(error)
+    return chosen
 
 
 def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None]) -> int:
@@ -109,13 +195,20 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
 
     rank = int(os.environ["RANK"])
     dp_rank = layout.dp_rank(rank)  # ranks of one TP group / one pipeline share a data-parallel rank
+    plan = ResumeLayout()
+    if options.resume:
+        run, options, plan = plan_layout_change(run, options, say)
     run, tokenizer, stream, eval_blocks, max_steps = build_data(run, options, dp_rank, say)
+    if plan.universal:
+        run = load_universal(run)
+    recipe, layout = run.recipe, run.layout
     clock.mark("data")
 
     enable_flops_profiler(
         run.ds_config, options.profile, options.flops_profiler, out
     )  # --flops-profiler: DeepSpeed reads the DS config
     engine = make_engine(run, say)
+    collectives.join_restarted_world()  # a no-op unless torchrun restarted this worker
     engine.start()
     clock.mark("distributed init")
     me = {"rank": rank, "dp_rank": dp_rank, "world_size": collectives.world_size(), **engine.world_info()}
@@ -129,10 +222,8 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
 
     comm = collectives.WORLD
     resume_from = (
-        choose_checkpoint(options.resume, out / "checkpoints", rank, comm, say) if options.resume else None
+        prepare_resume(options, out / "checkpoints", run, plan, rank, say) if options.resume else None
     )
-    if resume_from is not None:
-        check_compatible(resume_from, layout.world_size, recipe, say)
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
     meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options.peak_tflops, clock)
@@ -142,7 +233,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
     start_step, tracker_run_id = 0, None
     if resume_from is not None:
-        restored = restore_run_state(engine.ds, resume_from, stream, rank)
+        restored = restore_run_state(engine.ds, resume_from, stream, rank, plan, recipe.optim.seed)
         start_step, tracker_run_id = restored["step"], restored.get("tracker_run_id")
         say(f"resumed from {resume_from} at step {start_step}")
     elif options.resume:
@@ -162,9 +253,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, grace_s=recipe.checkpoint.grace_s
     )
     control.install_signal_handlers()
-    save = make_saver(
-        checkpointer, control, engine.ds, stream, tokenizer, rank, layout.world_size, recipe, tracker, say
-    )
+    save = make_saver(checkpointer, control, engine.ds, stream, tokenizer, rank, layout, recipe, tracker, say)
     evals = eval_batches(eval_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.eval.batches)
     cfg = LoopConfig(
         max_steps=max_steps,
@@ -211,7 +300,9 @@ def verify_final(final: Any, sample_prompt: str | None, say: Callable[[str], Non
     if is_adapter_export(final):  # lora.export=adapter: PEFT files, no full model to load or sample
         say(f"exported a LoRA adapter ({verify_adapter_export(final)} tensors) to {final}")
         return
-    tensors = verify_export(final)
-    say(f"exported {tensors} tensors to {final} (verified against the config's shapes)")
+    # The engine recorded the trained model's logits on a fixed batch next to final/ (engine.export).
+    report = verify_export(final, read_reference(final))
+    write_check(final, report)
+    say(f"exported {report.tensors} tensors to {final} (verified: {report.describe()})")
     if sample_prompt:
         say(f"sample: {sample_text(final, sample_prompt)!r}")

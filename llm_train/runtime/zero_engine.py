@@ -21,11 +21,11 @@ from llm_train.errors import UserError
 from llm_train.observability.metrics import model_flops_per_token
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
-from llm_train.runtime.export import save_hf_model
+from llm_train.runtime.export import clear_reference, reference_input_ids, save_hf_model, write_reference
 from llm_train.runtime.fast import apply_liger, compile_engine
 from llm_train.runtime.lora import export_view
 from llm_train.runtime.model import build_model
-from llm_train.runtime.optim import build_optimizer, build_scheduler
+from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
 
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
@@ -195,6 +195,12 @@ class ZeroEngine:
         return WORLD.mean(torch.stack(losses).mean()) if losses else float("nan")
 
     def export(self, final: Path, tokenizer: Any) -> None:
+        adapter_only = self.run.recipe.lora is not None and self.run.recipe.lora.export == "adapter"
+        # The reference for the export check: the trained model's logits on a fixed batch, from
+        # the engine itself, before anything is written. A collective like the gather below:
+        # under ZeRO-3 each layer's shards are gathered from every rank for the forward.
+        reference = None if adapter_only else self._reference_forward(tokenizer)
+        release_moments(self.ds.optimizer)  # the run is over: room for the gathered copy below
         # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes.
         state_dict = self.accelerator.get_state_dict(self.ds)
         if self.accelerator.is_main_process:
@@ -203,7 +209,28 @@ class ZeroEngine:
                 self.accelerator.unwrap_model(self.ds), state_dict, self.run.recipe.lora
             )
             save_hf_model(model, state, tokenizer, final)
+            if reference is None:  # an adapter has its own check (lora.verify_adapter_export)
+                clear_reference(final)
+            else:
+                write_reference(final, *reference)
         self.accelerator.wait_for_everyone()
+
+    @torch.no_grad()
+    def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, logits) of the model as it trained; eval mode, since the reload runs without dropout."""
+        config = self.accelerator.unwrap_model(self.ds).config
+        input_ids = reference_input_ids(tokenizer, config.vocab_size)
+        self.ds.eval()
+        logits = self.ds(input_ids=input_ids.to(self.ds.device)).logits
+        self.ds.train()
+        if self.run.layout.tp > 1 and logits.shape[-1] != config.vocab_size:
+            # AutoTP splits the output layer over the vocabulary: each rank of a tensor-parallel group
+            # holds its slice of the logits, in the group's rank order.
+            from deepspeed.utils import groups
+
+            tp = Collectives(groups.get_tensor_model_parallel_group())
+            logits = torch.cat(tp.gather_objects(logits.detach().cpu()), dim=-1)
+        return input_ids, logits
 
     def finish(self) -> None:
         if self.accelerator is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 STEPS = 6
+RESUME_FROM = 3  # the reference runs commit a checkpoint at this step (and at STEPS)
 VARIANTS = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 SHORT_RUN = [
     f"--max-steps={STEPS}",
@@ -31,4 +32,7 @@ def run_args(variant: str, run_dir: Path, pretrained: Path) -> list[str]:
         *SHORT_RUN,
         "model.init=pretrained",
         f"model.name_or_path={pretrained}",
+        # Math-neutral (test_resume shows checkpointing changes no bit); test_resume_anywhere
+        # resumes these step-3 checkpoints on other layouts.
+        f"checkpoint.every_steps={RESUME_FROM}",
     ]

@@ -54,6 +54,19 @@ def test_tiny_lora_trains_with_two_processes(tmp_path: Path, extra: list[str], m
             if "q_proj" in name and not torch.allclose(p, dict(start.named_parameters())[name])
         ]
         assert moved, "merged export equals the initial weights: adapters were not folded in"
+        # The frozen base: tensors no adapter targets (embeddings, norms, output layer) come out
+        # bit for bit as they went in (fp32, no weight decay reaches them, merging leaves them).
+        targets = tuple(recipe.lora.target_modules) if recipe.lora else ()
+        untouched = {n: p for n, p in start.named_parameters() if not any(t in n for t in targets)}
+        assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(untouched)
+        exported = dict(model.named_parameters())
+        changed = [n for n, p in untouched.items() if not torch.equal(exported[n], p)]
+        assert not changed, f"frozen base weights changed in training: {changed[:5]}"
     else:
         assert (final / "adapter_config.json").is_file() and not (final / "config.json").exists()
+        # Only adapter tensors: the base they apply to is the user's unchanged base model.
+        from safetensors.torch import load_file
+
+        saved = load_file(final / "adapter_model.safetensors")
+        assert saved and all("lora_A" in n or "lora_B" in n for n in saved), sorted(saved)[:5]
         assert "exported a LoRA adapter" in result.stdout

@@ -60,14 +60,16 @@ def _tools(bin_dir: Path) -> None:
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def _sbatch(bin_dir: Path, args: list[str], restart: int, requeue_log: Path) -> subprocess.Popen:
+def _sbatch(
+    bin_dir: Path, args: list[str], restart: int, requeue_log: Path, nodes: int = 2
+) -> subprocess.Popen:
     env = {
         **os.environ,
         **OFFLINE_ENV,
         "PATH": f"{bin_dir}:{ACCELERATE.parent}:{os.environ['PATH']}",
         "SLURM_JOB_ID": str(1000 + restart),
         "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_NNODES": "2",
+        "SLURM_NNODES": str(nodes),
         "SLURM_GPUS_ON_NODE": "1",  # one process per "node"
         "SLURM_RESTART_COUNT": str(restart),
         "MAIN_PORT": str(free_port()),

@@ -29,11 +29,17 @@ CHECKPOINTING = ["checkpoint.every_steps=2", "--resume", "auto"]
 
 
 def _kill_after(run_dir: Path, args: list[str], step: int, delay: float) -> None:
+    """kill -9 the whole launch `delay` s after `step` is logged; fails unless the run was still going."""
     proc = accelerate_popen(args)
-    if wait_for_step(run_dir, step, proc):
-        time.sleep(delay)  # land in the step, the eval or the save that follows
-        os.killpg(proc.pid, signal.SIGKILL)
+    assert wait_for_step(run_dir, step, proc), proc.communicate()[0][-4000:]
+    time.sleep(delay)  # land in the step, the eval or the save that follows
+    assert proc.poll() is None, (
+        f"the run ended before the kill at step {step} + {delay:.2f}s: nothing was tested"
+    )
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # Killed (possibly mid-export), not finished on its own between the check above and the kill.
+    assert proc.returncode == -signal.SIGKILL, proc.returncode
 
 
 def _assert_identical(run_dir: Path, reference: Path) -> None:
@@ -65,11 +71,11 @@ def test_kill_9_and_resume_is_exact(
 
 
 def _signal_during_save(run_dir: Path, proc, spawner) -> None:
-    """Signal while a checkpoint is being written (its temporary directory exists)."""
+    """SIGTERM while a checkpoint is being written (its temporary directory exists), not after a fixed time."""
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if list((run_dir / "checkpoints").glob(".tmp-*")):
-            break
+    while not list((run_dir / "checkpoints").glob(".tmp-*")):
+        assert proc.poll() is None, "the run ended without a checkpoint write to signal during"
+        assert time.monotonic() < deadline, "no checkpoint write began within 120 s"
         time.sleep(0.005)
     spawner.send_signal(signal.SIGTERM)
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from llm_train.runtime.checkpoint import LATEST, step_name, verify
-from llm_train.runtime.export import expected_shapes, verify_export
+from llm_train.runtime.export import expected_shapes, read_reference, verify_export
 from tests.helpers import assert_ok, losses, read_metrics, train_py
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +54,7 @@ def _final_verifies(run_dir: Path, stdout: str) -> None:
 
     final = run_dir / "final"
     assert json.loads((final / "export_check.json").read_text())["ok"] is True
-    tensors = verify_export(final)
+    tensors = verify_export(final, read_reference(final)).tensors  # keys and logits again
     assert f"exported {tensors} tensors to" in stdout
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.bfloat16).to("cuda").eval()
     with torch.no_grad():

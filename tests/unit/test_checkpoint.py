@@ -41,7 +41,9 @@ def _writer(step: int):
 
 
 def _save(ckpt: Checkpointer, step: int) -> Path:
-    return ckpt.save(SaveMeta(step, 2, "abc", 3), _writer(step), estimate_bytes=1000)
+    return ckpt.save(
+        SaveMeta(step, 2, "abc", 3, {"world_size": 2, "zero_stage": 3}), _writer(step), estimate_bytes=1000
+    )
 
 
 @pytest.fixture
@@ -95,7 +97,7 @@ def test_disk_full_while_writing_keeps_the_previous_checkpoint(ckpt: Checkpointe
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(CheckpointIOError) as info:
-        ckpt.save(SaveMeta(2, 2, "abc", 3), full, estimate_bytes=1000)
+        ckpt.save(SaveMeta(2, 2, "abc", 3, {"world_size": 2, "zero_stage": 3}), full, estimate_bytes=1000)
     message = str(info.value)
     assert "step 2" in message and "No space left on device" in message and "GiB" in message
     assert info.value.exit_code == 4

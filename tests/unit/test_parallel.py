@@ -143,14 +143,13 @@ def test_entry_point_reports_one_line_and_exit_2() -> None:
     assert len(lines) == 1 and "deepspeed.pipeline_stages=2 needs ZeRO stage 0 or 1" in lines[0]
 
 
-def test_export_refuses_a_tensor_parallel_checkpoint_in_one_line(tmp_path: Path) -> None:
-    from llm_train.config.parallel import refuse_tensor_parallel_checkpoint
+def test_tensor_parallel_checkpoints_are_told_by_their_model_shards(tmp_path: Path) -> None:
+    from llm_train.config.parallel import tensor_parallel_shards
 
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         (tmp_path / name).touch()
-    refuse_tensor_parallel_checkpoint(tmp_path, "ckpt")  # data parallel: one model file
+    assert tensor_parallel_shards(tmp_path) == 1  # data parallel: one model file
     (tmp_path / "mp_rank_01_model_states.pt").touch()
-    with pytest.raises(UserError, match="written by a tensor-parallel run \\(2 model shards\\)"):
-        refuse_tensor_parallel_checkpoint(tmp_path, "ckpt")
+    assert tensor_parallel_shards(tmp_path) == 2
     (tmp_path / "layer_00-model_states.pt").touch()  # a pipeline checkpoint: one model file per stage
-    refuse_tensor_parallel_checkpoint(tmp_path, "ckpt")
+    assert tensor_parallel_shards(tmp_path) == 1

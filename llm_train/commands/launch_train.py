@@ -1,0 +1,323 @@
+"""`llm-train train --recipe NAME [train.py's flags]`: validate in one process, then `accelerate launch`.
+
+Why not just `accelerate launch llm_train/train.py`: that keeps working, but Accelerate turns any
+non-zero exit of the workers into its own traceback (its simple launcher's `CalledProcessError`
+on CPU, torchrun's per-rank `ChildFailedError` report on GPUs) printed under llm_train's one-line
+message (DESIGN.md fact 17). So this command
+
+1. resolves the recipe, overrides, DeepSpeed JSON and layout for the world size it will launch,
+   and runs the start-up checks train.py runs (the same functions, `train.resolve` and
+   `train.check_before_start`): a bad input is one line and exit 2, and no launcher starts;
+2. runs `accelerate launch` as a child, with the number of processes and machines taken from the
+   recipe's `hardware:` section or from `--num-processes` / `--num-machines`, and nothing else
+   that would change what Accelerate does (no config file: the README's launch contract);
+3. streams the launcher's stderr through, and when the workers ended with one of llm_train's own
+   exit codes (each of which has printed its one line) drops the launcher's traceback or failure
+   report that follows, and exits with the workers' code instead of the launcher's 1;
+4. hands a stop signal (SIGTERM, SIGUSR1) on to the workers once each, so that they checkpoint and
+   exit 75 (preempted, resumable) and this command does too.
+
+Anything it does not recognise (a worker crash, a signal, another Accelerate version's format) is
+passed through untouched, with the launcher's exit code: hiding an unknown failure would be worse
+than a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from accelerate.commands.config import default_config_file
+
+from llm_train import train
+from llm_train.config.hardware import Device
+from llm_train.config.recipe import load_recipe
+from llm_train.errors import EXIT_CHECKPOINT_IO, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+
+# Exit codes after which a worker has already said what happened in its own words.
+SELF_EXPLAINED = frozenset({EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_CHECKPOINT_IO, EXIT_PREEMPTED})
+
+# The two ways a launcher reports failed workers (accelerate 1.x, torch.distributed.elastic 2.x).
+_SIMPLE_LAUNCHER_EXIT = re.compile(r"CalledProcessError: Command .* returned non-zero exit status (-?\d+)\.")
+_ELASTIC_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):(?:.|\n)*?exitcode\s*:\s*(-?\d+)")
+# torchrun's own log lines about the failure, printed just before its report.
+_ELASTIC_FAILURE_LOG = re.compile(
+    r"^[EW]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/\S*\] "
+    r"(?:failed \(exitcode: -?\d+\)|Sending process \d+ closing signal)"
+)
+# What a worker wrote to torchrun's error file (runtime/launcher.record_error), as the report shows it.
+_ELASTIC_ROOT_MESSAGE = re.compile(r"Root Cause \(first observed failure\):(?:.|\n)*?traceback\s*:\s*(.*)")
+_TRACEBACK = b"Traceback (most recent call last):\n"
+_ERROR_PREFIX = "llm-train: error:"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where the processes run: the only things this command adds to train.py's flags."""
+
+    num_processes: int  # over all machines, as `accelerate launch --num_processes` counts them
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    max_restarts: int | None = None
+
+    @property
+    def per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llm-train train",
+        description="Validate a run in one process, then start it with `accelerate launch`.",
+        epilog="Every other argument is llm_train/train.py's (--recipe, --output-dir, --resume, "
+        "key.sub=value overrides, ...): see `python llm_train/train.py --help`.",
+        # train.py's --max-steps must never be taken for an abbreviation of --max-restarts.
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        help="Processes over all machines (default: the recipe's hardware nodes x processes_per_node).",
+    )
+    parser.add_argument(
+        "--num-machines",
+        type=int,
+        help="Machines (default: the recipe's hardware.nodes, or 1 with --num-processes).",
+    )
+    parser.add_argument("--machine-rank", type=int, default=0, help="This machine's rank (multi-node).")
+    parser.add_argument("--main-process-ip", help="Address of machine 0 (multi-node).")
+    parser.add_argument(
+        "--main-process-port", type=int, help="Rendezvous port (default: accelerate's 29500)."
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        help="Passed to accelerate: restarts of failed workers (torchrun launchers).",
+    )
+    return parser
+
+
+def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This command's own flags, and everything else (train.py's arguments, in their order)."""
+    return _parser().parse_known_args(argv)
+
+
+def launch_options(flags: argparse.Namespace, nodes: int, world_size: int) -> LaunchOptions:
+    """The processes to start: flags first, then the recipe's hardware (`nodes` x per node = `world_size`)."""
+    explicit = flags.num_processes is not None
+    num_processes = flags.num_processes if explicit else world_size
+    # A process count on the command line is for this machine unless machines are named too.
+    num_machines = flags.num_machines if flags.num_machines is not None else (1 if explicit else nodes)
+    if num_processes < 1 or num_machines < 1:
+        raise UserError(
+            f"--num-processes {num_processes} / --num-machines {num_machines}: both must be at least 1"
+        )
+    if num_processes % num_machines:
+        raise UserError(
+            f"--num-processes {num_processes} is not a multiple of --num-machines {num_machines}: every "
+            "machine runs the same number of processes (give the total over all machines)"
+        )
+    if num_machines > 1 and not flags.main_process_ip:
+        raise UserError(
+            f"{num_machines} machines need --main-process-ip (machine 0's address) and --machine-rank on "
+            "each machine; on one machine pass --num-processes N (see launch/README.md)"
+        )
+    if not 0 <= flags.machine_rank < num_machines:
+        raise UserError(f"--machine-rank {flags.machine_rank}: must be in 0..{num_machines - 1}")
+    return LaunchOptions(
+        num_processes=num_processes,
+        num_machines=num_machines,
+        machine_rank=flags.machine_rank,
+        main_process_ip=flags.main_process_ip,
+        main_process_port=flags.main_process_port,
+        max_restarts=flags.max_restarts,
+    )
+
+
+def accelerate_argv(
+    options: LaunchOptions, train_argv: list[str], accelerate: Path, quiet_defaults: bool = True
+) -> list[str]:
+    """The `accelerate launch` command line that starts train.py with `train_argv`.
+
+    Run through this Python and accelerate's own script, so that train.py recognises its parent as
+    `accelerate launch` (runtime/launcher.py reads the parent's command line on CPU). With
+    `quiet_defaults` (no accelerate config file on this machine) it also names the values Accelerate
+    would otherwise default with a five-line warning; they are its defaults, so nothing changes.
+    """
+    cmd = [sys.executable, str(accelerate), "launch", "--num_processes", str(options.num_processes)]
+    cmd += ["--num_machines", str(options.num_machines)]
+    if options.num_machines > 1:
+        cmd += [
+            "--machine_rank",
+            str(options.machine_rank),
+            "--main_process_ip",
+            str(options.main_process_ip),
+        ]
+    if options.main_process_port is not None:
+        cmd += ["--main_process_port", str(options.main_process_port)]
+    if options.max_restarts is not None:
+        cmd += ["--max_restarts", str(options.max_restarts)]
+    if quiet_defaults:
+        cmd += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    return [*cmd, str(Path(train.__file__).resolve()), *train_argv]
+
+
+def find_accelerate() -> Path:
+    """accelerate's command, next to this Python first (a virtual environment need not be on PATH)."""
+    here = Path(sys.executable).with_name("accelerate")
+    found = here if here.is_file() else (Path(p) if (p := shutil.which("accelerate")) else None)
+    if found is None:
+        raise UserError(
+            f"llm-train train: accelerate's `accelerate` command is not installed next to {sys.executable} "
+            "nor on PATH; pip install accelerate (or run `accelerate launch llm_train/train.py ...`)"
+        )
+    return found
+
+
+def _has_accelerate_config() -> bool:
+    """Whether this machine has a default accelerate config (then its values stand, warning and all)."""
+    return os.path.isfile(default_config_file)
+
+
+class LauncherOutput:
+    """Streams the launcher's stderr; holds back its traceback / failure report until the end.
+
+    Feed it every line; it returns what to print now. A traceback whose first frame is the
+    accelerate command itself (and torchrun's failure log lines just before it) is held; at the
+    end, `finish` drops it if the workers' exit code is one of llm_train's own, else returns it.
+    Workers' tracebacks start in train.py, never in the accelerate command, and pass straight
+    through.
+    """
+
+    def __init__(self, accelerate: Path) -> None:
+        self._frame = f'  File "{accelerate}"'.encode()
+        self._held: list[bytes] = []
+        self._maybe_traceback = False  # the last line was "Traceback ...": is it the launcher's?
+        self._launcher_traceback = False
+        self._printed_errors: set[str] = set()  # the workers' one-line errors that went through
+
+    def feed(self, line: bytes) -> list[bytes]:
+        if self._launcher_traceback:
+            self._held.append(line)
+            return []
+        if self._maybe_traceback:
+            self._maybe_traceback = False
+            if line.startswith(self._frame):
+                self._launcher_traceback = True
+                self._held += [_TRACEBACK, line]
+                return []
+            return self._release([_TRACEBACK, line])
+        if line == _TRACEBACK:
+            self._maybe_traceback = True
+            return []
+        if _ELASTIC_FAILURE_LOG.match(line.decode(errors="replace")):
+            self._held.append(line)
+            return []
+        return self._release([line])
+
+    def finish(self, launcher_code: int) -> tuple[list[bytes], int]:
+        """(lines still to print, the exit code to end with)."""
+        if self._maybe_traceback:
+            self._held.append(_TRACEBACK)
+        text = b"".join(self._held).decode(errors="replace")
+        found = _SIMPLE_LAUNCHER_EXIT.search(text) or _ELASTIC_ROOT_CAUSE.search(text)
+        if not self._launcher_traceback or found is None:
+            return self._held, launcher_code
+        code = int(found.group(1))
+        if code < 0:  # killed by a signal: the shell's convention
+            code = 128 - code
+        if code not in SELF_EXPLAINED:
+            return self._held, code
+        # Only rank 0 prints; when another rank fails first, torchrun stops rank 0 before it can, and
+        # the report (from the worker's error file) is the one place the line is: keep that line.
+        cause = _ELASTIC_ROOT_MESSAGE.search(text)
+        message = cause.group(1).strip() if cause else ""
+        if message.startswith(_ERROR_PREFIX) and message not in self._printed_errors:
+            return [f"{message}\n".encode()], code
+        return [], code
+
+    def _release(self, lines: list[bytes]) -> list[bytes]:
+        out, self._held = [*self._held, *lines], []
+        for line in out:
+            text = line.decode(errors="replace").strip()
+            if text.startswith(_ERROR_PREFIX):
+                self._printed_errors.add(text)
+        return out
+
+
+def run_launcher(cmd: list[str], accelerate: Path, write: Callable[[bytes], None]) -> int:
+    """Run `cmd`, filtering its stderr through LauncherOutput; the workers' exit code."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+
+    def forward(signum: int, _frame: object) -> None:
+        # A stop signal (SIGTERM, SLURM's SIGUSR1) must reach each worker once: they checkpoint and exit
+        # 75. So it goes to the launcher's children: torchrun's workers, or under the simple launcher
+        # train.py's own spawner, which relays it. The simple launcher itself would just die of it and
+        # leave the workers running.
+        try:
+            children = psutil.Process(proc.pid).children()
+        except psutil.Error:
+            children = []
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signum)
+        if not children and proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    # Ctrl-C already reaches the launcher and the workers (one process group); do not die before them.
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        output = LauncherOutput(accelerate)
+        assert proc.stderr is not None
+        for line in iter(proc.stderr.readline, b""):
+            for out in output.feed(line):
+                write(out)
+        rest, code = output.finish(proc.wait())
+        for out in rest:
+            write(out)
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stderr_bytes(data: bytes) -> None:
+    stream = getattr(sys.stderr, "buffer", None)
+    if stream is None:
+        sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+    else:
+        stream.write(data)
+        stream.flush()
+
+
+def main(argv: list[str]) -> int:
+    """`llm-train train`; raises UserError for a bad input (cli.py prints it as one line)."""
+    flags, rest = split_args(argv)
+    args = train.parse_args(rest)
+    if args.dry_run:
+        return train.main(rest)
+    if args.world_size is not None:
+        raise UserError("--world-size only applies to --dry-run; llm-train train takes --num-processes")
+    recipe = load_recipe(args.recipe, args.overrides)
+    options = launch_options(flags, recipe.hardware.nodes, recipe.hardware.world_size)
+    run = train.resolve(args, options.num_processes, Device.detect())
+    train.check_before_start(run, args, options.per_machine)
+    accelerate = find_accelerate()
+    cmd = accelerate_argv(options, rest, accelerate, quiet_defaults=not _has_accelerate_config())
+    # The command itself, so that a user can see (and rerun) exactly what was started.
+    print(f"llm-train: launching {run.layout.world_size} process(es): {' '.join(cmd[1:])}", flush=True)
+    return run_launcher(cmd, accelerate, _stderr_bytes)
