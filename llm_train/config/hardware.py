@@ -109,6 +109,16 @@ UNKNOWN_GPU_PEAK_TFLOPS = 100.0
 CPU_PEAK_TFLOPS = 0.2
 
 
+def native_bf16(capability: tuple[int, int]) -> bool:
+    """bf16 in hardware: Ampere (compute capability 8.0) and newer.
+
+    Not torch.cuda.is_bf16_supported(): by default it also counts emulation, which says yes on
+    V100, T4 and RTX 20xx, where bf16 runs emulated and slow (precision=auto must pick fp16
+    there), and it allocates a tensor, creating a CUDA context in whichever process asks.
+    """
+    return capability >= (8, 0)
+
+
 @dataclass(frozen=True)
 class Device:
     """What the processes will run on. Read from torch at launch, or from the recipe for dry runs."""
@@ -126,7 +136,7 @@ class Device:
             return Device(
                 kind="cuda",
                 name=torch.cuda.get_device_name(0),
-                bf16=torch.cuda.is_bf16_supported(),
+                bf16=native_bf16(torch.cuda.get_device_capability(0)),
                 compute_capability=torch.cuda.get_device_capability(0),
             )
         return Device(kind="cpu", name="cpu", bf16=True)
@@ -200,7 +210,7 @@ def _detected_gpus() -> tuple[int, str, int, bool, tuple[int, int]] | None:
         torch.cuda.device_count(),
         props.name,
         int(props.total_memory),
-        bool(torch.cuda.is_bf16_supported()),
+        native_bf16((props.major, props.minor)),
         (props.major, props.minor),
     )
 

@@ -44,3 +44,13 @@ def test_bf16_cards_train_bf16_and_leave_fp16_off() -> None:
     run = resolve_run("7b-zero3", ["precision=auto"], world_size=8, device=H100)
     assert run.layout.precision == "bf16" and run.notice is None
     assert get_bfloat16_config(run.ds_config).enabled and not get_float16_config(run.ds_config).enabled
+
+
+@pytest.mark.parametrize(
+    ("capability", "bf16"), [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 9), True), ((9, 0), True)]
+)
+def test_bf16_is_detected_from_the_compute_capability_not_emulation(capability: tuple, bf16: bool) -> None:
+    # V100 (7.0), T4 / RTX 20xx (7.5) only emulate bf16: precision=auto must choose fp16 there.
+    from llm_train.config.hardware import native_bf16
+
+    assert native_bf16(capability) is bf16
