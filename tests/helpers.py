@@ -90,9 +90,15 @@ def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def accelerate_popen(args: list[str], nproc: int = 2) -> subprocess.Popen:
-    """Like accelerate_launch, but in the background and in its own process group (to signal or kill it)."""
+def accelerate_popen(
+    args: list[str], nproc: int = 2, launcher_flags: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """Like accelerate_launch, but in the background and in its own process group (to signal or kill it).
+
+    `launcher_flags` go to `accelerate launch` itself (e.g. --max_restarts), before the script.
+    """
     cmd = accelerate_cmd(args, nproc)
+    cmd[2:2] = launcher_flags
     return subprocess.Popen(
         cmd,
         cwd=REPO,

@@ -36,8 +36,8 @@ from tests.e2e.test_parallel import make_tiny_qwen2
 from tests.helpers import (
     OFFLINE_ENV,
     REPO,
-    accelerate_cmd,
     accelerate_launch,
+    accelerate_popen,
     assert_ok,
     losses,
     wait_for_step,
@@ -258,19 +258,10 @@ def test_max_restarts_brings_crashed_workers_back_from_the_newest_checkpoint(
 ) -> None:
     run_dir = tmp_path / "restarted"
     args = [*run_args("zero2", run_dir, pretrained), "checkpoint.every_steps=2", "--resume", "auto"]
-    cmd = accelerate_cmd(args, 2)
     # On CPU accelerate's simple launcher has no restarts; --use_deepspeed takes its torchrun path,
     # the one every multi-GPU launch takes.
-    cmd[2:2] = ["--use_deepspeed", "--max_restarts", "1", "--monitor_interval", "0.5"]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env={**os.environ, **OFFLINE_ENV},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    restarts = ("--use_deepspeed", "--max_restarts", "1", "--monitor_interval", "0.5")
+    proc = accelerate_popen(args, 2, launcher_flags=restarts)
     assert wait_for_step(run_dir, 3, proc), proc.communicate()[0][-6000:]
     victims = _workers(proc.pid)
     assert victims, "no worker found to crash"
