@@ -9,8 +9,8 @@ pipeline degrees, ZeRO stage, offload, precision, batch). On resume the two are 
   loaded from there;
 - the global batch would change: the gradient accumulation is adjusted to keep it (one
   notice), or, with --allow-batch-change, the new batch is used on purpose;
-- what DeepSpeed cannot convert (pipeline stages; ZeRO-0 to or from a ZeRO stage) is
-  refused in one line that says what changed and what is possible.
+- what DeepSpeed cannot convert (pipeline stages; ZeRO-0 to or from a ZeRO stage; ZeRO-3 to
+  or from ZeRO-1/2) is refused in one line that says what changed and what is possible.
 
 The data position needs nothing: it counts sequences consumed by all ranks together
 (data/stream.py), so the new data-parallel ranks are dealt the rest of the epoch exactly once.
@@ -117,6 +117,14 @@ def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) ->
             f"cannot resume a ZeRO-{stages[0]} checkpoint under ZeRO-{stages[1]} ({what}): DeepSpeed's universal "
             "checkpoint covers ZeRO-1/2/3 only; resume with deepspeed.config at ZeRO-"
             f"{stages[0]}, or export the checkpoint and fine-tune from it"
+        )
+    if stages[0] != stages[1] and 3 in stages:
+        # Measured with DeepSpeed 0.19.8: a ZeRO-3 engine looks for ZeRO-3's per-rank model files in the
+        # universal folder and a ZeRO-1/2 engine for the single one, so both directions fail in its loader.
+        raise UserError(
+            f"cannot resume a ZeRO-{stages[0]} checkpoint under ZeRO-{stages[1]} ({what}): DeepSpeed's "
+            "universal loader does not cross between ZeRO-3 and ZeRO-1/2; keep the stage (1 <-> 2 works, and "
+            "the world size, TP degree and offload may change), or export the checkpoint and fine-tune from it"
         )
     if resharded and stages == (0, 0) and saved.get("tp", 1) != now.tp:
         raise UserError(

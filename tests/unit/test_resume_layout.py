@@ -43,8 +43,9 @@ def test_fewer_processes_convert_to_universal_and_keep_the_global_batch() -> Non
 @pytest.mark.parametrize(
     ("saved", "now"),
     [
-        ({"zero_stage": 2}, {"zero_stage": 3}),
+        ({"zero_stage": 2}, {"zero_stage": 1}),
         ({"offload_optimizer": "none"}, {"offload_optimizer": "cpu"}),
+        ({"zero_stage": 3}, {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}),
         (
             {"world_size": 2, "tp": 2, "zero_stage": 1},
             {"world_size": 2, "tp": 1, "zero_stage": 1, "grad_accum": 1},
@@ -79,6 +80,8 @@ def test_a_precision_change_goes_through_universal() -> None:
         ),
         ({"zero_stage": 0}, {"zero_stage": 1}, "ZeRO-1/2/3 only"),
         ({"zero_stage": 3}, {"zero_stage": 0}, "ZeRO-1/2/3 only"),
+        ({"zero_stage": 2}, {"zero_stage": 3}, "between ZeRO-3 and ZeRO-1/2"),
+        ({"zero_stage": 3}, {"zero_stage": 1}, "between ZeRO-3 and ZeRO-1/2"),
     ],
 )
 def test_changes_deepspeed_cannot_convert_are_refused_in_one_line(saved: dict, now: dict, says: str) -> None:
