@@ -1,7 +1,7 @@
 """Measured vs planned memory for the single consumer-GPU path (`7b-rtx4090`).
 
 Trains a randomly initialised Llama-2-7B-shaped model with the `7b-rtx4090` settings
-(ZeRO-3, optimizer + parameter offload to CPU, DeepSpeed CPU Adam, activation
+(ZeRO-3, optimizer offload to CPU, 16-bit weights on the GPU, DeepSpeed CPU Adam, activation
 checkpointing, bf16) on one GPU whose memory is capped at 24 GiB with
 `torch.cuda.set_per_process_memory_fraction`, so an 80-141 GB card behaves like an RTX
 4090 as far as the allocator is concerned. Records, beside the planner's estimate:
@@ -9,7 +9,7 @@ peak GPU memory (allocated, reserved, and used on the device including the CUDA
 context), peak host RSS, and step time. One JSON line per run, appended to
 `<out>/gpu_memory_7b.jsonl` and printed.
 
-    python bench/gpu_memory_7b.py                  # on a GPU (>= 24 GiB, ~120 GiB host RAM)
+    python bench/gpu_memory_7b.py                  # on a GPU (>= 24 GiB, ~110 GiB host RAM)
     python bench/gpu_memory_7b.py --tiny           # CPU smoke test: same code path, tiny model
     python bench/gpu_memory_7b.py --out $OUT --steps 10 --micro-batch 4
 

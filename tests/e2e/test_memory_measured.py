@@ -56,7 +56,8 @@ def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path: Path) -> None:
     record = json.loads(lines[-1])
     assert record["mode"] == "tiny-cpu" and record["steps"] == 2 and "error" not in record
     # precision=auto is fp32 on a CPU; on the GPU the same recipe trains in bf16.
-    assert (record["zero_stage"], record["offload"], record["precision"]) == (3, ["cpu", "cpu"], "fp32")
+    # 7b-rtx4090 offloads the optimizer only: its 16-bit weights stay on the GPU.
+    assert (record["zero_stage"], record["offload"], record["precision"]) == (3, ["cpu", "none"], "fp32")
     assert record["step_time_s_median"] > 0 and record["host_rss_peak_gib"] > 0
     assert record["estimate_host_gib"] > 0 and record["host_ratio_estimate_over_measured"] > 1.0
     assert all(loss == loss for loss in record["losses"])  # finite, not NaN
