@@ -5,10 +5,11 @@ at log steps (`flush`). Throughput is averaged over the steps since the last log
 logged number describes the whole window, not one possibly unlucky step, and time spent
 in evaluation, checkpointing or logging never counts as training time.
 
-MFU follows PaLM (appendix B) and torchtitan: training FLOPs per token are
-6N + 12*L*H*Q*T, with N the parameters that take part in matmuls (the input embedding is
-a lookup, so it is left out unless the output head shares it), L layers, H heads, Q head
-dim, T sequence length. It is measured against the device's dense bf16 peak
+MFU counts model FLOPs per token with llm_train.planning.flops: 6N + 6*L*H*Q*T, with N the
+parameters that take part in matmuls (the input embedding is a lookup, so it is left out
+unless the output head shares it), L layers, H heads, Q head dim, T the sequence length,
+causal attention counted as half of PaLM's (appendix B) full 12*L*H*Q*T, as Megatron-LM
+does; flops.py says why. It is measured against the device's dense bf16 peak
 (llm_train.config.hardware) or `--peak-tflops`; without a known peak (CPU) there is no MFU.
 Activation recomputation is not counted: that is hardware FLOPs utilisation, not MFU.
 """

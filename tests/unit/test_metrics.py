@@ -38,27 +38,27 @@ def _tiny_llama(tie: bool = False):
     return LlamaForCausalLM(config), config
 
 
-def test_flops_formula_is_palm() -> None:
-    # 6N + 12*L*H*Q*T with N=1e9, L=16, H=32, Q=64, T=4096
-    assert training_flops_per_token(1e9, 16, 32, 64, 4096) == 6e9 + 12 * 16 * 32 * 64 * 4096
+def test_flops_formula_is_palm_with_causal_attention_counted_as_half() -> None:
+    # 6N + 6*L*H*Q*T (PaLM's 12*L*H*Q*T halved by the causal mask) with N=1e9, L=16, H=32, Q=64, T=4096
+    assert training_flops_per_token(1e9, 16, 32, 64, 4096) == 6e9 + 6 * 16 * 32 * 64 * 4096
     # Frozen weights: forward + activation gradient only (4 FLOPs per parameter per token).
-    assert training_flops_per_token(0, 1, 1, 1, 1, frozen=10) == 40 + 12
+    assert training_flops_per_token(0, 1, 1, 1, 2, frozen=10) == 40 + 12
     # Recomputation (activation checkpointing) adds one forward: hardware work, not model FLOPs.
-    assert training_flops_per_token(1, 1, 1, 1, 1, recompute=True) == (6 + 12) + (2 + 4)
+    assert training_flops_per_token(1, 1, 1, 1, 2, recompute=True) == (6 + 12) + (2 + 4)
 
 
 def test_model_flops_leave_out_the_input_embedding() -> None:
     model, config = _tiny_llama()
     shape = shape_from_config(config.to_dict())
     n = shape.num_params - shape.vocab_size * shape.hidden_size  # untied: the lm_head stays, the lookup goes
-    expected = 6 * n + 12 * 2 * 4 * 16 * 128
+    expected = 6 * n + 6 * 2 * 4 * 16 * 128
     assert model_flops_per_token(model, 128) == pytest.approx(expected)
 
 
 def test_tied_embedding_counts_once_as_the_output_matmul() -> None:
     model, config = _tiny_llama(tie=True)
     shape = shape_from_config({**config.to_dict(), "tie_word_embeddings": True})
-    assert model_flops_per_token(model, 128) == pytest.approx(6 * shape.num_params + 12 * 2 * 4 * 16 * 128)
+    assert model_flops_per_token(model, 128) == pytest.approx(6 * shape.num_params + 6 * 2 * 4 * 16 * 128)
 
 
 def test_frozen_parameters_cost_two_thirds() -> None:
@@ -66,7 +66,7 @@ def test_frozen_parameters_cost_two_thirds() -> None:
     full = model_flops_per_token(model, 128)
     for param in model.parameters():
         param.requires_grad_(False)
-    attention = 12 * 2 * 4 * 16 * 128
+    attention = 6 * 2 * 4 * 16 * 128  # weight-free, so differentiated whether or not weights are frozen
     assert model_flops_per_token(model, 128) == pytest.approx((full - attention) * 4 / 6 + attention)
 
 
