@@ -7,12 +7,12 @@ has to be a change to these lines too.
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llm_train.observability.metrics import StepMeter, model_flops_per_token, shape_flops_per_token
 from llm_train.planning.flops import attention_flops_per_token, training_flops_per_token
 from llm_train.planning.shapes import shape_of
+from tests.unit.test_metrics import tiny_llama
 
 # Llama-3.1-8B: 8,030,261,248 parameters; the input embedding (128256 x 4096, untied) is a lookup.
 LLAMA_8B_MATMUL_PARAMS = 8_030_261_248 - 128_256 * 4_096  # 7,504,924,672
@@ -80,17 +80,7 @@ def test_attention_counts_query_heads_whatever_the_kv_heads() -> None:
 
 def test_mfu_of_a_known_step_is_the_formula_by_hand() -> None:
     # Vocab 256, hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads, untied head.
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model, _ = tiny_llama()
     # Per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 + MLP 3*64*128 + 2 norms of 64 = 36,992.
     # Two layers, the final norm (64) and the lm_head (256*64): 90,432 weights in matmuls.
     n = 2 * 36_992 + 64 + 256 * 64

@@ -22,7 +22,8 @@ from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.shapes import shape_from_config
 
 
-def _tiny_llama(tie: bool = False):
+def tiny_llama(tie: bool = False):
+    """Vocab 256, hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads (also used by test_flops)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -48,7 +49,7 @@ def test_flops_formula_is_palm_with_causal_attention_counted_as_half() -> None:
 
 
 def test_model_flops_leave_out_the_input_embedding() -> None:
-    model, config = _tiny_llama()
+    model, config = tiny_llama()
     shape = shape_from_config(config.to_dict())
     n = shape.num_params - shape.vocab_size * shape.hidden_size  # untied: the lm_head stays, the lookup goes
     expected = 6 * n + 6 * 2 * 4 * 16 * 128
@@ -56,13 +57,13 @@ def test_model_flops_leave_out_the_input_embedding() -> None:
 
 
 def test_tied_embedding_counts_once_as_the_output_matmul() -> None:
-    model, config = _tiny_llama(tie=True)
+    model, config = tiny_llama(tie=True)
     shape = shape_from_config({**config.to_dict(), "tie_word_embeddings": True})
     assert model_flops_per_token(model, 128) == pytest.approx(6 * shape.num_params + 6 * 2 * 4 * 16 * 128)
 
 
 def test_frozen_parameters_cost_two_thirds() -> None:
-    model, _ = _tiny_llama()
+    model, _ = tiny_llama()
     full = model_flops_per_token(model, 128)
     for param in model.parameters():
         param.requires_grad_(False)
@@ -131,7 +132,7 @@ def test_progress_line() -> None:
 @pytest.mark.parametrize("tied", [True, False])
 def test_flops_from_the_shape_equal_the_models(tied: bool) -> None:
     """The pipeline path counts FLOPs on the config's shape; the ZeRO path on the model: same number."""
-    model, config = _tiny_llama(tie=tied)
+    model, config = tiny_llama(tie=tied)
     assert shape_flops_per_token(shape_from_config(config.to_dict()), 128) == model_flops_per_token(
         model, 128
     )
