@@ -17,6 +17,7 @@ a batch of other samples all move the step-5 loss by more than 1e-2 here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -195,7 +196,9 @@ def test_a_conversion_killed_half_way_is_redone_never_used(runs: dict[str, Path]
     from llm_train.runtime.universal import ensure_universal, universal_dir
 
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(_checkpoint(runs["zero3"]), ckpt)
+    # Without the universal copy an earlier resume test may have made beside the shared checkpoint.
+    shutil.copytree(_checkpoint(runs["zero3"]), ckpt, ignore=shutil.ignore_patterns("universal", ".tmp-*"))
+    assert not universal_dir(ckpt).exists()
     code = f"from pathlib import Path; from llm_train.runtime.universal import ensure_universal as e; e(Path({str(ckpt)!r}), print)"
     convert = [sys.executable, "-c", code]
     proc = subprocess.Popen(convert, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, start_new_session=True)
@@ -204,7 +207,8 @@ def test_a_conversion_killed_half_way_is_redone_never_used(runs: dict[str, Path]
         if any(p.is_file() for tmp in ckpt.glob(".tmp-universal*") for p in tmp.rglob("*.pt")):
             break  # the converter has started writing
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the rank and its converter, as kill -9 of the job does
+    with contextlib.suppress(ProcessLookupError):  # already gone: the assert below says why
+        os.killpg(proc.pid, signal.SIGKILL)  # the rank and its converter, as kill -9 of the job does
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the conversion finished before the kill: nothing was tested"
     assert not universal_dir(ckpt).exists()  # the half-written conversion is not in place
