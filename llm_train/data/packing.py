@@ -171,3 +171,13 @@ def packing_supported() -> bool:
     except ImportError:
         return False
     return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
+def require_packing_support(packing: str) -> None:
+    """One line, not silently mixed samples, when packed rows cannot be kept apart by this transformers."""
+    if packing == "packed" and not packing_supported():
+        raise UserError(
+            "data.packing=packed needs a transformers whose masks follow restarting position ids "
+            "(masking_utils.find_packed_sequence_indices) so packed samples do not attend to each other; "
+            "upgrade transformers or set data.packing=padded"
+        )

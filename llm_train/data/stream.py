@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from llm_train.data.batches import build_rows
-from llm_train.data.packing import packing_supported
+from llm_train.data.packing import require_packing_support
 from llm_train.data.prepare import PackedSplit
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError
@@ -102,12 +102,7 @@ class BatchStream:
     ) -> None:
         import torch
 
-        if split.packing == "packed" and not packing_supported():
-            raise UserError(
-                "data.packing=packed needs a transformers whose masks follow restarting position ids "
-                "(masking_utils.find_packed_sequence_indices) so packed samples do not attend to each other; "
-                "upgrade transformers or set data.packing=padded"
-            )
+        require_packing_support(split.packing)
         self.split, self.micro, self.rank, self.size, self.seed = split, micro_batch, dp_rank, dp_size, seed
         self.order = EpochOrder([p.n_sequences for p in split.parts], split.weights, seed)
         self.global_micro = micro_batch * dp_size

@@ -47,7 +47,7 @@ from llm_train.config.recipe import ChatSource, DataSection, Source
 from llm_train.data import formats
 from llm_train.data.batches import build_rows
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
-from llm_train.data.packing import Placement, make_spans, packing_supported, placement
+from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
 from llm_train.data.prepare import PackedSplit, prepare_data
 from llm_train.data.rows import IDS, MASK, to_arrow
 from llm_train.data.sources import Located, locate
@@ -355,11 +355,7 @@ class StreamingBatches:
     ) -> None:
         import torch
 
-        if spec.packing == "packed" and not packing_supported():
-            raise UserError(
-                "data.packing=packed needs a transformers whose masks follow restarting position ids "
-                "(masking_utils.find_packed_sequence_indices); upgrade transformers or set data.packing=padded"
-            )
+        require_packing_support(spec.packing)
         self.spec, self.micro, self.rank, self.size = spec, micro_batch, dp_rank, dp_size
         self.global_micro = micro_batch * dp_size
         cuda = torch.cuda.is_available()
