@@ -23,7 +23,6 @@ from llm_train.runtime.checkpoint import (
     committed,
     dir_size,
     find_resumable,
-    read_manifest,
     reseed,
     rng_state,
     set_rng_state,
@@ -121,8 +120,8 @@ def choose_checkpoint(spec: str, root: Path, rank: int, comm: Collectives, warn:
     return Path(path) if path else None
 
 
-def check_recipe(ckpt: Path, recipe: Recipe, warn: Any) -> None:
-    if read_manifest(ckpt)["recipe_hash"] != recipe_hash(recipe):
+def check_recipe(ckpt: Path, manifest: dict[str, Any], recipe: Recipe, warn: Any) -> None:
+    if manifest["recipe_hash"] != recipe_hash(recipe):
         warn(
             f"notice: the recipe differs from the one checkpoint {ckpt.name} was written with; resuming anyway"
         )

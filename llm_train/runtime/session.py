@@ -167,8 +167,9 @@ def prepare_resume(
     chosen = choose_checkpoint(options.resume or "auto", root, rank, comm, say)
     if chosen is None:
         return None
-    check_recipe(chosen, run.recipe, say)
-    verified = plan_resume(saved_layout(read_manifest(chosen)), run.layout, options.allow_batch_change)
+    manifest = read_manifest(chosen)
+    check_recipe(chosen, manifest, run.recipe, say)
+    verified = plan_resume(saved_layout(manifest), run.layout, options.allow_batch_change)
     check_same_plan(chosen, plan, verified)
     if plan.universal:
         error = None

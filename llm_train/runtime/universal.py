@@ -75,7 +75,7 @@ def ensure_universal(ckpt: Path, say: Callable[[str], None]) -> Path:
     say(f"converting {ckpt.name} to DeepSpeed's universal format for the new layout (once; kept beside it)")
     started = time.perf_counter()
     result = subprocess.run(
-        _convert_command(source, tmp / DS_TAG), capture_output=True, text=True, env=_quiet_env()
+        _convert_command(source, tmp / DS_TAG), capture_output=True, text=True, env=_env_without_world()
     )
     if result.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,8 +106,8 @@ def universal_state_dict(target: Path) -> dict[str, Any]:
     }
 
 
-def _quiet_env() -> dict[str, str]:
-    # The converter imports torch and DeepSpeed only: no accelerator, no distributed world.
+def _env_without_world() -> dict[str, str]:
+    # The converter is a plain script: it must not mistake itself for a rank of the training world.
     env = dict(os.environ)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
