@@ -72,11 +72,12 @@ def worker(
     sp: int, zero: int, steps: int, reduction: str, clip: float, optim: str, reduce_scatter: bool
 ) -> None:
     import torch
-    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, ParallelismConfig
     from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from llm_train.runtime import collectives
 
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -130,16 +131,16 @@ def worker(
     )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     print(
-        f"[rank {rank}] world={dist.get_world_size()} accelerate num_processes={accelerator.num_processes} "
+        f"[rank {rank}] world={collectives.world_size()} accelerate num_processes={accelerator.num_processes} "
         f"loader={type(loader).__name__} len={len(loader)} train_batch_size={model.train_batch_size()} "
         f"dp_world={model.dp_world_size if hasattr(model, 'dp_world_size') else '?'}",
         flush=True,
     )
-    sp_group = None
     if sp > 1:
         from deepspeed.utils import groups
 
-        sp_group = groups._get_sequence_parallel_group()
+        # Tensors go to the group's device (DESIGN.md fact 13): every collective through llm_train's module.
+        sp_comm = collectives.Collectives(groups._get_sequence_parallel_group())
     unwrapped = accelerator.unwrap_model(model)
 
     records = []
@@ -157,20 +158,18 @@ def worker(
             if reduction == "gather":
                 # Accelerate's test script and transformers' deepspeed_sp_compute_loss: a differentiable
                 # all_gather of every rank's mean and token count, token-weighted mean on every rank.
-                losses = torch.stack(torch.distributed.nn.functional.all_gather(local, group=sp_group))
-                counts = torch.stack(torch.distributed.nn.functional.all_gather(tokens, group=sp_group))
+                losses = torch.stack(sp_comm.gather_with_grad(local))
+                counts = torch.stack(sp_comm.gather_with_grad(tokens))
                 losses = torch.where(counts > 0, losses, torch.zeros_like(losses))
                 loss = (losses * counts).sum() / counts.sum().clamp(min=1)
                 reported = loss
             else:
                 # Each rank backpropagates only its own share, sum(token losses) / group tokens:
                 # DeepSpeed sums gradients over the SP ranks (it divides by dp, not by dp * sp).
-                total = tokens.detach().clone()
-                dist.all_reduce(total, group=sp_group)
+                total = sp_comm.sum(tokens.detach())
                 share = torch.where(tokens > 0, local * tokens, torch.zeros_like(local))
                 loss = share / total.clamp(min=1)
-                reported = loss.detach().clone()
-                dist.all_reduce(reported, group=sp_group)
+                reported = sp_comm.sum(loss.detach())
             shard = f"{tuple(batch['input_ids'].shape)} tokens={int(tokens)}"
         else:
             outputs = model(**batch)

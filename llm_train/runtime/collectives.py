@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn  # the autograd-aware collectives
 
 CPU = torch.device("cpu")
 
@@ -153,6 +154,16 @@ class Collectives:
             dist.barrier(group=self.group, device_ids=[device.index])
         else:
             dist.barrier(group=self.group)
+
+    def gather_with_grad(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor`, in rank order, differentiable (a loss reduced over a sequence-parallel group).
+
+        Gathered on the communication device; the results come back on `tensor`'s device.
+        """
+        if not initialized():
+            return [tensor]
+        gathered = dist_nn.all_gather(tensor.to(self.device), group=self.group)
+        return [t.to(tensor.device) for t in gathered]
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives, device_for_backend
@@ -67,6 +68,7 @@ def nccl_world(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
         return record
 
     monkeypatch.setattr(dist, "all_reduce", tensor_call("all_reduce"))
+    monkeypatch.setattr(dist_nn, "all_gather", tensor_call("all_gather"))
     monkeypatch.setattr(dist, "barrier", barrier)
     monkeypatch.setattr(dist, "all_gather_object", object_call("all_gather_object"))
     monkeypatch.setattr(dist, "broadcast_object_list", object_call("broadcast_object_list"))
@@ -81,6 +83,7 @@ CALLS = {
     "any": lambda c: c.any(True),
     "all_finite": lambda c: c.all_finite(torch.tensor(float("nan"))),
     "barrier": lambda c: c.barrier(),
+    "gather_with_grad": lambda c: c.gather_with_grad(torch.ones(2, requires_grad=True)),
     "gather_objects": lambda c: c.gather_objects({"rank": 0}),
     "from_rank0": lambda c: c.from_rank0("step-00000002"),
 }
@@ -103,7 +106,7 @@ def test_under_nccl_every_collective_gets_its_tensors_on_the_cuda_device(
         CALLS[operation](Collectives())
     assert len(nccl_world) == 1, f"{operation} issued {nccl_world}"
     name, where = nccl_world[0]
-    if name == "all_reduce":
+    if name in ("all_reduce", "all_gather"):
         assert where == STAND_IN_CUDA
     elif name == "barrier":
         # NCCL's barrier must be told the device (its index), or it guesses one from the rank.
@@ -138,6 +141,12 @@ def test_a_world_of_one_runs_the_real_collectives() -> None:
         comm.barrier()
         assert comm.gather_objects({"a": 1}) == [{"a": 1}]
         assert comm.from_rank0("x") == "x"
+        local = torch.tensor([2.0, 3.0], requires_grad=True)
+        (gathered,) = comm.gather_with_grad(local)
+        (3 * gathered).sum().backward()
+        assert torch.equal(gathered.detach(), local.detach()) and torch.equal(
+            local.grad, torch.full((2,), 3.0)
+        )
     finally:
         collectives.destroy()
     assert not collectives.initialized()
