@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenisation memoised per word: the fast tokenizer's exact ids, several times sooner.
+r"""Byte-level BPE tokenisation memoised per word: the fast tokenizer's exact ids, several times sooner.
 
 A byte-level BPE tokenizer (GPT-2, Llama 3, the bundled tiny one) cuts text with a regex into
 pre-tokens and runs BPE on each one alone, so a text's ids are its pre-tokens' ids end to end.
