@@ -1,4 +1,4 @@
-"""The layout of a run: how one recipe maps onto the processes of this launch (world = dp x tp x pp).
+"""The layout of a run: how one recipe maps onto the processes of this launch (world = dp x tp x pp x sp).
 
 Everything that depends on the world size is decided here, once, before any weights are
 loaded: the data/tensor/pipeline degrees, the ZeRO stage and offload read from the
@@ -22,9 +22,43 @@ from llm_train.errors import UserError
 PIPELINE_MAX_ZERO_STAGE = 1  # DeepSpeed refuses ZeRO-2/3 with pipeline parallelism
 
 
-def degrees_divide(world_size: int, tp: int, pp: int) -> bool:
-    """world size = data parallel x tensor parallel x pipeline parallel."""
-    return world_size % (tp * pp) == 0
+def degrees_divide(world_size: int, tp: int, pp: int, sp: int = 1) -> bool:
+    """world size = data parallel x tensor parallel x pipeline parallel x sequence parallel."""
+    return world_size % (tp * pp * sp) == 0
+
+
+def sequence_parallel_problem(sp: int, seq_len: int, heads: int, kv_heads: int) -> str | None:
+    """Which Ulysses rule a model and sequence length break for degree `sp`: 'sp_seq_len' (each rank
+    holds seq_len / sp tokens), 'sp_heads' (the all-to-all hands each rank heads / sp attention
+    heads), 'sp_kv_heads' (likewise the KV heads); None when fine."""
+    if sp == 1:
+        return None
+    if seq_len % sp:
+        return "sp_seq_len"
+    if heads % sp:
+        return "sp_heads"
+    if kv_heads % sp:
+        return "sp_kv_heads"
+    return None
+
+
+def sequence_parallel_message(rule: str, sp: int, seq_len: int, heads: int, kv_heads: int) -> str:
+    """A broken Ulysses rule in the recipe keys a user changes."""
+    asked = f"deepspeed.sequence_parallel={sp}"
+    return {
+        "sp_seq_len": (
+            f"{asked} splits each sequence over {sp} ranks, but data.seq_len={seq_len} is not divisible by "
+            f"{sp}; use a data.seq_len that is a multiple of {sp}"
+        ),
+        "sp_heads": (
+            f"{asked} gives each rank num_attention_heads / {sp} heads, but the model has {heads} attention "
+            f"heads; use a sequence-parallel degree that divides {heads}"
+        ),
+        "sp_kv_heads": (
+            f"{asked} gives each rank num_key_value_heads / {sp} KV heads, but the model has {kv_heads}; "
+            f"use a sequence-parallel degree that divides {kv_heads}"
+        ),
+    }[rule]
 
 
 def offload_problem(zero_stage: int, offload_optimizer: str, offload_params: str) -> str | None:
@@ -100,14 +134,23 @@ class LayoutError(UserError, ValueError):
         self.rule = rule
 
 
-def check_degrees(world_size: int, tp: int, pp: int) -> None:
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+def check_degrees(world_size: int, tp: int, pp: int, sp: int = 1) -> None:
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("sp", sp)):
         if value < 1:
             raise LayoutError("positive", f"{name} must be >= 1, got {value}")
-    if not degrees_divide(world_size, tp, pp):
+    if sp > 1 and (tp > 1 or pp > 1):
+        # Ulysses through Accelerate builds its own sequence/data groups over the whole world; DeepSpeed's
+        # AutoTP and pipeline grids would need to be nested with them, which neither library does.
+        raise LayoutError(
+            "sp_combination",
+            f"sequence parallel sp={sp} cannot be combined with tensor parallel (tp={tp}) or pipeline "
+            f"parallel (pp={pp})",
+        )
+    if not degrees_divide(world_size, tp, pp, sp):
         raise LayoutError(
             "degrees",
-            f"world size {world_size} is not divisible by tp x pp = {tp} x {pp} (world = dp x tp x pp)",
+            f"world size {world_size} is not divisible by tp x pp x sp = {tp} x {pp} x {sp} "
+            "(world = dp x tp x pp x sp)",
         )
 
 
@@ -130,9 +173,11 @@ class Layout:
     micro_batch_size: int = 1
     grad_accum: int = 1
     device: str = "cpu"
+    sp: int = 1
+    """Ulysses sequence-parallel degree; last, so that layouts written before it read the same."""
 
     def __post_init__(self) -> None:
-        check_degrees(self.world_size, self.tp, self.pp)
+        check_degrees(self.world_size, self.tp, self.pp, self.sp)
         for name in ("micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise LayoutError("positive", f"{name} must be >= 1, got {getattr(self, name)}")
@@ -159,7 +204,7 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.sp)
 
     @property
     def global_batch_size(self) -> int:
@@ -171,7 +216,7 @@ class Layout:
 
     def rows(self) -> list[tuple[str, str]]:
         return [
-            ("world size", f"{self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp}"),
+            ("world size", f"{self.world_size} = {self.degrees}"),
             ("ZeRO stage", str(self.zero_stage)),
             ("offload", f"optimizer={self.offload_optimizer}, params={self.offload_params}"),
             ("precision", self.precision),
@@ -183,18 +228,28 @@ class Layout:
             ("device", self.device),
         ]
 
+    @property
+    def degrees(self) -> str:
+        """'dp D x tp T x pp P', with 'x sp S' when the sequence is split."""
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" + (f" x sp {self.sp}" if self.sp > 1 else "")
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "dp": self.dp, "global_batch_size": self.global_batch_size}
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of a global rank: which share of the data it trains on.
 
-        Ranks of one tensor-parallel group are consecutive (AutoTP: rank = dp * tp + t), while
-        DeepSpeed's pipeline grid puts the data axis fastest (rank = stage * dp + d).
+        Ranks of one tensor-parallel group are consecutive (AutoTP: rank = dp * tp + t), and so are
+        the ranks of one Ulysses sequence-parallel group (rank = dp * sp + s), which train on the same
+        samples; DeepSpeed's pipeline grid puts the data axis fastest (rank = stage * dp + d).
         """
         if self.pp > 1:
             return rank % self.dp
-        return rank // self.tp
+        return rank // (self.tp * self.sp)
+
+    def sp_rank(self, rank: int) -> int:
+        """Which slice of each sequence a rank holds (0 without sequence parallelism)."""
+        return rank % self.sp
 
 
 def batch_arithmetic(recipe: Recipe, dp: int) -> tuple[int, int]:
@@ -234,11 +289,11 @@ def make_layout(
     The rules are Layout's; a broken one is told here in the recipe's and the JSON's terms.
     """
     tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    pp = recipe.deepspeed.pipeline_stages
+    pp, sp = recipe.deepspeed.pipeline_stages, recipe.deepspeed.sequence_parallel
     stage = ds_json.zero_stage(ds_config)
     try:
-        check_degrees(world_size, tp, pp)  # the batch arithmetic below needs dp
-        dp = world_size // (tp * pp)
+        check_degrees(world_size, tp, pp, sp)  # the batch arithmetic below needs dp
+        dp = world_size // (tp * pp * sp)
         precision, notice = choose_precision(recipe.precision, ds_json.precision_of(ds_config), device)
         grad_accum, _ = batch_arithmetic(recipe, dp)
         layout = Layout(
@@ -252,9 +307,10 @@ def make_layout(
             micro_batch_size=recipe.optim.micro_batch_size,
             grad_accum=grad_accum,
             device=device.name,
+            sp=sp,
         )
     except LayoutError as exc:
-        raise UserError(_recipe_terms(exc, world_size, tp, pp, stage, source)) from None
+        raise UserError(_recipe_terms(exc, world_size, tp, pp, stage, source, sp)) from None
     _check_state_dtype(recipe.optim.state_dtype, layout, source)
     return layout, notice
 
@@ -290,14 +346,29 @@ def _check_state_dtype(state_dtype: str, layout: Layout, source: str) -> None:
     )
 
 
-def _recipe_terms(exc: LayoutError, world: int, tp: int, pp: int, stage: int, source: str) -> str:
+def _recipe_terms(
+    exc: LayoutError, world: int, tp: int, pp: int, stage: int, source: str, sp: int = 1
+) -> str:
     """A broken layout rule, told in the keys a user of recipes and DS JSONs changes."""
-    degrees = f"world size {world} = dp {world // (tp * pp) if degrees_divide(world, tp, pp) else '?'} x tp {tp} x pp {pp}"
+    dp = world // (tp * pp * sp) if degrees_divide(world, tp, pp, sp) else "?"
+    degrees = f"world size {world} = dp {dp} x tp {tp} x pp {pp}" + (f" x sp {sp}" if sp > 1 else "")
     return {
         "degrees": (
             f"world size {world} is not divisible by tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} "
             "(world size = data parallel x tensor parallel x pipeline parallel); launch a multiple of that many "
             "processes or change tensor_parallel.autotp_size / deepspeed.pipeline_stages"
+        )
+        if sp == 1
+        else (
+            f"world size {world} is not divisible by tensor parallel {tp} x pipeline parallel {pp} x sequence "
+            f"parallel {sp} = {tp * pp * sp} (world size = dp x tp x pp x sp); launch a multiple of that many "
+            "processes or change deepspeed.sequence_parallel"
+        ),
+        "sp_combination": (
+            f"deepspeed.sequence_parallel={sp} cannot be combined with tensor parallel "
+            f"(tensor_parallel.autotp_size={tp} in {source}) or pipeline parallel (deepspeed.pipeline_stages={pp}): "
+            "Ulysses groups are built over the whole world; use ZeRO (deepspeed.config=zero1/2/3, with offload "
+            "if needed) for the model's memory"
         ),
         "params": (
             f"DeepSpeed config offloads parameters (offload_param) with ZeRO stage {stage}; "

@@ -10,6 +10,9 @@ TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with Z
   tensor parallel (AutoTP)  x data parallel  with ZeRO-0/1/2 (and ZeRO-3 for init: random)
   pipeline (PipelineModule) x data parallel  with ZeRO-0/1, Llama / Mistral / Qwen2
     (without LoRA, checkpoint.on_nonfinite=skip, Liger kernels, torch.compile, --flops-profiler)
+  Ulysses sequence parallel x data parallel with ZeRO-0/1/2/3 and offload, sdpa or flash-attention-2,
+    padded rows (packed rows with flash-attention-2 only), through Accelerate's ParallelismConfig
+    (tests/e2e/test_sequence_parallel.py: losses and gradient norms against sp=1)
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llm_train.config.layout import Layout
+from llm_train.config.layout import Layout, sequence_parallel_message, sequence_parallel_problem
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
@@ -31,7 +34,7 @@ SUPPORTED = (
 def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_source: str) -> None:
     """Raise a one-line UserError for the first combination that cannot run."""
     tp, pp = layout.tp, layout.pp
-    degrees = f"world size {layout.world_size} = dp {layout.dp} x tp {tp} x pp {pp}"
+    degrees = f"world size {layout.world_size} = {layout.degrees}"
     if tp > 1 and pp > 1:
         raise UserError(
             f"{degrees}: tensor parallel (tensor_parallel.autotp_size={tp} in {ds_source}) cannot be combined "
@@ -42,6 +45,46 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
         _check_pipeline(layout, recipe, fields, ds_source, degrees)
     if tp > 1:
         _check_tensor_parallel(layout, recipe, fields, ds_source, degrees)
+    if layout.sp > 1:
+        _check_sequence_parallel(layout, recipe, fields, degrees)
+
+
+def _check_sequence_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], degrees: str) -> None:
+    sp, memory = layout.sp, recipe.memory
+    heads = fields.get("num_attention_heads")
+    if heads is not None:
+        kv_heads = int(fields.get("num_key_value_heads") or heads)
+        broken = sequence_parallel_problem(sp, recipe.data.seq_len, int(heads), kv_heads)
+        if broken:
+            raise UserError(f"{degrees}: " + sequence_parallel_message(broken, sp, recipe.data.seq_len, int(heads), kv_heads))
+    elif recipe.data.seq_len % sp:
+        broken = sequence_parallel_problem(sp, recipe.data.seq_len, sp, sp)
+        assert broken is not None
+        raise UserError(f"{degrees}: " + sequence_parallel_message(broken, sp, recipe.data.seq_len, sp, sp))
+    asked = f"deepspeed.sequence_parallel={sp}"
+    if memory.attention == "eager":
+        raise UserError(
+            f"{degrees}: {asked} does not run with memory.attention=eager (DeepSpeed's Ulysses attention "
+            "needs a kernel that masks by position, and eager would build an O(seq_len^2) mask); use "
+            "memory.attention=sdpa or flash_attention_2"
+        )
+    if recipe.data.packing == "packed" and memory.attention != "flash_attention_2":
+        raise UserError(
+            f"{degrees}: {asked} with data.packing=packed would let packed samples attend to each other: "
+            f"Ulysses drops the block mask and memory.attention={memory.attention} sees only one causal "
+            "sequence; use data.packing=padded, or memory.attention=flash_attention_2 (its varlen kernel "
+            "restarts at every sample's position 0)"
+        )
+    unsupported = {
+        "memory.liger_kernels=true": memory.liger_kernels,
+        "memory.torch_compile=true": memory.torch_compile,
+    }
+    for setting, asked_for in unsupported.items():
+        if asked_for:
+            raise UserError(
+                f"{degrees}: {setting} is not supported with {asked} (not verified with Ulysses attention); "
+                f"set {setting.replace('true', 'false')}"
+            )
 
 
 def _check_pipeline(
@@ -67,6 +110,20 @@ def _check_pipeline(
         "memory.torch_compile=true": (
             recipe.memory.torch_compile,
             "DeepSpeed's pipeline engine does not compile its stages; set memory.torch_compile=false",
+        ),
+        "memory.tiled_mlp=true": (
+            recipe.memory.tiled_mlp,
+            "the tiled MLP patches the HF decoder layers' forward, which pipeline stages replace; set "
+            "memory.tiled_mlp=false",
+        ),
+        "memory.tiled_loss=true": (
+            recipe.memory.tiled_loss,
+            "the last pipeline stage computes its own loss from full logits; set memory.tiled_loss=false",
+        ),
+        "memory.offload_checkpoints=true": (
+            recipe.memory.offload_checkpoints,
+            "the pipeline engine checkpoints through DeepSpeed's own activation checkpointing; set "
+            "memory.offload_checkpoints=false",
         ),
     }
     for setting, (asked, why) in unsupported.items():

@@ -369,6 +369,30 @@ class MemorySection(Section):
         False,
         description="torch.compile the model via DeepSpeed's engine.compile(); the first steps compile.",
     )
+    tiled_mlp: bool = Field(
+        False,
+        description="Run each decoder MLP over the sequence in tiles (DeepSpeed ALST TiledMLP): its "
+        "intermediate activations exist for one tile at a time. Long sequences only.",
+    )
+    tiled_loss: bool = Field(
+        False,
+        description="Compute the output layer and the loss over the sequence in tiles: the full "
+        "[tokens x vocabulary] logits tensor is never materialised (DeepSpeed ALST).",
+    )
+    offload_checkpoints: bool = Field(
+        False,
+        description="Keep the activation-checkpoint inputs (one hidden state per layer) in host RAM "
+        "between forward and backward; needs memory.activation_checkpointing=true.",
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpoints(self) -> MemorySection:
+        if self.offload_checkpoints and not self.activation_checkpointing:
+            raise ValueError(
+                "memory.offload_checkpoints=true offloads the activation checkpoints, but "
+                "memory.activation_checkpointing is false; set memory.activation_checkpointing=true"
+            )
+        return self
 
 
 class LoraSection(Section):
@@ -393,6 +417,12 @@ class DeepSpeedSection(Section):
         1,
         ge=1,
         description="Pipeline-parallel degree: the model is cut into this many stages (ZeRO-0/1 only).",
+    )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence-parallel degree (DeepSpeed ALST through Accelerate): each sequence "
+        "is split over this many consecutive ranks, which see the same samples (world = dp x tp x pp x sp).",
     )
     nvme_path: str | None = Field(
         None,

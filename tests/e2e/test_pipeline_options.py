@@ -79,6 +79,13 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "memory.liger_kernels=true",
         "memory.liger_kernels=true is not supported",
     ),
+    "memory.tiled_mlp": ("refused", "memory.tiled_mlp=true", "memory.tiled_mlp=true is not supported"),
+    "memory.tiled_loss": ("refused", "memory.tiled_loss=true", "memory.tiled_loss=true is not supported"),
+    "memory.offload_checkpoints": (
+        "refused",
+        "memory.offload_checkpoints=true",
+        "memory.offload_checkpoints=true offloads the activation checkpoints, but",
+    ),
     "memory.torch_compile": (
         "refused",
         "memory.torch_compile=true",
@@ -99,6 +106,11 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     ),
     "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),
     "deepspeed.pipeline_stages": (RUN_A, "deepspeed.pipeline_stages=2"),
+    "deepspeed.sequence_parallel": (
+        "refused",
+        "deepspeed.sequence_parallel=2",
+        "deepspeed.sequence_parallel=2 cannot be combined with tensor parallel",
+    ),
     "deepspeed.nvme_path": ("refused", "deepspeed.nvme_path=/tmp", "offloads nothing to nvme"),
     "eval.every": (RUN_A, "eval.every=2"),
     "eval.batches": (RUN_A, "eval.batches=2"),
