@@ -116,6 +116,24 @@ def resolve_run(
         resolved["train_batch_size"] = layout.global_batch_size * layout.tp
         # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
         resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    if layout.sp > 1:
+        # zero.Init builds its DeepSpeed config without the sequence-parallel groups and would count
+        # every rank as data parallel (train_batch = micro x accum x world); this key is how
+        # DeepSpeed's config divides the world by sp in that case (deepspeed/runtime/config.py).
+        resolved["sequence_parallel_size"] = layout.sp
+    if layout.sp > 1 and layout.zero_stage == 3:
+        # Each rank of a sequence-parallel group backpropagates its share of the group's loss, so
+        # the group's gradients must be summed and only the data-parallel ranks averaged. DeepSpeed
+        # 0.19's ZeRO-3 does that only on its contiguous all-reduce path: its reduce-scatter path
+        # averages over every rank (gradients 1/sp of sp=1's: bench/results/ulysses-probe-20261130.txt,
+        # stage3.py __avg_scatter_grads), and it takes that path for reduce_scatter=true and for any
+        # bucket larger than reduce_bucket_size, i.e. for every weight bigger than the bucket.
+        zero = resolved.setdefault("zero_optimization", {})
+        zero["reduce_scatter"] = False
+        zero["contiguous_gradients"] = True
+        zero["reduce_bucket_size"] = max(
+            int(zero.get("reduce_bucket_size") or 0), largest_weight(fields, hidden)
+        )
     if layout.offload_optimizer != "none" and "optimizer" not in resolved:
         # llm_train builds DeepSpeed's CPU Adam itself, with the recipe's betas, eps and AdamW's
         # decoupled weight decay. Left at its default (true), this switch makes Accelerate swap it
@@ -124,6 +142,19 @@ def resolve_run(
         # after a resume.
         resolved["zero_force_ds_cpu_optimizer"] = False
     return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice)
+
+
+def largest_weight(fields: dict[str, Any], hidden: int) -> int:
+    """Elements of the model's largest weight matrix (embedding, MLP or attention projection)."""
+    heads = int(fields.get("num_attention_heads") or 1)
+    head_dim = int(fields.get("head_dim") or hidden // heads)
+    rows = max(
+        int(fields.get("vocab_size") or 0),
+        int(fields.get("intermediate_size") or 0),
+        heads * head_dim,
+        hidden,
+    )
+    return rows * hidden
 
 
 def steps_for_epochs(epochs: float, micro_batches_per_epoch: int, grad_accum: int) -> int:

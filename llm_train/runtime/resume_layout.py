@@ -33,6 +33,7 @@ _NAMES = {
     "world_size": "world size",
     "dp": "data-parallel size",
     "tp": "tensor-parallel degree",
+    "sp": "sequence-parallel degree",
     "pp": "pipeline stages",
     "zero_stage": "ZeRO stage",
     "offload_optimizer": "optimizer offload",
@@ -87,6 +88,7 @@ def peek_manifest(spec: str, root: Path) -> dict[str, Any] | None:
 def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) -> ResumeLayout:
     """Compare the saved layout with this launch's; raise UserError for a change that cannot be bridged."""
     current = now.as_dict()
+    saved = {"sp": 1, **saved}  # checkpoints written before sequence parallelism existed
     changes = [
         f"{_NAMES[key]} {saved[key]} -> {current[key]}"
         for key in (
@@ -94,6 +96,7 @@ def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) ->
             "dp",
             "tp",
             "pp",
+            "sp",
             "zero_stage",
             "offload_optimizer",
             "offload_params",

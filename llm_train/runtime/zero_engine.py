@@ -1,7 +1,7 @@
 """The ZeRO engine: a Hugging Face causal LM under DeepSpeed ZeRO-0..3, driven through Accelerate.
 
-Covers data parallelism with every ZeRO stage and offload, AutoTP tensor parallelism and
-LoRA. The DeepSpeed engine owns gradient accumulation: `backward` scales each micro-batch
+Covers data parallelism with every ZeRO stage and offload, AutoTP tensor parallelism,
+Ulysses sequence parallelism (sequence_parallel.py) and LoRA. The DeepSpeed engine owns gradient accumulation: `backward` scales each micro-batch
 loss by 1/accumulation and reduces gradients at the boundary, `step` updates the weights
 (and the LR schedule) only at the boundary.
 """
@@ -26,6 +26,7 @@ from llm_train.runtime.fast import apply_liger, compile_engine
 from llm_train.runtime.lora import export_view
 from llm_train.runtime.model import build_model
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
+from llm_train.runtime.sequence_parallel import SequenceShard, parallelism_config
 
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
@@ -47,6 +48,7 @@ class ZeroEngine:
         self.model: Any = None
         self.skipped_microbatches = 0
         self._hf_ds_config: Any = None
+        self._sequence: SequenceShard | None = None  # set when the run splits sequences (sp > 1)
 
     def start(self) -> None:
         from accelerate import Accelerator, DeepSpeedPlugin
@@ -77,6 +79,9 @@ class ZeroEngine:
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
             mixed_precision=_MIXED_PRECISION[run.layout.precision],
             kwargs_handlers=handlers,
+            parallelism_config=parallelism_config(
+                run.layout, run.recipe.data.seq_len, run.recipe.memory.attention
+            ),
         )
         rank = int(os.environ["RANK"])
         if self.accelerator.num_processes != run.layout.world_size or self.accelerator.process_index != rank:
@@ -101,6 +106,11 @@ class ZeroEngine:
         mark("model build")
         self.ds = self._prepare(max_steps)
         self.ds.train()  # from_pretrained returns the model in eval mode (dropout off)
+        if layout.sp > 1:
+            from deepspeed.utils import groups  # the groups `prepare` made for Ulysses
+
+            group = Collectives(groups._get_sequence_parallel_group())
+            self._sequence = SequenceShard(layout.sp, layout.sp_rank(int(os.environ["RANK"])), group)
         if notice := compile_engine(self.ds, recipe.memory):
             self.say(notice)
         mark("deepspeed init")
@@ -135,25 +145,34 @@ class ZeroEngine:
         return model_flops_per_token(self.model, seq_len)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
+        """The micro-batch's mean token loss (whole rows: evaluation, and training without SP)."""
         return self.ds(**to_device(batch, self.ds.device)).loss
+
+    def _train_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to backpropagate, the micro-batch's loss to report)."""
+        if self._sequence is None:
+            loss = self._loss(batch)
+            return loss, loss.detach()
+        share = self.ds(**self._sequence.shard(to_device(batch, self.ds.device))).loss
+        return share, self._sequence.group_loss(share)
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         skip = self.run.recipe.checkpoint.on_nonfinite == "skip"
         losses, grad_norm = [], None
         for _ in range(self.run.layout.grad_accum):
-            loss = self._loss(next(batches))
+            loss, reported = self._train_loss(next(batches))
             # Skipping must be decided before backward, by all ranks together (one collective per
             # micro-batch), so it is only paid for when asked for.
             while skip and not WORLD.all_finite(loss):
                 if self.skipped_microbatches >= MAX_SKIPS:
                     raise NonFiniteLoss(f"non-finite loss: {self.skipped_microbatches} micro-batches skipped")
                 self.skipped_microbatches += 1  # dropped before backward: the weights never see it
-                loss = self._loss(next(batches))
+                loss, reported = self._train_loss(next(batches))
             self.ds.backward(loss)
             if measure_grad_norm and self.ds.is_gradient_accumulation_boundary():
                 grad_norm = self._grad_norm_if_untracked()
             self.ds.step()
-            losses.append(loss.detach())
+            losses.append(reported)
         return StepResult(torch.stack(losses).mean(), grad_norm=grad_norm)
 
     def _grad_norm_if_untracked(self) -> float | None:

@@ -1,0 +1,100 @@
+"""Ulysses sequence parallelism (DeepSpeed ALST) for the ZeRO engine: each sequence split over `sp` ranks.
+
+How a run uses it (measured on CPU/gloo: bench/results/ulysses-probe-20261130.txt and
+tests/e2e/test_sequence_parallel.py):
+
+- Accelerate's `ParallelismConfig(sp_backend="deepspeed")` makes `prepare` register DeepSpeed's
+  Ulysses attention in place of the model's sdpa / flash-attention kernel and hand DeepSpeed
+  the sequence-parallel groups: consecutive ranks (rank = dp_rank * sp + sp_rank).
+- The data: every rank of a group gets the same micro-batch (the stream deals by
+  `Layout.dp_rank`), and `shard` keeps this rank's contiguous slice of the sequence with its
+  global position ids. The attention all-to-all regathers whole sequences head by head.
+  Labels are shifted over the *whole* row first, so the last token of a slice still predicts
+  the first token of the next one.
+- The loss is each rank's share of the group's token-weighted mean: the sum of its token
+  losses over the group's token count (one non-differentiable all-reduce). Summing the
+  gradients of the shares over the group gives the gradient of the sp=1 loss, whatever the
+  split of masked tokens. DeepSpeed sums gradients over the sequence ranks and averages over
+  the data-parallel ones under ZeRO-1/2, and so does ZeRO-3 once its reduce-scatter path is
+  off (`resolution` sets zero_optimization.reduce_scatter=false: with it, ZeRO-3 averaged
+  over all ranks and the gradients came out 1/sp of sp=1's).
+- Padded rows drop their attention mask: padding sits at the end, so under causal attention no
+  real token sees it, and its labels are -100. Packed rows would need the mask (refused
+  unless flash-attention-2 runs them varlen from the position ids: parallel.py).
+- Evaluation runs whole sequences: Accelerate registers the attention with
+  `disable_in_eval`, so in eval mode every rank computes the full row itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llm_train.config.layout import Layout
+from llm_train.errors import UserError
+from llm_train.runtime.collectives import Collectives
+
+IGNORE = -100
+
+
+def parallelism_config(layout: Layout, seq_len: int, attention: str) -> Any:
+    """What Accelerate needs to wire Ulysses into `prepare`; None without sequence parallelism."""
+    if layout.sp == 1:
+        return None
+    try:
+        from accelerate.utils import ParallelismConfig
+        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+    except ImportError:
+        import accelerate
+
+        raise UserError(
+            f"deepspeed.sequence_parallel={layout.sp} needs accelerate >= 1.12 (Ulysses through "
+            f"ParallelismConfig), this environment has {accelerate.__version__}; pip install -U accelerate"
+        ) from None
+
+    return ParallelismConfig(
+        sp_backend="deepspeed",
+        sp_size=layout.sp,
+        # Accelerate rewrites DeepSpeed's train_batch_size as micro x accumulation x this (1 if unset).
+        dp_replicate_size=layout.dp,
+        sp_handler=DeepSpeedSequenceParallelConfig(
+            sp_seq_length=seq_len, sp_seq_length_is_variable=False, sp_attn_implementation=attention
+        ),
+    )
+
+
+class SequenceShard:
+    """This rank's slice of every training micro-batch, and the loss reduced over its SP group."""
+
+    def __init__(self, sp: int, sp_rank: int, group: Collectives) -> None:
+        self.sp, self.sp_rank, self.group = sp, sp_rank, group
+
+    def shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The forward arguments for this rank: its tokens, their global positions and shifted labels."""
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        rows, width = input_ids.shape
+        chunk = width // self.sp  # parallel.py checked that seq_len divides
+        start, end = self.sp_rank * chunk, (self.sp_rank + 1) * chunk
+        positions = batch.get("position_ids")
+        if positions is None:  # padded rows: one sample from position 0
+            positions = torch.arange(width, device=input_ids.device).expand(rows, width)
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        local = shifted[:, start:end].contiguous()
+        tokens = (local != IGNORE).sum()
+        group_tokens = self.group.sum(tokens).clamp(min=1)
+        return {
+            "input_ids": input_ids[:, start:end].contiguous(),
+            "position_ids": positions[:, start:end].contiguous(),
+            # transformers' causal-LM loss takes already-shifted labels as shift_labels (it computes a
+            # loss only when labels is set) and divides the summed token losses by
+            # num_items_in_batch when given: this rank's share of the group's mean.
+            "labels": local,
+            "shift_labels": local,
+            "num_items_in_batch": group_tokens,
+            "use_cache": False,
+        }
+
+    def group_loss(self, share: torch.Tensor) -> torch.Tensor:
+        """The SP group's loss (the sum of its ranks' shares), for logging; not differentiable."""
+        return self.group.sum(share.detach())
