@@ -15,6 +15,7 @@ from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError
 from llm_train.planning.shapes import to_hf_config
 from llm_train.runtime.lora import apply_lora
+from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -102,6 +103,14 @@ def build_model(
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 partitioned params.
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = False
+    # The ALST switches patch this instance; LoRA then wraps it (its adapters land inside the
+    # patched MLPs, whose tiles look their submodules up at call time).
+    if memory.tiled_mlp:
+        enable_tiled_mlp(lm)
+    if memory.tiled_loss:
+        enable_tiled_loss(lm)
+    if memory.offload_checkpoints:
+        enable_checkpoint_offload(lm, pin_memory=torch.cuda.is_available())
     if lora is not None:
         lm = apply_lora(lm, lora)
     return lm
