@@ -10,8 +10,9 @@
 (c) ZeRO-3 / ZeRO-0 step-time ratio on the same shape. Lines c_zero3, c_zero0, c_zero3_over_zero0.
 (d) the consumer card: recipe 7b-rtx4090 (random init) under a 24 GiB cap (bench/capped_train.py),
     or the largest known Llama shape the planner says fits 24 GiB and this host's RAM (at most
-    128 GiB); a few steps; peak GPU memory and peak host RSS (the process tree's, polled here)
-    against the planner's estimate for the same configuration. Line d_consumer_card.
+    128 GiB); a few steps; peak GPU memory and peak host memory (the process tree's PSS and the
+    machine's used-memory growth, polled here: `HostMemorySampler`) against the planner's estimate
+    for the same configuration. Line d_consumer_card.
 
 Each result is one JSON line, appended to OUT_DIR/gpu_check.jsonl the moment it is known (a kill
 leaves what was done); OUT_DIR/gpu_check_summary.json follows at the end, and
@@ -222,22 +223,93 @@ class GpuMemorySampler:
             return None
 
 
-def tree_rss_gib(pid: int) -> float | None:
-    """Resident memory of a process and all its descendants, GiB (None once it is gone)."""
+def _proc_tree(pid: int) -> list[Any]:
+    """psutil processes of `pid` and all its descendants ([] once it is gone)."""
     try:
         import psutil
 
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
+    except Exception:
+        return []
+
+
+def _pss_bytes(proc: Any) -> int | None:
+    """Proportional set size of one process: each page it maps counted once, divided among its sharers.
+
+    /proc/PID/smaps_rollup (Linux >= 4.14) sums it in the kernel; psutil's memory_full_info reads the
+    same numbers from smaps. None for a process that ended or cannot be read.
+    """
+    try:
+        with open(f"/proc/{proc.pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(proc.memory_full_info().pss)
     except Exception:
         return None
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except Exception:  # a child that ended between listing and reading
-            continue
-    return total / GiB
+
+
+def _used_bytes() -> int | None:
+    """The machine's memory in use: MemTotal - MemAvailable (/proc/meminfo), as the OOM killer sees it."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) * 1024
+        return fields["MemTotal"] - fields["MemAvailable"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class HostMemorySampler:
+    """Peak host memory of one launch, measured two ways that do not over-count.
+
+    The sum of RSS over a process tree counts a page once per process that maps it: forked children
+    (DataLoader workers, compile workers) share their parent's pages copy-on-write, and on the first
+    H200 run the tree's RSS summed to 160.9 GiB on a 125.9 GiB machine. Instead:
+    - the tree's PSS (proportional set size: a page shared by n processes counts 1/n in each), so the
+      sum over the tree counts every resident page once; pinned (page-locked) buffers are shared
+      mappings and are in it. Read at most every PSS_EVERY_S: the kernel walks every page table of
+      a ~120 GiB process for it.
+    - the machine's used memory (MemTotal - MemAvailable) above what it was at launch: everything,
+      kernel allocations and tmpfs files included; an upper bound when nothing else runs.
+    """
+
+    PSS_EVERY_S = 1.0
+
+    def __init__(self) -> None:
+        self.baseline = _used_bytes()
+        self.pss_peak: int | None = None
+        self.used_peak: int | None = None
+        self._last_pss = 0.0
+
+    def sample(self, pid: int) -> None:
+        used = _used_bytes()
+        if used is not None:
+            self.used_peak = max(self.used_peak or 0, used)
+        now = time.monotonic()
+        if now - self._last_pss < self.PSS_EVERY_S:
+            return
+        self._last_pss = now
+        sizes = [_pss_bytes(proc) for proc in _proc_tree(pid)]
+        known = [size for size in sizes if size is not None]
+        if known:
+            self.pss_peak = max(self.pss_peak or 0, sum(known))
+
+    @property
+    def pss_peak_gib(self) -> float | None:
+        return None if self.pss_peak is None else self.pss_peak / GiB
+
+    @property
+    def used_delta_peak_gib(self) -> float | None:
+        if self.used_peak is None or self.baseline is None:
+            return None
+        return (self.used_peak - self.baseline) / GiB
 
 
 def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -270,7 +342,8 @@ class Launch:
     output: str = ""
     timed_out: bool = False
     action: str | None = None  # what this script did to it: "SIGTERM ..." / "SIGKILL ..."
-    host_rss_peak_gib: float | None = None
+    host_pss_peak_gib: float | None = None  # the process tree's PSS (HostMemorySampler)
+    host_used_delta_peak_gib: float | None = None  # the machine's used memory above its value at launch
     gpu_used_peak_gib: float | None = None
 
     @property
@@ -287,19 +360,19 @@ def launch(
     gpu: GpuMemorySampler | None = None,
 ) -> Launch:
     """Run `cmd` in its own process group, polling it: SIGTERM once `sigterm_when()`, SIGKILL (the
-    group) once `kill_when()` or at `timeout`. Peak host RSS (the tree) and device memory are sampled."""
+    group) once `kill_when()` or at `timeout`. Peak host memory (HostMemorySampler) and device memory
+    are sampled."""
     result = Launch(cmd)
     env = {**os.environ, **OFFLINE_ENV, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     started = time.time()
+    host = HostMemorySampler()
     with open(log, "w") as out:
         # Its own process group (so that a kill takes its helpers too) but not its own session: the
         # device tool ends every process of the command's session when the command ends or times out.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0)
         RUNNING.append(proc)
         while proc.poll() is None:
-            rss = tree_rss_gib(proc.pid)
-            if rss is not None:
-                result.host_rss_peak_gib = max(result.host_rss_peak_gib or 0.0, rss)
+            host.sample(proc.pid)
             used = gpu.used_gib() if gpu else None
             if used is not None:
                 result.gpu_used_peak_gib = max(result.gpu_used_peak_gib or 0.0, used)
@@ -318,6 +391,7 @@ def launch(
         result.rc = proc.wait()
         RUNNING.remove(proc)
     result.wall_s = time.time() - started
+    result.host_pss_peak_gib, result.host_used_delta_peak_gib = host.pss_peak_gib, host.used_delta_peak_gib
     result.output = log.read_text(errors="replace")
     return result
 
@@ -674,20 +748,24 @@ def consumer_card(sizes: Sizes, work: Path, budget: Budget, results: Results) ->
         gpu_mem_peak_gib=gpu_peak,  # torch.cuda.max_memory_allocated, from metrics.jsonl
         gpu_mem_reserved_peak_gib=peak(rows, "gpu_mem_reserved_gib"),
         gpu_device_used_peak_gib=device_used,  # NVML, whole device, CUDA context included
-        host_rss_peak_gib=run.host_rss_peak_gib,  # the process tree, polled here every 0.25 s
-        host_rss_metrics_peak_gib=peak(rows, "host_rss_gib"),
+        host_pss_peak_gib=run.host_pss_peak_gib,  # the process tree's PSS, polled here every 1 s
+        host_used_delta_peak_gib=run.host_used_delta_peak_gib,  # the machine, every 0.25 s
+        host_rss_metrics_peak_gib=peak(rows, "host_rss_gib"),  # the trainer's own RSS, per step
         wall_s=run.wall_s,
         stopped=run.action,
         cap_note=next((line for line in run.output.splitlines() if line.startswith("capped_train:")), None),
     )
     if gpu_peak is not None and ev.device_bytes:
         record["gpu_measured_over_estimate"] = gpu_peak / (ev.device_bytes / GiB)
-    if run.host_rss_peak_gib is not None and ev.host_bytes:
-        record["host_measured_over_estimate"] = run.host_rss_peak_gib / (ev.host_bytes / GiB)
+    if run.host_pss_peak_gib is not None and ev.host_bytes:
+        record["host_measured_over_estimate"] = run.host_pss_peak_gib / (ev.host_bytes / GiB)
     if len(rows) >= steps:
         record["passed"] = True
     else:
         what = "timed out" if run.timed_out else f"exit {run.rc}"
+        if run.rc == -signal.SIGKILL and not run.timed_out and run.action is None:
+            # Not this script's kill; with host memory near its end the kernel's OOM killer is the usual sender.
+            what += " (SIGKILL not sent by gpu_check; see host_used_delta_peak_gib)"
         record.update(passed=False, error=f"{what} after {len(rows)} of {steps} steps", tail=run.tail)
     return record
 
@@ -834,7 +912,8 @@ def main() -> None:
                 "gpu_mem_peak_gib",
                 "gpu_device_used_peak_gib",
                 "est_host_gib",
-                "host_rss_peak_gib",
+                "host_pss_peak_gib",
+                "host_used_delta_peak_gib",
                 "est_step_time_s",
                 "step_time_s",
             )

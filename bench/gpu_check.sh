@@ -5,7 +5,7 @@
 #       (~100M Llama, bf16);
 #   (b) MFU of a Llama-3.2-1B shape, ZeRO-2, bf16, seq 4096 (target 45% of 989 TFLOP/s);
 #   (c) the ZeRO-3 / ZeRO-0 step-time ratio on that shape;
-#   (d) recipe 7b-rtx4090 under a 24 GiB GPU cap: measured peak GPU memory and host RSS
+#   (d) recipe 7b-rtx4090 under a 24 GiB GPU cap: measured peak GPU memory and host memory (tree PSS)
 #       against the planner's estimate.
 # One JSON line per result in OUT_DIR/gpu_check.jsonl as it goes (a kill leaves what was done),
 # then OUT_DIR/gpu_check_summary.json; OUT_DIR/gpu_check.log has each launch's output tail.

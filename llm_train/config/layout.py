@@ -91,6 +91,20 @@ def state_dtype_problem(state_dtype: str, precision: str, offload_optimizer: str
     return None
 
 
+def workers_for(requested: int | None, optimizer_offloaded: bool) -> int | None:
+    """How many DataLoader workers a rank forks: data.loader_workers when set; else none when the
+    optimizer lives in host RAM; else None (the stream's own default: 2 on CUDA).
+
+    Workers fork at the first batch, after DeepSpeed has built its CPU optimizer state, and every
+    page the CPU Adam rewrites is then copied for each worker (copy-on-write): two workers on a 7B
+    with the optimizer offloaded would add 25-75 GiB of host RAM
+    (bench/results/host-ram-7b-offload-20261130.txt).
+    """
+    if requested is not None:
+        return requested
+    return 0 if optimizer_offloaded else None
+
+
 def default_precision(kind: str, bf16: bool) -> str:
     """What precision=auto means on a device: fp32 on CPU, bf16 where the GPU has it, else fp16."""
     if kind == "cpu":

@@ -56,7 +56,10 @@ def _check_sequence_parallel(layout: Layout, recipe: Recipe, fields: dict[str, A
         kv_heads = int(fields.get("num_key_value_heads") or heads)
         broken = sequence_parallel_problem(sp, recipe.data.seq_len, int(heads), kv_heads)
         if broken:
-            raise UserError(f"{degrees}: " + sequence_parallel_message(broken, sp, recipe.data.seq_len, int(heads), kv_heads))
+            raise UserError(
+                f"{degrees}: "
+                + sequence_parallel_message(broken, sp, recipe.data.seq_len, int(heads), kv_heads)
+            )
     elif recipe.data.seq_len % sp:
         broken = sequence_parallel_problem(sp, recipe.data.seq_len, sp, sp)
         assert broken is not None

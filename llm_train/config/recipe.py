@@ -259,7 +259,10 @@ class DataSection(Section):
         description="Processes for tokenisation; default: one per 16 MB of source, up to the CPU count (capped at 8).",
     )
     loader_workers: int | None = Field(
-        None, ge=0, description="DataLoader worker processes; default 2 on CUDA (pinned memory), 0 on CPU."
+        None,
+        ge=0,
+        description="DataLoader worker processes; default 2 on CUDA (pinned memory), 0 on CPU and "
+        "0 with the optimizer offloaded (forked workers would copy its host-RAM state).",
     )
     max_epochs: float = Field(
         3.0,

@@ -6,6 +6,11 @@ host RAM, but their measured quality cost is too high to pick them for anyone
 (bench/results/bf16-states-quality-*.txt: at lr 1e-5 they kept 8% of fp32's eval-loss gain), so
 `plan` only reports what they would save. A full fine-tune that fits but is impractical
 (search.judge) gives way to LoRA unless --no-lora; the choice carries its verdict.
+
+Long sequences: when no configuration of a kind (full fine-tune, or LoRA) fits at --seq-len, the
+DeepSpeed ALST techniques join the candidates: Ulysses sequence parallelism (search.
+sequence_parallel_degrees) and the tiled MLP, tiled loss and checkpoint-offload switches. They
+train exactly the same model, so a full fine-tune with them comes before LoRA.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from llm_train.planning.memory import (
     MemoryInputs,
 )
 from llm_train.planning.report import config_line, verdict
-from llm_train.planning.search import Practicality, judge, short_config
+from llm_train.planning.search import (
+    LONG_CONTEXT_SWITCHES,
+    Practicality,
+    judge,
+    long_context_options,
+    long_context_text,
+    short_config,
+)
 from llm_train.planning.shapes import ModelShape, shape_of
 
 # --- `--recipe auto` ----------------------------------------------------------------------------------
@@ -89,11 +101,19 @@ def choose_auto(
             f"--global-batch {global_batch} is not a multiple of --gpus {dp}; pick a multiple of {dp}"
         )
     modes = [k for k in SHIPPED_DS_CONFIGS if hw.kind == "cuda" or k[1:] == ("none", "none")]
+    plain = (1, False, False, False)
 
-    def all_evaluations(lora_rank: int | None) -> list[Evaluation]:
+    def all_evaluations(
+        lora_rank: int | None, long_context: list[tuple[int, bool, bool, bool]]
+    ) -> list[Evaluation]:
         out = []
         states = ("fp32",)  # never bf16 states: see the module docstring
-        for mode, micro, ckpt, state in itertools.product(modes, micro_options, (False, True), states):
+        for mode, micro, ckpt, state, (sp, tiled_mlp, tiled_loss, offload_ckpt) in itertools.product(
+            modes, AUTO_MICRO_BATCHES, (False, True), states, long_context
+        ):
+            ranks = dp // sp  # data-parallel ranks: sp of the GPUs share each sequence
+            if global_batch % (micro * ranks):
+                continue
             try:
                 candidate = MemoryInputs.of(
                     shape=shape,
@@ -103,22 +123,34 @@ def choose_auto(
                     offload_params=mode[2],
                     precision=precision,
                     micro_batch=micro,
-                    grad_accum=global_batch // (micro * dp),
+                    grad_accum=global_batch // (micro * ranks),
+                    sp=sp,
                     gpus_per_node=hw.gpus_per_node,
                     seq_len=seq,
                     activation_checkpointing=ckpt,
                     lora_rank=lora_rank,
                     overlap_comm=True,
                     state_dtype=state,
+                    tiled_mlp=tiled_mlp,
+                    tiled_loss=tiled_loss,
+                    offload_checkpoints=offload_ckpt,
                 )
             except MemoryInputError:
-                continue  # a combination the layout rules refuse
+                continue  # a combination the layout (or sequence-parallel) rules refuse
             out.append(evaluate(candidate, hw, nvme_bytes))
         return out
 
+    def evaluations(lora_rank: int | None) -> list[Evaluation]:
+        """Without ALST; with it too when nothing fits without (only a long sequence needs it)."""
+        out = all_evaluations(lora_rank, [plain])
+        if not any(e.fits for e in out):
+            probe = MemoryInputs.of(shape=shape, world_size=dp, gpus_per_node=hw.gpus_per_node, seq_len=seq)
+            out += all_evaluations(lora_rank, long_context_options(probe)[1:])
+        return out
+
     reasons: list[str] = []
-    full_tried = [] if lora == "always" else all_evaluations(None)
-    lora_all = all_evaluations(SUGGESTED_LORA_RANK)
+    full_tried = [] if lora == "always" else evaluations(None)
+    lora_all = evaluations(SUGGESTED_LORA_RANK)
     lora_tried = [] if lora == "never" else lora_all
     full_fitting = [e for e in full_tried if e.fits]
     lora_fitting = [e for e in lora_tried if e.fits]
@@ -168,6 +200,22 @@ def choose_auto(
         reasons.append(f"not {_mode_text(e.inputs)}: even at its smallest it needs {_needs_text(e, hw)}")
     if chosen.inputs.activation_checkpointing:
         reasons.append("activation checkpointing is on because the faster splits without it do not fit")
+    if chosen.inputs.uses_long_context:
+        same_kind = [
+            e
+            for e in tried
+            if not e.inputs.uses_long_context and bool(e.inputs.lora_rank) == bool(chosen.inputs.lora_rank)
+        ]
+        closest = min(same_kind, key=lambda e: _overflow(e, hw)) if same_kind else None
+        evidence = (
+            f": the closest without, {short_config(closest.inputs)}, needs {_needs_text(closest, hw)}"
+            if closest
+            else ""
+        )
+        reasons.append(
+            f"--seq-len {seq} needs DeepSpeed ALST ({long_context_text(chosen.inputs)}; exact, the same "
+            f"training){evidence}"
+        )
     if chosen.inputs.uses_nvme and not chosen.inputs.lora_rank and lora != "never":
         reasons.append(
             "NVMe offload is slow; --lora trains LoRA adapters instead, without NVMe and much faster"
@@ -222,6 +270,11 @@ def _nowhere(model: str, hw: Hardware, tried: list[Evaluation], lora: str, nvme_
             f"~{best.time.total:,.0f} s/step and ~{best.time.tokens_per_s:,.0f} tokens/s"
         )
     what = {"fallback": "full or LoRA", "never": "full", "always": "LoRA"}[lora]
+    alst = (
+        ", sequence parallel, tiled MLP/loss, checkpoint offload"
+        if any(e.inputs.uses_long_context for e in tried)
+        else ""
+    )
     where = (
         f"{hw.gpus} x {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB)"
         if hw.kind == "cuda"
@@ -230,7 +283,7 @@ def _nowhere(model: str, hw: Hardware, tried: list[Evaluation], lora: str, nvme_
     offload = "CPU/NVMe offload" if nvme_bytes else "CPU offload"
     return (
         f"{model} DOES NOT FIT anywhere on {where} with {hw.host_ram_bytes / GiB:.0f} GiB host RAM "
-        f"({what} fine-tune, every ZeRO stage, {offload}, checkpointing, micro-batch 1): "
+        f"({what} fine-tune, every ZeRO stage, {offload}, checkpointing, micro-batch 1{alst}): "
         f"the closest, {short_config(closest.inputs)}, needs {_needs_text(closest, hw)}{nvme_text}; add GPUs "
         "(--gpus), bigger cards or more host RAM, or shorten --seq-len"
     )
@@ -250,6 +303,9 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
 
     hw, c, ev = auto.hardware, auto.inputs, auto.evaluation
     corpus = data or str((RECIPES_DIR / "../llm_train/assets/tiny/corpus.txt").resolve())
+    # Under sequence parallelism sdpa sees one causal sequence per row: one sample per row.
+    packing = {"packing": "padded"} if c.sp > 1 else {}
+    switches = {name: True for name, _ in LONG_CONTEXT_SWITCHES if getattr(c, name)}
     slug = re.sub(r"[^a-z0-9]+", "-", auto.model.lower()).strip("-")[-40:]
     body: dict[str, Any] = {
         "name": f"auto-{slug}",
@@ -266,7 +322,7 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
             "host_ram_gib": round(ev.host_bytes / GiB + 0.5, 0),
         },
         "model": {"name_or_path": auto.model},
-        "data": {"train": [corpus], "eval_fraction": 0.02, "seq_len": auto.seq_len},
+        "data": {"train": [corpus], "eval_fraction": 0.02, "seq_len": auto.seq_len, **packing},
         "optim": {
             "lr": 2.0e-4 if c.lora_rank else 1.0e-5,
             "weight_decay": 0.0,
@@ -280,13 +336,13 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
             **({"state_dtype": "bf16"} if c.state_dtype == "bf16" else {}),
         },
         "precision": auto.precision,
-        "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "sdpa"},
+        "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "sdpa", **switches},
         **(
             {"lora": {"rank": c.lora_rank, "alpha": 2.0 * c.lora_rank, "dropout": 0.05}}
             if c.lora_rank
             else {}
         ),
-        "deepspeed": {"config": auto.ds_config},
+        "deepspeed": {"config": auto.ds_config, **({"sequence_parallel": c.sp} if c.sp > 1 else {})},
         "output": {"dir": "runs/{name}", "log_every": 10},
         "tracking": {"mode": "disabled"},
     }

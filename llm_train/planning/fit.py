@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_train.config.hardware import Hardware
+from llm_train.config.layout import workers_for
 from llm_train.planning.memory import (
     ALLOCATOR_SLACK_FRACTION,
     DS_ALLGATHER_BUCKET_SIZE,
@@ -64,6 +65,13 @@ TYPICAL_COST = {
     "no_checkpointing": "no recompute in backward",
     "bigger_micro_batch": "fewer, larger micro-batches (and fewer weight fetches under offload)",
     "less_offload": "less partitioning / offload traffic",
+    # DeepSpeed ALST (long sequences): exact, the same training, for memory.
+    "sequence_parallel": "splits each sequence over GPUs; an all-to-all per layer (cheap on NVLink), more "
+    "micro-batches per step for the same global batch",
+    "tiled_mlp": "recomputes each MLP tile in backward: ~+10-15% compute",
+    "tiled_loss": "recomputes the output layer tile by tile in backward: a few % compute",
+    "offload_checkpoints": "copies each layer's checkpoint to host RAM and back over PCIe (overlaps compute)",
+    "no_long_context": "switches an ALST technique off: no recompute or copies",
 }
 
 
@@ -79,6 +87,14 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         value = zero.get(key)
         return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
 
+    on_gpu = layout.device != "cpu"
+    # DeepSpeed pins by default (offload_config.py); its CPU accelerator pins nothing (cpu_accelerator.py).
+    pinned = bool((zero.get("offload_optimizer") or {}).get("pin_memory", True)) and on_gpu
+    # config/layout.workers_for: data.loader_workers, else none with the optimizer offloaded, else the stream's
+    # 2 worker processes on CUDA, forked at the first batch.
+    asked = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
+    workers = 2 if asked is None else asked
+    forked = workers > 0 and on_gpu
     return MemoryInputs(
         shape=shape,
         layout=layout,
@@ -97,6 +113,11 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         sub_group_size=number("sub_group_size", DS_SUB_GROUP_SIZE) or DS_SUB_GROUP_SIZE,
         state_dtype=recipe.optim.state_dtype,
         export_adapter_only=bool(recipe.lora and recipe.lora.export == "adapter"),
+        tiled_mlp=recipe.memory.tiled_mlp,
+        tiled_loss=recipe.memory.tiled_loss,
+        offload_checkpoints=recipe.memory.offload_checkpoints,
+        pin_memory=pinned,
+        loader_forks=forked,
     )
 
 

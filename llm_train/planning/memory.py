@@ -21,11 +21,18 @@ partition to fp32 before the Adam step (and ZeRO-Offload keeps that fp32 gradien
 next to the optimizer state on the host). On the GPU without offload that fp32
 partition is transient (allocated for the step, then freed), so we leave it out of
 the steady-state GPU terms and let the allocator slack cover it; on the host, under
-offload, it is persistent and we do count it (`offloaded_fp32_gradients`), which
-makes our host numbers agree with DeepSpeed's (16 bytes/param of optimizer + fp32
-gradient, +2 when parameters are offloaded too), minus its 1.5x buffer factor.
+offload, it is persistent and we do count it (`offloaded_fp32_gradients`).
 `deepspeed_zero2_model_states` / `deepspeed_zero3_model_states` reproduce DeepSpeed's
 functions exactly for anyone who wants that convention.
+
+Host RAM under CPU offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
+allocates, read from its source in planning/host_offload.py: for a ZeRO-3 + CPU-Adam 7B with fp32
+states and pinned buffers (the shipped default) ~18.8 bytes per parameter at the first optimizer
+step (master 4 + m, v 8 + the sub-groups' fp32 gradients 4 and the flat 16-bit gradient buffer 2,
+both pinned and so rounded up to a power of two by torch), plus a 16-bit copy of one sub-group in
+flight, plus, while forked DataLoader workers live, a second copy of the pageable state. The first
+H200 run of 7b-rtx4090 was killed by the kernel in that step on a 125.9 GiB machine after this
+estimate had said 103 GiB (bench/results/host-ram-7b-offload-20261130.txt).
 
 Activations. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4): per layer s*b*h*(34 + 5*a*s/h) bytes with eager
@@ -34,9 +41,28 @@ AutoTP has none) s*b*h*(10 + 24/t + 5*a*s/(h*t)): the 10 (layer-norm inputs,
 dropout masks, residual) is replicated on every TP rank. SDPA / FlashAttention
 never keep the s x s score matrix, which removes the 5*a*s/h term. Full activation
 checkpointing keeps only each layer's 16-bit input (2*s*b*h) plus one layer's full
-activations while it is recomputed. The formula assumes a 4h GeLU MLP and dropout;
-Llama-style SwiGLU MLPs keep a little more and dropout-free models a little less;
-it is within ~15% either way, which is the precision this estimate claims.
+activations while it is recomputed. Of the 24/t, 16/t is the MLP's intermediates for a
+4h GeLU MLP; our models have SwiGLU MLPs, whose backward keeps four [tokens x
+intermediate] 16-bit tensors (gate, up, SiLU(gate), their product: 8*i bytes per token,
+counted with torch's saved-tensor hooks on a HF LlamaMLP), so we count those instead
+(s*b*8*i/t: 21.5*s*b*h for Llama-2-7B, 28*s*b*h for Llama-3-8B). Without dropout the
+rest is a little less; the estimate claims ~15%.
+
+Long context (DeepSpeed ALST: Ulysses sequence parallelism and the memory switches).
+With sequence-parallel degree sp every rank holds s/sp tokens of every activation; inside
+attention the all-to-all hands it all s tokens of heads/sp heads, the same bytes. So the
+per-layer terms, the checkpoints and the logits are those of s/sp tokens (eager's score
+matrix is a/sp heads x s x s). The all-to-all itself needs send/receive room for q, k, v and
+the attention output of the layer being computed: 4*(s/sp)*b*h 16-bit values (k and v
+counted at full width, an upper bound under GQA). ZeRO partitions over all dp*sp ranks
+(DeepSpeed's sequence-data-parallel group). `memory.tiled_mlp` (DeepSpeed's TiledMLP) runs
+each MLP over tiles of `hidden_size` tokens and recomputes it per tile in backward: its
+intermediates exist for one tile (and that tile's gradients), not per layer.
+`memory.tiled_loss` computes logits and loss over tiles of at most LOSS_TILE_LOGITS_BYTES of
+fp32 logits per row (ALST's 1 GiB slices, runtime/tiling.py): one tile and its gradient instead
+of the full [tokens x vocabulary] tensor. `memory.offload_checkpoints` keeps the per-layer checkpointed
+hidden states in pinned host RAM between forward and backward: on the GPU stays the one
+being copied; the host holds all of them (pinned blocks stay cached by torch for the run).
 
 Low-precision optimizer states (`state_dtype="bf16"`, DeepSpeed's bf16_master_weights_and_grads +
 bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m and v are 2 bytes
@@ -63,8 +89,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_train.config.ds_json import zero_bucket_sizes
-from llm_train.config.layout import Layout, LayoutError, state_dtype_problem
+from llm_train.config.layout import (
+    Layout,
+    LayoutError,
+    sequence_parallel_message,
+    sequence_parallel_problem,
+    state_dtype_problem,
+)
 from llm_train.errors import UserError
+from llm_train.planning.host_offload import OffloadRank, cpu_optimizer_host, cpu_parameters_host
 from llm_train.planning.shapes import ModelShape
 
 GiB = 1024**3
@@ -78,9 +111,6 @@ ALLOCATOR_SLACK_FRACTION = 0.10
 # Host RSS of one training process before any model state: Python, torch + CUDA
 # libraries, DeepSpeed, tokenizer and data loader. Rough (2-4 GiB measured typically).
 PROCESS_HOST_BYTES = 3 * GiB
-# Of the offloaded optimizer state (master weights, Adam m and v, all one dtype), the part
-# runtime/optim.py `release_moments` frees before the export: m and v.
-ADAM_MOMENT_SHARE = 2 / 3
 # Hugging Face's default `max_shard_size` when checkpoints are saved ("5GB").
 # With zero.Init each rank reads one shard at a time into CPU memory, partitions
 # it, and frees it, so the load peak per rank is one shard, not the model.
@@ -97,6 +127,11 @@ DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 
 ATTN_IMPLS = ("sdpa", "flash_attention_2", "eager")
+# Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
+# runtime/tiling.py DEFAULT_LOSS_TILE_BYTES).
+LOSS_TILE_LOGITS_BYTES = GiB
+# The all-to-all of Ulysses attention regroups q, k, v and the attention output of one layer.
+SP_ALL_TO_ALL_TENSORS = 4
 
 
 class MemoryInputError(UserError, ValueError):
@@ -193,31 +228,71 @@ def deepspeed_zero3_model_states(
 # --- activations --------------------------------------------------------------------------------
 
 
-def activation_bytes_per_layer(
-    shape: ModelShape, seq_len: int, micro_batch: int, attn_impl: str = "sdpa", tp: int = 1
-) -> float:
-    """Korthikanti et al. 2022 per-layer activations (16-bit), without recomputation.
+def mlp_intermediate_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
+    """What a SwiGLU MLP keeps for backward per token: gate, up, SiLU(gate) and their product, 16-bit."""
+    return 4 * 2 * shape.intermediate_size / tp
 
-    eager: s*b*h*(10 + 24/t + 5*a*s/(h*t)); sdpa / flash_attention_2: s*b*h*(10 + 24/t).
-    At t = 1 these are the familiar s*b*h*(34 + 5*a*s/h) and 34*s*b*h.
+
+def activation_bytes_per_layer(
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    attn_impl: str = "sdpa",
+    tp: int = 1,
+    sp: int = 1,
+    tiled_mlp: bool = False,
+) -> float:
+    """Korthikanti et al. 2022 per-layer activations (16-bit) on one rank, without recomputation,
+    with the SwiGLU MLP's own intermediates (module docstring).
+
+    sdpa / flash_attention_2: s*b*(h*(10 + 8/t) + 8*i/t); eager adds s*b*h*5*a*s/(h*t).
+    Under sequence parallelism the rank holds s/sp tokens (and a/sp heads of eager's s x s
+    scores); with `tiled_mlp` the MLP intermediates are not kept per layer (see `mlp_tile_bytes`).
     """
     s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
-    per_token_coeff = 10 + 24 / tp
+    per_token = h * (10 + 8 / tp)
+    if not tiled_mlp:
+        per_token += mlp_intermediate_bytes_per_token(shape, tp)
     if attn_impl == "eager":
-        # The s x s attention scores, softmax output and dropout mask of every head.
-        per_token_coeff += 5 * a * s / (h * tp)
+        # The s x s attention scores, softmax output and dropout mask of every head (a/sp heads
+        # per rank under sequence parallelism: per local token, the coefficient of the full s).
+        per_token += h * 5 * a * s / (h * tp)
     elif attn_impl not in ATTN_IMPLS:
         raise MemoryInputError(f"attn_impl must be one of {', '.join(ATTN_IMPLS)}, got '{attn_impl}'")
-    return s * b * h * per_token_coeff
+    return s / sp * b * per_token
+
+
+def mlp_tile_tokens(shape: ModelShape, tokens: int) -> int:
+    """Tokens per TiledMLP tile: DeepSpeed cuts a sequence of n tokens into ceil(n / hidden_size) tiles."""
+    return math.ceil(tokens / math.ceil(tokens / shape.hidden_size))
+
+
+def mlp_tile_bytes(shape: ModelShape, tokens: int, micro_batch: int, tp: int = 1) -> float:
+    """The tiled MLP's working set: one tile's intermediates and their gradients while it is recomputed."""
+    return 2 * micro_batch * mlp_tile_tokens(shape, tokens) * mlp_intermediate_bytes_per_token(shape, tp)
+
+
+def loss_tile_tokens(shape: ModelShape, tokens: int) -> int:
+    """Tokens of each row per tiled-loss tile: enough tiles that a row's share of one holds at most
+    LOSS_TILE_LOGITS_BYTES of fp32 logits (runtime/tiling.py cuts the rows of a batch together)."""
+    tiles = max(1, min(tokens, math.ceil(tokens * shape.vocab_size * 4 / LOSS_TILE_LOGITS_BYTES)))
+    return math.ceil(tokens / tiles)
 
 
 def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
     """Logits upcast to fp32 for the loss (vocab*s*b*4), times 2 for their gradient.
 
     Not sharded by tensor parallelism (AutoTP leaves lm_head whole) and not
-    chunked (HF computes the full logits tensor before the loss).
+    chunked (HF computes the full logits tensor before the loss) unless memory.tiled_loss.
     """
     return shape.vocab_size * seq_len * micro_batch * 4 * 2
+
+
+def sequence_parallel_buffer_bytes(
+    shape: ModelShape, local_tokens: int, micro_batch: int, dtype_bytes: int
+) -> int:
+    """Ulysses all-to-all room for one layer: q, k, v and the output of its local tokens, regrouped by head."""
+    return SP_ALL_TO_ALL_TENSORS * local_tokens * micro_batch * shape.hidden_size * dtype_bytes
 
 
 # --- the estimator ------------------------------------------------------------------------------
@@ -226,6 +301,10 @@ def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
 # Layout rules broken through MemoryInputs.of, told in its argument names (keyed by LayoutError.rule).
 _API_MESSAGES = {
     "degrees": "world_size {world_size} is not divisible by tp*pp = {tp}*{pp}; world_size = dp * tp * pp",
+    "degrees_sp": (
+        "world_size {world_size} is not divisible by tp*pp*sp = {tp}*{pp}*{sp}; world_size = dp * tp * pp * sp"
+    ),
+    "sp_combination": "sp > 1 cannot be combined with tp or pp (got sp={sp}, tp={tp}, pp={pp})",
     "params": "offload_params needs zero_stage 3 (only ZeRO-3 partitions parameters)",
     "optimizer": "offload_optimizer needs zero_stage 1, 2 or 3",
     "nvme_optimizer": "offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)",
@@ -244,6 +323,7 @@ _LAYOUT_FIELDS = {
     "precision",
     "micro_batch_size",
     "grad_accum",
+    "sp",
 }
 
 
@@ -277,6 +357,18 @@ class MemoryInputs:
     """Offloaded master weights, gradients and Adam states: "fp32", or "bf16" (optim.state_dtype)."""
     export_adapter_only: bool = False
     """LoRA runs that export only the adapter (lora.export=adapter): no merged copy of the model."""
+    pin_memory: bool = True
+    """Offloaded buffers pinned (the DS JSON's offload_optimizer.pin_memory; DeepSpeed 0.19.8's default
+    and every shipped config: True). torch rounds each pinned buffer up to a power of two."""
+    loader_forks: bool = False
+    """DataLoader workers are forked after DeepSpeed's set-up (data.loader_workers > 0; 2 by default on
+    CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/host_offload.py)."""
+    tiled_mlp: bool = False
+    """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
+    tiled_loss: bool = False
+    """memory.tiled_loss: logits and loss over tiles; the full logits tensor never exists."""
+    offload_checkpoints: bool = False
+    """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
 
     def __post_init__(self) -> None:
         buckets = zero_bucket_sizes(self.shape.hidden_size)
@@ -313,6 +405,19 @@ class MemoryInputs:
         broken = state_dtype_problem(self.state_dtype, self.precision, self.offload_optimizer, self.pp)
         if broken is not None:
             raise MemoryInputError(_STATE_DTYPE_MESSAGES[broken])
+        if self.offload_checkpoints and not self.activation_checkpointing:
+            raise MemoryInputError("offload_checkpoints needs activation_checkpointing")
+        # The run's Ulysses rules (config.layout, config.parallel), so the planner never proposes what a run refuses.
+        shape = self.shape
+        broken = sequence_parallel_problem(self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
+        if broken is not None:
+            raise MemoryInputError(
+                sequence_parallel_message(broken, self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
+            )
+        if self.sp > 1 and self.attn_impl == "eager":
+            raise MemoryInputError(
+                "sp > 1 needs attn_impl 'sdpa' or 'flash_attention_2' (the run refuses eager)"
+            )
 
     @classmethod
     def of(
@@ -327,6 +432,7 @@ class MemoryInputs:
         precision: str = "bf16",
         micro_batch: int = 1,
         grad_accum: int = 1,
+        sp: int = 1,
         **rest: Any,
     ) -> MemoryInputs:
         """Inputs from the layout's fields spelled out (the planner's API and its tests)."""
@@ -341,9 +447,11 @@ class MemoryInputs:
                 precision=precision,
                 micro_batch_size=micro_batch,
                 grad_accum=grad_accum,
+                sp=sp,
             )
         except LayoutError as exc:
-            raise MemoryInputError(_API_MESSAGES.get(exc.rule, str(exc)).format(**locals())) from None
+            rule = "degrees_sp" if exc.rule == "degrees" and sp > 1 else exc.rule
+            raise MemoryInputError(_API_MESSAGES.get(rule, str(exc)).format(**locals())) from None
         return cls(shape=shape, layout=layout, **rest)
 
     def vary(self, **changes: Any) -> MemoryInputs:
@@ -364,7 +472,8 @@ class MemoryInputs:
 
     @property
     def knobs(self) -> tuple[Any, ...]:
-        """What the planner turns: the DS JSON, micro-batch and accumulation, checkpointing, LoRA, state dtype."""
+        """What the planner turns: the DS JSON, micro-batch and accumulation, checkpointing, LoRA, state
+        dtype, and the long-context ones (sequence parallelism and the ALST memory switches)."""
         return (
             self.ds_key,
             self.micro_batch,
@@ -372,7 +481,33 @@ class MemoryInputs:
             self.activation_checkpointing,
             self.lora_rank,
             self.state_dtype,
+            self.long_context,
         )
+
+    @property
+    def long_context(self) -> tuple[int, bool, bool, bool]:
+        """(sp, tiled_mlp, tiled_loss, offload_checkpoints): the DeepSpeed ALST techniques in use."""
+        return (self.sp, self.tiled_mlp, self.tiled_loss, self.offload_checkpoints)
+
+    @property
+    def uses_long_context(self) -> bool:
+        """Sequence parallelism or any ALST memory switch is on (exact: the same training, more memory)."""
+        return self.long_context != (1, False, False, False)
+
+    @property
+    def mlp_is_tiled(self) -> bool:
+        """memory.tiled_mlp and more than one tile: a row of at most hidden_size tokens runs untiled."""
+        return self.tiled_mlp and self.local_tokens > self.shape.hidden_size
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of each sequence one rank holds: seq_len / sp."""
+        return self.seq_len // self.sp
+
+    @property
+    def zero_partitions(self) -> int:
+        """Ranks ZeRO partitions over: dp x sp (DeepSpeed's sequence-data-parallel group)."""
+        return self.dp * self.sp
 
     @property
     def uses_nvme(self) -> bool:
@@ -389,6 +524,7 @@ class MemoryInputs:
     precision = property(lambda self: self.layout.precision)
     micro_batch = property(lambda self: self.layout.micro_batch_size)
     grad_accum = property(lambda self: self.layout.grad_accum)
+    sp = property(lambda self: self.layout.sp)
 
     @property
     def ranks_per_node(self) -> int:
@@ -405,13 +541,18 @@ _LABELS = {
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "activations": "activations",
+    "sequence_parallel_buffers": "Ulysses all-to-all buffers",
     "logits_and_loss": "logits and loss",
     "deepspeed_buffers": "DeepSpeed buffers",
     "cuda_context_and_slack": "CUDA context + allocator slack",
-    "offloaded_optimizer_states": "offloaded optimizer states (pinned)",
+    "offloaded_optimizer_states": "offloaded optimizer states (master, m, v)",
     "offloaded_fp32_gradients": "offloaded gradients (pinned)",
+    "offload_16bit_buffers": "offload 16-bit gradient/parameter buffers (pinned)",
+    "optimizer_step_transient": "optimizer step: 16-bit copy of one sub-group (transient)",
+    "loader_fork_copies": "forked loader workers: copy-on-write twin of the optimizer state",
     "optimizer_swap_buffers": "optimizer NVMe swap buffers (pinned)",
     "offloaded_parameters": "offloaded parameters (pinned)",
+    "offloaded_checkpoints": "offloaded activation checkpoints (pinned)",
     "param_swap_buffers": "parameter NVMe swap buffers (pinned)",
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
@@ -458,15 +599,15 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     h = shape.hidden_size
     assert inp.reduce_bucket_size is not None and inp.prefetch_bucket_size is not None
     assert inp.param_persistence_threshold is not None
-    stage, dp, ranks = inp.zero_stage, inp.dp, inp.ranks_per_node
+    # ZeRO partitions over every rank of the data- and sequence-parallel groups (dp x sp).
+    stage, dp, ranks = inp.zero_stage, inp.zero_partitions, inp.ranks_per_node
     mixed = inp.precision != "fp32"
     weight_bytes = 2 if mixed else 4  # the frozen LoRA base too: it is loaded in the training dtype
     grad_bytes = weight_bytes
     optim_bytes = 12 if mixed else 8  # fp32 master + m + v, or just m + v when weights are fp32
-    host_grad_bytes = 4  # CPU Adam's fp32 copy of the gradient partition
     if inp.state_dtype == "bf16":
-        # bf16 master + m + v, and the host gradient partition in bf16 (offloaded optimizer only).
-        optim_bytes, host_grad_bytes = 6, 2
+        # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/host_offload.py).
+        optim_bytes = 6
 
     # tp and pp split the model between GPUs before ZeRO partitions it over dp.
     # Approximation: an even split (embeddings and lm_head really sit on the first /
@@ -495,20 +636,37 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     grads_gpu = 0.0 if stage >= 2 and offload_opt else trainable * grad_bytes / (dp if stage >= 2 else 1)
     optim_gpu = 0.0 if offload_opt else trainable * optim_bytes / (dp if stage >= 1 else 1)
 
-    # -- GPU: activations. Under 1F1B the first pipeline stage holds pp micro-batches in flight.
+    # -- GPU: activations of the rank's seq_len / sp tokens. Under 1F1B the first pipeline stage
+    # holds pp micro-batches in flight.
     layers_per_stage = math.ceil(shape.num_layers / inp.pp)
     in_flight = inp.pp
-    full_layer = activation_bytes_per_layer(shape, inp.seq_len, inp.micro_batch, inp.attn_impl, inp.tp)
+    tokens, b = inp.local_tokens, inp.micro_batch
+    per_layer = activation_bytes_per_layer(
+        shape, inp.seq_len, b, inp.attn_impl, inp.tp, inp.sp, tiled_mlp=inp.mlp_is_tiled
+    )
+    # Tiled MLP: no layer keeps its MLP intermediates; the one tile being recomputed holds them
+    # (and their gradients), once.
+    mlp_tile = mlp_tile_bytes(shape, tokens, b, inp.tp) if inp.mlp_is_tiled else 0.0
+    full_layer = per_layer + mlp_tile
+    offloaded_checkpoints = 0.0
     if inp.activation_checkpointing:
-        # Each layer keeps its 16-bit input (replicated across tp: no sequence parallel);
-        # in backward one layer at a time is recomputed with its full activations.
-        checkpointed = 2 * inp.seq_len * inp.micro_batch * h
-        activations = layers_per_stage * in_flight * checkpointed + full_layer
+        # Each layer keeps its 16-bit input (replicated across tp: AutoTP has no Megatron-style
+        # sequence parallelism; Ulysses splits it, tokens = seq_len / sp); in backward one layer at
+        # a time is recomputed with its full activations.
+        checkpointed = 2 * tokens * b * h
+        kept = layers_per_stage * in_flight * checkpointed
+        if inp.offload_checkpoints:
+            # They wait in host RAM; the GPU holds the one being copied out or back.
+            offloaded_checkpoints, kept = kept, checkpointed
+        activations = kept + full_layer
     else:
-        activations = layers_per_stage * in_flight * full_layer
+        activations = layers_per_stage * in_flight * per_layer + mlp_tile
     # Logits live on the last pipeline stage; adding them to the first stage's
     # activations over-counts a little when pp > 1 (conservative).
-    logits = logits_bytes(shape, inp.seq_len, inp.micro_batch)
+    if inp.tiled_loss:
+        logits = logits_bytes(shape, loss_tile_tokens(shape, tokens), b)
+    else:
+        logits = logits_bytes(shape, tokens, b)
 
     # -- GPU: DeepSpeed communication buffers (elements x bytes), capped by what they can cover.
     overlap = OVERLAP_COMM_FACTOR if inp.overlap_comm else 1.0
@@ -535,6 +693,10 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "logits_and_loss": logits,
         "deepspeed_buffers": buffers,
     }
+    if inp.sp > 1:
+        gpu_terms["sequence_parallel_buffers"] = sequence_parallel_buffer_bytes(
+            shape, tokens, b, weight_bytes
+        )
     gpu_terms["cuda_context_and_slack"] = CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_FRACTION * sum(
         gpu_terms.values()
     )
@@ -549,10 +711,31 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "param_swap_buffers": 0.0,
     }
     nvme = 0.0
+    # What DeepSpeed allocates for CPU offload, buffer by buffer, read from its source.
+    offload = OffloadRank(
+        shape=shape,
+        lora_rank=inp.lora_rank,
+        zero_stage=stage,
+        partitions=dp,
+        shard=shard,
+        model_bytes=weight_bytes,
+        state_bytes=2 if inp.state_dtype == "bf16" else 4,
+        sub_group_size=inp.sub_group_size,
+        grad_accum=inp.grad_accum,
+        pin_memory=inp.pin_memory,
+        params_offloaded=inp.offload_params == "cpu",
+        loader_forks=inp.loader_forks,
+        persistence_threshold=inp.param_persistence_threshold,
+    )
+    moments = 0.0  # Adam's m and v on the host: freed before the export
     if inp.offload_optimizer == "cpu":
-        host["offloaded_optimizer_states"] = ranks * opt_part * optim_bytes
-        # CPU Adam steps on an fp32 (bf16 with bf16 states) copy of the gradient partition on the host.
-        host["offloaded_fp32_gradients"] = ranks * opt_part * host_grad_bytes
+        cpu_adam = cpu_optimizer_host(offload)
+        host["offloaded_optimizer_states"] = ranks * cpu_adam.states
+        host["offloaded_fp32_gradients"] = ranks * cpu_adam.gradients
+        host["offload_16bit_buffers"] = ranks * cpu_adam.buffers
+        host["optimizer_step_transient"] = ranks * cpu_adam.step_transient
+        host["loader_fork_copies"] = ranks * cpu_adam.fork_copies
+        moments = ranks * cpu_adam.moments
     elif inp.offload_optimizer == "nvme":
         nvme += ranks * opt_part * (optim_bytes + 4)
         # Pinned swap-in/out buffers, each as large as the biggest optimizer sub-group.
@@ -560,13 +743,16 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
             ranks * DS_NVME_OPTIMIZER_BUFFER_COUNT * min(inp.sub_group_size, opt_part) * 4
         )
     if inp.offload_params == "cpu":
-        host["offloaded_parameters"] = ranks * partitioned / dp * weight_bytes
+        host["offloaded_parameters"] = ranks * cpu_parameters_host(offload)
     elif inp.offload_params == "nvme":
         nvme += ranks * partitioned / dp * weight_bytes
         # DeepSpeed requires buffer_size >= the largest parameter tensor, so the
         # configured 1e8 grows to vocab*hidden for these models.
         buffer_elems = max(DS_NVME_PARAM_BUFFER_SIZE, shape.largest_layer_params / inp.tp)
         host["param_swap_buffers"] = ranks * DS_NVME_PARAM_BUFFER_COUNT * buffer_elems * weight_bytes
+    if offloaded_checkpoints:
+        # Pinned, and kept by torch's pinned-memory cache once freed: a training-phase term to the end.
+        host["offloaded_checkpoints"] = ranks * offloaded_checkpoints
     host["process_overhead"] = ranks * PROCESS_HOST_BYTES
     full_model = shape.num_params * weight_bytes
     if inp.zero_init:
@@ -595,8 +781,7 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     train_phase = sum(
         v for k, v in host.items() if k not in ("model_load_peak", "process_overhead", "export_peak")
     )
-    moments = ADAM_MOMENT_SHARE * host["offloaded_optimizer_states"]  # freed before the export
-    export_phase = train_phase - moments + host["export_peak"]
+    export_phase = train_phase - moments - host.get("optimizer_step_transient", 0.0) + host["export_peak"]
     host_total = host["process_overhead"] + max(load_phase, train_phase, export_phase)
 
     gpu_int = {k: int(v) for k, v in gpu_terms.items()}

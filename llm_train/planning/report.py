@@ -29,6 +29,7 @@ from llm_train.planning.search import (
     Fix,
     Practicality,
     judge,
+    long_context_text,
     search_faster,
     search_fixes,
     without_nvme,
@@ -209,7 +210,7 @@ def config_line(inp: MemoryInputs, grad_accum: int) -> str:
     return (
         f"{what}, ZeRO-{inp.zero_stage}, {offload}, {inp.precision}, micro {inp.micro_batch} x accum "
         f"{grad_accum} x dp {inp.dp}, seq {inp.seq_len}, checkpointing "
-        f"{'on' if inp.activation_checkpointing else 'off'}, {inp.attn_impl}"
+        f"{'on' if inp.activation_checkpointing else 'off'}, {inp.attn_impl}{long_context_text(inp, prefix=', ')}"
     )
 
 

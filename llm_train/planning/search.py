@@ -9,6 +9,12 @@ combination is dropped when a subset of its changes already fits at least as fas
 that alter what is trained (LoRA) are ranked after those that train the same model, NVMe after
 no NVMe, and bf16 optimizer states after fp32 ones (the order `--recipe auto` prefers).
 
+Long sequences: only when none of those fits with the same training, fp32 states and no NVMe
+does the search add DeepSpeed ALST's techniques: Ulysses sequence parallelism (a degree that
+divides the GPUs per node, the heads, the KV heads and data.seq_len) and the memory switches
+(tiled MLP, tiled loss, checkpoint offload). They are exact (the same training, only memory
+and speed change), so they rank with the changes that keep the training.
+
 Practical: a configuration that fits is FITS BUT IMPRACTICAL when its estimated step is more
 than IMPRACTICAL_SLOWDOWN times the fastest configuration that fits without NVMe (the same
 sequences per step, LoRA included: it is the usual way out), or when it trains fewer than
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_train.config.hardware import Hardware
+from llm_train.config.layout import sequence_parallel_problem
 from llm_train.planning.fit import SHIPPED_DS_CONFIGS, SUGGESTED_LORA_RANK, Evaluation, evaluate
 from llm_train.planning.memory import (
     MemoryInputError,
@@ -67,12 +74,41 @@ class Fix:
         return bool(self.kinds & {"lora", "bf16_states"})
 
 
+# The ALST memory switches: MemoryInputs field (= the recipe's memory.<name>), change kind, words.
+LONG_CONTEXT_SWITCHES = (
+    ("tiled_mlp", "tiled MLP (intermediates for one tile of tokens at a time)"),
+    ("tiled_loss", "tiled logits + loss (the full logits tensor is never built)"),
+    ("offload_checkpoints", "activation checkpoints offloaded to host RAM"),
+)
+
+
 def describe_changes(
     base: MemoryInputs, new: MemoryInputs, recipe: Any, ds_name: str | None
 ) -> tuple[list[Change], list[str]]:
     """The human-readable changes from `base` to `new`, and the recipe overrides that make them."""
     changes: list[Change] = []
     overrides: list[str] = []
+    if new.sp != base.sp:
+        changes.append(
+            Change(
+                "sequence_parallel",
+                f"Ulysses sequence parallel {base.sp} -> {new.sp}: each sequence split over {new.sp} GPUs "
+                f"({new.local_tokens} tokens each)",
+            )
+        )
+        overrides.append(f"deepspeed.sequence_parallel={new.sp}")
+        if (
+            recipe is not None
+            and recipe.data.packing == "packed"
+            and recipe.memory.attention != "flash_attention_2"
+        ):
+            # Under SP, sdpa sees one causal sequence per row: packed samples would attend to each other.
+            overrides.append("data.packing=padded")
+    for name, text in LONG_CONTEXT_SWITCHES:
+        if getattr(new, name) != getattr(base, name):
+            on = getattr(new, name)
+            changes.append(Change(name if on else "no_long_context", f"{text}: {'on' if on else 'off'}"))
+            overrides.append(f"memory.{name}={'true' if on else 'false'}")
     if new.activation_checkpointing != base.activation_checkpointing:
         on = new.activation_checkpointing
         changes.append(
@@ -91,8 +127,10 @@ def describe_changes(
             )
         )
         overrides.append(f"optim.micro_batch_size={new.micro_batch}")
-        if recipe is not None and recipe.optim.global_batch_size is None:
-            overrides.append(f"optim.grad_accum={new.grad_accum}")
+    if new.grad_accum != base.grad_accum and recipe is not None and recipe.optim.global_batch_size is None:
+        # The recipe counts its batch in accumulation steps: keep its global batch (a smaller
+        # micro-batch, or fewer data-parallel ranks under sequence parallelism, need more of them).
+        overrides.append(f"optim.grad_accum={new.grad_accum}")
     if new.ds_key != base.ds_key:
         adds = []
         if new.zero_stage == 3 and base.zero_stage != 3:
@@ -164,24 +202,73 @@ def _variants(
     modes: list[tuple[int, str, str]],
     lora: list[int | None],
     states: list[str],
+    long_context: list[tuple[int, bool, bool, bool]] | None = None,
 ) -> Iterator[MemoryInputs]:
-    """Every combination of the knobs that the layout rules accept, same sequences per rank and step."""
-    per_rank = start.micro_batch * start.grad_accum
-    for ckpt, mb, mode, rank, state in itertools.product(checkpointing, micro, modes, lora, states):
+    """Every combination of the knobs that the layout rules accept, same global batch (sequences per step).
+
+    long_context: (sp, tiled_mlp, tiled_loss, offload_checkpoints) options; default `start`'s own.
+    """
+    global_batch = start.layout.global_batch_size
+    options = long_context or [start.long_context]
+    for ckpt, mb, mode, rank, state, (sp, tiled_mlp, tiled_loss, offload_ckpt) in itertools.product(
+        checkpointing, micro, modes, lora, states, options
+    ):
+        dp = start.world_size // (start.tp * start.pp * sp)
+        if dp < 1 or global_batch % (mb * dp):
+            continue  # this micro-batch cannot make the same global batch with this many dp ranks
         try:
             yield start.vary(
                 zero_stage=mode[0],
                 offload_optimizer=mode[1],
                 offload_params=mode[2],
                 micro_batch_size=mb,
-                grad_accum=per_rank // mb,
+                grad_accum=global_batch // (mb * dp),
+                sp=sp,
                 activation_checkpointing=ckpt,
                 lora_rank=rank,
                 state_dtype=state,
+                tiled_mlp=tiled_mlp,
+                tiled_loss=tiled_loss,
+                offload_checkpoints=offload_ckpt,
                 zero_init=None,  # follows the stage
             )
         except MemoryInputError:
-            continue  # a combination the layout rules refuse
+            continue  # a combination the layout or sequence-parallel rules refuse
+
+
+def sequence_parallel_degrees(inp: MemoryInputs) -> list[int]:
+    """The Ulysses degrees a run of `inp` could use: divisors of the GPUs per node that divide the world,
+    the attention heads, the KV heads and data.seq_len (1 always; none above 1 with tp or pp)."""
+    if inp.tp > 1 or inp.pp > 1:
+        return [1]
+    shape = inp.shape
+    return [
+        d
+        for d in range(1, inp.ranks_per_node + 1)
+        if inp.ranks_per_node % d == 0
+        and inp.world_size % d == 0
+        and sequence_parallel_problem(d, inp.seq_len, shape.num_heads, shape.num_kv_heads) is None
+    ]
+
+
+def long_context_options(inp: MemoryInputs, saving_only: bool = True) -> list[tuple[int, bool, bool, bool]]:
+    """(sp, tiled_mlp, tiled_loss, offload_checkpoints) to try: `inp`'s own first, then every degree and
+    switch that saves memory (saving_only) or, to go faster, each switch that is on turned off."""
+    own = inp.long_context
+    if saving_only:
+        degrees = [d for d in sequence_parallel_degrees(inp) if d >= inp.sp]
+        switches = [
+            [getattr(inp, name)] + ([True] if not getattr(inp, name) else [])
+            for name, _ in LONG_CONTEXT_SWITCHES
+        ]
+    else:
+        degrees = [inp.sp]
+        switches = [
+            [getattr(inp, name)] + ([False] if getattr(inp, name) else [])
+            for name, _ in LONG_CONTEXT_SWITCHES
+        ]
+    options = [(sp, *flags) for sp in degrees for flags in itertools.product(*switches)]
+    return [own] + [o for o in options if o != own]  # type: ignore[misc]
 
 
 def _states(start: MemoryInputs) -> list[str]:
@@ -224,27 +311,43 @@ def search(
             m for m in range(start.micro_batch - 1, 0, -1) if start.micro_batch % m == 0
         ]
         lora = [start.lora_rank] + ([SUGGESTED_LORA_RANK] if start.lora_rank is None else [])
-    fixes: list[Fix] = []
     modes = _memory_modes(start, hw.kind, saving_only=not faster)
-    for candidate in _variants(start, checkpointing, micro, modes, lora, _states(start)):
-        if candidate.knobs == start.knobs:
-            continue
-        ev = evaluate(candidate, hw, nvme_bytes)
-        slowdown = ev.time.total / reference if reference else 1.0
-        if not ev.fits or (faster and slowdown > 0.95):
-            continue
-        changes, overrides = describe_changes(
-            start, candidate, recipe, SHIPPED_DS_CONFIGS.get(candidate.ds_key)
-        )
-        fixes.append(Fix(ev, changes, overrides, slowdown))
-    # Drop a fix when another one, made of a subset of its kinds of change, is at least as fast
-    # (within 1%: far below the speed model's precision, so not worth one more change).
-    kept = [f for f in fixes if not any(g.kinds < f.kinds and g.slowdown <= f.slowdown * 1.01 for g in fixes)]
+
+    def fitting(long_context: list[tuple[int, bool, bool, bool]]) -> list[Fix]:
+        out = []
+        for candidate in _variants(start, checkpointing, micro, modes, lora, _states(start), long_context):
+            if candidate.knobs == start.knobs:
+                continue
+            ev = evaluate(candidate, hw, nvme_bytes)
+            slowdown = ev.time.total / reference if reference else 1.0
+            if not ev.fits or (faster and slowdown > 0.95):
+                continue
+            changes, overrides = describe_changes(
+                start, candidate, recipe, SHIPPED_DS_CONFIGS.get(candidate.ds_key)
+            )
+            out.append(Fix(ev, changes, overrides, slowdown))
+        return out
+
+    if faster:
+        fixes = fitting(long_context_options(start, saving_only=False))
+    else:
+        fixes = fitting([start.long_context])
+        if not any(_keeps_training_cheaply(f) for f in fixes):
+            # Only a long sequence needs ALST: searched when nothing else fits with the same training.
+            fixes += fitting(long_context_options(start)[1:])
     # Among fixes of the same kinds (e.g. several micro-batch sizes), keep the fastest.
-    best: dict[frozenset[str], Fix] = {}
-    for f in kept:
-        if f.kinds not in best or f.slowdown < best[f.kinds].slowdown:
-            best[f.kinds] = f
+    fastest: dict[frozenset[str], Fix] = {}
+    for f in fixes:
+        if f.kinds not in fastest or f.slowdown < fastest[f.kinds].slowdown:
+            fastest[f.kinds] = f
+    # Drop a fix when another one, made of a subset of its kinds of change, is at least as fast
+    # (within 1%: far below the speed model's precision, so not worth one more change). Done on the
+    # fastest of each kind: the same result as on all fixes, without comparing thousands of pairs.
+    best = {
+        kinds: f
+        for kinds, f in fastest.items()
+        if not any(g.kinds < kinds and g.slowdown <= f.slowdown * 1.01 for g in fastest.values())
+    }
     # The order --recipe auto prefers too: the same training before LoRA, without NVMe before with it,
     # fp32 optimizer states before bf16 ones (quality measured, not assumed), then the fastest.
     ranked = sorted(
@@ -258,6 +361,12 @@ def search(
         ),
     )
     return ranked[:limit]
+
+
+def _keeps_training_cheaply(fix: Fix) -> bool:
+    """The same training, fp32 optimizer states, without NVMe."""
+    c = fix.evaluation.inputs
+    return not fix.changes_training and not c.uses_nvme and c.state_dtype == "fp32"
 
 
 def search_fixes(
@@ -341,7 +450,17 @@ def short_config(c: MemoryInputs) -> str:
     off += ["bf16 optimizer states"] if c.state_dtype == "bf16" else []
     text = f"ZeRO-{c.zero_stage}" + (f" ({', '.join(off)})" if off else " without offload")
     text += f", micro-batch {c.micro_batch}" + (", checkpointing" if c.activation_checkpointing else "")
+    text += long_context_text(c, prefix=", ")
     return ("LoRA, " if c.lora_rank else "") + text
+
+
+def long_context_text(c: MemoryInputs, prefix: str = "") -> str:
+    """'sequence parallel 8, tiled MLP, tiled loss, checkpoints offloaded' (empty without ALST)."""
+    parts = [f"sequence parallel {c.sp}"] if c.sp > 1 else []
+    parts += ["tiled MLP"] if c.tiled_mlp else []
+    parts += ["tiled loss"] if c.tiled_loss else []
+    parts += ["checkpoints offloaded"] if c.offload_checkpoints else []
+    return prefix + ", ".join(parts) if parts else ""
 
 
 def _duration(seconds: float) -> str:

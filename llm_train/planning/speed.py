@@ -69,11 +69,12 @@ class StepTime:
 
 def flops_per_token(inp: MemoryInputs) -> float:
     """Training FLOPs per token on one model replica (planning/flops.py), as the hardware runs them:
-    LoRA trains only its adapters, and activation checkpointing recomputes the forward."""
+    LoRA trains only its adapters, activation checkpointing recomputes the forward, and the ALST
+    tiles recompute their part once more in backward (the MLP, the output layer)."""
     shape = inp.shape
     trainable = shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params
     frozen = shape.num_params if inp.lora_rank else 0
-    return training_flops_per_token(
+    flops = training_flops_per_token(
         trainable,
         shape.num_layers,
         shape.num_heads,
@@ -82,6 +83,11 @@ def flops_per_token(inp: MemoryInputs) -> float:
         frozen=frozen,
         recompute=inp.activation_checkpointing,
     )
+    if inp.mlp_is_tiled:
+        flops += 2.0 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers
+    if inp.tiled_loss:
+        flops += 2.0 * shape.vocab_size * shape.hidden_size
+    return flops
 
 
 def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bool = False) -> StepTime:
@@ -92,11 +98,13 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
     shard = inp.tp * inp.pp
     weights = shape.num_params / shard
     trainable = (shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params) / shard
-    dp, ranks, stage = inp.dp, inp.ranks_per_node, inp.zero_stage
+    # ZeRO partitions (and communicates) over the data- and sequence-parallel ranks together.
+    dp, ranks, stage = inp.zero_partitions, inp.ranks_per_node, inp.zero_stage
     tokens_micro = inp.micro_batch * inp.seq_len
+    tokens_rank = tokens_micro / inp.sp  # each of the sp ranks computes its slice of the sequence
 
-    efficiency = PEAK_EFFICIENCY * tokens_micro / (tokens_micro + EFFICIENCY_HALF_TOKENS)
-    flops_micro = flops_per_token(inp) * tokens_micro / shard
+    efficiency = PEAK_EFFICIENCY * tokens_rank / (tokens_rank + EFFICIENCY_HALF_TOKENS)
+    flops_micro = flops_per_token(inp) * tokens_micro / (shard * inp.sp)
     compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
     if stage == 3:
         compute *= 1 + ZERO3_COMPUTE_OVERHEAD
@@ -119,6 +127,13 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
         bandwidth = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
     exposed = OVERLAPPED_COMM_EXPOSED if inp.overlap_comm else 1.0
     communication = exposed * comm_bytes / bandwidth
+    if inp.sp > 1:
+        # Ulysses: per layer and pass (forward, backward, + recompute) q, k, v and the output of the
+        # rank's tokens cross an all-to-all, (sp-1)/sp of them to other GPUs of the node; not overlapped.
+        passes = 3 if inp.activation_checkpointing else 2
+        a2a = 4 * tokens_rank * shape.hidden_size * wbytes * (inp.sp - 1) / inp.sp
+        intra = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
+        communication += grad_accum * shape.num_layers * passes * a2a / intra
 
     # Host <-> GPU traffic of ZeRO-Offload / ZeRO-Infinity, per rank over its own PCIe link.
     pcie_bytes = 0.0
@@ -132,6 +147,9 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
             pcie_bytes += trainable / dp * wbytes
     if inp.offload_params != "none":
         pcie_bytes += grad_accum * fetches * weights / dp * wbytes
+    if inp.offload_checkpoints:
+        # Each layer's 16-bit checkpoint goes to the host in forward and comes back in backward.
+        pcie_bytes += grad_accum * shape.num_layers * 2 * (2 * tokens_rank * shape.hidden_size)
     if inp.offload_params == "nvme":
         # Swapped in from the drive (shared by the node's ranks) for every pass.
         nvme_bytes += ranks * grad_accum * fetches * weights / dp * wbytes
@@ -153,5 +171,5 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
         pcie=pcie,
         cpu_optimizer=cpu_optimizer,
         nvme=nvme,
-        tokens_per_step=grad_accum * tokens_micro * dp,
+        tokens_per_step=grad_accum * tokens_micro * inp.dp,
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.config.hardware import Device
+from llm_train.config.layout import workers_for
 from llm_train.config.resolution import Resolved, resolve_run, steps_for_epochs
 from llm_train.data import (
     BatchStream,
@@ -97,18 +98,19 @@ def build_data(run: Resolved, options: RunOptions, dp_rank: int, say: Callable[[
     """
     recipe, layout = run.recipe, run.layout
     tokenizer = load_tokenizer(recipe.model)
+    workers = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
     if is_streaming(recipe.data):
         # Tokenised and packed on the fly (data/streaming.py). A stream has no length: recipe.py demands
         # optim.max_steps, and the data-volume guard has no epochs to count.
         spec = StreamSpec.build(recipe.data, tokenizer, recipe.optim.seed)
-        stream = StreamingBatches(
-            spec, layout.micro_batch_size, dp_rank, layout.dp, workers=recipe.data.loader_workers
-        )
+        stream = StreamingBatches(spec, layout.micro_batch_size, dp_rank, layout.dp, workers=workers)
         say(f"data: data.train is streamed ({stream.workers} loader workers per rank); epochs not counted")
         eval_blocks = eval_split(recipe.data, tokenizer, recipe.optim.seed, say)
         return run, tokenizer, stream, eval_blocks, recipe.optim.max_steps
     train_blocks, eval_blocks = load_blocks(recipe.data, tokenizer, recipe.optim.seed, say)
-    stream = BatchStream(train_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.optim.seed)
+    stream = BatchStream(
+        train_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.optim.seed, workers=workers
+    )
     max_steps = recipe.optim.max_steps or steps_for_epochs(
         recipe.optim.epochs or 1.0, stream.per_epoch, layout.grad_accum
     )

@@ -106,3 +106,11 @@ def test_a_layout_knows_its_data_parallel_size_and_global_batch_and_varies_under
     assert layout.vary(zero_stage=0).zero_stage == 0
     with pytest.raises(LayoutError, match="pipeline"):
         layout.vary(zero_stage=3)
+
+
+def test_no_loader_workers_fork_next_to_an_offloaded_optimizer_unless_asked() -> None:
+    from llm_train.config.layout import workers_for
+
+    assert workers_for(None, optimizer_offloaded=True) == 0
+    assert workers_for(None, optimizer_offloaded=False) is None  # the stream's default (2 on CUDA)
+    assert workers_for(3, optimizer_offloaded=True) == 3

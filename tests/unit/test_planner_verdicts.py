@@ -3,10 +3,11 @@
 The expected verdicts do not come from the planner's own output: they come from the bytes per
 parameter of the ZeRO paper (Rajbhandari et al. 2020, section 3.1; mixed-precision Adam = 2
 (16-bit weights) + 2 (16-bit gradients) + 12 (fp32 master, m, v); stage 1 partitions the 12,
-stage 2 the 12 + 2, stage 3 all 16, over dp), from what the offloaded optimizer keeps on the host
-(the 12, plus CPU Adam's fp32 gradient: 16; with bf16 states 6 + 2 = 8), from what the final export
-holds (Adam's m and v, 8 of the 12 or 4 of the 6, are freed first; then the gathered 16-bit model,
-2), and from the hardware rules
+stage 2 the 12 + 2, stage 3 all 16, over dp), from what ZeRO-3's offloaded optimizer allocates on
+the host (DeepSpeed 0.19.8's source, written out below: the 12 pageable; the fp32 gradient of each
+optimizer sub-group and a flat 16-bit gradient buffer, pinned and so rounded up to a power of two
+by torch; a 16-bit copy of one sub-group during the step), from what the final export holds (Adam's
+m and v are freed first; then the gathered 16-bit model, 2), and from the hardware rules
 (usable GPU = 95% of it; usable host = RAM - max(4 GiB, 5%)). Where a term is not model states
 (activations, logits, buffers), the test bounds it from its paper formula and picks cases the
 bound cannot flip.
@@ -129,29 +130,38 @@ def test_zero_stage_verdicts_on_eight_24gb_cards_follow_the_paper(stage: int) ->
     assert verdict_word(ev, hw) == expected
 
 
-# --- host RAM with the optimizer offloaded: 16 (fp32) or 8 (bf16) bytes per parameter; the export ------------
+# --- host RAM with the optimizer offloaded (ZeRO-3, one process): DeepSpeed's buffers; the export ---------
+
+MiB = 2**20
+# DeepSpeed's ZeRO-3 sub-groups of the 7B's matrices at sub_group_size 1e9 (stage3.py
+# _create_fp16_sub_groups: a group closes at the first tensor reaching 1e9 elements): 1,007,681,536,
+# five of 1,011,875,840 and 671,088,640 elements; the norms (266,240) are a group of their own.
+LARGEST_SUB_GROUP = 1_011_875_840
 
 
-def offloaded_host_peak(states_bytes: int, moment_bytes: int) -> float:
-    """Training (offloaded states) or export (states - freed moments + the gathered 16-bit model)."""
-    return PROCESS + max(states_bytes, states_bytes - moment_bytes + 2) * PSI_7B
+def offloaded_host_peak(state: int) -> float:
+    """The first optimizer step of 7b-rtx4090: master + m + v (3 x state bytes), the sub-groups'
+    gradients (state bytes, each pinned: 4 GiB or 2 GiB apiece, the norms' 2 or 1 MiB), the flat bf16
+    gradient buffer (2 x PSI = 12.55 GB pinned: 16 GiB) and, with fp32 states, the bf16 copy of the
+    largest sub-group on its way back to the GPU. The export (less m and v, plus 2 x PSI) is smaller."""
+    sub_groups = 7 * 2**30 * state + state // 2 * MiB
+    step = 2 * LARGEST_SUB_GROUP if state == 4 else 0
+    return PROCESS + 3 * state * PSI_7B + sub_groups + 2**34 + step
 
 
 @pytest.mark.parametrize(
-    ("overrides", "states_bytes", "moment_bytes", "ram_gib", "expected"),
+    ("overrides", "state", "ram_gib", "expected"),
     [
-        # fp32 master + m + v (12) and CPU Adam's fp32 gradient (4); the export (16 - 8 + 2) stays below.
-        ([], 16, 8, 128, "FITS"),  # 103.4 GiB < 121.6 usable
-        ([], 16, 8, 96, "DOES NOT FIT"),  # 103.4 GiB > 91.2 usable
-        # bf16 master + m + v (6) and bf16 gradient (2); the export (8 - 4 + 2) stays below.
-        (["precision=bf16", "optim.state_dtype=bf16"], 8, 4, 64, "FITS"),  # 53.2 GiB < 60.8 usable
-        (["precision=bf16", "optim.state_dtype=bf16"], 8, 4, 48, "DOES NOT FIT"),  # 53.2 GiB > 44 usable
+        ([], 4, 192, "FITS"),  # 124.2 GiB < 182.4 usable
+        ([], 4, 128, "DOES NOT FIT"),  # 124.2 GiB > 121.6 usable: what killed the first H200 run
+        (["precision=bf16", "optim.state_dtype=bf16"], 2, 96, "FITS"),  # 70.7 GiB < 91.2 usable
+        (["precision=bf16", "optim.state_dtype=bf16"], 2, 64, "DOES NOT FIT"),  # 70.7 GiB > 60.8 usable
     ],
 )
 def test_offloaded_optimizer_host_ram_and_verdict(
-    overrides: list[str], states_bytes: int, moment_bytes: int, ram_gib: float, expected: str
+    overrides: list[str], state: int, ram_gib: float, expected: str
 ) -> None:
-    host = offloaded_host_peak(states_bytes, moment_bytes)
+    host = offloaded_host_peak(state)
     assert ("FITS" if host <= usable_host(ram_gib) else "DOES NOT FIT") == expected
     report = plan_recipe("7b-rtx4090", overrides, gpu_mem_gib=24, host_ram_gib=ram_gib, detect=False)
     # Exact: the training phase is larger than the load phase (one 5 GB shard) and the export phase.
@@ -166,8 +176,8 @@ def test_the_export_phase_decides_when_the_optimizer_is_not_offloaded() -> None:
 
 
 def test_plan_shows_what_bf16_states_would_save() -> None:
-    text = plan_text(["--recipe", "7b-rtx4090", "--gpu-mem", "24", "--host-ram", "128"])
-    saving = (16 - 8) * PSI_7B / GiB  # 50.2 GiB
+    text = plan_text(["--recipe", "7b-rtx4090", "--gpu-mem", "24", "--host-ram", "192"])
+    saving = (offloaded_host_peak(4) - offloaded_host_peak(2)) / GiB  # 53.5 GiB
     assert f"bf16 optimizer states would save {saving:.1f} GiB host RAM" in text
 
 

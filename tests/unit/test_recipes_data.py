@@ -34,6 +34,12 @@ HUB_DATASETS: dict[str, tuple[set[str | None], set[str], set[str]]] = {
         {"prompt", "prompt_id", "messages"},
     ),
     "yahma/alpaca-cleaned": ({None, "default"}, {"train"}, {"instruction", "input", "output"}),
+    # PG-19 books as Parquet (the long-context recipes): 28,602 / 50 / 100 books.
+    "emozilla/pg19": (
+        {None, "default"},
+        {"train", "validation", "test"},
+        {"short_book_title", "publication_date", "url", "text"},
+    ),
     "HuggingFaceFW/fineweb-edu": (
         {"default", "sample-10BT", "sample-100BT", "sample-350BT"},
         {"train"},
@@ -63,6 +69,9 @@ def test_the_gpu_recipes_are_the_ones_the_issue_names() -> None:
         "70b-zero3",
         "8b-lora-rtx4090",
         "1b-zero2",
+        "8b-128k-sp8",
+        "8b-1m-sp8-alst",
+        "8b-32k-rtx4090",
     } <= set(GPU_RECIPES)
 
 
