@@ -21,12 +21,16 @@ tests/e2e/test_sequence_parallel.py):
 - Padded rows drop their attention mask: padding sits at the end, so under causal attention no
   real token sees it, and its labels are -100. Packed rows would need the mask (refused
   unless flash-attention-2 runs them varlen from the position ids: parallel.py).
-- Evaluation runs whole sequences: Accelerate registers the attention with
-  `disable_in_eval`, so in eval mode every rank computes the full row itself.
+- Evaluation is sharded like training (a whole row of a long-context run fits no single GPU):
+  Accelerate registers the attention with `disable_in_eval`, which would make every rank compute
+  the full row in eval mode, so `evaluating` keeps the modules in training mode and switches off
+  what training mode adds, dropout (nn.Dropout modules and HF attention's `attention_dropout`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -98,3 +102,26 @@ class SequenceShard:
     def group_loss(self, share: torch.Tensor) -> torch.Tensor:
         """The SP group's loss (the sum of its ranks' shares), for logging; not differentiable."""
         return self.group.sum(share.detach())
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """No gradients and no dropout, with the modules left in training mode so Ulysses stays on."""
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.training]
+    attention = [
+        (m, m.attention_dropout)
+        for m in model.modules()
+        if isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0
+    ]
+    try:
+        for module in dropouts:
+            module.eval()
+        for module, _ in attention:
+            module.attention_dropout = 0.0
+        with torch.no_grad():
+            yield
+    finally:
+        for module in dropouts:
+            module.train()
+        for module, rate in attention:
+            module.attention_dropout = rate

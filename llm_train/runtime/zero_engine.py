@@ -26,7 +26,7 @@ from llm_train.runtime.fast import apply_liger, compile_engine
 from llm_train.runtime.lora import export_view
 from llm_train.runtime.model import build_model
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
-from llm_train.runtime.sequence_parallel import SequenceShard, parallelism_config
+from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
 
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
@@ -208,9 +208,13 @@ class ZeroEngine:
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
-        self.ds.eval()
-        losses = [self._loss(b) for b in batches]
-        self.ds.train()
+        if self._sequence is not None:
+            with evaluating(self.ds.module):
+                losses = [self._train_loss(b)[1] for b in batches]
+        else:
+            self.ds.eval()
+            losses = [self._loss(b) for b in batches]
+            self.ds.train()
         return WORLD.mean(torch.stack(losses).mean()) if losses else float("nan")
 
     def export(self, final: Path, tokenizer: Any) -> None:

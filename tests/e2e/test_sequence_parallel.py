@@ -32,8 +32,8 @@ RUN = [
     "optim.warmup_steps=0",
     "optim.micro_batch_size=4",
     "output.log_every=1",
-    "eval.every=0",
-    "eval.batches=1",
+    f"eval.every={STEPS}",  # sharded like training (sequence_parallel.evaluating)
+    "eval.batches=2",
     "output.sample_prompt=null",
 ]
 
@@ -52,14 +52,23 @@ def _run(run_dir: Path, pretrained: Path, sp: int, nproc: int, *extra: str) -> d
     assert_ok(result)
     if sp > 1:
         assert f"x sp {sp}" in result.stdout  # the start-up summary names the degree
-    return {m["step"]: m for m in read_metrics(run_dir) if "loss" in m}
+    metrics = read_metrics(run_dir)
+    steps = {m["step"]: m for m in metrics if "loss" in m}
+    for m in metrics:
+        if "eval_loss" in m:
+            steps[m["step"]]["eval_loss"] = m["eval_loss"]
+    return steps
 
 
 def _assert_same_math(split: dict[int, dict], whole: dict[int, dict]) -> None:
     assert sorted(split) == sorted(whole) == list(range(1, STEPS + 1))
     loss_diff = max(abs(split[s]["loss"] - whole[s]["loss"]) for s in whole)
     norm_diff = max(abs(split[s]["grad_norm"] - whole[s]["grad_norm"]) for s in whole)
-    print(f"max loss difference {loss_diff:.2e}, max grad-norm difference {norm_diff:.2e}")
+    eval_diff = abs(split[STEPS]["eval_loss"] - whole[STEPS]["eval_loss"])
+    print(
+        f"max loss difference {loss_diff:.2e}, max grad-norm difference {norm_diff:.2e}, eval {eval_diff:.2e}"
+    )
+    assert eval_diff <= TOL, (split[STEPS]["eval_loss"], whole[STEPS]["eval_loss"])
     assert loss_diff <= TOL, json.dumps({s: (split[s]["loss"], whole[s]["loss"]) for s in whole})
     assert norm_diff <= TOL, json.dumps({s: (split[s]["grad_norm"], whole[s]["grad_norm"]) for s in whole})
 
