@@ -21,6 +21,41 @@ def test_liger_without_a_gpu_is_a_clear_error() -> None:
         apply_liger(MemorySection(liger_kernels=True), "llama", zero_stage=2)
 
 
+@pytest.mark.parametrize(
+    ("stage", "tiled_loss", "expected"),
+    [
+        (2, False, {"fused_linear_cross_entropy": True, "cross_entropy": False}),
+        (3, False, {"fused_linear_cross_entropy": False, "cross_entropy": True}),
+        (2, True, {"fused_linear_cross_entropy": False, "cross_entropy": False}),
+    ],
+)
+def test_liger_loss_kernels_follow_zero_stage_and_tiled_loss(
+    monkeypatch: pytest.MonkeyPatch, stage: int, tiled_loss: bool, expected: dict[str, bool]
+) -> None:
+    """Which of Liger's loss kernels are asked for (Liger itself needs a GPU: a stand-in records the call)."""
+    import sys
+    import types
+
+    import torch
+
+    calls: list[dict[str, bool]] = []
+
+    def apply_liger_kernel_to_llama(
+        rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True
+    ) -> None:
+        calls.append(
+            {"cross_entropy": cross_entropy, "fused_linear_cross_entropy": fused_linear_cross_entropy}
+        )
+
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": apply_liger_kernel_to_llama}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    notice = apply_liger(MemorySection(liger_kernels=True, tiled_loss=tiled_loss), "llama", zero_stage=stage)
+    assert calls == [expected]
+    assert notice is not None and ("tiled_loss" in notice) == tiled_loss
+
+
 def test_compile_needs_an_engine_that_can() -> None:
     with pytest.raises(UserError, match="memory.torch_compile=true needs DeepSpeed >= 0.14"):
         compile_engine(object(), MemorySection(torch_compile=True))
