@@ -8,6 +8,11 @@ so the two ranks of a group hold very different numbers of loss tokens, and only
 token-weighted reduction over the group matches sp=1.
 
 A checkpoint taken under sp=2 resumes bit for bit, like every other layout.
+
+The sp=2 x dp=1 run also turns on the ALST memory switches (tiled MLP, tiled loss, activation
+checkpoints offloaded), which must not change the math either: at 512 tokens each rank's 256
+run through its MLPs in 2 tiles, recomputed in backward while ZeRO-3 gathers the weights per
+tile (tests/unit/test_tiling.py compares each switch on and off within 1e-5).
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ from tests.helpers import accelerate_launch, assert_ok, read_metrics
 pytestmark = pytest.mark.e2e
 
 STEPS, RESUME_FROM = 5, 3
+ALST = [
+    "memory.activation_checkpointing=true",
+    "memory.tiled_mlp=true",
+    "memory.tiled_loss=true",
+    "memory.offload_checkpoints=true",
+]
 TOL = 1e-4
 RUN = [
     "--recipe",
@@ -31,6 +42,7 @@ RUN = [
     f"--max-steps={STEPS}",
     "optim.warmup_steps=0",
     "optim.micro_batch_size=4",
+    "data.seq_len=512",
     "output.log_every=1",
     f"eval.every={STEPS}",  # sharded like training (sequence_parallel.evaluating)
     "eval.batches=2",
@@ -79,18 +91,18 @@ def whole(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[in
     return _run(tmp_path_factory.mktemp("sp") / "sp1", pretrained, sp=1, nproc=1)
 
 
-def test_sp2_matches_sp1_and_resumes_bit_exact(
+def test_sp2_with_alst_switches_matches_sp1_and_resumes_bit_exact(
     whole: dict[int, dict], pretrained: Path, tmp_path: Path
 ) -> None:
-    checkpoints = "checkpoint.every_steps=3"
-    split = _run(tmp_path / "sp2", pretrained, 2, 2, checkpoints)
+    checkpoints = ["checkpoint.every_steps=3", *ALST]
+    split = _run(tmp_path / "sp2", pretrained, 2, 2, *checkpoints)
     _assert_same_math(split, whole)
 
     from llm_train.runtime.checkpoint import step_name
 
     resumed_dir = tmp_path / "resumed"
     checkpoint = tmp_path / "sp2" / "checkpoints" / step_name(RESUME_FROM)
-    resumed = _run(resumed_dir, pretrained, 2, 2, checkpoints, "--resume", str(checkpoint))
+    resumed = _run(resumed_dir, pretrained, 2, 2, *checkpoints, "--resume", str(checkpoint))
     assert sorted(resumed) == list(range(RESUME_FROM + 1, STEPS + 1))
     assert all(resumed[s]["loss"] == split[s]["loss"] for s in resumed)  # exact
     mine = load_file(resumed_dir / "final" / "model.safetensors")
