@@ -25,8 +25,7 @@ Python, torch, DeepSpeed and the model states.
 Predicted: the planner's per-rank terms for the same recipe and overrides (planning.fit
 memory_inputs -> estimate_memory), the same difference of activations + logits and loss +
 Ulysses all-to-all buffers, with the 10% allocator slack the planner adds on CPU
-(planning.fit.needs). The planner counts activations at 16 bits (it plans bf16 GPU runs); this run
-is fp32, so a second column doubles the activation term (logits are counted in fp32 already).
+(planning.fit.needs). The planner counts this fp32 run's activations at 4 bytes (16-bit runs at 2).
 
 Rows: the whole bundled corpus is one document (`sample_by: document`) cut into full rows of
 seq_len tokens, so no row is padded and sp=1's sdpa runs causal without a mask, as sp=2 does
@@ -137,12 +136,9 @@ class Predicted:
     process_bytes: int
     """What the planner expects one CPU training process to hold: its terms x (1 + slack) + the process."""
 
-    def sequence_bytes(self, fp32_activations: bool) -> float:
+    def sequence_bytes(self) -> float:
         """Activations + logits + all-to-all buffers, with the planner's allocator slack."""
-        total = sum(self.terms.get(k, 0) for k in SEQUENCE_TERMS)
-        if fp32_activations:
-            total += self.terms["activations"]  # counted at 2 bytes; this run keeps 4
-        return total * (1 + ALLOCATOR_SLACK_FRACTION)
+        return sum(self.terms.get(k, 0) for k in SEQUENCE_TERMS) * (1 + ALLOCATOR_SLACK_FRACTION)
 
 
 def predict(config: Config, seq_len: int, vocab_size: int | None) -> Predicted:
@@ -300,25 +296,23 @@ def report(
         "document cut into full rows (E: the recipe's padded paragraph rows)",
         f"# peak RSS = VmHWM per training process (max over ranks); 'seq part' = peak at {seq_len} - peak at {base}",
         "# predicted = planner per-rank terms (activations + logits and loss + all-to-all buffers) x 1.10 slack,",
-        "#   same difference; 'fp32 act' doubles the planner's 16-bit activation term for this fp32 run",
+        "#   same difference",
         "",
         f"{'config':<42} {'peak@' + str(seq_len):>10} {'peak@' + str(base):>9} {'seq part':>9} "
-        f"{'pred 16b':>9} {'pred fp32':>9} {'planner/proc':>12} {'ranks @' + str(seq_len):>16} {'wall s':>7}  losses",
+        f"{'predicted':>9} {'planner/proc':>12} {'ranks @' + str(seq_len):>16} {'wall s':>7}  losses",
     ]
     seq_part: dict[str, float] = {}
-    pred16: dict[str, float] = {}
-    pred32: dict[str, float] = {}
+    pred: dict[str, float] = {}
     for c in configs:
         long, short = measured[(c.name, seq_len)], measured[(c.name, base)]
         p_long, p_short = predicted[(c.name, seq_len)], predicted[(c.name, base)]
         seq_part[c.name] = long.peak - short.peak
-        pred16[c.name] = p_long.sequence_bytes(False) - p_short.sequence_bytes(False)
-        pred32[c.name] = p_long.sequence_bytes(True) - p_short.sequence_bytes(True)
+        pred[c.name] = p_long.sequence_bytes() - p_short.sequence_bytes()
         ranks = "/".join(_mib(r) for r in long.rank_peaks)
         losses = " ".join(f"{x:.4f}" for x in long.losses)
         lines.append(
             f"{c.name + '  ' + c.what:<42} {_mib(long.peak):>10} {_mib(short.peak):>9} {_mib(seq_part[c.name]):>9} "
-            f"{_mib(pred16[c.name]):>9} {_mib(pred32[c.name]):>9} {_mib(p_long.process_bytes):>12} "
+            f"{_mib(pred[c.name]):>9} {_mib(p_long.process_bytes):>12} "
             f"{ranks:>16} {long.wall_s:>7.0f}  {losses}"
         )
     lines.append(
@@ -331,7 +325,7 @@ def report(
         shown = ", ".join(f"{k} {_mib(v)}" for k, v in terms.items() if k != "cuda_context_and_slack")
         lines.append(f"  {c.name}: {shown}")
     lines.append("")
-    lines.append("ratios of the sequence-dependent part, measured vs predicted (16-bit / fp32 activations):")
+    lines.append("ratios of the sequence-dependent part, measured vs predicted:")
     pairs = [
         ("B", "A", "ALST vs sp=1 (the issue's claim)"),
         ("C", "A", "Ulysses alone"),
@@ -341,10 +335,9 @@ def report(
     ]
     for num, den, what in pairs:
         if num in seq_part and den in seq_part and seq_part[den] > 0:
-            p16 = pred16[num] / pred16[den] if pred16[den] else float("nan")
-            p32 = pred32[num] / pred32[den] if pred32[den] else float("nan")
+            predicted = pred[num] / pred[den] if pred[den] else float("nan")
             lines.append(
-                f"  {num}/{den} {what:<34} measured {seq_part[num] / seq_part[den]:.2f}   predicted {p16:.2f} / {p32:.2f}"
+                f"  {num}/{den} {what:<34} measured {seq_part[num] / seq_part[den]:.2f}   predicted {predicted:.2f}"
             )
     if "A" in seq_part and "B" in seq_part:
         verdict = "lower" if seq_part["B"] < seq_part["A"] else "NOT lower"

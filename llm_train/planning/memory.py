@@ -661,6 +661,10 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         activations = kept + full_layer
     else:
         activations = layers_per_stage * in_flight * per_layer + mlp_tile
+    if inp.precision == "fp32":
+        # The formulas above count 16-bit activations; an fp32 run (CPU) keeps every one in 4 bytes.
+        activations *= 2
+        offloaded_checkpoints *= 2
     # Logits live on the last pipeline stage; adding them to the first stage's
     # activations over-counts a little when pp > 1 (conservative).
     if inp.tiled_loss:
