@@ -54,7 +54,9 @@ def _assert_identical(run_dir: Path, reference: Path) -> None:
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-@pytest.mark.parametrize("variant", ["zero1", "zero2", "zero3"])
+# ZeRO-1 saves and loads through the same stage_1_and_2 optimizer code as ZeRO-2 (and is resumed
+# after kills in test_bf16 and on other layouts in test_resume_anywhere): two variants, for CI time.
+@pytest.mark.parametrize("variant", ["zero2", "zero3"])
 def test_kill_9_and_resume_is_exact(
     runs: dict[str, Path], pretrained: Path, tmp_path: Path, variant: str
 ) -> None:

@@ -99,7 +99,8 @@ def test_two_processes_resume_on_one_with_the_same_trajectory(
     _compare(f"{variant} 2->1", tmp_path / "one", runs[variant])
 
 
-@pytest.mark.parametrize("variant", ["zero1", "zero2", "zero3"])
+# ZeRO-1's universal round trip is covered 2 -> 1 above; 1 -> 2 runs the stages with their own loaders.
+@pytest.mark.parametrize("variant", ["zero2", "zero3"])
 def test_one_process_resumes_on_two_with_the_same_trajectory(
     runs: dict[str, Path], pretrained: Path, tmp_path: Path, variant: str
 ) -> None:
