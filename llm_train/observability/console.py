@@ -146,7 +146,7 @@ def startup_summary(
         say(f"notice: {run.notice}")
 
 
-RECIPE_COLUMNS = ("recipe", "model", "ZeRO/TP/PP", "GPUs", "VRAM", "host RAM", "description")
+RECIPE_COLUMNS = ("recipe", "model", "ZeRO/TP/PP/SP", "GPUs", "VRAM", "host RAM", "description")
 
 
 def recipe_row(name: str) -> tuple[str, ...]:
@@ -157,11 +157,11 @@ def recipe_row(name: str) -> tuple[str, ...]:
     _, raw = ds_json.load_ds_config(recipe.deepspeed.config)
     try:
         layout, _ = make_layout(recipe, raw, hw.world_size, Device.declared(recipe))
-        stage, tp, pp = layout.zero_stage, layout.tp, layout.pp
+        stage, tp, pp, sp = layout.zero_stage, layout.tp, layout.pp, layout.sp
         offload = layout.offload_optimizer != "none" or layout.offload_params != "none"
     except UserError:  # a recipe whose declared hardware does not divide; show what the JSON says
-        stage, tp, pp, offload = ds_json.zero_stage(raw), 0, 0, False
-    degrees = f"{stage}{'+off' if offload else ''}/{tp or '?'}/{pp or '?'}"
+        stage, tp, pp, sp, offload = ds_json.zero_stage(raw), 0, 0, 0, False
+    degrees = f"{stage}{'+off' if offload else ''}/{tp or '?'}/{pp or '?'}/{sp or '?'}"
     count = f"{hw.nodes} nodes x {hw.processes_per_node}" if hw.nodes > 1 else str(hw.processes_per_node)
     if hw.device == "cpu":
         gpus, vram = f"none (cpu x{hw.world_size})", "-"

@@ -92,6 +92,8 @@ def test_partial_last_line_is_tolerated_and_bad_input_is_one_line(tmp_path: Path
 def test_recipes_table_has_the_layout_columns(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:7] == ["recipe", "model", "ZeRO/TP/PP", "GPUs", "VRAM", "host", "RAM"]
+    assert lines[0].split()[:7] == ["recipe", "model", "ZeRO/TP/PP/SP", "GPUs", "VRAM", "host", "RAM"]
     tiny = next(line for line in lines if line.startswith("tiny-cpu "))
-    assert "3/1/1" in tiny and "none (cpu x2)" in tiny and "2 GiB" in tiny
+    assert "3/1/1/1" in tiny and "none (cpu x2)" in tiny and "2 GiB" in tiny
+    sp = next(line for line in lines if line.startswith("8b-128k-sp8 "))
+    assert "3/1/1/8" in sp
