@@ -102,6 +102,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         seq_len=recipe.data.seq_len,
         activation_checkpointing=recipe.memory.activation_checkpointing,
         attn_impl=recipe.memory.attention,
+        dense_mask=True,  # packed rows (block-diagonal) and padded rows both carry one
         lora_rank=recipe.lora.rank if recipe.lora else None,
         reduce_bucket_size=number("reduce_bucket_size", None),
         prefetch_bucket_size=number("stage3_prefetch_bucket_size", None),

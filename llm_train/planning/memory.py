@@ -339,6 +339,9 @@ class MemoryInputs:
     seq_len: int = 2048
     activation_checkpointing: bool = False
     attn_impl: str = "sdpa"
+    dense_mask: bool = False
+    """The rows carry an attention mask (packed rows: block-diagonal; padded rows), which sdpa receives
+    as [micro x 1 x s x s] without sequence parallelism (Ulysses drops it); flash-attention-2 needs none."""
     lora_rank: int | None = None
     """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
     reduce_bucket_size: int | None = None
@@ -543,6 +546,7 @@ _LABELS = {
     "activations": "activations",
     "sequence_parallel_buffers": "Ulysses all-to-all buffers",
     "logits_and_loss": "logits and loss",
+    "attention_mask": "sdpa attention mask (s x s)",
     "deepspeed_buffers": "DeepSpeed buffers",
     "cuda_context_and_slack": "CUDA context + allocator slack",
     "offloaded_optimizer_states": "offloaded optimizer states (master, m, v)",
@@ -697,6 +701,15 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "logits_and_loss": logits,
         "deepspeed_buffers": buffers,
     }
+    if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
+        # HF builds one bool [b, 1, s, s] mask per forward; torch's sdpa turns it into an additive
+        # mask of the compute dtype in each layer and keeps it for backward (measured on CPU at 8k:
+        # ~+1.1 GiB for 4 fp32 layers, bench/results/long-context-memory-*.txt). With checkpointing one
+        # layer's copy is alive at a time. Not yet measured on a GPU.
+        layers_alive = 1 if inp.activation_checkpointing else layers_per_stage
+        square = b * inp.seq_len * inp.seq_len
+        act_bytes = 4 if inp.precision == "fp32" else 2
+        gpu_terms["attention_mask"] = square * (1 + act_bytes * layers_alive)
     if inp.sp > 1:
         gpu_terms["sequence_parallel_buffers"] = sequence_parallel_buffer_bytes(
             shape, tokens, b, weight_bytes

@@ -68,6 +68,16 @@ def test_activations_and_logits_fall_as_one_over_sp(sp: int) -> None:
     assert "sequence_parallel_buffers" not in one
 
 
+def test_sdpa_gets_an_s_by_s_mask_without_sequence_parallelism_only() -> None:
+    seq = 32768
+    masked = gpu(inputs(seq_len=seq, dense_mask=True, activation_checkpointing=True))
+    # One bool mask per forward and the layer being computed's bf16 copy of it.
+    assert masked["attention_mask"] == seq * seq * (1 + 2)
+    assert "attention_mask" not in gpu(inputs(seq_len=seq, dense_mask=True, attn_impl="flash_attention_2"))
+    assert "attention_mask" not in gpu(inputs(seq_len=seq, dense_mask=True, world_size=2, sp=2))
+    assert "attention_mask" not in gpu(inputs(seq_len=seq))  # rows without a mask
+
+
 def test_zero_partitions_over_the_sequence_parallel_ranks_too() -> None:
     # DeepSpeed partitions over the sequence-data-parallel group: dp 1 x sp 8 shards like dp 8.
     assert inputs(sp=8).dp == 1 and inputs(sp=8).zero_partitions == 8
