@@ -98,9 +98,7 @@ def main() -> None:
 
 
 def finish(accelerator: Accelerator) -> None:
-    accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    accelerator.end_training()  # also destroys the process group (AcceleratorState.destroy_process_group)
 
 
 def run_and_exit(main: Callable[[], None]) -> None:
