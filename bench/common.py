@@ -20,6 +20,18 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
 
+def proc_kib_field(path: str, field: str) -> int | None:
+    """Bytes of a 'Field:  N kB' line of a /proc file (status VmHWM, smaps_rollup Pss); None if unreadable."""
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

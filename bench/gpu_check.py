@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import OFFLINE_ENV, REPO, versions  # bench/ is this script's folder
+from common import OFFLINE_ENV, REPO, proc_kib_field, versions  # bench/ is this script's folder
 
 TRAIN = REPO / "llm_train" / "train.py"
 CAPPED_TRAIN = REPO / "bench" / "capped_train.py"
@@ -240,13 +240,9 @@ def _pss_bytes(proc: Any) -> int | None:
     /proc/PID/smaps_rollup (Linux >= 4.14) sums it in the kernel; psutil's memory_full_info reads the
     same numbers from smaps. None for a process that ended or cannot be read.
     """
-    try:
-        with open(f"/proc/{proc.pid}/smaps_rollup") as rollup:
-            for line in rollup:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    pss = proc_kib_field(f"/proc/{proc.pid}/smaps_rollup", "Pss")
+    if pss is not None:
+        return pss
     try:
         return int(proc.memory_full_info().pss)
     except Exception:

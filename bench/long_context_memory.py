@@ -57,7 +57,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
-from common import OFFLINE_ENV, REPO, free_port, versions  # bench/ is this script's folder
+from common import OFFLINE_ENV, REPO, free_port, proc_kib_field, versions  # bench/ is this script's folder
 
 sys.path.insert(0, str(REPO))
 
@@ -165,14 +165,7 @@ class Measured:
 
 
 def _vm_hwm(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_kib_field(f"/proc/{pid}/status", "VmHWM")
 
 
 def _runs_train(proc: psutil.Process) -> bool:
