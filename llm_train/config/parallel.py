@@ -51,19 +51,12 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
 
 def _check_sequence_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], degrees: str) -> None:
     sp, memory = layout.sp, recipe.memory
-    heads = fields.get("num_attention_heads")
-    if heads is not None:
-        kv_heads = int(fields.get("num_key_value_heads") or heads)
-        broken = sequence_parallel_problem(sp, recipe.data.seq_len, int(heads), kv_heads)
-        if broken:
-            raise UserError(
-                f"{degrees}: "
-                + sequence_parallel_message(broken, sp, recipe.data.seq_len, int(heads), kv_heads)
-            )
-    elif recipe.data.seq_len % sp:
-        broken = sequence_parallel_problem(sp, recipe.data.seq_len, sp, sp)
-        assert broken is not None
-        raise UserError(f"{degrees}: " + sequence_parallel_message(broken, sp, recipe.data.seq_len, sp, sp))
+    seq_len = recipe.data.seq_len
+    heads = int(fields.get("num_attention_heads") or sp)  # a shape unknown offline: only seq_len is checked
+    kv_heads = int(fields.get("num_key_value_heads") or heads)
+    broken = sequence_parallel_problem(sp, seq_len, heads, kv_heads)
+    if broken:
+        raise UserError(f"{degrees}: " + sequence_parallel_message(broken, sp, seq_len, heads, kv_heads))
     asked = f"deepspeed.sequence_parallel={sp}"
     if memory.attention == "eager":
         raise UserError(
