@@ -128,7 +128,7 @@ DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 
 ATTN_IMPLS = ("sdpa", "flash_attention_2", "eager")
 # Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
-# runtime/tiling.py DEFAULT_LOSS_TILE_BYTES).
+# runtime/tiling.py cuts its tiles by this same constant).
 LOSS_TILE_LOGITS_BYTES = GiB
 # The all-to-all of Ulysses attention regroups q, k, v and the attention output of one layer.
 SP_ALL_TO_ALL_TENSORS = 4

@@ -41,10 +41,9 @@ from typing import Any
 import torch
 
 from llm_train.errors import UserError
+from llm_train.planning.memory import LOSS_TILE_LOGITS_BYTES
 
 IGNORE_INDEX = -100
-# ALST's loss tile: about 1 GiB of fp32 logits per row of the batch.
-DEFAULT_LOSS_TILE_BYTES = 1 << 30
 # Configs whose causal LM transforms the logits before the loss (Gemma 2/3 soft-capping, Cohere's
 # scale, Granite's divisor) or adds a router loss to it (MoE): the tiled loss would not equal theirs.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_router_logits")
@@ -132,7 +131,7 @@ def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch
 # Tiled loss
 
 
-def enable_tiled_loss(lm: Any, tile_bytes: int = DEFAULT_LOSS_TILE_BYTES) -> None:
+def enable_tiled_loss(lm: Any, tile_bytes: int = LOSS_TILE_LOGITS_BYTES) -> None:
     """Make `lm(..., labels=...)` / `lm(..., shift_labels=...)` compute its loss without whole-sequence logits.
 
     With labels (HF style, shifted inside) or shift_labels (already shifted, -100 = ignored; the
