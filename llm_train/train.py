@@ -21,6 +21,7 @@ from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.console import add_train_args
+from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.guards import check_host_ram, check_nvme_path, memory_rows
 from llm_train.runtime import launcher
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
@@ -93,6 +94,10 @@ def print_dry_run(run: Resolved) -> None:
             print(f"  {key:<28} {value}")
     if run.notice:
         print(f"notice: {run.notice}")
+    if lines := checkpoint_lines(run):
+        print("# checkpoints (estimate; see llm_train/planning/checkpoint_cost.py for the rates)")
+        for line in lines:
+            print(f"  {line}")
     # Last, because it may tokenise local data (into the cache the run reads) and refuses a run
     # that would loop over its data more than data.max_epochs times.
     recipe = run.recipe

@@ -432,6 +432,16 @@ class DeepSpeedSection(Section):
         description="Directory on a fast local NVMe drive for ZeRO-Infinity offload (DS JSON device 'nvme'); "
         "checked for existence, write access and free space before the run starts.",
     )
+    # 30 minutes: the longest wait inside a collective in the largest shipped recipe (70b-zero3, 32
+    # ranks) is one rank writing its ~25 GiB checkpoint share or a ~1 min step, minutes at worst on a
+    # busy shared filesystem; hashing and conversion never wait inside one (runtime/file_sync.py).
+    # `llm-train plan` and --dry-run print the checkpoint's expected times against it.
+    timeout_minutes: float = Field(
+        30.0,
+        gt=0,
+        description="Process-group timeout (NCCL/gloo), given to Accelerate and DeepSpeed: a collective fails "
+        "after waiting this long for a rank; ranks waiting for checkpoint work through files use it too.",
+    )
 
     @model_validator(mode="after")
     def _nvme_path_is_a_path(self) -> DeepSpeedSection:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +25,11 @@ from llm_train.errors import EXIT_NONFINITE, UserError
 
 class NonFiniteLoss(UserError):
     exit_code = EXIT_NONFINITE
+
+
+def process_group_timeout(timeout_minutes: float) -> timedelta:
+    """deepspeed.timeout_minutes as the process group's timeout (every engine's `start` passes it on)."""
+    return timedelta(minutes=timeout_minutes)
 
 
 Batch = dict[str, Any]

@@ -24,7 +24,7 @@ from llm_train.observability.metrics import shape_flops_per_token
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.engine import Batch, StepResult
+from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
 from llm_train.runtime.export import reference_input_ids, write_reference
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
@@ -80,7 +80,10 @@ class PipelineEngine:
         if torch.cuda.is_available():
             get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # DeepSpeed picks gloo for its CPU accelerator and NCCL on GPUs.
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        deepspeed.init_distributed(
+            dist_backend=get_accelerator().communication_backend_name(),
+            timeout=process_group_timeout(self.run.recipe.deepspeed.timeout_minutes),
+        )
         if collectives.world_size() != self.run.layout.world_size:
             raise RuntimeError(
                 f"DeepSpeed sees a world of {collectives.world_size()}, the layout says {self.run.layout.world_size}"

@@ -22,22 +22,24 @@ from llm_train.runtime.checkpoint import (
     SaveMeta,
     committed,
     dir_size,
-    find_resumable,
     reseed,
+    resumable_candidates,
     rng_state,
     set_rng_state,
     trainer_state_path,
-    verify,
+    verify_shared,
 )
 from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.file_sync import FileSync
 from llm_train.runtime.resume_layout import ResumeLayout
-from llm_train.runtime.universal import universal_dir
+from llm_train.runtime.universal import ensure_universal, universal_dir
 
 
 def recipe_hash(recipe: Recipe) -> str:
     """What was trained, how: output location, checkpoint cadence and tracking do not count."""
     what = recipe.model_dump(mode="json", exclude={"output", "checkpoint", "tracking"})
     what["optim"].pop("grad_accum")  # the batch is compared on its own, through the layout (resume_layout.py)
+    what["deepspeed"].pop("timeout_minutes")  # how long ranks wait for each other: not what is trained
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -103,21 +105,56 @@ def make_saver(
     return save
 
 
-def choose_checkpoint(spec: str, root: Path, rank: int, comm: Collectives, warn: Any) -> Path | None:
-    """Rank 0 picks and verifies; every rank gets the same answer (or the same error)."""
-    answer: tuple[str | None, str | None] = (None, None)
+def choose_checkpoint(
+    spec: str, root: Path, rank: int, comm: Collectives, warn: Any, patience_s: float = 1800.0
+) -> Path | None:
+    """The verified checkpoint to resume, the same on every rank (or the same error on every rank).
+
+    Rank 0 names the candidates (`latest` first, then older ones; for a path, that one); every
+    rank verifies its share of each candidate's files (checkpoint.verify_shared), so no rank
+    hashes the whole checkpoint while the others wait, and none waits inside a collective.
+    """
+    named = [str(c) for c in resumable_candidates(root)] if spec == "auto" else [spec]
+    candidates = comm.from_rank0(named if rank == 0 else None)
+    if not candidates:
+        return None
+    sync = FileSync.open(root, "resume", comm, rank, patience_s)
+    for i, candidate in enumerate(map(Path, candidates)):
+        reason = verify_shared(candidate, sync, f"verify{i}") if candidate.is_dir() else "not a directory"
+        if reason is None:
+            return candidate
+        if spec != "auto":
+            raise UserError(
+                f"--resume {spec}: {reason}; pass --resume auto to pick the newest complete checkpoint"
+            )
+        if rank == 0:
+            warn(f"warning: skipping checkpoint {candidate}: {reason}")
+    return None
+
+
+def convert_for_resume(
+    chosen: Path, root: Path, rank: int, comm: Collectives, patience_s: float, say: Any
+) -> None:
+    """Rank 0 converts `chosen` to the universal format (once); the other ranks wait for it through a file.
+
+    A 70B conversion takes about an hour (planning/checkpoint_cost.py): far beyond any
+    process-group timeout, so the others must not wait inside a collective (runtime/file_sync.py).
+    A copy already there is verified by all ranks, a share each.
+    """
+    sync = FileSync.open(root, "convert", comm, rank, patience_s)
+    existing = universal_dir(chosen)  # made by an earlier resume or `llm-train convert`
+    if existing.is_dir() and verify_shared(existing, sync, "verify") is None:
+        return  # verified in shares by every rank: nothing to convert
     if rank == 0:
-        if spec == "auto":
-            found = find_resumable(root, warn)
-            answer = (str(found) if found else None, None)
-        else:
-            path = Path(spec)
-            reason = verify(path) if path.is_dir() else "not a directory"
-            answer = (str(path), None) if reason is None else (None, f"--resume {spec}: {reason}")
-    path, error = comm.from_rank0(answer)
-    if error:
-        raise UserError(error + "; pass --resume auto to pick the newest complete checkpoint")
-    return Path(path) if path else None
+        error = None
+        with sync.working():
+            try:
+                ensure_universal(chosen, say)
+            except (UserError, OSError) as exc:
+                error = str(exc)
+        sync.post("outcome", error)
+    if error := sync.wait("outcome", [0], f"universal conversion of {chosen.name}")[0]:
+        raise UserError(error)
 
 
 def check_recipe(ckpt: Path, manifest: dict[str, Any], recipe: Recipe, warn: Any) -> None:

@@ -31,7 +31,7 @@ from llm_train.data import (
     load_blocks,
 )
 from llm_train.data.volume import DataVolume, check_volume
-from llm_train.errors import EXIT_PREEMPTED, UserError
+from llm_train.errors import EXIT_PREEMPTED
 from llm_train.observability.console import quiet, startup_summary
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import enable_flops_profiler, make_profiler
@@ -39,7 +39,7 @@ from llm_train.observability.tracking import open_trackers
 from llm_train.runtime import collectives, launcher
 from llm_train.runtime.checkpoint import Checkpointer, read_manifest
 from llm_train.runtime.control import RunControl
-from llm_train.runtime.engine import Engine
+from llm_train.runtime.engine import Engine, process_group_timeout
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
 from llm_train.runtime.loop import LoopConfig, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
@@ -54,12 +54,12 @@ from llm_train.runtime.resume_layout import (
 from llm_train.runtime.run_state import (
     check_recipe,
     choose_checkpoint,
+    convert_for_resume,
     make_saver,
     restore_run_state,
     truncate_metrics,
 )
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
-from llm_train.runtime.universal import ensure_universal
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,8 @@ def prepare_resume(
 ) -> Path | None:
     """The verified checkpoint to resume (the same on every rank), converted when the layout changed."""
     comm = collectives.WORLD
-    chosen = choose_checkpoint(options.resume or "auto", root, rank, comm, say)
+    patience_s = run.recipe.deepspeed.timeout_minutes * 60
+    chosen = choose_checkpoint(options.resume or "auto", root, rank, comm, say, patience_s)
     if chosen is None:
         return None
     manifest = read_manifest(chosen)
@@ -174,14 +175,7 @@ def prepare_resume(
     verified = plan_resume(saved_layout(manifest), run.layout, options.allow_batch_change)
     check_same_plan(chosen, plan, verified)
     if plan.universal:
-        error = None
-        if rank == 0:
-            try:
-                ensure_universal(chosen, say)
-            except (UserError, OSError) as exc:
-                error = str(exc)
-        if error := comm.from_rank0(error):
-            raise UserError(error)
+        convert_for_resume(chosen, root, rank, comm, patience_s, say)
     return chosen
 
 
@@ -211,10 +205,18 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         run.ds_config, options.profile, options.flops_profiler, out
     )  # --flops-profiler: DeepSpeed reads the DS config
     engine = make_engine(run, say)
-    collectives.join_restarted_world()  # a no-op unless torchrun restarted this worker
+    collectives.join_restarted_world(
+        process_group_timeout(recipe.deepspeed.timeout_minutes)
+    )  # a no-op unless torchrun restarted it
     engine.start()
     clock.mark("distributed init")
-    me = {"rank": rank, "dp_rank": dp_rank, "world_size": collectives.world_size(), **engine.world_info()}
+    me = {
+        "rank": rank,
+        "dp_rank": dp_rank,
+        "world_size": collectives.world_size(),
+        "pg_timeout_s": collectives.timeout_s(),  # what the process group got (deepspeed.timeout_minutes)
+        **engine.world_info(),
+    }
     ranks = collectives.WORLD.gather_objects(me)
     if rank == 0:
         create_run_dir(out, run, options.overwrite and not options.resume)
@@ -251,7 +253,13 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         "plan": layout.as_dict(),
     }
     tracker = open_trackers(recipe.tracking, out, config_for_tracker, rank == 0, tracker_run_id, start_step)
-    checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
+    checkpointer = Checkpointer(
+        out / "checkpoints",
+        rank,
+        recipe.checkpoint.keep_last_n,
+        comm,
+        patience_s=recipe.deepspeed.timeout_minutes * 60,
+    )
     control = RunControl(
         recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, grace_s=recipe.checkpoint.grace_s
     )

@@ -20,7 +20,7 @@ from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.observability.metrics import model_flops_per_token
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
-from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
+from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
 from llm_train.runtime.export import clear_reference, reference_input_ids, save_hf_model, write_reference
 from llm_train.runtime.fast import apply_liger, compile_engine
 from llm_train.runtime.lora import export_view
@@ -73,8 +73,12 @@ class ZeroEngine:
 
             self._hf_ds_config = HfDeepSpeedConfig(run.ds_config)
         # Without a GPU, Accelerate must be told the backend or every rank believes it is rank 0
-        # of a world of 1 while DeepSpeed runs a world of N (DESIGN.md fact 2).
-        handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+        # of a world of 1 while DeepSpeed runs a world of N. The timeout reaches DeepSpeed through
+        # Accelerate (its DeepSpeed path calls deepspeed.init_distributed with these kwargs; without
+        # them DeepSpeed's own default, 10 minutes, applies); world.json records what the group got.
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = process_group_timeout(run.recipe.deepspeed.timeout_minutes)
+        handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout)]
         self.accelerator = Accelerator(
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
             mixed_precision=_MIXED_PRECISION[run.layout.precision],
@@ -224,7 +228,10 @@ class ZeroEngine:
         # under ZeRO-3 each layer's shards are gathered from every rank for the forward.
         reference = None if adapter_only else self._reference_forward(tokenizer)
         release_moments(self.ds.optimizer)  # the run is over: room for the gathered copy below
-        # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes.
+        # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes, alone and with nobody
+        # waiting for it: at 70B that is ~140 GB of safetensors, far beyond a collective's timeout,
+        # and nothing the other ranks do next needs final/ (they tear the world down and exit; rank 0
+        # verifies final/ after that).
         state_dict = self.accelerator.get_state_dict(self.ds)
         if self.accelerator.is_main_process:
             # LoRA: merged weights or the adapter; else unchanged.
@@ -236,7 +243,6 @@ class ZeroEngine:
                 clear_reference(final)
             else:
                 write_reference(final, *reference)
-        self.accelerator.wait_for_everyone()
 
     @torch.no_grad()
     def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
