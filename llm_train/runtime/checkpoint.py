@@ -6,6 +6,7 @@ Layout under the run directory:
         state/                      DeepSpeed's engine.save_checkpoint (model, optimizer, LR schedule)
         trainer/rank00000.json      per-rank trainer state: step, data position, RNG states
         hf/                         the HF config and tokenizer (so `llm-train export` needs nothing else)
+        reference.safetensors       the training engine's logits on a fixed batch (export's reference)
         manifest.json               written last: files, sizes, sha256, step, world size, recipe hash
     checkpoints/latest              the name of the newest committed checkpoint
     checkpoints/.tmp-step-...       a save in progress (removed if the save fails)
@@ -43,6 +44,9 @@ if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does n
     from llm_train.runtime.collectives import Collectives
 
 MANIFEST = "manifest.json"
+# The training engine's logits on the export check's fixed batch at the saved step (run_state.py):
+# `llm-train export` verifies against them, independently of how the shards are merged.
+CHECKPOINT_REFERENCE = "reference.safetensors"
 DS_TAG = "ds"  # the tag DeepSpeed saves each checkpoint's engine state under (state/ds/)
 LATEST = "latest"
 PREFIX = "step-"

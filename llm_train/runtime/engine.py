@@ -75,6 +75,12 @@ class Engine(Protocol):
     def eval_loss(self, batches: list[Batch]) -> float:
         """The mean loss over the eval batches and all data-parallel ranks."""
 
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, logits) of the live model on the export check's fixed batch (every rank takes part).
+
+        Recorded with each checkpoint and next to final/: the reference the export checks compare with.
+        """
+
     def export(self, final: Path, tokenizer: Any) -> None:
         """Write a plain Hugging Face model directory (every rank takes part)."""
 

@@ -157,12 +157,12 @@ class PipelineEngine:
         return float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
 
     def export(self, final: Path, tokenizer: Any) -> None:
-        reference = self._reference_forward(tokenizer)  # every stage takes part
+        reference = self.reference_logits(tokenizer)  # every stage takes part
         export_pipeline(self.ds, self.config, tokenizer, self.names, final)
         if collectives.rank() == 0:  # export_pipeline ended with a barrier: final/ is complete
             write_reference(final, *reference)
 
-    def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the trained pipeline on the export check's fixed batch, on every rank.
 
         One micro-batch through the engine's own inference schedule; the logits come out on the

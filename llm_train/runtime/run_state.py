@@ -17,6 +17,7 @@ from llm_train.config.layout import Layout
 from llm_train.config.recipe import Recipe, recipe_to_yaml
 from llm_train.errors import UserError
 from llm_train.runtime.checkpoint import (
+    CHECKPOINT_REFERENCE,
     DS_TAG,
     Checkpointer,
     SaveMeta,
@@ -30,6 +31,7 @@ from llm_train.runtime.checkpoint import (
     verify_shared,
 )
 from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.export import write_reference_file
 from llm_train.runtime.file_sync import FileSync
 from llm_train.runtime.resume_layout import ResumeLayout
 from llm_train.runtime.universal import ensure_universal, universal_dir
@@ -63,7 +65,10 @@ def save_run_state(
     layout: Layout,
     recipe: Recipe,
     extra: dict[str, Any],
+    reference: tuple[Any, Any] | None = None,
 ) -> Path:
+    """Commit a checkpoint; `reference`: (input ids, logits) of the live model on the export check's batch."""
+
     def write(tmp: Path) -> None:
         engine.save_checkpoint(str(tmp / "state"), tag=DS_TAG, save_latest=False)
         state_file = trainer_state_path(tmp, rank)
@@ -74,6 +79,8 @@ def save_run_state(
             engine.module.config.save_pretrained(tmp / "hf")
             tokenizer.save_pretrained(tmp / "hf")
             (tmp / "hf" / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+            if reference is not None:
+                write_reference_file(tmp / CHECKPOINT_REFERENCE, *reference)
 
     meta = SaveMeta(
         step, layout.world_size, recipe_hash(recipe), engine.zero_optimization_stage(), layout.as_dict()
@@ -92,13 +99,21 @@ def make_saver(
     recipe: Recipe,
     tracker: Any,
     say: Any,
+    reference: Any = None,
 ) -> Any:
-    """The `save(step)` the training loops call: commit a checkpoint, reset the time cadence, report."""
+    """The `save(step)` the training loops call: commit a checkpoint, reset the time cadence, report.
+
+    `reference()`, called on every rank before each save, gives the live model's logits on the
+    export check's batch (a forward of 16 tokens: the collective a ZeRO-3 forward is).
+    """
 
     def save(step: int) -> None:
         started = time.perf_counter()
         extra = {"tracker_run_id": tracker.run_id}  # W&B continues the same run after a resume
-        path = save_run_state(checkpointer, engine, step, stream, tokenizer, rank, layout, recipe, extra)
+        logits = reference() if reference is not None else None
+        path = save_run_state(
+            checkpointer, engine, step, stream, tokenizer, rank, layout, recipe, extra, logits
+        )
         control.saved()
         say(f"checkpoint {path.name} committed in {time.perf_counter() - started:.1f}s")
 

@@ -264,7 +264,19 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, grace_s=recipe.checkpoint.grace_s
     )
     control.install_signal_handlers()
-    save = make_saver(checkpointer, control, engine.ds, stream, tokenizer, rank, layout, recipe, tracker, say)
+    save = make_saver(
+        checkpointer,
+        control,
+        engine.ds,
+        stream,
+        tokenizer,
+        rank,
+        layout,
+        recipe,
+        tracker,
+        say,
+        reference=lambda: engine.reference_logits(tokenizer),
+    )
     evals = eval_batches(eval_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.eval.batches)
     cfg = LoopConfig(
         max_steps=max_steps,

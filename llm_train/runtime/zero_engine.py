@@ -226,7 +226,7 @@ class ZeroEngine:
         # The reference for the export check: the trained model's logits on a fixed batch, from
         # the engine itself, before anything is written. A collective like the gather below:
         # under ZeRO-3 each layer's shards are gathered from every rank for the forward.
-        reference = None if adapter_only else self._reference_forward(tokenizer)
+        reference = None if adapter_only else self.reference_logits(tokenizer)
         release_moments(self.ds.optimizer)  # the run is over: room for the gathered copy below
         # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes, alone and with nobody
         # waiting for it: at 70B that is ~140 GB of safetensors, far beyond a collective's timeout,
@@ -245,7 +245,7 @@ class ZeroEngine:
                 write_reference(final, *reference)
 
     @torch.no_grad()
-    def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the model as it trained; eval mode, since the reload runs without dropout."""
         config = self.accelerator.unwrap_model(self.ds).config
         input_ids = reference_input_ids(tokenizer, config.vocab_size)

@@ -110,8 +110,13 @@ def test_sp2_with_alst_switches_matches_sp1_and_resumes_bit_exact(
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_sp2_by_dp2_matches_sp1_by_dp2(pretrained: Path, tmp_path: Path) -> None:
-    """Four processes: two sequence-parallel groups of two, each its own data-parallel rank."""
-    whole_dp2 = _run(tmp_path / "sp1dp2", pretrained, sp=1, nproc=2)
-    split_dp2 = _run(tmp_path / "sp2dp2", pretrained, sp=2, nproc=4)
+def test_sp2_by_dp2_under_zero2_matches_sp1_by_dp2(pretrained: Path, tmp_path: Path) -> None:
+    """Four processes: two sequence-parallel groups of two, each its own data-parallel rank, under ZeRO-2.
+
+    ZeRO-2 reduces gradients on its own path (stage_1_and_2.py, reduce-scatter on), not ZeRO-3's:
+    this is the run that shows it sums the sequence ranks' shares and averages only over dp.
+    """
+    zero2 = ["--ds-config", "zero2"]
+    whole_dp2 = _run(tmp_path / "sp1dp2", pretrained, 1, 2, *zero2)
+    split_dp2 = _run(tmp_path / "sp2dp2", pretrained, 2, 4, *zero2)
     _assert_same_math(split_dp2, whole_dp2)
