@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="With --resume: train on with this launch's global batch instead of keeping the checkpoint's.",
     )
     parser.add_argument(
+        "--allow-data-revision-change",
+        action="store_true",
+        help="With --resume: continue a streamed hub dataset that now resolves to another commit than the "
+        "checkpoint read (its saved offsets then point at other rows).",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="Print the resolved recipe, DS JSON, plan, memory; exit."
     )
     parser.add_argument("--world-size", type=int, help="With --dry-run: plan for this many processes.")
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             output_dir=args.output_dir,
             resume=args.resume,
             allow_batch_change=args.allow_batch_change,
+            allow_data_revision_change=args.allow_data_revision_change,
             overwrite=args.overwrite,
             verbose=args.verbose,
             profile=args.profile,

@@ -100,6 +100,11 @@ class _SourceFields(Section):
     )
     split: str = Field("train", description="Split to read from a hub dataset or a save_to_disk DatasetDict.")
     subset: str | None = Field(None, description="Hub dataset configuration name (load_dataset's `name`).")
+    revision: str | None = Field(
+        None,
+        description="Hub dataset revision to read (branch, tag or commit sha; default: the default branch). "
+        "The commit read is recorded in checkpoints; a resume that resolves to another one is refused.",
+    )
     streaming: bool = Field(
         False,
         description="Read through datasets' streaming mode and tokenise + pack on the fly (corpora too large to "

@@ -179,8 +179,19 @@ def check_recipe(ckpt: Path, manifest: dict[str, Any], recipe: Recipe, warn: Any
         )
 
 
+def read_data_state(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's data position: the global count of sequences consumed, the same in every rank's file."""
+    return json.loads(trainer_state_path(ckpt, 0).read_text())["data"]
+
+
 def restore_run_state(
-    engine: Any, ckpt: Path, stream: Any, rank: int, plan: ResumeLayout, seed: int
+    engine: Any,
+    ckpt: Path,
+    stream: Any,
+    rank: int,
+    plan: ResumeLayout,
+    seed: int,
+    allow_data_revision_change: bool = False,
 ) -> dict[str, Any]:
     """Load the engine state and the trainer state; returns the trainer state (step, data, tracker id).
 
@@ -196,7 +207,7 @@ def restore_run_state(
     )
     # The data position is the global count of sequences consumed, the same in every rank's file.
     state = json.loads(trainer_state_path(ckpt, rank if plan.same_layout else 0).read_text())
-    stream.load_state_dict(state["data"])
+    stream.load_state_dict(state["data"], allow_data_revision_change)
     if plan.same_layout:
         set_rng_state(state["rng"])
     else:

@@ -31,7 +31,7 @@ from llm_train.data import (
     load_blocks,
 )
 from llm_train.data.volume import DataVolume, check_volume
-from llm_train.errors import EXIT_PREEMPTED
+from llm_train.errors import EXIT_PREEMPTED, UserError
 from llm_train.observability.console import quiet, startup_summary
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import enable_flops_profiler, make_profiler
@@ -56,6 +56,7 @@ from llm_train.runtime.run_state import (
     choose_checkpoint,
     convert_for_resume,
     make_saver,
+    read_data_state,
     restore_run_state,
     truncate_metrics,
 )
@@ -72,6 +73,7 @@ class RunOptions:
     output_dir: str | None = None
     resume: str | None = None
     allow_batch_change: bool = False
+    allow_data_revision_change: bool = False
     overwrite: bool = False
     verbose: bool = False
     profile: str | None = None
@@ -179,6 +181,20 @@ def prepare_resume(
     return chosen
 
 
+def check_same_data(stream: Any, comm: collectives.Collectives) -> None:
+    """Every rank resolved its hub sources to the same commits (each asks the hub itself, at start-up)."""
+    revisions = getattr(getattr(stream, "spec", None), "revisions", None)
+    if revisions is None:
+        return
+    seen = comm.gather_objects(revisions)
+    if any(r != seen[0] for r in seen):
+        raise UserError(
+            f"the ranks read different revisions of the streamed hub data ({seen[0]} vs "
+            f"{next(r for r in seen if r != seen[0])}): it changed on the hub while the run started; pin "
+            "data.train[i].revision to one commit and relaunch"
+        )
+
+
 def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None]) -> int:
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
@@ -226,9 +242,13 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     startup_summary(run, say, extra=engine.summary_rows(ranks))
 
     comm = collectives.WORLD
+    check_same_data(stream, comm)
     resume_from = (
         prepare_resume(options, out / "checkpoints", run, plan, rank, say) if options.resume else None
     )
+    if resume_from is not None:  # before the model is built: a data position that cannot continue is one line
+        for notice in stream.check_state(read_data_state(resume_from), options.allow_data_revision_change):
+            say(f"notice: {notice}")
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
     meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options.peak_tflops, clock)
@@ -238,7 +258,9 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
     start_step, tracker_run_id = 0, None
     if resume_from is not None:
-        restored = restore_run_state(engine.ds, resume_from, stream, rank, plan, recipe.optim.seed)
+        restored = restore_run_state(
+            engine.ds, resume_from, stream, rank, plan, recipe.optim.seed, options.allow_data_revision_change
+        )
         start_step, tracker_run_id = restored["step"], restored.get("tracker_run_id")
         say(f"resumed from {resume_from} at step {start_step}")
     elif options.resume:

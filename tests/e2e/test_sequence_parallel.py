@@ -1,9 +1,12 @@
 """Ulysses sequence parallelism (deepspeed.sequence_parallel) against the same run without it.
 
 Splitting each sequence over sp ranks must not change the math: the per-step losses and the
-gradient norms DeepSpeed measures equal those of sp=1 on the same samples, within 1e-4 in
-fp32 (the all-to-all regroups the same products, summed in another order: the differences
-seen are ~1e-6). The rows are padded, one sample each: the second half of most rows is padding,
+gradient norms DeepSpeed measures equal those of sp=1 on the same samples, within 1e-5 in
+fp32 (the all-to-all regroups the same products, summed in another order: the largest
+differences seen were 9.5e-7 on a loss of ~8 and 3.1e-6 on a gradient norm, sp2 x dp2 under
+ZeRO-2; a gradient averaged over the sequence ranks, DeepSpeed's reduce-scatter bug under
+ZeRO-3, is off by a factor of sp). ZeRO-3 runs in the first test, ZeRO-2 in the second: the two
+gradient-reduction paths sequence parallelism goes through (ZeRO-0/1 are not run here). The rows are padded, one sample each: the second half of most rows is padding,
 so the two ranks of a group hold very different numbers of loss tokens, and only a
 token-weighted reduction over the group matches sp=1.
 
@@ -35,7 +38,7 @@ ALST = [
     "memory.tiled_loss=true",
     "memory.offload_checkpoints=true",
 ]
-TOL = 1e-4
+TOL = 1e-5
 RUN = [
     "--recipe",
     "tiny-cpu-sp2",
