@@ -22,7 +22,8 @@
 # Wheels: every DIR/*.whl except llm_train's own is installed with `pip install --no-index
 # --no-deps --target $WHEELS_TARGET` (default /tmp/llm_train_gpu_site) and put on PYTHONPATH,
 # so the machine's torch/CUDA stay untouched and nothing reaches for an index; llm_train itself
-# runs from this checkout. Other arguments go to bench/gpu_check.py (--only NAME..., --budget-s S).
+# runs from this checkout. Other arguments go to bench/gpu_check.py (--only NAME..., --budget-s S,
+# --expect NAME.QUANTITY=VALUE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
