@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
+from llm_train.planning.memory import EXPORT_SHARD_BYTES
 from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
 
-# 2 GiB: large enough that an 8B model is 8 files, small enough for a 16 GiB desktop's budget.
-MAX_SHARD_BYTES = 2 * 1024**3
+# 2 GiB: large enough that an 8B model is 8 files, small enough for a 16 GiB desktop's budget
+# (the planner counts the same constant as the export's host peak).
+MAX_SHARD_BYTES = EXPORT_SHARD_BYTES
 
 # A context that makes these parameters whole on every rank for its duration (ZeRO-3:
 # deepspeed.zero.GatheredParameters); every rank enters it for the same module in the same order.
