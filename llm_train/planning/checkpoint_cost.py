@@ -5,8 +5,9 @@ ZeRO-2 and ZeRO-3, and a 91M-parameter fp32 ZeRO-2 one):
 - the optimizer state: fp32 master weights, Adam m and v, 12 bytes per trained parameter in all,
   one file per data-parallel rank holding its partition (ZeRO-1/2/3; ZeRO-0: one file);
 - the model file: ZeRO-0/1/2 also write the whole module once, from data-parallel rank 0, in the
-  training precision (2 bytes per parameter in bf16/fp16, 4 in fp32; a LoRA run's frozen base is
-  in it too); ZeRO-3's per-rank model files are a few kB (its weights are the fp32 partitions).
+  training precision (2 bytes per parameter in bf16/fp16, 4 in fp32; a LoRA run leaves its frozen
+  base out, run_state.save_run_state); ZeRO-3's per-rank model files are a few kB (its weights
+  are the fp32 partitions).
 
 Times, at the rates below (each says whether it was measured or assumed):
 - save: the slowest rank's write (its partition; under ZeRO-0/1/2 data-parallel rank 0 also writes
@@ -82,7 +83,7 @@ def checkpoint_cost(shape: ModelShape, layout: Layout, lora_rank: int | None = N
     trained = shape.lora_params(lora_rank) if lora_rank else params
     optimizer = 12.0 * trained
     weight_bytes = 4 if layout.precision == "fp32" else 2
-    model_file = 0.0 if layout.zero_stage == 3 else float(weight_bytes * params)
+    model_file = 0.0 if layout.zero_stage == 3 else float(weight_bytes * trained)
     # Each model-parallel slice (TP, PP) holds 1/(tp*pp) of the state; ZeRO splits it over dp (x sp).
     model_parallel = layout.tp * layout.pp
     zero_ranks = layout.world_size // model_parallel if layout.zero_stage >= 1 else 1

@@ -177,11 +177,6 @@ def write_reference_file(path: Path, input_ids: torch.Tensor, logits: torch.Tens
     save_file(tensors, str(path), metadata={"dtype": str(logits.dtype).removeprefix("torch.")})
 
 
-def clear_reference(final: Path) -> None:
-    """No reference for this export (adapter exports): a stale one from an earlier run must not be read."""
-    reference_path(final).unlink(missing_ok=True)
-
-
 def read_reference(final: Path) -> Reference | None:
     return read_reference_file(reference_path(final))
 
@@ -346,7 +341,7 @@ def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
 
 # ------------------------------------------------------------ export from a checkpoint
 
-_EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
@@ -428,7 +423,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         against = "the checkpoint's merged weights (it records no training-time logits)"
     else:
         against = "the logits the training engine recorded in the checkpoint"
-    exported = reference.to(_EXPORT_DTYPES[dtype])
+    exported = reference.to(EXPORT_DTYPES[dtype])
     exported.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
     tokenizer.save_pretrained(out_dir)
     with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
