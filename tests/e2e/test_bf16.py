@@ -32,10 +32,10 @@ pytestmark = pytest.mark.e2e
 # offload); plain ZeRO-3 bf16 is the export-families test's gpt_neox run.
 BF16_VARIANTS = ["zero1", "zero2", "zero3_offload"]
 BF16 = ["precision=bf16"]
-# The reference runs commit every step (math-neutral, test_resume): step-5 and step-6 are one optimizer
-# step apart for the stale-export test below. The kill test's own cadence (CHECKPOINTING) comes later
-# on its command line and wins.
-EVERY_STEP = ["checkpoint.every_steps=1"]
+# The reference runs commit at step 5 and (checkpoint.at_end) step 6, one optimizer step apart, for the
+# stale-export test below; checkpoints change no bit (test_resume). The kill test's own cadence
+# (CHECKPOINTING) comes later on its command line and wins.
+STEP_BEFORE_LAST = [f"checkpoint.every_steps={STEPS - 1}"]
 CHECKPOINTING = ["checkpoint.every_steps=2", "--resume", "auto"]
 # Measured (6 steps, fp32, zero2): first loss 8.352, mean of the last three 7.580, a drop of 0.77
 # (test_zero_stages asks fp32 for 0.3 from first to last). bf16 changes the losses by ~2e-3 here.
@@ -56,7 +56,7 @@ def bf16_run(
     variant = request.param
     run_dir = tmp_path_factory.mktemp("bf16") / variant
     started = time.monotonic()
-    assert_ok(accelerate_launch(_bf16_args(variant, run_dir, pretrained) + EVERY_STEP))
+    assert_ok(accelerate_launch(_bf16_args(variant, run_dir, pretrained) + STEP_BEFORE_LAST))
     print(f"{variant} bf16 reference run: {time.monotonic() - started:.1f}s")
     return variant, run_dir
 

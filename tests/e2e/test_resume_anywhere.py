@@ -41,6 +41,7 @@ from tests.helpers import (
     accelerate_popen,
     assert_ok,
     losses,
+    run_cmd,
     wait_for_step,
 )
 
@@ -237,15 +238,19 @@ def test_a_conversion_killed_half_way_is_redone_never_used(runs: dict[str, Path]
     assert not universal_dir(ckpt).exists()  # the half-written conversion is not in place
     assert list(ckpt.glob(".tmp-universal*"))  # it was left behind, half written
 
-    messages: list[str] = []
-    target = ensure_universal(ckpt, messages.append)
+    # Redone through `llm-train convert`, the way a user converts ahead of a resume on a new layout.
+    result = run_cmd([str(Path(sys.executable).with_name("llm-train")), "convert", str(ckpt)])
+    assert_ok(result)
+    target = universal_dir(ckpt)
+    assert "converting" in result.stdout and f"{target}: verified universal copy" in result.stdout, (
+        result.stdout
+    )
     assert verify(target) is None and not list(ckpt.glob(".tmp-universal*"))
-    assert any("converting" in m for m in messages)
 
     # A copy whose files no longer match its manifest is converted again, never loaded.
+    messages: list[str] = []
     victim = next(target.rglob("*.pt"))
     victim.write_bytes(victim.read_bytes()[:-1])
-    messages.clear()
     assert verify(ensure_universal(ckpt, messages.append)) is None
     assert any("does not verify" in m for m in messages)
 
