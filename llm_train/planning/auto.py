@@ -336,7 +336,7 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
             **({"state_dtype": "bf16"} if c.state_dtype == "bf16" else {}),
         },
         "precision": auto.precision,
-        "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "sdpa", **switches},
+        "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "auto", **switches},
         **(
             {"lora": {"rank": c.lora_rank, "alpha": 2.0 * c.lora_rank, "dropout": 0.05}}
             if c.lora_rank

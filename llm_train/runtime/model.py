@@ -14,6 +14,8 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError
 from llm_train.planning.shapes import to_hf_config
+from llm_train.runtime.attention import NAME as SDPA_FLEX
+from llm_train.runtime.attention import register_sdpa_flex
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
 
@@ -74,6 +76,8 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, _DTYPES[precision])
+    if memory.attention == SDPA_FLEX:
+        register_sdpa_flex()  # transformers looks the kernel up by name while building the model
     if model.init == "pretrained":
         assert model.name_or_path is not None
         try:
