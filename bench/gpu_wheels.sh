@@ -3,8 +3,8 @@
 #
 # The GPU machine (DESIGN.md, "The GPU check") runs a fixed Python 3.12 image with torch, accelerate,
 # transformers and friends (bench/gpu_machine_packages.txt) and reaches no package registry. It lacks
-# deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection
-# and wandb, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
+# deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection,
+# wandb and liger-kernel, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
 # pure Python; the versions this .venv runs, so what is tested here is what travels) into .whl/. There:
 #
 #   pip install --no-index --no-deps --target DIR .whl/*.whl
@@ -61,6 +61,11 @@ pip_ download "${TARGET[@]}" -d "$OUT" datasets==5.0.1 \
   $(pins deepspeed hjson msgpack dill multiprocess pydantic pydantic-core annotated-types typing-inspection \
     typing-extensions | grep -v '^deepspeed==')
 
+# Liger's kernels (memory.liger_kernels) are Triton and run on GPUs only, so this .venv has no copy to
+# pin: the version bench/mfu_matrix.py was written against. Pure Python (~0.9 MiB); it needs torch and
+# triton, which the image's CUDA torch brings.
+pip_ download "${TARGET[@]}" -d "$OUT" liger-kernel==0.8.5
+
 # llm_train from a clean copy of the working tree (tracked and new files, not ignored ones): a build in
 # place reuses build/lib, which keeps modules that have since been deleted or moved.
 SRC=$(mktemp -d)
@@ -89,4 +94,4 @@ else
 fi
 
 "$PY" bench/gpu_wheels.py "$OUT" --present "$PRESENT" --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
-  --resolve llm_train
+  --resolve llm_train liger-kernel

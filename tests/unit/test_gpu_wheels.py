@@ -176,3 +176,22 @@ def test_read_wheel_takes_tags_from_the_name_and_requirements_from_metadata(tmp_
     assert info.requires == ["numpy>=1.17", "pytest; extra == 'dev'"]
     assert {str(t) for t in info.tags} == {"cp312-cp312-manylinux_2_17_x86_64"}
     assert gpu_wheels.check([info], PRESENT).ok
+
+
+def test_liger_travels_and_finds_torch_and_triton_on_the_machine() -> None:
+    """memory.liger_kernels on the GPU machine: liger-kernel 0.8.5 is shipped (pure Python), and what it
+    requires (its METADATA's lines, extras included) is met by the image's packages file."""
+    assert "liger-kernel==0.8.5" in (REPO / "bench" / "gpu_wheels.sh").read_text()
+    present = gpu_wheels.read_present((REPO / "bench" / "gpu_machine_packages.txt").read_text().splitlines())
+    liger = wheel(
+        "liger_kernel",
+        "0.8.5",
+        "torch>=2.1.2",
+        "triton>=2.3.1",
+        'cuda-tile>=1.5.0; extra == "cutile"',
+        'transformers>=5.0.0; extra == "dev"',
+    )
+    report = gpu_wheels.check([liger], present)
+    assert report.ok, report.errors
+    # triton's version there is unknown: an assumption, not an error
+    assert any("requires triton>=2.3.1" in line for line in report.assumptions)
