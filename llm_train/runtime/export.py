@@ -174,11 +174,6 @@ def write_reference(final: Path, input_ids: torch.Tensor, logits: torch.Tensor) 
     save_file(tensors, str(path), metadata={"dtype": str(logits.dtype).removeprefix("torch.")})
 
 
-def clear_reference(final: Path) -> None:
-    """No reference for this export (adapter exports): a stale one from an earlier run must not be read."""
-    reference_path(final).unlink(missing_ok=True)
-
-
 def read_reference(final: Path) -> Reference | None:
     from safetensors import safe_open
 
@@ -339,7 +334,7 @@ def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
 
 # ------------------------------------------------------------ export from a checkpoint
 
-_EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
@@ -411,7 +406,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     batch = reference_input_ids(tokenizer, config.vocab_size)
     with torch.no_grad():
         ref_logits = reference(batch).logits
-    exported = reference.to(_EXPORT_DTYPES[dtype])
+    exported = reference.to(EXPORT_DTYPES[dtype])
     exported.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
     tokenizer.save_pretrained(out_dir)
     with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
