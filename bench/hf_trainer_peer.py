@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import free_port  # bench/ is this script's folder
 
 GiB = 1024**3
 
@@ -71,7 +72,7 @@ def main() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))  # the matrix's previous launch may hold its port
 
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 

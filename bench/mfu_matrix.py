@@ -21,7 +21,8 @@ Variants, in this order (`VARIANTS`):
   best_micro8     mix,  the fastest exact variant above at micro-batch 8
   full_baseline   full, memory.attention=sdpa (is_causal: no mask to build)
   full_best       full, the fastest exact combination
-  compile_model   mix,  document_aware + liger + memory.torch_compile=model (whole model), if time is left
+  compile_model   mix,  document_aware + liger + memory.torch_compile=model (whole model), if time is
+                        left (optional: a deadline that leaves none fails nothing)
 
 Each line: predicted step time (written in the `predictions` line before anything runs, and repeated),
 step time and tokens/s (medians after the warm-up steps), `mfu` (attention over the documents the
@@ -36,7 +37,7 @@ Triton and torch.compile graphs), the first losses, and `checks`:
 - `peak_not_above_baseline`: at the baseline's micro-batch, GPU peak <= baseline's + PEAK_SLACK.
 Then two target lines: `target_mfu` (the best exact variant's document-aware MFU >= 45%) and
 `target_vs_hf_trainer` (the best exact variant at the Trainer's batch, tokens/s >= 1.3x the Trainer's,
-measured in this run). A miss is a failed line; the exit code is 1 when any line failed (a variant the
+measured in this run). Neither target is checked by a timed test: they live here. A miss is a failed line; the exit code is 1 when any line failed (a variant the
 deadline left no time for is a failed "not run" line), 0 otherwise.
 
 `--cpu-tiny` runs the same script end to end on CPU with the tiny-cpu model (seq 128, micro 2, a
@@ -45,9 +46,8 @@ variant that is then the same as an earlier one is skipped, and flex kernels are
 sdpa on CPU); it trains in fp32 and leaves out compile_model (CPU_SIZES says why). Its numbers say
 nothing about a GPU, and its MFU target line fails by construction.
 
-    WHEELS=.whl OUT=$OUT bash bench/gpu_check.sh ... is the GPU check; this one:
-    python bench/mfu_matrix.py --out DIR            # on the GPU machine, after installing the wheels
-    python bench/mfu_matrix.py --cpu-tiny --out DIR # here
+    WHEELS=.whl OUT=$OUT bash bench/mfu_matrix.sh   # on the GPU machine (bench/gpu_env.sh: the wheels)
+    bash bench/mfu_matrix.sh --cpu-tiny --out DIR    # here (tests/e2e/test_mfu_matrix.py)
 """
 
 from __future__ import annotations
@@ -209,6 +209,7 @@ class Variant:
     peer: bool = False  # the HF Trainer instead of llm_train
     best: bool = False  # takes the fastest exact combination measured before it
     baseline: str | None = None  # the variant its losses and peak are compared with
+    optional: bool = False  # run only if the budget leaves time: not running it is no failure
 
 
 DOC = ("memory.attention=auto",)
@@ -222,7 +223,9 @@ VARIANTS = [
     Variant("best_micro8", "mix", big=True, best=True),
     Variant("full_baseline", "full", ("memory.attention=sdpa",)),
     Variant("full_best", "full", best=True, baseline="full_baseline"),
-    Variant("compile_model", "mix", (*LIGER, "memory.torch_compile=model"), baseline="baseline"),
+    Variant(
+        "compile_model", "mix", (*LIGER, "memory.torch_compile=model"), baseline="baseline", optional=True
+    ),
 ]
 BEST_CANDIDATES = ("document_aware", "liger", "liger_compile")
 CUDA_ONLY = ("memory.liger_kernels=true",)
@@ -507,11 +510,10 @@ def run_variant(variant: Variant, ctx: Context) -> dict[str, Any]:
     if variant.name in sizes.skip:
         return {**record, "passed": None, "skipped": sizes.skip[variant.name]}
     if ctx.budget.left() < MIN_TIME_S:
-        return {
-            **record,
-            "passed": False,
-            "error": f"not run: {max(0.0, ctx.budget.left()):.0f}s of the budget left",
-        }
+        left = f"not run: {max(0.0, ctx.budget.left()):.0f}s of the budget left"
+        if variant.optional:
+            return {**record, "passed": None, "skipped": left}
+        return {**record, "passed": False, "error": left}
     if variant.peer:
         record["switches"] = ["transformers.Trainer"]
         record.update(run_peer(variant, ctx))
