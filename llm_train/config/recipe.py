@@ -403,6 +403,18 @@ class MemorySection(Section):
         return value
 
     @model_validator(mode="after")
+    def _compile_not_with_alst(self) -> MemorySection:
+        # The ALST switches patch forwards with their own autograd functions and saved-tensor hooks;
+        # torch.compile over them is not verified, so it is refused rather than trusted.
+        tiled = [n for n in ("tiled_mlp", "tiled_loss", "offload_checkpoints") if getattr(self, n)]
+        if self.torch_compile != "off" and tiled:
+            raise ValueError(
+                f"memory.torch_compile={self.torch_compile} is not verified with memory.{tiled[0]}=true; "
+                f"set memory.torch_compile=off or memory.{tiled[0]}=false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _offload_needs_checkpoints(self) -> MemorySection:
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise ValueError(

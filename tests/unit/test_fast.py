@@ -133,3 +133,14 @@ def test_flash_attention_2_is_refused_in_one_line_when_flash_attn_does_not_impor
         check_attention_kernel(MemorySection(attention="flash_attention_2"))
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     check_attention_kernel(MemorySection(attention="flash_attention_2"))  # installed: accepted
+
+
+def test_compile_over_the_alst_switches_is_refused_in_one_line() -> None:
+    """Their own autograd functions and saved-tensor hooks under torch.compile: not verified, so refused."""
+    from llm_train.config.recipe import load_recipe
+
+    with pytest.raises(
+        UserError, match=r"memory.torch_compile=layers is not verified with memory.tiled_mlp=true"
+    ):
+        load_recipe("tiny-cpu", ["memory.torch_compile=layers", "memory.tiled_mlp=true"])
+    assert load_recipe("tiny-cpu", ["memory.torch_compile=layers"]).memory.torch_compile == "layers"
