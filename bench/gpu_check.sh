@@ -19,10 +19,11 @@
 #   bash bench/gpu_check.sh --cpu-tiny --out /tmp/x   # the same logic on CPU, tiny model (~2-3 min)
 #   bash bench/gpu_check.sh --wheels DIR ...          # same as WHEELS=DIR
 #
-# Wheels: bench/gpu_env.sh installs them (--no-index --no-deps --target) and puts them on PYTHONPATH;
-# llm_train itself runs from this checkout. Other arguments go to bench/gpu_check.py (--only NAME...,
-# --budget-s S).
+# Wheels: installed beside the machine's packages, llm_train from this checkout (bench/gpu_env.sh).
+# Other arguments go to bench/gpu_check.py (--only NAME..., --budget-s S).
 set -euo pipefail
-source "$(dirname "$0")/gpu_env.sh"  # PY, ARGS, the wheels on PYTHONPATH, offline
+cd "$(dirname "$0")/.."
 
-exec "$PY" bench/gpu_check.py "${ARGS[@]}"
+source bench/gpu_env.sh "$@"
+
+exec "$PY" bench/gpu_check.py ${ARGS[@]+"${ARGS[@]}"}

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Sourced by bench/gpu_check.sh and bench/mfu_matrix.sh: the GPU machine's Python with the wheels from
-# `make gpu-wheels` on PYTHONPATH, llm_train from this checkout, nothing waiting on a network.
+# Sourced by the prepared GPU checks (bench/gpu_check.sh, bench/consumer_check.sh): the interpreter, the
+# travelled wheels installed beside the machine's own packages, llm_train from this checkout, offline.
 #
-# Sets PY and ARGS (the caller's arguments without --wheels). Wheels: every DIR/*.whl except
-# llm_train's own is installed with `pip install --no-index --no-deps --target $WHEELS_TARGET`
-# (default /tmp/llm_train_gpu_site) and put on PYTHONPATH, so the machine's torch/CUDA stay untouched
-# and nothing reaches for an index. DIR is --wheels DIR or $WHEELS.
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-
+# Wheels: every $WHEELS/*.whl except llm_train's own is installed with `pip install --no-index --no-deps
+# --target $WHEELS_TARGET` (default /tmp/llm_train_gpu_site) and put on PYTHONPATH, so the machine's
+# torch/CUDA stay untouched and nothing reaches for an index. Sets PY; expects `set -euo pipefail` and
+# the repository root as the working directory. CHECK names the calling check in messages.
+#   source bench/gpu_env.sh "$@"    # --wheels DIR (or WHEELS=DIR) is taken; the rest is left in ARGS
+CHECK=${CHECK:-gpu_check}
 ARGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -16,7 +16,6 @@ while [[ $# -gt 0 ]]; do
     *) ARGS+=("$1"); shift ;;
   esac
 done
-
 PY=${PYTHON:-}
 if [[ -z "$PY" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
@@ -29,12 +28,15 @@ if [[ -n "${WHEELS:-}" ]]; then
     case "$(basename "$w")" in llm_train-*) ;; *) wheels+=("$w") ;; esac
   done
   if [[ ${#wheels[@]} -eq 0 ]]; then
-    echo "gpu_env: WHEELS=$WHEELS holds no .whl files; build them with 'make gpu-wheels'" >&2
+    echo "$CHECK: WHEELS=$WHEELS holds no .whl files; build them with 'make gpu-wheels'" >&2
     exit 2
   fi
   SITE=${WHEELS_TARGET:-/tmp/llm_train_gpu_site}
-  echo "gpu_env: installing ${#wheels[@]} wheels from $WHEELS into $SITE"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+  if [[ ! -f "$SITE/.installed-from-$(basename "$WHEELS")" ]]; then  # a second check in the same call reuses it
+    echo "$CHECK: installing ${#wheels[@]} wheels from $WHEELS into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+    touch "$SITE/.installed-from-$(basename "$WHEELS")"
+  fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # llm_train from this checkout, ahead of any installed copy.
@@ -44,10 +46,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-"$PY" - <<'PYEOF'
+# Modules the check imports, named by the caller in NEEDED (space separated).
+"$PY" - ${NEEDED:-torch deepspeed accelerate transformers pydantic hjson yaml psutil} <<PYEOF
 import importlib.util, sys
-needed = ("torch", "deepspeed", "accelerate", "transformers", "pydantic", "hjson", "yaml", "psutil")
-missing = [m for m in needed if importlib.util.find_spec(m) is None]
+missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]
 if missing:
-    sys.exit(f"gpu_env: missing {', '.join(missing)}; install them or pass WHEELS=folder-of-wheels")
+    sys.exit(f"$CHECK: missing {', '.join(missing)}; install them or pass WHEELS=folder-of-wheels")
 PYEOF

@@ -11,8 +11,12 @@
 # i.e. run(command="WHEELS=.whl OUT=$OUT bash bench/mfu_matrix.sh", carry=[".whl"], timeout_s=600)
 #
 #   bash bench/mfu_matrix.sh --cpu-tiny --out /tmp/x   # the same logic on CPU, tiny model
+# Wheels: installed beside the machine's packages, llm_train from this checkout (bench/gpu_env.sh).
 # Other arguments go to bench/mfu_matrix.py (--only NAME..., --budget-s S).
 set -euo pipefail
-source "$(dirname "$0")/gpu_env.sh"  # PY, ARGS, the wheels on PYTHONPATH, offline
+cd "$(dirname "$0")/.."
 
-exec "$PY" bench/mfu_matrix.py "${ARGS[@]}"
+CHECK=mfu_matrix NEEDED="torch deepspeed accelerate transformers pydantic hjson yaml psutil pyarrow datasets"
+source bench/gpu_env.sh "$@"
+
+exec "$PY" bench/mfu_matrix.py ${ARGS[@]+"${ARGS[@]}"}

@@ -876,5 +876,5 @@ def export_peak_bytes(inp: MemoryInputs) -> float:
     if inp.lora_rank:
         if inp.export_adapter_only:
             return inp.shape.lora_params(inp.lora_rank) * weight_bytes
-        return max(EXPORT_SHARD_BYTES, inp.shape.largest_layer_params * weight_bytes)
+        return min(full_model, max(EXPORT_SHARD_BYTES, inp.shape.largest_layer_params * weight_bytes))
     return 1.0 * full_model
