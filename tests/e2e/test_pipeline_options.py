@@ -104,6 +104,8 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "lora.export=adapter",
         "lora is not supported with deepspeed.pipeline_stages=2",
     ),
+    # A quantised base is loaded from a checkpoint; tiny-cpu-pp2 builds a random one, refused first.
+    "lora.quantize": ("refused", "lora.quantize=int8", "lora.quantize=int8 quantises a pretrained base"),
     "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),
     "deepspeed.pipeline_stages": (RUN_A, "deepspeed.pipeline_stages=2"),
     "deepspeed.sequence_parallel": (
