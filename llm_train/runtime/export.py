@@ -31,6 +31,7 @@ import torch
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError
 from llm_train.runtime.checkpoint import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
+from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
 from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
 
@@ -391,6 +392,13 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         raise UserError(f"export output {out_dir} is not empty; choose a new directory")
     hf_dir = ckpt_dir / "hf"
     state_dict = checkpoint_state_dict(ckpt_dir)
+    lora = checkpoint_lora(ckpt_dir)
+    if lora is not None:
+        config = json.loads((hf_dir / "config.json").read_text())
+        count = export_adapter_checkpoint(ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path"))
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
+        why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
+        return {"tensors": count, "max_logit_diff": float("nan"), "verified": why}
     config = AutoConfig.from_pretrained(hf_dir)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.

@@ -118,6 +118,14 @@ def test_qlora_zero3_trains_only_adapters_and_exports_a_plain_model(base: Path, 
     assert all(torch.equal(weights[n], start[n]) for n in untouched)
     assert all(not torch.equal(weights[n], start[n]) for n in weights if "q_proj" in n)
 
+    # `llm-train export` of a checkpoint (adapters and optimizer only) gives the adapter, for PEFT.
+    from llm_train.cli import main as cli_main
+
+    assert cli_main(["export", str(out), str(tmp_path / "from-checkpoint")]) == 0
+    adapter = tmp_path / "from-checkpoint"
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
+
 
 def _kill_after(run_dir: Path, args: list[str], step: int) -> None:
     proc = accelerate_popen(args)

@@ -45,7 +45,10 @@ def test_a_random_base_is_refused_in_one_line() -> None:
             ["deepspeed.config=zero3_offload"],
             r"lora.quantize=nf4 cannot offload parameters \(offload_param.device=cpu",
         ),
-        (["memory.torch_compile=true"], r"memory.torch_compile=true is not supported with lora.quantize=nf4"),
+        (
+            ["memory.torch_compile=layers"],
+            r"memory.torch_compile=layers is not supported with lora.quantize=nf4",
+        ),
         (["memory.liger_kernels=true"], r"memory.liger_kernels=true is not supported with lora.quantize=nf4"),
         (
             ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"],
@@ -190,3 +193,88 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
         with torch.no_grad():
             model(input_ids=torch.tensor([[5, 6, 7]]))
         assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+
+
+# --- the planner's numbers, against arithmetic written out here ---------------------------------------------
+
+GiB = 1024**3
+
+
+def _llama31_8b_arithmetic() -> tuple[int, int]:
+    """(quantised projection weights, everything else) of Llama-3.1-8B, from its published config."""
+    h, inter, layers, vocab, kv = 4096, 14336, 32, 128256, 8 * 128
+    projections = layers * (h * h + 2 * h * kv + h * h + 3 * h * inter)  # q, k, v, o, gate, up, down
+    rest = 2 * vocab * h + (2 * layers + 1) * h  # embeddings + untied head, the RMSNorm weights
+    return projections, rest
+
+
+def test_nf4_and_int8_bases_by_hand() -> None:
+    from llm_train.planning.quantized import base_weight_bytes
+    from llm_train.planning.shapes import shape_of
+
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    projections, rest = _llama31_8b_arithmetic()
+    assert projections + rest == shape.num_params
+    # NF4: 4-bit codes, an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those.
+    nf4 = projections * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2
+    assert base_weight_bytes(shape, "nf4", 2) == pytest.approx(nf4, rel=1e-12)
+    assert 5.3 * GiB < nf4 < 5.4 * GiB  # vs 14.96 GiB in bf16
+    # int8: a byte per weight, an fp32 scale per output row (in_features: h, except o's q_dim and down's inter).
+    h, inter, layers, kv = 4096, 14336, 32, 1024
+    rows = layers * (h + kv + kv + h + inter + inter + h)
+    assert base_weight_bytes(shape, "int8", 2) == pytest.approx(projections + 4 * rows + rest * 2, rel=1e-12)
+
+
+def test_8b_qlora_plan_by_hand() -> None:
+    """8b-qlora-rtx4070's GPU and host terms, each recomputed from its definition."""
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import (
+        CHECKPOINT_SHARD_BYTES,
+        EXPORT_SHARD_BYTES,
+        PROCESS_HOST_BYTES,
+        estimate_memory,
+    )
+    from llm_train.planning.shapes import shape_of
+
+    run = resolve_run("8b-qlora-rtx4070", [], world_size=1)
+    est = estimate_memory(memory_inputs(run, shape_of("meta-llama/Llama-3.1-8B")))
+    projections, rest = _llama31_8b_arithmetic()
+    r, h, inter, layers, kv = 16, 4096, 14336, 32, 1024
+    adapters = layers * r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))
+    nf4 = projections * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2
+    gpu = est.gpu_terms
+    assert gpu["parameters"] == pytest.approx(nf4 + 2 * adapters, abs=2)  # bf16 adapters on top of the base
+    assert gpu["optimizer_states"] == pytest.approx(
+        12 * adapters, abs=2
+    )  # fp32 master, m, v of adapters only
+    assert gpu["gradients"] == pytest.approx(2 * adapters, abs=2)
+    assert gpu["dequantized_weight"] == h * inter * 2  # the largest projection (gate/up/down) in bf16
+    host = est.host_terms
+    assert host["model_load_peak"] == CHECKPOINT_SHARD_BYTES  # read onto the GPU, one shard at a time
+    assert host["export_peak"] == EXPORT_SHARD_BYTES  # merged export: one 2 GiB shard on the host
+    assert est.host_bytes == PROCESS_HOST_BYTES + CHECKPOINT_SHARD_BYTES  # the load phase is the largest
+    assert est.host_bytes < 13 * GiB  # a 16 GiB desktop less the OS's 3 GiB
+    assert est.gpu_bytes < 0.95 * 12282 / 1024 * GiB  # an RTX 4070, with the planner's 5% headroom
+
+
+def test_16bit_lora_host_ram_by_hand() -> None:
+    """8b-lora-rtx4090 with 16 GiB: no full copy of the model on the host at load, in checkpoints or at export."""
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import (
+        CHECKPOINT_SHARD_BYTES,
+        EXPORT_SHARD_BYTES,
+        PROCESS_HOST_BYTES,
+        estimate_memory,
+    )
+    from llm_train.planning.shapes import shape_of
+
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    merged = estimate_memory(memory_inputs(resolve_run("8b-lora-rtx4090", [], world_size=1), shape))
+    assert merged.gpu_terms["parameters"] == pytest.approx(
+        2 * shape.num_params + 2 * shape.lora_params(16), abs=2
+    )
+    assert merged.host_bytes == PROCESS_HOST_BYTES + max(CHECKPOINT_SHARD_BYTES, EXPORT_SHARD_BYTES)
+    adapter = estimate_memory(
+        memory_inputs(resolve_run("8b-lora-rtx4090", ["lora.export=adapter"], world_size=1), shape)
+    )
+    assert adapter.host_terms["export_peak"] == 2 * shape.lora_params(16)  # the bf16 adapters only
