@@ -172,25 +172,30 @@ def build_preferences(chat: Sequence[dict[str, list[dict[str, str]]]]) -> list[d
 
     Each keeps its question as ``prompt``; ``chosen`` and ``rejected`` are whole conversations
     (the user turn, then an assistant turn): chosen answers with the reference text, rejected with
-    the same words in a shuffled order. Same words, same length, one difference a tiny model can
-    learn from the corpus: word order, so a preference run on it shows held-out reward accuracy
-    rise (``tiny-cpu-dpo``). The shuffle is seeded by the question, so the file is reproducible.
+    the same text whose words are shuffled within each line (indentation and line breaks kept).
+    Same words, same layout, one difference a tiny model can learn from the corpus: word order, so a
+    preference run on it shows held-out reward accuracy rise (``tiny-cpu-dpo``). The shuffle is
+    seeded by the question, so the file is reproducible.
     """
     import random
 
     pairs: list[dict[str, Any]] = []
     for example in chat:
         user, answer = [m for m in example["messages"] if m["role"] != "system"]
-        words = answer["content"].split()
-        shuffled = list(words)
-        random.Random(user["content"]).shuffle(shuffled)
-        if shuffled == words:  # a one-word answer, or a shuffle that changed nothing: no preference to learn
+        rng = random.Random(user["content"])
+        lines = []
+        for line in answer["content"].split("\n"):
+            words = line.split()
+            rng.shuffle(words)
+            lines.append(line[: len(line) - len(line.lstrip())] + " ".join(words))
+        rejected = "\n".join(lines)
+        if rejected == answer["content"]:  # nothing to tell apart (one word per line, or an unlucky shuffle)
             continue
         pairs.append(
             {
                 "prompt": user["content"],
                 "chosen": [user, {"role": "assistant", "content": answer["content"]}],
-                "rejected": [user, {"role": "assistant", "content": " ".join(shuffled)}],
+                "rejected": [user, {"role": "assistant", "content": rejected}],
             }
         )
     return pairs

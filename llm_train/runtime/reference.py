@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -118,11 +119,7 @@ class CachedReference:
             self.cache_dir / f"reference-{reference_key(s.parts[i].key, self.identity)}" for s, i in parts
         ]
         # Rank 0's cache decides and is sent to every rank (other nodes may not share its disk).
-        found = WORLD.from_rank0(
-            [_read(e, s.parts[i].n_sequences) for e, (s, i) in zip(entries, parts, strict=True)]
-            if collectives.rank() == 0
-            else None
-        )
+        found = WORLD.from_rank0(self._read_all(entries, parts, say) if collectives.rank() == 0 else None)
         started, computed = time.perf_counter(), 0
         for (split, i), entry, logps in zip(parts, entries, found, strict=True):
             part = split.parts[i]
@@ -140,6 +137,20 @@ class CachedReference:
             )
         if total > computed:
             say(f"reference: log-probs of {total - computed:,} pairs read from {where}")
+
+    @staticmethod
+    def _read_all(
+        entries: list[Path], parts: list[tuple[PackedSplit, int]], say: Callable[[str], None]
+    ) -> list[np.ndarray | None]:
+        out = []
+        for entry, (split, i) in zip(entries, parts, strict=True):
+            logps = _read(entry, split.parts[i].n_sequences)
+            if logps is None and (entry / "meta.json").is_file():
+                # Damaged or hand-edited: scored again below (same key: the same model and data).
+                say(f"notice: reference cache {entry} does not verify; scoring its pairs again")
+                shutil.rmtree(entry, ignore_errors=True)
+            out.append(logps)
+        return out
 
     def _score(self, split: PackedSplit, part: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """[pairs, 2] reference log-probs of one part; every rank takes part and gets all of them."""

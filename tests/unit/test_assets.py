@@ -125,7 +125,11 @@ def test_preferences_jsonl() -> None:
         assert [m["role"] for m in chosen] == [m["role"] for m in rejected] == ["user", "assistant"]
         assert chosen[0] == rejected[0] == {"role": "user", "content": pair["prompt"]}
         assert chosen[1]["content"] != rejected[1]["content"]
-        assert sorted(chosen[1]["content"].split()) == sorted(rejected[1]["content"].split())
+        # The same words on the same lines, in another order.
+        good, bad = chosen[1]["content"].split("\n"), rejected[1]["content"].split("\n")
+        assert len(good) == len(bad) and all(
+            sorted(g.split()) == sorted(b.split()) for g, b in zip(good, bad, strict=True)
+        )
 
 
 # What each committed file is built from besides build.py: pydoc_data.topics changes between Python
