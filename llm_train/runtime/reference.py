@@ -205,8 +205,8 @@ def frozen_reference(run: Resolved) -> Any:
     import deepspeed
 
     recipe = run.recipe
-    # Nothing is backpropagated through it: no activation checkpointing, no LoRA.
-    memory = recipe.memory.model_copy(update={"activation_checkpointing": False})
+    # Nothing is backpropagated through it: no activation checkpointing (nor its offload), no LoRA.
+    memory = recipe.memory.model_copy(update={"activation_checkpointing": False, "offload_checkpoints": False})
     model = build_model(recipe.model, memory, run.layout.precision, recipe.optim.seed)
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=inference_ds_config(run.ds_config))
