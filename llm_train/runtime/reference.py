@@ -199,15 +199,18 @@ def inference_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def frozen_reference(run: Resolved) -> Any:
+def frozen_reference(run: Resolved, device: str | None) -> Any:
     """A frozen copy of the initial model in a DeepSpeed inference engine (call while zero.Init's
-    config is registered, as for the policy, so that under ZeRO-3 it is built partitioned)."""
+    config is registered, as for the policy, so that under ZeRO-3 it is built partitioned; `device`:
+    where pretrained weights load, as for the policy, see model.build_model)."""
     import deepspeed
 
     recipe = run.recipe
     # Nothing is backpropagated through it: no activation checkpointing (nor its offload), no LoRA.
-    memory = recipe.memory.model_copy(update={"activation_checkpointing": False, "offload_checkpoints": False})
-    model = build_model(recipe.model, memory, run.layout.precision, recipe.optim.seed)
+    memory = recipe.memory.model_copy(
+        update={"activation_checkpointing": False, "offload_checkpoints": False}
+    )
+    model = build_model(recipe.model, memory, run.layout.precision, recipe.optim.seed, device=device)
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=inference_ds_config(run.ds_config))
     engine.eval()
