@@ -26,7 +26,7 @@ from llm_train.errors import ExportError, UserError
 def apply_lora(model: Any, lora: LoraSection) -> Any:
     """The model wrapped by PEFT with adapters on `lora.target_modules`; only adapters train."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
     except ModuleNotFoundError:
         raise UserError(
             "the recipe has a lora section but peft is not installed; pip install 'llm_train[lora]' "
@@ -42,15 +42,22 @@ def apply_lora(model: Any, lora: LoraSection) -> Any:
             f"lora.target_modules: {', '.join(missing)} not in this model; its linear modules are: "
             f"{', '.join(linear)}"
         )
-    config = LoraConfig(
+    return get_peft_model(model, peft_config(lora))
+
+
+def peft_config(lora: LoraSection, base: str | None = None) -> Any:
+    """PEFT's LoraConfig for the recipe's lora section (base: the model the adapter applies to)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
     )
-    return get_peft_model(model, config)
 
 
 def is_peft_model(model: Any) -> bool:
@@ -105,7 +112,6 @@ def export_adapter_checkpoint(
     what it can give is the adapter: `PeftModel.from_pretrained(base, out_dir)` on the base it was
     trained from (loaded the same way, 4-bit for a QLoRA run) reproduces the trained model.
     """
-    from peft import LoraConfig
     from safetensors.torch import save_file
 
     # PEFT's files name tensors without the adapter's name: `...q_proj.lora_A.weight`.
@@ -119,15 +125,6 @@ def export_adapter_checkpoint(
     if not tensors:
         raise ExportError(f"checkpoint {ckpt_dir}: a LoRA run's checkpoint without adapter tensors")
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base,
-    )
-    config.save_pretrained(out_dir)
+    peft_config(lora, base).save_pretrained(out_dir)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return verify_adapter_export(out_dir)

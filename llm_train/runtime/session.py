@@ -232,7 +232,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     # DPO with a cached reference scores every pair now, while the engine still holds the initial
     # model: before a checkpoint's weights are loaded into it (runtime/reference.py).
     engine.objective.prepare([stream.split, eval_blocks], dp_rank, layout.dp, say)
-    meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options.peak_tflops, clock)
+    meter = StepMeter.for_run(run, engine.token_flops(), options.peak_tflops, clock)
 
     import torch
 

@@ -20,7 +20,8 @@ import torch
 
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.observability.metrics import model_flops_per_token
+from llm_train.observability.metrics import model_token_flops
+from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
 from llm_train.runtime.export import (
@@ -29,7 +30,7 @@ from llm_train.runtime.export import (
     save_hf_model,
     write_reference,
 )
-from llm_train.runtime.fast import apply_liger, compile_engine
+from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.lora import is_peft_model
 from llm_train.runtime.model import build_model
 from llm_train.runtime.objectives import (
@@ -99,6 +100,7 @@ class ZeroEngine:
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
             mixed_precision=_MIXED_PRECISION[run.layout.precision],
             kwargs_handlers=handlers,
+            dynamo_plugin=dynamo_plugin(run.recipe.memory),  # memory.torch_compile: `prepare` compiles
             parallelism_config=parallelism_config(
                 run.layout, run.recipe.data.seq_len, run.recipe.memory.attention
             ),
@@ -134,7 +136,7 @@ class ZeroEngine:
 
             group = Collectives(groups._get_sequence_parallel_group())
             self._sequence = SequenceShard(layout.sp, layout.sp_rank(int(os.environ["RANK"])), group)
-        if notice := compile_engine(self.ds, recipe.memory):
+        if notice := compile_notice(recipe.memory):
             self.say(notice)
         self.objective = self._objective()  # a frozen reference is built here, inside zero.Init too
         mark("deepspeed init")
@@ -193,8 +195,8 @@ class ZeroEngine:
         self._reference = frozen_reference(self.run, self._load_device())
         return make_objective(recipe, live_reference=reference_forward(self._reference))
 
-    def flops_per_token(self, seq_len: int) -> float | None:
-        return model_flops_per_token(self.model, seq_len)
+    def token_flops(self) -> TokenFlops | None:
+        return model_token_flops(self.model)
 
     def _score(self, batch: Batch) -> Scored:
         """The micro-batch scored by the objective (whole rows: evaluation, and training without SP)."""
