@@ -3,7 +3,9 @@
 Covers data parallelism with every ZeRO stage and offload, AutoTP tensor parallelism,
 Ulysses sequence parallelism (sequence_parallel.py) and LoRA. The DeepSpeed engine owns gradient accumulation: `backward` scales each micro-batch
 loss by 1/accumulation and reduces gradients at the boundary, `step` updates the weights
-(and the LR schedule) only at the boundary.
+(and the LR schedule) only at the boundary. What each micro-batch's loss is comes from the
+recipe's objective (objectives.py: the model's token loss, DPO or SimPO); DPO's reference is
+cached, the policy's own engine with its adapters disabled, or a frozen copy (reference.py).
 """
 
 from __future__ import annotations
@@ -31,8 +33,17 @@ from llm_train.runtime.export import (
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.lora import is_peft_model
 from llm_train.runtime.model import build_model
+from llm_train.runtime.objectives import (
+    LanguageModeling,
+    Objective,
+    Scored,
+    make_objective,
+    mean_scores,
+    reference_forward,
+)
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
 from llm_train.runtime.quantize import describe_quantized, quantized
+from llm_train.runtime.reference import CachedReference, frozen_reference
 from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
 from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
 
@@ -55,6 +66,8 @@ class ZeroEngine:
         self.ds: Any = None
         self.model: Any = None
         self.skipped_microbatches = 0
+        self.objective: Objective = LanguageModeling()  # the recipe's, once the engine exists (build)
+        self._reference: Any = None  # DPO with preference.reference=live and no LoRA: the frozen copy
         self._hf_ds_config: Any = None
         self._sequence: SequenceShard | None = None  # set when the run splits sequences (sp > 1)
 
@@ -129,6 +142,7 @@ class ZeroEngine:
             self._sequence = SequenceShard(layout.sp, layout.sp_rank(int(os.environ["RANK"])), group)
         if notice := compile_notice(recipe.memory):
             self.say(notice)
+        self.objective = self._objective()  # a frozen reference is built here, inside zero.Init too
         mark("deepspeed init")
         self._hf_ds_config = None  # zero.Init is done with it
 
@@ -167,24 +181,43 @@ class ZeroEngine:
             engine.lr_scheduler = schedule(engine.basic_optimizer)  # the optimizer the engine steps
         return engine
 
+    def _objective(self) -> Objective:
+        """The recipe's objective; for DPO with the reference it asks for (see reference.py)."""
+        recipe = self.run.recipe
+        if recipe.objective != "dpo":
+            return make_objective(recipe)
+        unwrapped = self.accelerator.unwrap_model(self.ds)
+        # Under LoRA the reference is the base: the policy's own engine with the adapters switched off.
+        own = reference_forward(self.ds, unwrapped.disable_adapter if recipe.lora is not None else None)
+        if recipe.preference.reference == "cached":
+            scorer = CachedReference(
+                self.run, own, unwrapped.config, self.run.layout.micro_batch_size, self.ds.device
+            )
+            return make_objective(recipe, prepare=scorer)
+        if recipe.lora is not None:
+            return make_objective(recipe, live_reference=own)
+        self._reference = frozen_reference(self.run, self._load_device())
+        return make_objective(recipe, live_reference=reference_forward(self._reference))
+
     def token_flops(self) -> TokenFlops | None:
         return model_token_flops(self.model)
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        """The micro-batch's mean token loss (whole rows: evaluation, and training without SP)."""
-        return self.ds(**to_device(batch, self.ds.device)).loss
+    def _score(self, batch: Batch) -> Scored:
+        """The micro-batch scored by the objective (whole rows: evaluation, and training without SP)."""
+        return self.objective.score(self.ds, to_device(batch, self.ds.device))
 
-    def _train_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss to backpropagate, the micro-batch's loss to report)."""
+    def _train_loss(self, batch: Batch) -> tuple[torch.Tensor, Scored]:
+        """(the loss to backpropagate, the micro-batch's loss and metrics to report)."""
         if self._sequence is None:
-            loss = self._loss(batch)
-            return loss, loss.detach()
+            scored = self._score(batch)
+            return scored.loss, scored
+        # Preference objectives are refused under sequence parallelism (parallel.py): a token loss here.
         share = self.ds(**self._sequence.shard(to_device(batch, self.ds.device))).loss
-        return share, self._sequence.group_loss(share)
+        return share, Scored(self._sequence.group_loss(share))
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         skip = self.run.recipe.checkpoint.on_nonfinite == "skip"
-        losses, grad_norm = [], None
+        scores, grad_norm = [], None
         for _ in range(self.run.layout.grad_accum):
             loss, reported = self._train_loss(next(batches))
             # Skipping must be decided before backward, by all ranks together (one collective per
@@ -198,8 +231,9 @@ class ZeroEngine:
             if measure_grad_norm and self.ds.is_gradient_accumulation_boundary():
                 grad_norm = self._grad_norm_if_untracked()
             self.ds.step()
-            losses.append(reported)
-        return StepResult(torch.stack(losses).mean(), grad_norm=grad_norm)
+            scores.append(reported)
+        means = mean_scores(scores)
+        return StepResult(means.pop("loss"), grad_norm=grad_norm, metrics=means)
 
     def _grad_norm_if_untracked(self) -> float | None:
         """ZeRO-0 in fp32 clips without keeping the norm: measure it at the boundary, before the step.
@@ -233,15 +267,17 @@ class ZeroEngine:
         return float(tracked) if tracked is not None else None
 
     @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        if not batches:
+            return {"eval_loss": float("nan")}
         if self._sequence is not None:
             with evaluating(self.ds.module):
-                losses = [self._train_loss(b)[1] for b in batches]
+                scores = [self._train_loss(b)[1] for b in batches]
         else:
             self.ds.eval()
-            losses = [self._loss(b) for b in batches]
+            scores = [self._score(b) for b in batches]
             self.ds.train()
-        return WORLD.mean(torch.stack(losses).mean()) if losses else float("nan")
+        return self.objective.eval_summary(WORLD.means(mean_scores(scores)))
 
     def export(self, final: Path, tokenizer: Any) -> None:
         lora = self.run.recipe.lora
