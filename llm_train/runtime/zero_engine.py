@@ -318,7 +318,9 @@ class ZeroEngine:
             # base plus this adapter must give when reloaded with PEFT (lora.verify_adapter_export
             # checks the files' shapes; reloading needs the user's base model).
             write_reference(final, *reference)
-        self.accelerator.wait_for_everyone()
+        # No barrier after the last shard, as for a full export: nothing the other ranks do next needs
+        # final/. Between ZeRO-3's per-module gathers rank 0 writes at most one shard (EXPORT_SHARD_BYTES)
+        # while the others wait in the next gather: seconds, far inside the process group's timeout.
 
     @staticmethod
     def _gather(params: list[torch.nn.Parameter]) -> Any:
