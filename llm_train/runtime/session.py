@@ -252,8 +252,9 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
     # DPO with a cached reference scores every pair now, while the engine still holds the initial
-    # model: before a checkpoint's weights are loaded into it (runtime/reference.py).
-    engine.objective.prepare([stream.split, eval_blocks], dp_rank, layout.dp, say)
+    # model: before a checkpoint's weights are loaded into it (runtime/reference.py). A streamed
+    # train split has no packed split to score (preference data is refused with streaming).
+    engine.objective.prepare([getattr(stream, "split", None), eval_blocks], dp_rank, layout.dp, say)
     meter = StepMeter.for_run(run, engine.token_flops(), options.peak_tflops, clock)
 
     import torch
