@@ -432,6 +432,14 @@ class DeepSpeedSection(Section):
         description="Directory on a fast local NVMe drive for ZeRO-Infinity offload (DS JSON device 'nvme'); "
         "checked for existence, write access and free space before the run starts.",
     )
+    pinning: Literal["torch", "native", "off", "auto"] = Field(
+        "torch",
+        description="How the offload buffers the DS JSON pins (pin_memory) are allocated: 'torch' "
+        "(DeepSpeed's default: torch's pinned allocator rounds each up to a power of two), 'native' (exact "
+        "size, mlocked: DS_PIN_MEMORY_BACKEND=native; needs a memlock limit (ulimit -l) that large, checked "
+        "before start), 'off' (pin_memory false everywhere: exact, pageable, slower copies), 'auto' ('native' "
+        "when the memlock limit allows it, else 'off' with a notice).",
+    )
 
     @model_validator(mode="after")
     def _nvme_path_is_a_path(self) -> DeepSpeedSection:

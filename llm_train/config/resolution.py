@@ -110,6 +110,12 @@ def resolve_run(
         state_dtype=recipe.optim.state_dtype,
     )
     resolved = ds_json.fill_autos(raw, values, str(ds_path))
+    if recipe.deepspeed.pinning == "off":
+        # The recipe's switch, not a contradiction: every offload section's buffers become pageable.
+        for section in ("offload_optimizer", "offload_param"):
+            offload = resolved.get("zero_optimization", {}).get(section)
+            if isinstance(offload, dict) and offload.get("device", "none") != "none":
+                offload["pin_memory"] = False
     if layout.tp > 1:
         # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
         # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.

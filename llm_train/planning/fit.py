@@ -17,6 +17,7 @@ from typing import Any
 
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
+from llm_train.planning.host_offload import SwapSettings
 from llm_train.planning.memory import (
     ALLOCATOR_SLACK_FRACTION,
     DS_ALLGATHER_BUCKET_SIZE,
@@ -88,8 +89,15 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
 
     on_gpu = layout.device != "cpu"
-    # DeepSpeed pins by default (offload_config.py); its CPU accelerator pins nothing (cpu_accelerator.py).
-    pinned = bool((zero.get("offload_optimizer") or {}).get("pin_memory", True)) and on_gpu
+    aio = run.ds_config.get("aio") or {}
+    swap_json = zero.get("offload_optimizer") or {}
+    swap = SwapSettings(
+        buffer_count=int(swap_json.get("buffer_count", SwapSettings.buffer_count)),
+        pipeline_read=bool(swap_json.get("pipeline_read", False)),
+        pipeline_write=bool(swap_json.get("pipeline_write", False)),
+        intra_op_parallelism=int(aio.get("intra_op_parallelism", SwapSettings.intra_op_parallelism)),
+        block_size=int(aio.get("block_size", SwapSettings.block_size)),
+    )
     # config/layout.workers_for: data.loader_workers, else none with the optimizer offloaded, else the stream's
     # 2 worker processes on CUDA, forked at the first batch.
     asked = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
@@ -117,9 +125,28 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         tiled_mlp=recipe.memory.tiled_mlp,
         tiled_loss=recipe.memory.tiled_loss,
         offload_checkpoints=recipe.memory.offload_checkpoints,
-        pin_memory=pinned,
+        pinning=section_pinning(zero.get("offload_optimizer"), recipe.deepspeed.pinning, on_gpu),
+        param_pinning=section_pinning(zero.get("offload_param"), recipe.deepspeed.pinning, on_gpu),
+        # save_on_cpu(pin_memory=True) on CUDA only (runtime/model.py), through torch's allocator.
+        checkpoint_pinning="torch" if on_gpu else "off",
+        swap=swap,
         loader_forks=forked,
     )
+
+
+def section_pinning(offload: dict[str, Any] | None, pinning: str, on_gpu: bool) -> str:
+    """host_offload.PINNINGS for one offload section of a resolved DS JSON under deepspeed.pinning.
+
+    DeepSpeed pins when the section says so (pin_memory defaults to true, offload_config.py); its CPU
+    accelerator pins nothing through torch (cpu_accelerator.py), but native pinning mlocks on any
+    device. 'auto' becomes native or off before a run starts (planning/pinning.choose_auto); both
+    size the buffers exactly, and the planner counts it as native.
+    """
+    if not bool((offload or {}).get("pin_memory", True)) or pinning == "off":
+        return "off"
+    if pinning in ("native", "auto"):
+        return "native"
+    return "torch" if on_gpu else "off"
 
 
 def needs(est: MemoryEstimate, inp: MemoryInputs, kind: str) -> tuple[int, int]:
