@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llm_train import RECIPES_DIR
 from llm_train.config.credentials import is_secret_key
@@ -440,6 +440,12 @@ class DeepSpeedSection(Section):
         "before start), 'off' (pin_memory false everywhere: exact, pageable, slower copies), 'auto' ('native' "
         "when the memlock limit allows it, else 'off' with a notice).",
     )
+
+    @field_validator("pinning", mode="before")
+    @classmethod
+    def _yaml_off_is_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (also from `deepspeed.pinning=off` on the command line) as false.
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _nvme_path_is_a_path(self) -> DeepSpeedSection:

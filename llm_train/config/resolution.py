@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     pass
 
 GiB = 1024**3
+DS_PARAM_SWAP_BUFFER_DEFAULT = (
+    100_000_000  # offload_param.buffer_size (deepspeed/runtime/zero/offload_config.py)
+)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ def resolve_run(
         max_steps=recipe.optim.max_steps or 0,
         nvme_path=recipe.deepspeed.nvme_path,
         state_dtype=recipe.optim.state_dtype,
+        largest_weight=largest_weight(fields, hidden),
     )
     resolved = ds_json.fill_autos(raw, values, str(ds_path))
     if recipe.deepspeed.pinning == "off":

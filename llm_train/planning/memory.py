@@ -133,9 +133,9 @@ OVERLAP_COMM_FACTOR = 4.5
 DS_ALLREDUCE_BUCKET_SIZE = 500_000_000  # stage 0 gradient all-reduce bucket (elements)
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
 DS_SUB_GROUP_SIZE = 1_000_000_000
-DS_NVME_OPTIMIZER_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
 DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
+DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
 
 ATTN_IMPLS = ("sdpa", "flash_attention_2", "eager")
 # Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
@@ -574,14 +574,14 @@ _LABELS = {
     "deepspeed_buffers": "DeepSpeed buffers",
     "cuda_context_and_slack": "CUDA context + allocator slack",
     "offloaded_optimizer_states": "offloaded optimizer states (master, m, v)",
-    "offloaded_fp32_gradients": "offloaded gradients (pinned)",
-    "offload_16bit_buffers": "offload 16-bit gradient/parameter buffers (pinned)",
+    "offloaded_fp32_gradients": "offloaded master-dtype gradients",
+    "offload_16bit_buffers": "offload 16-bit gradient/parameter buffers",
     "optimizer_step_transient": "optimizer step: 16-bit copy of one sub-group (transient)",
     "loader_fork_copies": "forked loader workers: copy-on-write twin of the optimizer state",
-    "optimizer_swap_buffers": "optimizer NVMe swap buffers (pinned)",
-    "offloaded_parameters": "offloaded parameters (pinned)",
+    "optimizer_swap_buffers": "optimizer NVMe swap buffers (mlocked)",
+    "offloaded_parameters": "offloaded parameters",
     "offloaded_checkpoints": "offloaded activation checkpoints (pinned)",
-    "param_swap_buffers": "parameter NVMe swap buffers (pinned)",
+    "param_swap_buffers": "parameter NVMe swap buffers (mlocked)",
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
     "export_peak": "final export: gathered model (transient)",
@@ -773,6 +773,12 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         swap = DS_NVME_PARAM_BUFFER_COUNT * held_bytes(buffer_elems * weight_bytes, "native")
         host["param_swap_buffers"] = ranks * swap
         locked += swap
+        # stage3.py 888-907: up to offload_param.max_in_cpu elements of the partitions also stay in a
+        # flat host buffer (pinned as the section says), the first parameter groups first.
+        in_cpu = min(DS_NVME_PARAM_MAX_IN_CPU, partitioned / dp)
+        flat = held_bytes(in_cpu * weight_bytes, inp.param_pinning)
+        host["offloaded_parameters"] += ranks * flat
+        locked += flat if inp.param_pinning == "native" else 0.0
     if offloaded_checkpoints:
         # save_on_cpu(pin_memory=True) pins each checkpoint in torch's pinned allocator, rounded up to a
         # power of two, and torch keeps the freed blocks cached for the next step's: a training-phase
