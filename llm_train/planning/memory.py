@@ -25,14 +25,16 @@ offload, it is persistent and we do count it (`offloaded_fp32_gradients`).
 `deepspeed_zero2_model_states` / `deepspeed_zero3_model_states` reproduce DeepSpeed's
 functions exactly for anyone who wants that convention.
 
-Host RAM under CPU offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
-allocates, read from its source in planning/host_offload.py: for a ZeRO-3 + CPU-Adam 7B with fp32
-states and pinned buffers (the shipped default) ~18.8 bytes per parameter at the first optimizer
-step (master 4 + m, v 8 + the sub-groups' fp32 gradients 4 and the flat 16-bit gradient buffer 2,
-both pinned and so rounded up to a power of two by torch), plus a 16-bit copy of one sub-group in
-flight, plus, while forked DataLoader workers live, a second copy of the pageable state. The first
-H200 run of 7b-rtx4090 was killed by the kernel in that step on a 125.9 GiB machine after this
-estimate had said 103 GiB (bench/results/host-ram-7b-offload-20261130.txt).
+Host RAM under CPU and NVMe offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
+allocates, read from its source in planning/host_offload.py, under the run's pinning choice
+(deepspeed.pinning): for a ZeRO-3 + CPU-Adam 7B with fp32 states at the first optimizer step, master 4
++ m, v 8 + the sub-groups' fp32 gradients 4 + the flat 16-bit gradient buffer 2 bytes per parameter,
+the last two rounded up to powers of two by torch's pinned allocator (DeepSpeed's default) or exact
+(native mlock, or unpinned), plus a 16-bit copy of one sub-group in flight, plus, while forked
+DataLoader workers live, a second copy of the pages the step rewrites. With the optimizer on NVMe the
+host keeps the flat 16-bit gradients and the swap buffers. The first H200 run of 7b-rtx4090 was killed
+by the kernel in that step on a 125.9 GiB machine after this estimate had said 103 GiB
+(bench/results/host-ram-7b-offload-20261130.txt).
 
 Activations. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4): per layer s*b*h*(34 + 5*a*s/h) bytes with eager
@@ -62,7 +64,8 @@ intermediates exist for one tile (and that tile's gradients), not per layer.
 fp32 logits per row (ALST's 1 GiB slices, runtime/tiling.py): one tile and its gradient instead
 of the full [tokens x vocabulary] tensor. `memory.offload_checkpoints` keeps the per-layer checkpointed
 hidden states in pinned host RAM between forward and backward: on the GPU stays the one
-being copied; the host holds all of them (pinned blocks stay cached by torch for the run).
+being copied; the host holds all of them, each in a block of torch's pinned allocator, rounded up to
+a power of two, that stays cached for the next step (save_on_cpu(pin_memory=True) on CUDA).
 
 Low-precision optimizer states (`state_dtype="bf16"`, DeepSpeed's bf16_master_weights_and_grads +
 bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m and v are 2 bytes
