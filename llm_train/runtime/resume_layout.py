@@ -129,6 +129,16 @@ def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) ->
             "universal loader does not cross between ZeRO-3 and ZeRO-1/2; keep the stage (1 <-> 2 works, and "
             "the world size, TP degree and offload may change), or export the checkpoint and fine-tune from it"
         )
+    if "nvme" in (saved.get("offload_optimizer"), now.offload_optimizer):
+        # DeepSpeed 0.19.8 keeps a swapped sub-group's master, m and v only in its swap files: its engine
+        # checkpoint holds empty placeholders for them (stage3.py _rigid_state_dict), so neither the
+        # universal conversion nor another offload can read them; llm_train keeps the files beside the
+        # checkpoint for this layout (runtime/nvme_swap.py).
+        raise UserError(
+            f"cannot resume a checkpoint across NVMe optimizer offload or on another layout ({what}): the "
+            "swapped optimizer state is kept per rank for the layout that wrote it; resume with the "
+            "checkpoint's layout and deepspeed.config, or export it and fine-tune from the export"
+        )
     if resharded and stages == (0, 0) and saved.get("tp", 1) != now.tp:
         raise UserError(
             f"cannot change the tensor-parallel degree of a ZeRO-0 checkpoint ({what}); use a ZeRO-1/2/3 "

@@ -82,6 +82,18 @@ def test_a_precision_change_goes_through_universal() -> None:
         ({"zero_stage": 3}, {"zero_stage": 0}, "ZeRO-1/2/3 only"),
         ({"zero_stage": 2}, {"zero_stage": 3}, "between ZeRO-3 and ZeRO-1/2"),
         ({"zero_stage": 3}, {"zero_stage": 1}, "between ZeRO-3 and ZeRO-1/2"),
+        # The swapped optimizer state lives in per-rank swap files (runtime/nvme_swap.py), not in DeepSpeed's
+        # checkpoint: no universal conversion can read it.
+        (
+            {"zero_stage": 3, "offload_optimizer": "nvme"},
+            {"zero_stage": 3, "offload_optimizer": "nvme", "world_size": 1},
+            "NVMe optimizer offload",
+        ),
+        (
+            {"zero_stage": 3, "offload_optimizer": "nvme"},
+            {"zero_stage": 3, "offload_optimizer": "cpu"},
+            "NVMe",
+        ),
     ],
 )
 def test_changes_deepspeed_cannot_convert_are_refused_in_one_line(saved: dict, now: dict, says: str) -> None:
