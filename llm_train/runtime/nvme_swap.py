@@ -1,71 +1,47 @@
-"""The optimizer state of NVMe offload in checkpoints: DeepSpeed 0.19.8 does not save it.
+"""Resuming a run whose optimizer is on NVMe: what DeepSpeed 0.19.8's load leaves out, put back.
 
-With `offload_optimizer: nvme`, ZeRO-3 keeps each swapped sub-group's fp32 master, Adam m and v only
-in swap files under NVME_PATH/zero_stage_3/optimizer/rankR (`{first}_{last}.tensor.swp`,
-`exp_avg-...`, `exp_avg_sq-...`). Its engine checkpoint stores empty placeholders for them
-(stage3.py `_rigid_state_dict`: `fp32_partitioned_groups_flat` holds 0-element tensors for swapped
-sub-groups), and `_rigid_load_state_dict` swaps the state back in from whatever those files hold at
-load time. After a kill at step k + 1 the files hold step k + 1's state, not the checkpoint's:
-measured on CPU (tests/e2e/test_host_offload.py), the resumed losses left the uninterrupted run's
-from the first resumed step (7.9238 against 7.9234).
+With `offload_optimizer: nvme`, ZeRO-3 keeps each swapped sub-group's fp32 master, Adam m and v in
+swap files under NVME_PATH/zero_stage_3/optimizer/rankR. `engine.save_checkpoint` copies those files
+into the checkpoint (engine.py 4937-4950, `offloaded_tensors/rankR`, gradients left out) and
+`engine.load_checkpoint` copies them back (engine.py 4469-4481). But on that path it skips the ZeRO
+optimizer's own state (engine.py 4456: `load_zero_checkpoint and not self.zero_nvme_offload_optimizer()`):
+CPU Adam's step counts, and the master, m and v of the sub-groups too small to swap (under
+max(1 MiB, aio block_size): the norms). The first step after a resume then creates m and v anew at
+step 0 and ignores the files: measured on CPU (tests/e2e/test_host_offload.py), the resumed losses
+left the uninterrupted run's at the first resumed step (7.9238 against 7.9234 on tiny-cpu).
 
-So each rank copies its state files into the checkpoint as it is written (the swap-outs of the
-step are complete when the engine saves), and copies them back over the swap directory before the
-engine loads it. The gradient files are left out: the next backward rewrites them before any step
-reads them. The copies are as large as the optimizer state they stand for (12 bytes per parameter,
-what a CPU-offload checkpoint holds too).
+`restore_swapped_state` runs DeepSpeed's own ZeRO load after the engine's (`_load_zero_checkpoint`,
+the step it skipped), then points each swapped sub-group's Adam states at the restored files: the
+checkpoint holds them as empty tensors (swapped out when it was saved), which the swapper would not
+swap back in (`is_swappable_tensor`: too small), so each becomes a zero-stride placeholder of the
+sub-group's size, whose storage the next swap-in replaces with the file's contents
+(optimizer_utils.py `set_swap_buffers`). No full-size host copy is made.
 """
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Any
 
-from llm_train.errors import UserError
-
-CHECKPOINT_SUBDIR = "nvme_optimizer"
+import torch
 
 
-def swap_dir(engine: Any) -> Path | None:
-    """The folder DeepSpeed swaps this rank's optimizer state in (optimizer_utils.py `swap_folder`:
-    NVME_PATH/zero_stage_3/optimizer/rankR), or None when the optimizer is not on NVMe."""
-    swapper = getattr(getattr(engine, "optimizer", None), "optimizer_swapper", None)
-    return Path(swapper.swap_folder) if swapper is not None else None
+def restore_swapped_state(engine: Any, load_dir: str, tag: str) -> bool:
+    """After `engine.load_checkpoint` of an NVMe-offload run: load what it skipped (module docstring).
 
-
-def _state_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*.tensor.swp") if "_gradient_" not in p.name)
-
-
-def save_swap_state(engine: Any, checkpoint_tmp: Path, rank: int) -> None:
-    """Copy this rank's swapped optimizer state into the checkpoint being written (a no-op without NVMe)."""
-    source = swap_dir(engine)
-    if source is None:
-        return
-    swapper = engine.optimizer.optimizer_swapper
-    if getattr(swapper, "swap_ops", {}).get("async_swap_out") is not None:
-        # pipeline_write leaves the last sub-group's write in flight after the step
-        # (pipelined_optimizer_swapper.py `swap_out_optimizer_state`): finish it before copying.
-        swapper._complete_swap_out("async_swap_out")
-    target = checkpoint_tmp / CHECKPOINT_SUBDIR / f"rank{rank}"
-    target.mkdir(parents=True, exist_ok=True)
-    for path in _state_files(source):
-        shutil.copyfile(path, target / path.name)
-
-
-def restore_swap_state(engine: Any, checkpoint: Path, rank: int) -> None:
-    """Put the checkpoint's swapped optimizer state back where DeepSpeed swaps it in, before it loads."""
-    target = swap_dir(engine)
-    if target is None:
-        return
-    saved = checkpoint / CHECKPOINT_SUBDIR / f"rank{rank}"
-    if not saved.is_dir():
-        raise UserError(
-            f"checkpoint {checkpoint.name} has no NVMe optimizer state for rank {rank} ({saved}): it was "
-            "written without the optimizer on NVMe, or by an llm_train that did not save it; resume it "
-            "with the deepspeed.config that wrote it"
-        )
-    target.mkdir(parents=True, exist_ok=True)
-    for path in _state_files(saved):
-        shutil.copyfile(path, target / path.name)
+    Returns whether there was anything to do (False without NVMe optimizer offload).
+    """
+    optimizer = engine.optimizer
+    swapper = getattr(optimizer, "optimizer_swapper", None)
+    if swapper is None:
+        return False
+    engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True)
+    for i, master in enumerate(optimizer.fp32_partitioned_groups_flat):
+        if not optimizer._swappable_optimizer_subgroup(i):
+            continue  # held in host RAM: _load_zero_checkpoint restored it whole
+        numel = int(optimizer.fp16_partitioned_groups_flat_numel[i])
+        state = optimizer.optimizer.state.get(master, {})
+        for key, value in list(state.items()):
+            if torch.is_tensor(value) and value.numel() == 0:
+                state[key] = torch.zeros(1, dtype=value.dtype).expand(numel)
+    swapper.purge_state()  # the state tensors are named (and their files found) again at the next swap-in
+    return True

@@ -130,10 +130,10 @@ def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) ->
             "the world size, TP degree and offload may change), or export the checkpoint and fine-tune from it"
         )
     if "nvme" in (saved.get("offload_optimizer"), now.offload_optimizer):
-        # DeepSpeed 0.19.8 keeps a swapped sub-group's master, m and v only in its swap files: its engine
-        # checkpoint holds empty placeholders for them (stage3.py _rigid_state_dict), so neither the
-        # universal conversion nor another offload can read them; llm_train keeps the files beside the
-        # checkpoint for this layout (runtime/nvme_swap.py).
+        # DeepSpeed 0.19.8 keeps a swapped sub-group's master, m and v in per-rank swap files (copied into
+        # the checkpoint's offloaded_tensors/rankR): its optimizer state holds empty placeholders for them
+        # (stage3.py _rigid_state_dict), so neither the universal conversion nor another offload can read
+        # them (runtime/nvme_swap.py).
         raise UserError(
             f"cannot resume a checkpoint across NVMe optimizer offload or on another layout ({what}): the "
             "swapped optimizer state is kept per rank for the layout that wrote it; resume with the "

@@ -30,7 +30,7 @@ from llm_train.runtime.checkpoint import (
     verify,
 )
 from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.nvme_swap import restore_swap_state, save_swap_state
+from llm_train.runtime.nvme_swap import restore_swapped_state
 from llm_train.runtime.resume_layout import ResumeLayout
 from llm_train.runtime.universal import universal_dir
 
@@ -65,7 +65,6 @@ def save_run_state(
 ) -> Path:
     def write(tmp: Path) -> None:
         engine.save_checkpoint(str(tmp / "state"), tag=DS_TAG, save_latest=False)
-        save_swap_state(engine, tmp, rank)  # NVMe offload: the optimizer state DeepSpeed leaves out
         state_file = trainer_state_path(tmp, rank)
         state_file.parent.mkdir(parents=True, exist_ok=True)
         state = {"step": step, "data": stream.state_dict(), "rng": rng_state(), **extra}
@@ -141,10 +140,10 @@ def restore_run_state(
     """
     # DeepSpeed's shards are pickles: `ckpt` (and its universal copy) verified against a manifest.
     load_dir = universal_dir(ckpt) if plan.universal else ckpt / "state"
-    restore_swap_state(engine, ckpt, rank)  # before the engine swaps the optimizer state in
     engine.load_checkpoint(
         str(load_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )
+    restore_swapped_state(engine, str(load_dir), DS_TAG)  # NVMe offload: what DeepSpeed's load skips
     # The data position is the global count of sequences consumed, the same in every rank's file.
     state = json.loads(trainer_state_path(ckpt, rank if plan.same_layout else 0).read_text())
     stream.load_state_dict(state["data"])

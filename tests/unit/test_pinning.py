@@ -160,3 +160,26 @@ def test_this_process_limit_is_what_the_kernel_enforces() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     here = pinning.memlock_limit()
     assert (here.limit_bytes is None) == (soft == resource.RLIM_INFINITY or has_cap_ipc_lock())
+
+
+def test_plan_shows_the_buffers_under_each_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_train import cli
+
+    assert cli.main(["plan", "--recipe", "7b-rtx4090", "--gpu-mem", "24", "--host-ram", "128"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("host buffers per pinning choice") :].splitlines()
+    assert table[1].split() == ["torch", "native", "*", "off"]  # the recipe's auto plans as native
+    rows = {line.rsplit(maxsplit=3)[0].strip(): line.split()[-3:] for line in table[2:9]}
+    assert rows["master-dtype gradient per sub-group (stage3.py 1337)"] == ["33.00", "25.10", "25.10"]
+    assert rows["host RAM total (the estimate above)"] == ["127.76", "116.41", "116.41"]
+    assert rows["mlocked per process (memlock limit)"] == ["0.00", "37.65", "0.00"]
+    assert "host settings for this budget: sub_group_size 2e+08" in out and "data.loader_workers 0" in out
+
+
+def test_drive_speeds_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_train import cli
+
+    assert (
+        cli.main(["plan", "--recipe", "8b-rtx4090-nvme", "--nvme-gib", "140", "--nvme-write-gbs", "0"]) == 2
+    )
+    assert "--nvme-write-gbs 0: give the drive's speed in GB/s" in capsys.readouterr().err
