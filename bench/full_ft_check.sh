@@ -15,25 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ARGS=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --wheels) WHEELS=${2:?--wheels needs a folder of .whl files}; shift 2 ;;
-    *) ARGS+=("$1"); shift ;;
-  esac
-done
-PY=${PYTHON:-}
-[[ -n "$PY" ]] || { [[ -x .venv/bin/python ]] && PY=.venv/bin/python || PY=python3; }
-if [[ -n "${WHEELS:-}" ]]; then
-  # As bench/gpu_check.sh: the wheels beside the image's torch/CUDA, llm_train from this checkout.
-  SITE=${WHEELS_TARGET:-/tmp/llm_train_gpu_site}
-  shopt -s nullglob
-  wheels=("$WHEELS"/*.whl)
-  wheels=("${wheels[@]/*\/llm_train-*/}")
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" ${wheels[@]}
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-exec "$PY" bench/full_ft_check.py "${ARGS[@]}"
+CHECK=full_ft_check
+source bench/gpu_env.sh "$@"
+
+exec "$PY" bench/full_ft_check.py ${ARGS[@]+"${ARGS[@]}"}

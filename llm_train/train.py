@@ -33,6 +33,7 @@ from llm_train.runtime import launcher
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.quantize import check_bitsandbytes
 from llm_train.runtime.resume_layout import check_resume_early
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
@@ -94,6 +95,7 @@ def print_dry_run(run: Resolved) -> None:
     print("# parallel plan")
     for key, value in run.layout.rows():
         print(f"  {key:<12} {value}")
+    print(f"  {'attention':<12} {run.recipe.memory.attention} ({run.attention})")
     rows = memory_rows(run)
     if rows:
         print("# memory estimate per GPU / host (first estimate; see `llm-train plan`)")
@@ -215,6 +217,7 @@ def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: 
         root = run.recipe.output_dir / "checkpoints"
         check_resume_early(args.resume, root, run.layout, args.allow_batch_change)
     check_attention_kernel(run.recipe.memory)
+    check_bitsandbytes(run.recipe.lora)
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)

@@ -13,6 +13,7 @@ TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with Z
   Ulysses sequence parallel x data parallel with ZeRO-0/1/2/3 and offload, sdpa or flash-attention-2,
     padded rows (packed rows with flash-attention-2 only), through Accelerate's ParallelismConfig
     (tests/e2e/test_sequence_parallel.py: losses and gradient norms against sp=1)
+  preference objectives (dpo, simpo) with ZeRO data parallelism only: each rank scores whole sequences
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llm_train.config.attention import FLEX_KERNELS
 from llm_train.config.layout import Layout, sequence_parallel_message, sequence_parallel_problem
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
@@ -35,11 +37,20 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
     """Raise a one-line UserError for the first combination that cannot run."""
     tp, pp = layout.tp, layout.pp
     degrees = f"world size {layout.world_size} = {layout.degrees}"
+    _check_objective(layout, recipe, degrees)
     if tp > 1 and pp > 1:
         raise UserError(
             f"{degrees}: tensor parallel (tensor_parallel.autotp_size={tp} in {ds_source}) cannot be combined "
             f"with pipeline parallel (deepspeed.pipeline_stages={pp}): DeepSpeed's AutoTP shards models driven "
             f"through Accelerate, not PipelineModule stages; {SUPPORTED}"
+        )
+    attention = recipe.memory.attention
+    if attention in FLEX_KERNELS and (tp > 1 or pp > 1 or layout.sp > 1):
+        # Pipeline stages build their own masks, DeepSpeed's Ulysses attention wraps sdpa / flash-attention
+        # only, and flex under AutoTP is not verified (config/attention.py).
+        raise UserError(
+            f"{degrees}: memory.attention={attention} runs on the plain ZeRO path only (tp = pp = sp = 1); "
+            "use memory.attention=auto (flash_attention_2 where installed, else sdpa)"
         )
     if pp > 1:
         _check_pipeline(layout, recipe, fields, ds_source, degrees)
@@ -47,6 +58,69 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
         _check_tensor_parallel(layout, recipe, fields, ds_source, degrees)
     if layout.sp > 1:
         _check_sequence_parallel(layout, recipe, fields, degrees)
+    if recipe.lora is not None and recipe.lora.quantize != "none":
+        _check_quantized(layout, recipe, ds_source, degrees)
+
+
+def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: str) -> None:
+    """QLoRA (lora.quantize): what bitsandbytes layers cannot do under DeepSpeed, refused before anything loads.
+
+    Pipeline stages and AutoTP are refused for every LoRA run above. bitsandbytes keeps each
+    quantised weight with its quantisation state (absmax, code book) on the GPU that computes with
+    it: ZeRO-3 may partition the packed storage (its dtype is the compute dtype, so DeepSpeed
+    flattens it like any 16-bit tensor), but offloading it to CPU or NVMe would move the bytes
+    without the state.
+    """
+    asked = f"lora.quantize={recipe.lora.quantize if recipe.lora else 'none'}"
+    if layout.offload_params != "none":
+        raise UserError(
+            f"{asked} cannot offload parameters (offload_param.device={layout.offload_params} in {ds_source}): "
+            "bitsandbytes keeps 4/8-bit weights on the GPU; use ds_configs/zero2, zero3 or "
+            "zero3_offload_optimizer (the adapters' optimizer may go to the CPU)"
+        )
+    if layout.sp > 1:
+        raise UserError(
+            f"{degrees}: {asked} is not supported with deepspeed.sequence_parallel={layout.sp} (not verified "
+            "with bitsandbytes layers); use lora.quantize=none or deepspeed.sequence_parallel=1"
+        )
+    for setting, on, fix in (
+        (f"memory.torch_compile={recipe.memory.torch_compile}", recipe.memory.torch_compile != "off", "off"),
+        ("memory.liger_kernels=true", recipe.memory.liger_kernels, "false"),
+    ):
+        if on:
+            raise UserError(
+                f"{setting} is not supported with {asked} (not verified with bitsandbytes layers); "
+                f"set {setting.split('=')[0]}={fix}"
+            )
+
+
+def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
+    """Preference objectives score whole sequences on one rank: what splits a sequence or its logits is refused."""
+    if recipe.objective == "lm":
+        return
+    asked = f"objective={recipe.objective}"
+    why = {
+        "deepspeed.pipeline_stages": (
+            layout.pp,
+            "DeepSpeed's pipeline engine computes a token loss on its last stage and hands back no logits to "
+            "score the chosen and rejected sequences by",
+        ),
+        "tensor_parallel.autotp_size": (
+            layout.tp,
+            "AutoTP may split the output layer over the vocabulary, so no rank holds a sequence's log-probs "
+            "(not verified)",
+        ),
+        "deepspeed.sequence_parallel": (
+            layout.sp,
+            "Ulysses splits each sequence over ranks, so no rank holds a sequence's log-prob",
+        ),
+    }
+    for setting, (degree, reason) in why.items():
+        if degree > 1:
+            raise UserError(
+                f"{degrees}: {asked} is not supported with {setting}={degree}: {reason}; train preferences with "
+                "ZeRO data parallelism (ZeRO-0..3, offload, LoRA)"
+            )
 
 
 def _check_sequence_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], degrees: str) -> None:
@@ -73,13 +147,13 @@ def _check_sequence_parallel(layout: Layout, recipe: Recipe, fields: dict[str, A
         )
     unsupported = {
         "memory.liger_kernels=true": memory.liger_kernels,
-        "memory.torch_compile=true": memory.torch_compile,
+        f"memory.torch_compile={memory.torch_compile}": memory.torch_compile != "off",
     }
     for setting, asked_for in unsupported.items():
         if asked_for:
             raise UserError(
                 f"{degrees}: {setting} is not supported with {asked} (not verified with Ulysses attention); "
-                f"set {setting.replace('true', 'false')}"
+                f"set {setting.split('=')[0]}={'off' if 'compile' in setting else 'false'}"
             )
 
 
@@ -103,9 +177,9 @@ def _check_pipeline(
             recipe.memory.liger_kernels,
             "Liger patches the HF model classes, which pipeline stages do not use; set memory.liger_kernels=false",
         ),
-        "memory.torch_compile=true": (
-            recipe.memory.torch_compile,
-            "DeepSpeed's pipeline engine does not compile its stages; set memory.torch_compile=false",
+        f"memory.torch_compile={recipe.memory.torch_compile}": (
+            recipe.memory.torch_compile != "off",
+            "DeepSpeed's pipeline engine does not compile its stages; set memory.torch_compile=off",
         ),
         "memory.tiled_mlp=true": (
             recipe.memory.tiled_mlp,

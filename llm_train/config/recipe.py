@@ -148,14 +148,7 @@ class InstructionSource(_SourceFields):
 
     @model_validator(mode="after")
     def _template_has_prompt(self) -> InstructionSource:
-        import string
-
-        names = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
-        if names != {"prompt"}:
-            raise ValueError(
-                f"prompt_template must contain '{{prompt}}' and no other {{fields}} (found {sorted(names)}); "
-                "write literal braces as {{ and }}"
-            )
+        _check_prompt_template(self.prompt_template)
         return self
 
 
@@ -182,12 +175,60 @@ class TokenizedSource(_SourceFields):
     )
 
 
-Source = TextSource | InstructionSource | ChatSource | TokenizedSource
+class PreferenceSource(_SourceFields):
+    """Preference pairs: a prompt with a chosen and a rejected response (objective dpo or simpo).
+
+    Each of the three fields holds text or a list of {role, content} messages. Message lists
+    are rendered with the chat template; when `chosen` and `rejected` are whole conversations
+    (HuggingFaceH4/ultrafeedback_binarized's train_prefs), the prompt is what they share before
+    their last (assistant) message. Both sequences start with the same prompt tokens; the loss
+    mask covers the response only.
+    """
+
+    format: Literal["preference"] = "preference"
+    prompt_field: str = Field(
+        "prompt",
+        description="Field with the prompt (text or messages); not needed when chosen/rejected are "
+        "conversations that contain it.",
+    )
+    chosen_field: str = Field("chosen", description="Field with the preferred response (text or messages).")
+    rejected_field: str = Field(
+        "rejected", description="Field with the dispreferred response (text or messages)."
+    )
+    prompt_template: str = Field(
+        "{prompt}",
+        description="Wraps a text prompt ('{prompt}' is replaced by it); message prompts use the chat template.",
+    )
+    overlong: Literal["truncate", "drop", "error"] = Field(
+        "truncate",
+        description="Pairs whose prompt + longer response exceed seq_len: truncate (the prompt loses its "
+        "beginning first, down to half of seq_len, then the responses their ends), drop or error.",
+    )
+
+    @model_validator(mode="after")
+    def _template_has_prompt(self) -> PreferenceSource:
+        _check_prompt_template(self.prompt_template)
+        return self
+
+
+def _check_prompt_template(template: str) -> None:
+    import string
+
+    names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    if names != {"prompt"}:
+        raise ValueError(
+            f"prompt_template must contain '{{prompt}}' and no other {{fields}} (found {sorted(names)}); "
+            "write literal braces as {{ and }}"
+        )
+
+
+Source = TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource
 SOURCE_CLASSES: dict[str, type[Section]] = {
     "text": TextSource,
     "instruction": InstructionSource,
     "chat": ChatSource,
     "tokenized": TokenizedSource,
+    "preference": PreferenceSource,
 }
 
 
@@ -226,14 +267,18 @@ def _parse_source(item: Any, where: str) -> Any:
 class DataSection(Section):
     """Where the training data comes from and how it becomes packed sequences (see llm_train/data/)."""
 
-    train: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource] = Field(
-        min_length=1,
-        description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
-        "mappings {path, format: text|instruction|chat|tokenized, weight, ...}.",
+    train: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
+        Field(
+            min_length=1,
+            description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
+            "mappings {path, format: text|instruction|chat|tokenized|preference, weight, ...}.",
+        )
     )
-    eval: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource] = Field(
-        default_factory=list,
-        description="Held-out sources (same forms as train); empty = carve eval_fraction.",
+    eval: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
+        Field(
+            default_factory=list,
+            description="Held-out sources (same forms as train); empty = carve eval_fraction.",
+        )
     )
     eval_fraction: float = Field(
         0.05, ge=0.0, lt=0.5, description="Share of each train source's samples held out for eval."
@@ -331,12 +376,20 @@ class OptimSection(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine/linear).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per process per forward pass.")
+    micro_batch_size: int = Field(
+        1,
+        ge=1,
+        description="Sequences per process per forward pass (preference pairs, two sequences each, under "
+        "objective dpo or simpo).",
+    )
     grad_accum: int | None = Field(
         None, ge=1, description="Micro-batches per optimizer step; derived from global_batch_size if unset."
     )
     global_batch_size: int | None = Field(
-        None, ge=1, description="Sequences per optimizer step over all data-parallel ranks."
+        None,
+        ge=1,
+        description="Sequences (preference pairs under objective dpo or simpo) per optimizer step over all "
+        "data-parallel ranks.",
     )
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to train.")
     epochs: float | None = Field(
@@ -361,16 +414,22 @@ class MemorySection(Section):
     """Memory techniques that trade compute for memory."""
 
     activation_checkpointing: bool = Field(False, description="Recompute layer activations in backward.")
-    attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel; flash_attention_2 needs the flash-attn package and a GPU."
+    attention: Literal["auto", "sdpa", "sdpa_flex", "flex_attention", "flash_attention_2", "eager"] = Field(
+        "auto",
+        description="Attention kernel. 'auto': the fastest exact one installed (flash_attention_2, else sdpa_flex "
+        "on GPUs, sdpa on CPU; the dry run says which). 'sdpa_flex': sdpa with is_causal for batches without "
+        "sample boundaries or padding, flex_attention with a block mask per document for the others (GPU, "
+        "torch >= 2.5). flash_attention_2 needs the flash-attn package and a GPU.",
     )
     liger_kernels: bool = Field(
         False,
         description="Liger Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); needs liger-kernel and a GPU.",
     )
-    torch_compile: bool = Field(
-        False,
-        description="torch.compile the model via DeepSpeed's engine.compile(); the first steps compile.",
+    torch_compile: Literal["off", "model", "layers"] = Field(
+        "off",
+        description="torch.compile: 'layers' compiles each decoder layer in place (one compile, reused by every "
+        "layer), 'model' the whole model through DeepSpeed's engine.compile(); the first steps compile. "
+        "true/false mean 'model'/'off'.",
     )
     tiled_mlp: bool = Field(
         False,
@@ -387,6 +446,26 @@ class MemorySection(Section):
         description="Keep the activation-checkpoint inputs (one hidden state per layer) in host RAM "
         "between forward and backward; needs memory.activation_checkpointing=true.",
     )
+
+    @field_validator("torch_compile", mode="before")
+    @classmethod
+    def _compile_bool(cls, value: Any) -> Any:
+        # The switch was a bool before regional compilation existed: true meant the whole model.
+        if isinstance(value, bool):
+            return "model" if value else "off"
+        return value
+
+    @model_validator(mode="after")
+    def _compile_not_with_alst(self) -> MemorySection:
+        # The ALST switches patch forwards with their own autograd functions and saved-tensor hooks;
+        # torch.compile over them is not verified, so it is refused rather than trusted.
+        tiled = [n for n in ("tiled_mlp", "tiled_loss", "offload_checkpoints") if getattr(self, n)]
+        if self.torch_compile != "off" and tiled:
+            raise ValueError(
+                f"memory.torch_compile={self.torch_compile} is not verified with memory.{tiled[0]}=true; "
+                f"set memory.torch_compile=off or memory.{tiled[0]}=false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_checkpoints(self) -> MemorySection:
@@ -411,6 +490,48 @@ class LoraSection(Section):
     )
     export: Literal["merged", "adapter"] = Field(
         "merged", description="'merged': a plain HF model with the adapters folded in; 'adapter': PEFT files."
+    )
+    quantize: Literal["none", "nf4", "int8"] = Field(
+        "none",
+        description="Load the frozen base through bitsandbytes (QLoRA): 'nf4' = 4-bit NormalFloat with double "
+        "quantisation, 'int8' = LLM.int8(); embeddings and output layer stay 16-bit. Needs "
+        "pip install 'llm_train[qlora]'.",
+    )
+
+
+Objective = Literal["lm", "dpo", "simpo"]
+# The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
+# (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
+
+
+class PreferenceSection(Section):
+    """Preference tuning on `format: preference` pairs (objective dpo or simpo; runtime/objectives.py)."""
+
+    beta: float | None = Field(
+        None,
+        gt=0,
+        description="Reward scale: how far the policy may move from the reference (dpo) or the per-token "
+        "reward scale (simpo); default 0.1 for dpo, 2.0 for simpo.",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="Probability that a pair's preference is flipped (conservative DPO, Mitchell 2023): "
+        "the loss is (1-e) of the sigmoid loss plus e of the reversed one; 0 = plain sigmoid loss.",
+    )
+    simpo_gamma: float = Field(
+        0.5,
+        ge=0,
+        description="SimPO's target reward margin gamma (objective simpo only; TRL's simpo_gamma).",
+    )
+    reference: Literal["cached", "live"] = Field(
+        "cached",
+        description="dpo only. 'cached': the reference model's log-probs of every pair are computed in one "
+        "pass before training and cached beside the data (training holds one model); 'live': computed "
+        "every step, by the base model with the adapters disabled under LoRA, else by a frozen copy of "
+        "the model (sharded like the policy under ZeRO-3; the planner counts its memory).",
     )
 
 
@@ -520,6 +641,15 @@ class Recipe(Section):
     lora: LoraSection | None = Field(
         None, description="Train LoRA adapters instead of all weights (needs peft)."
     )
+    objective: Objective = Field(
+        "lm",
+        description="'lm': next-token cross-entropy on the loss mask (pre-training, SFT); 'dpo': DPO's "
+        "sigmoid loss against a reference model; 'simpo': SimPO, reference-free (both need "
+        "format: preference data).",
+    )
+    preference: PreferenceSection = Field(
+        default_factory=PreferenceSection, description="DPO / SimPO settings (objective dpo or simpo)."
+    )
     deepspeed: DeepSpeedSection
     eval: EvalSection = Field(default_factory=EvalSection)
     output: OutputSection = Field(default_factory=OutputSection)
@@ -532,8 +662,20 @@ class Recipe(Section):
             raise ValueError(
                 "memory.attention=flash_attention_2 needs a CUDA GPU; use sdpa on hardware.device=cpu"
             )
+        if self.memory.attention in ("flex_attention", "sdpa_flex") and self.hardware.device == "cpu":
+            raise ValueError(
+                f"memory.attention={self.memory.attention} cannot train on CPU (torch has no flex_attention "
+                "backward there); use sdpa or auto on hardware.device=cpu"
+            )
         if self.precision == "fp16" and self.hardware.device == "cpu":
             raise ValueError("precision=fp16 is not supported on CPU; use fp32 or bf16")
+        if self.lora is not None and self.lora.quantize != "none" and self.model.init == "random":
+            # bitsandbytes quantises weights as transformers loads them from a checkpoint.
+            raise ValueError(
+                f"lora.quantize={self.lora.quantize} quantises a pretrained base as it loads; it needs "
+                "model.init=pretrained (save a randomly initialised model with save_pretrained first, and point "
+                "model.name_or_path at that directory)"
+            )
         if self.optim.max_steps is None and any(
             not isinstance(s, str) and s.streaming for s in self.data.train
         ):
@@ -541,7 +683,72 @@ class Recipe(Section):
                 "data.train is streamed (streaming: true), so its length is unknown and optim.epochs cannot be "
                 "counted; set optim.max_steps"
             )
+        self._check_objective()
         return self
+
+    def _check_objective(self) -> None:
+        """Preference data and preference objectives come together; what pairs cannot use is refused."""
+        objective, preference = self.objective, self.preference
+        sources = [
+            (f"data.{split}[{i}]", source)
+            for split in ("train", "eval")
+            for i, source in enumerate(getattr(self.data, split))
+        ]
+        if objective == "lm":
+            pairs = next((key for key, s in sources if isinstance(s, PreferenceSource)), None)
+            if pairs:
+                raise ValueError(
+                    f"{pairs} is format preference, which trains with a preference objective; set objective: dpo "
+                    "(or simpo), or use another format"
+                )
+            # Compared with the defaults, not with what was written: a dumped recipe lists every field.
+            changed = [k for k, v in PreferenceSection().model_dump().items() if getattr(preference, k) != v]
+            if changed:
+                raise ValueError(
+                    f"preference.{changed[0]} is set but objective is lm; set objective: dpo (or simpo), or "
+                    "remove the preference section"
+                )
+            return
+        for key, source in sources:
+            if not isinstance(source, PreferenceSource):
+                fmt = source.format if not isinstance(source, str) else "text"
+                raise ValueError(
+                    f"{key} is format {fmt}, but objective={objective} trains on pairs; give every data.train "
+                    "and data.eval source format: preference (prompt, chosen, rejected)"
+                )
+            if source.streaming:
+                raise ValueError(
+                    f"{key}.streaming=true: preference pairs are tokenised up front (the reference pass reads "
+                    "them all before training); remove streaming"
+                )
+        if self.data.packing == "packed":
+            raise ValueError(
+                f"objective={objective} trains each pair as two padded rows (chosen and rejected); set "
+                "data.packing=padded"
+            )
+        if self.memory.tiled_loss:
+            raise ValueError(
+                f"memory.tiled_loss=true computes a mean token loss in tiles, while objective={objective} needs "
+                "each sequence's summed log-probability; set memory.tiled_loss=false"
+            )
+        defaults = PreferenceSection()
+        if objective == "simpo" and preference.reference != defaults.reference:
+            raise ValueError(
+                "preference.reference=live applies to objective dpo; simpo is reference-free: remove "
+                "preference.reference"
+            )
+        if objective == "dpo" and preference.simpo_gamma != defaults.simpo_gamma:
+            raise ValueError(
+                "preference.simpo_gamma applies to objective simpo; remove it or set objective: simpo"
+            )
+        if preference.beta is None:
+            # Filled in here so the resolved recipe (config/recipe.yaml, W&B) shows the beta that trains.
+            preference.beta = DEFAULT_BETA[objective]
+
+    @property
+    def sequences_per_sample(self) -> int:
+        """Sequences one sample trains: two for a preference pair (chosen and rejected), else one."""
+        return 1 if self.objective == "lm" else 2
 
     @property
     def output_dir(self) -> Path:

@@ -10,19 +10,32 @@ token, which the mask (rightly) hides. The unused tail of a row is padding with 
 -100 and its own restarting positions, so it attends only to itself.
 
 Padded rows hold one sample, right-padded, with a 0/1 `attention_mask`.
+
+A micro-batch of m preference pairs is 2m padded rows, the m chosen rows first and then the m
+rejected ones in the same order (TRL's concatenated batch), labels on the responses only; a
+split with reference log-probs attached adds `reference_logps` [2m] in that row order. Pair
+rows are padded to the micro-batch's longest row rounded up to PAIR_WIDTH_STEP (at most
+seq_len), not to seq_len: preference data is padded, and short pairs would otherwise pay for
+seq_len; the rounding bounds the number of shapes (torch.compile compiles one per shape).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from llm_train.data.prepare import PackedSplit
 
 IGNORE = -100
+PAIR_WIDTH_STEP = 64
 
 
 def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:
     """The micro-batch of the given (part, sequence) pairs, as int64 numpy arrays [rows, seq_len]."""
+    if split.pairs:
+        return build_pair_rows(split, sequences)
     rows, width = len(sequences), split.seq_len
     input_ids = np.full((rows, width), split.pad_id, dtype=np.int64)
     labels = np.full((rows, width), IGNORE, dtype=np.int64)
@@ -46,3 +59,85 @@ def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str
         attention = (np.arange(width)[None, :] < used[:, None]).astype(np.int64)
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "use_cache": False}
+
+
+def build_pair_rows(split: PackedSplit, pairs: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:
+    """The micro-batch of the given (part, pair) units: chosen rows, then rejected rows, right-padded."""
+    spans = [split.spans(part, pair) for part, pair in pairs]
+    longest = max(int(lengths.max()) for _, lengths in spans)
+    m, width = len(pairs), min(split.seq_len, -(-longest // PAIR_WIDTH_STEP) * PAIR_WIDTH_STEP)
+    input_ids = np.full((2 * m, width), split.pad_id, dtype=np.int64)
+    labels = np.full((2 * m, width), IGNORE, dtype=np.int64)
+    attention = np.zeros((2 * m, width), dtype=np.int64)
+    reference = np.zeros(2 * m, dtype=np.float32)
+    with_reference = all(split.parts[part].reference is not None for part, _ in pairs)
+    for r, ((part, pair), (starts, lengths)) in enumerate(zip(pairs, spans, strict=True)):
+        source = split.parts[part]
+        for side, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            row = r + side * m
+            ids, mask = source.store.tokens(start, length)
+            input_ids[row, :length] = ids
+            labels[row, :length] = np.where(mask != 0, ids, IGNORE)
+            labels[row, 0] = IGNORE
+            attention[row, :length] = 1
+        if with_reference:
+            reference[[r, r + m]] = source.reference[pair]  # type: ignore[index]
+    batch: dict[str, np.ndarray | bool] = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention,
+    }
+    if with_reference:
+        batch["reference_logps"] = reference
+    return batch
+
+
+def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:
+    """(sum of n^2, sum of n) over the documents of a micro-batch's rows: the attention they really span.
+
+    A document is a run of consecutive position ids (transformers' packed-sequence rule,
+    masking_utils.find_packed_sequence_indices): each packed sample, and the padding tail, which
+    restarts its positions and attends to itself. Padded rows are their sample and their padding
+    (the 0/1 mask); a row with neither is one document. n counts every slot, as tokens/s does.
+    planning/flops.py turns the two sums into MFU's span.
+    """
+    positions = batch.get("position_ids")
+    if positions is not None:
+        pos = np.asarray(positions)
+        new = np.ones(pos.shape, dtype=bool)
+        new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        starts = np.flatnonzero(new.reshape(-1))  # every row starts a document, so rows never merge
+        lengths = np.diff(np.append(starts, pos.size))
+        return int(np.square(lengths).sum()), int(pos.size)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        used = np.asarray(mask).sum(axis=1).astype(np.int64)
+        width = np.asarray(mask).shape[1]
+        return int((np.square(used) + np.square(width - used)).sum()), int(used.size * width)
+    rows, width = np.asarray(batch["input_ids"]).shape
+    return rows * width * width, rows * width
+
+
+class SpanTally:
+    """Passes micro-batches through unchanged and sums their `span_sums` until `take` (one per logged window)."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self.batches = batches
+        self.squared = 0
+        self.tokens = 0
+
+    def __iter__(self) -> SpanTally:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        squared, tokens = span_sums(batch)
+        self.squared += squared
+        self.tokens += tokens
+        return batch
+
+    def take(self) -> tuple[int, int]:
+        """(sum of n^2, sum of n) since the last take."""
+        out = (self.squared, self.tokens)
+        self.squared = self.tokens = 0
+        return out

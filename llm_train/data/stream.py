@@ -165,6 +165,7 @@ class BatchStream:
             "sequences_per_epoch": self.order.epoch_len,
             "data_fingerprint": self.split.fingerprint,
             "seed": self.seed,
+            "reference_digest": self.split.reference_digest,  # DPO's cached reference log-probs, or None
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -174,6 +175,13 @@ class BatchStream:
             raise UserError(
                 "the training data, its mixture, packing or the seed differ from the checkpoint's; resuming would "
                 "repeat or skip samples: resume with the recipe's original data section, or start a new run"
+            )
+        saved, ours = state.get("reference_digest"), self.split.reference_digest
+        if saved is not None and ours is not None and saved != ours:
+            raise UserError(
+                "the reference log-probs differ from the ones the checkpoint trained with (another model, "
+                "precision or data under data.cache_dir/reference-*); resuming would train against another "
+                "reference: resume with the original model and data (copy that cache entry along), or start a new run"
             )
         self.consumed = int(state["sequences_consumed"])
         self._batches = None  # the next batch is built from the restored position

@@ -324,6 +324,8 @@ def _keep(item: Any) -> Any:
 class _WindowSplit:
     """The PackedSplit interface build_rows reads (seq_len, packing, pad_id, parts[i].store, spans)."""
 
+    pairs = False  # preference pairs are never streamed (recipe.py refuses it)
+
     def __init__(self, spec: StreamSpec, packed: list[PackedWindow]) -> None:
         self.seq_len, self.packing, self.pad_id = spec.seq_len, spec.packing, spec.pad_id
         self.parts = packed

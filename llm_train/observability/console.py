@@ -107,15 +107,32 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, Any], eta_s: flo
         parts.append(f"lr {metrics['lr']:.2e}")
     if metrics.get("grad_norm") is not None:
         parts.append(f"grad {metrics['grad_norm']:.3f}")
+    if "reward_accuracy" in metrics:  # a preference objective (DPO, SimPO)
+        parts.append(f"acc {metrics['reward_accuracy']:.2f} margin {metrics['reward_margin']:+.3f}")
     if "tokens_per_s" in metrics:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     if "mfu" in metrics:
-        parts.append(f"mfu {metrics['mfu']:.1%}")
+        mfu, full = metrics["mfu"], metrics.get("mfu_seq_len", metrics["mfu"])
+        # Packed rows: the document-aware figure, and the row-width one most tools print beside it.
+        parts.append(f"mfu {mfu:.1%}" + (f" ({full:.1%} at seq_len)" if abs(full - mfu) >= 5e-4 else ""))
     if "gpu_mem_peak_gib" in metrics:
         parts.append(f"mem {metrics['gpu_mem_peak_gib']:.1f} GiB")
     if eta_s is not None:
         parts.append(f"eta {duration(eta_s)}")
     return " | ".join(parts)
+
+
+def eval_line(step: int, metrics: dict[str, float]) -> str:
+    """`step 50: eval loss 2.3456 (ppl 10.4)`, or with a preference objective its reward accuracy and margin."""
+    line = f"step {step}: eval loss {metrics['eval_loss']:.4f}"
+    if "eval_reward_accuracy" in metrics:
+        return (
+            f"{line} (reward accuracy {metrics['eval_reward_accuracy']:.3f}, "
+            f"margin {metrics['eval_reward_margin']:+.4f})"
+        )
+    if "eval_ppl" in metrics:
+        return f"{line} (ppl {metrics['eval_ppl']:.1f})"
+    return line
 
 
 def startup_summary(
@@ -128,6 +145,7 @@ def startup_summary(
     say(f"llm-train: recipe {recipe.name} -> {out}")
     for key, value in layout.rows():
         say(f"  {key:<12} {value}")
+    say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
     estimate = dict(memory_rows(run)) if layout.device != "cpu" else {}
     if estimate:
         say(

@@ -72,13 +72,35 @@ bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m a
 each instead of 4 (6 instead of 12 per parameter) and the host gradient partition is bf16 (2
 instead of 4): 8 bytes per offloaded parameter on the host instead of 16.
 
-Export. At the end of a run (runtime/zero_engine.py `export`) rank 0 holds the gathered 16-bit
-model on the CPU (Accelerate's get_state_dict: ZeRO-3's consolidated 16-bit state dict, or a CPU
-clone of the module's); `save_hf_model` writes it without another copy (it clones only tensors
+Preference tuning (objective dpo / simpo). A micro-batch of m pairs is 2m rows of seq_len (chosen
+and rejected; shorter when the batch's pairs are, the estimate takes seq_len): activations, logits
+and masks are those of 2m sequences (`sequences_per_sample`). DPO's reference costs no memory when
+its log-probs are cached (one forward pass before training) or, under LoRA, when the base with the
+adapters disabled scores it live; a live frozen copy without LoRA adds its 16-bit weights, sharded
+like the policy's under ZeRO-3 (on the host with parameter offload) and whole on every GPU under
+stages 0-2 (TRL's prepare_deepspeed runs it at stage 0). It runs under no_grad before the policy's
+forward, so its activations and logits are freed before the policy's exist: no term.
+
+Export. At the end of a full fine-tune (runtime/zero_engine.py `export`) rank 0 holds the gathered
+16-bit model on the CPU (Accelerate's get_state_dict: ZeRO-3's consolidated 16-bit state dict, or a
+CPU clone of the module's); `save_hf_model` writes it without another copy (it clones only tensors
 that share storage). Before gathering, every rank frees its Adam moments (runtime/optim.py
 `release_moments`: the final checkpoint is committed, the run is over), two thirds of the
 offloaded optimizer state. The export phase is therefore the training phase, less the
-offloaded moments, plus the gathered copy; the host peak is the larger of the phases.
+offloaded moments, plus the gathered copy; the host peak is the larger of the phases. A LoRA run
+writes final/ layer by layer from the GPU (runtime/sharded_export.py): the host holds one shard of
+EXPORT_SHARD_BYTES (or the largest tensor, if larger) for a merged export, the adapters for an
+adapter export.
+
+Loading. A pretrained model is read from its checkpoint one tensor at a time, straight onto the GPU
+(transformers' device_map; ZeRO-0/1/2) or into zero.Init's partitions (ZeRO-3): the host holds the
+safetensors shard being read (CHECKPOINT_SHARD_BYTES), never the model. Only a randomly initialised
+model (`direct_load=False`) is built whole on the host first.
+
+QLoRA (`quantize`): the decoder layers' linear weights in 4 or 8 bits, the rest 16-bit
+(planning/quantized.py), plus one dequantised 16-bit copy of the layer computing. transformers
+loads a quantised model whole on each GPU (it skips zero.Init); ZeRO-3 partitions it afterwards, so
+the GPU's peak is the larger of that load and training.
 
 Units: bytes everywhere; `GiB` (2**30) in tables. GPU terms are per GPU (the
 busiest one: first pipeline stage); host terms and NVMe are per node.
@@ -91,6 +113,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llm_train.config.attention import FLEX_KERNELS, KERNELS
 from llm_train.config.ds_json import zero_bucket_sizes
 from llm_train.config.layout import (
     Layout,
@@ -112,6 +135,7 @@ from llm_train.planning.host_offload import (
     nvme_optimizer_buffers,
     nvme_optimizer_bytes,
 )
+from llm_train.planning.quantized import QUANTIZE_MODES, base_weight_bytes, dequantized_layer_bytes
 from llm_train.planning.shapes import ModelShape
 
 GiB = 1024**3
@@ -127,8 +151,11 @@ ALLOCATOR_SLACK_FRACTION = 0.10
 PROCESS_HOST_BYTES = 3 * GiB
 # Hugging Face's default `max_shard_size` when checkpoints are saved ("5GB").
 # With zero.Init each rank reads one shard at a time into CPU memory, partitions
-# it, and frees it, so the load peak per rank is one shard, not the model.
+# it, and frees it, so the load peak per rank is one shard, not the model; loading
+# straight to the GPU (device_map) maps one shard file at a time the same way.
 CHECKPOINT_SHARD_BYTES = 5 * 10**9
+# A LoRA run's final/ shards (runtime/sharded_export.py): the host's share of a merged export.
+EXPORT_SHARD_BYTES = 2 * GiB
 # DeepSpeed's "overlap_comm uses 4.5x the allgather_bucket_size and
 # reduce_bucket_size values" (its ZeRO config documentation).
 OVERLAP_COMM_FACTOR = 4.5
@@ -140,7 +167,10 @@ DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
 
-ATTN_IMPLS = ("sdpa", "flash_attention_2", "eager")
+# memory.attention's kernels (config/attention.py). Only sdpa (and eager) receive the dense s x s mask
+# for packed or padded rows; flex_attention's block mask is (b x s/128 x s/128) int32 tensors, a few
+# hundred KiB at 32k tokens, and sdpa_flex never builds the dense one.
+ATTN_IMPLS = KERNELS
 # Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
 # runtime/tiling.py cuts its tiles by this same constant).
 LOSS_TILE_LOGITS_BYTES = GiB
@@ -324,6 +354,7 @@ _API_MESSAGES = {
     "nvme_optimizer": "offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)",
 }
 STATE_DTYPES = ("fp32", "bf16")
+REFERENCES = ("none", "cached", "live")
 _STATE_DTYPE_MESSAGES = {
     "state_precision": "state_dtype 'bf16' needs precision 'bf16'",
     "state_pipeline": "state_dtype 'bf16' is not supported with pp > 1",
@@ -355,9 +386,15 @@ class MemoryInputs:
     attn_impl: str = "sdpa"
     dense_mask: bool = False
     """The rows carry an attention mask (packed rows: block-diagonal; padded rows), which sdpa receives
-    as [micro x 1 x s x s] without sequence parallelism (Ulysses drops it); flash-attention-2 needs none."""
+    as [micro x 1 x s x s] without sequence parallelism (Ulysses drops it); flash-attention-2,
+    flex_attention and sdpa_flex build none."""
     lora_rank: int | None = None
     """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
+    quantize: str = "none"
+    """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
+    direct_load: bool = True
+    """Pretrained weights read tensor by tensor onto the GPU or into zero.Init's partitions (False: a
+    randomly initialised model, built whole on the host first)."""
     reduce_bucket_size: int | None = None
     """Elements; None = hidden*hidden (HF's "auto")."""
     prefetch_bucket_size: int | None = None
@@ -394,6 +431,11 @@ class MemoryInputs:
     """memory.tiled_loss: logits and loss over tiles; the full logits tensor never exists."""
     offload_checkpoints: bool = False
     """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
+    sequences_per_sample: int = 1
+    """Rows per sample: 2 for preference pairs (chosen and rejected), else 1 (micro_batch counts samples)."""
+    reference: str = "none"
+    """DPO's reference: "none" (lm, simpo), "cached" (log-probs computed before training) or "live" (scored
+    every step: a frozen copy of the model, or under LoRA the base with the adapters disabled)."""
 
     def __post_init__(self) -> None:
         buckets = zero_bucket_sizes(self.shape.hidden_size)
@@ -427,6 +469,12 @@ class MemoryInputs:
                 )
         if self.lora_rank is not None and self.lora_rank < 1:
             raise MemoryInputError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise MemoryInputError(
+                f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got '{self.quantize}'"
+            )
+        if self.quantize != "none" and self.lora_rank is None:
+            raise MemoryInputError("quantize needs lora_rank: a quantised base trains adapters only (QLoRA)")
         if self.state_dtype not in STATE_DTYPES:
             raise MemoryInputError(
                 f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got '{self.state_dtype}'"
@@ -437,6 +485,11 @@ class MemoryInputs:
             raise MemoryInputError(_STATE_DTYPE_MESSAGES[broken])
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise MemoryInputError("offload_checkpoints needs activation_checkpointing")
+        if self.reference not in REFERENCES or self.sequences_per_sample not in (1, 2):
+            raise MemoryInputError(
+                f"reference must be one of {', '.join(REFERENCES)} and sequences_per_sample 1 or 2, got "
+                f"{self.reference!r}, {self.sequences_per_sample}"
+            )
         # The run's Ulysses rules (config.layout, config.parallel), so the planner never proposes what a run refuses.
         shape = self.shape
         broken = sequence_parallel_problem(self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
@@ -444,10 +497,12 @@ class MemoryInputs:
             raise MemoryInputError(
                 sequence_parallel_message(broken, self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
             )
-        if self.sp > 1 and self.attn_impl == "eager":
+        if self.sp > 1 and self.attn_impl not in ("sdpa", "flash_attention_2"):
             raise MemoryInputError(
-                "sp > 1 needs attn_impl 'sdpa' or 'flash_attention_2' (the run refuses eager)"
+                f"sp > 1 needs attn_impl 'sdpa' or 'flash_attention_2' (the run refuses {self.attn_impl})"
             )
+        if self.attn_impl in FLEX_KERNELS and (self.tp > 1 or self.pp > 1):
+            raise MemoryInputError(f"attn_impl '{self.attn_impl}' needs tp = pp = 1 (the run refuses it)")
 
     @classmethod
     def of(
@@ -510,6 +565,7 @@ class MemoryInputs:
             self.grad_accum,
             self.activation_checkpointing,
             self.lora_rank,
+            self.quantize,
             self.state_dtype,
             self.long_context,
         )
@@ -528,6 +584,16 @@ class MemoryInputs:
     def mlp_is_tiled(self) -> bool:
         """memory.tiled_mlp and more than one tile: a row of at most hidden_size tokens runs untiled."""
         return self.tiled_mlp and self.local_tokens > self.shape.hidden_size
+
+    @property
+    def rows(self) -> int:
+        """Rows of seq_len tokens per micro-batch: micro_batch samples of sequences_per_sample rows each."""
+        return self.micro_batch * self.sequences_per_sample
+
+    @property
+    def reference_copy(self) -> bool:
+        """A frozen copy of the model is held for DPO's reference (live, without LoRA)."""
+        return self.reference == "live" and not self.lora_rank
 
     @property
     def local_tokens(self) -> int:
@@ -568,6 +634,7 @@ class MemoryInputs:
 
 _LABELS = {
     "parameters": "parameters",
+    "dequantized_weight": "dequantised 4/8-bit weight (transient)",
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "activations": "activations",
@@ -584,10 +651,12 @@ _LABELS = {
     "optimizer_swap_buffers": "optimizer NVMe swap buffers (mlocked)",
     "offloaded_parameters": "offloaded parameters",
     "offloaded_checkpoints": "offloaded activation checkpoints (pinned)",
+    "reference_model": "DPO reference model (frozen copy, 16-bit)",
+    "offloaded_reference_parameters": "offloaded DPO reference parameters",
     "param_swap_buffers": "parameter NVMe swap buffers (mlocked)",
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
-    "export_peak": "final export: gathered model (transient)",
+    "export_peak": "final export (transient)",
 }
 
 
@@ -662,6 +731,12 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     else:
         on_gpu_weights = weights
     params_gpu = on_gpu_weights * weight_bytes
+    quantized_base = base_weight_bytes(shape, inp.quantize, weight_bytes) / shard
+    if inp.quantize != "none":
+        # The base's share of what this GPU holds, at the quantised bytes (ZeRO-3 partitions the
+        # packed storage like any weight); adapters stay in the training dtype.
+        base_on_gpu = on_gpu_weights * base / weights
+        params_gpu += base_on_gpu * (quantized_base / base - weight_bytes)
 
     # Under ZeRO-2/3 offload, gradients stream through the reduce buckets to the host
     # optimizer. Stage 1 with offload is counted as keeping its full 16-bit gradients
@@ -673,7 +748,7 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     # holds pp micro-batches in flight.
     layers_per_stage = math.ceil(shape.num_layers / inp.pp)
     in_flight = inp.pp
-    tokens, b = inp.local_tokens, inp.micro_batch
+    tokens, b = inp.local_tokens, inp.rows  # a preference pair is two rows
     per_layer = activation_bytes_per_layer(
         shape, inp.seq_len, b, inp.attn_impl, inp.tp, inp.sp, tiled_mlp=inp.mlp_is_tiled
     )
@@ -730,6 +805,19 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "logits_and_loss": logits,
         "deepspeed_buffers": buffers,
     }
+    reference_host = 0.0
+    if inp.reference_copy:
+        # The frozen reference: partitioned like the policy's weights under ZeRO-3, else a whole copy.
+        if stage == 3:
+            on_host = inp.offload_params != "none"
+            gpu_terms["reference_model"] = (
+                persistent + (0.0 if on_host else partitioned / dp)
+            ) * weight_bytes
+            reference_host = ranks * partitioned / dp * weight_bytes if on_host else 0.0
+        else:
+            gpu_terms["reference_model"] = base * weight_bytes
+    if inp.quantize != "none":
+        gpu_terms["dequantized_weight"] = dequantized_layer_bytes(shape, inp.quantize, weight_bytes, inp.tp)
     if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
         # HF builds one bool [b, 1, s, s] mask per forward; torch's sdpa turns it into an additive
         # mask of the compute dtype in each layer and keeps it for backward (measured on CPU at 8k:
@@ -790,11 +878,13 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         host["offloaded_checkpoints"] = (
             ranks * count * held_bytes(offloaded_checkpoints / count, inp.checkpoint_pinning)
         )
+    if reference_host:
+        host["offloaded_reference_parameters"] = reference_host
     host["process_overhead"] = ranks * PROCESS_HOST_BYTES
     full_model = shape.num_params * weight_bytes
-    if inp.zero_init:
-        # zero.Init: no rank materialises the model; each reads one checkpoint shard
-        # at a time, keeps its partition and frees the rest.
+    if inp.zero_init or (inp.direct_load and inp.pp == 1):
+        # zero.Init, or straight onto the GPU: no rank materialises the model on the host; each
+        # reads one checkpoint shard at a time and keeps only its own tensors, on its device.
         host["model_load_peak"] = ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
     elif inp.pp > 1:
         # A pipeline stage is built as its own module (~1/pp of the layers) and reads only its
@@ -822,11 +912,15 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     host_total = host["process_overhead"] + max(load_phase, train_phase, export_phase)
 
     gpu_int = {k: int(v) for k, v in gpu_terms.items()}
+    gpu_bytes = sum(gpu_int.values())
+    if inp.quantize != "none" and stage == 3 and dp > 1:
+        # transformers loads the quantised base whole onto each GPU; the engine then partitions it.
+        gpu_bytes = max(gpu_bytes, int(quantized_base + CUDA_CONTEXT_BYTES))
     return MemoryEstimate(
         gpu_terms=gpu_int,
         host_terms={k: int(v) for k, v in host.items()},
         nvme_bytes=int(nvme),
-        gpu_bytes=sum(gpu_int.values()),
+        gpu_bytes=gpu_bytes,
         host_bytes=int(host_total),
         convention=CONVENTION,
         locked_per_rank=int(locked),
@@ -871,14 +965,16 @@ def export_peak_bytes(inp: MemoryInputs) -> float:
     """Host bytes the final export adds on the busiest node (see the module docstring).
 
     ZeRO engine: rank 0 holds the gathered 16-bit model, which save_hf_model writes as it is: one
-    copy of the whole model. LoRA merged: a second, since lora.merged_state_dict builds new
-    tensors for every adapted projection (nearly all the weights); LoRA adapter: the gathered
-    model only (the adapters are tiny). Pipeline engine: each stage's data-parallel rank 0
+    copy of the whole model. LoRA: written layer by layer from the GPU (runtime/sharded_export.py),
+    so one shard, or the largest tensor if larger (merged), or the adapters (adapter). Pipeline engine: each stage's data-parallel rank 0
     copies its stage's weights to the CPU once (pipeline_model.stage_hf_state).
     """
-    full_model = inp.shape.num_params * (2 if inp.precision != "fp32" else 4)
+    weight_bytes = 2 if inp.precision != "fp32" else 4
+    full_model = inp.shape.num_params * weight_bytes
     if inp.pp > 1:
         return min(inp.pp, inp.ranks_per_node) * full_model / inp.pp
     if inp.lora_rank:
-        return (1.0 if inp.export_adapter_only else 2.0) * full_model
+        if inp.export_adapter_only:
+            return inp.shape.lora_params(inp.lora_rank) * weight_bytes
+        return min(full_model, max(EXPORT_SHARD_BYTES, inp.shape.largest_layer_params * weight_bytes))
     return 1.0 * full_model

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from llm_train.config.attention import FLEX_KERNELS
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import sequence_parallel_problem
 from llm_train.planning.fit import (
@@ -95,19 +96,20 @@ def describe_changes(
     changes: list[Change] = []
     overrides: list[str] = []
     if new.sp != base.sp:
+        # Ulysses wraps sdpa or flash-attention only: a flex kernel gives way to what memory.attention=auto
+        # picks under sequence parallelism.
+        kernel = f", attention {base.attn_impl} -> {new.attn_impl}" if new.attn_impl != base.attn_impl else ""
         changes.append(
             Change(
                 "sequence_parallel",
                 f"Ulysses sequence parallel {base.sp} -> {new.sp}: each sequence split over {new.sp} GPUs "
-                f"({new.local_tokens} tokens each)",
+                f"({new.local_tokens} tokens each{kernel})",
             )
         )
         overrides.append(f"deepspeed.sequence_parallel={new.sp}")
-        if (
-            recipe is not None
-            and recipe.data.packing == "packed"
-            and recipe.memory.attention != "flash_attention_2"
-        ):
+        if kernel:
+            overrides.append("memory.attention=auto")
+        if recipe is not None and recipe.data.packing == "packed" and new.attn_impl != "flash_attention_2":
             # Under SP, sdpa sees one causal sequence per row: packed samples would attend to each other.
             overrides.append("data.packing=padded")
     for name, text in LONG_CONTEXT_SWITCHES:
@@ -225,9 +227,12 @@ def _variants(
             continue  # this micro-batch cannot make the same global batch with this many dp ranks
         # Another DS JSON brings its own sub-group size and swap settings.
         shipped = shipped_settings(mode) if mode != start.ds_key else {}
+        # Under sequence parallelism the flex kernels give way to sdpa, as memory.attention=auto does there.
+        attention = "sdpa" if sp > 1 and start.attn_impl in FLEX_KERNELS else start.attn_impl
         try:
             yield start.vary(
                 **shipped,
+                attn_impl=attention,
                 zero_stage=mode[0],
                 offload_optimizer=mode[1],
                 offload_params=mode[2],
@@ -463,7 +468,8 @@ def short_config(c: MemoryInputs) -> str:
     text = f"ZeRO-{c.zero_stage}" + (f" ({', '.join(off)})" if off else " without offload")
     text += f", micro-batch {c.micro_batch}" + (", checkpointing" if c.activation_checkpointing else "")
     text += long_context_text(c, prefix=", ")
-    return ("LoRA, " if c.lora_rank else "") + text
+    kind = ("QLoRA, " if c.quantize != "none" else "LoRA, ") if c.lora_rank else ""
+    return kind + text
 
 
 def long_context_text(c: MemoryInputs, prefix: str = "") -> str:

@@ -127,6 +127,15 @@ class Collectives:
         """The mean over ranks of a scalar tensor."""
         return float(self._all_reduce(value.reshape(1)).cpu()[0]) / world_size_of(self.group)
 
+    def means(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The mean over ranks of each named scalar, in one collective (every rank passes the same names)."""
+        if not values:
+            return {}
+        packed = self._all_reduce(
+            torch.stack([v.detach().float().reshape(()) for v in values.values()])
+        ).cpu()
+        return {k: float(v) / world_size_of(self.group) for k, v in zip(values, packed.tolist(), strict=True)}
+
     def mean_and_any(self, value: torch.Tensor, flags: list[float]) -> tuple[float, list[bool]]:
         """One collective for the step: the mean of a scalar over ranks, and which flags any rank raised.
 

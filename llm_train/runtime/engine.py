@@ -6,20 +6,22 @@ interface; whatever an engine cannot do is refused when the run is resolved
 (parallel.check_parallel), never skipped here.
 
 Life of an engine: `start` joins the process group (the world exists from then on),
-`build` creates the model and the DeepSpeed engine, then `train_step` / `eval_loss` run,
+`build` creates the model and the DeepSpeed engine (and `objective`, what a forward is scored by:
+runtime/objectives.py), then `train_step` / `evaluate` run,
 `export` writes final/ (a collective), and `finish` tears the world down.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from llm_train.errors import EXIT_NONFINITE, UserError
+from llm_train.planning.flops import TokenFlops
 
 
 class NonFiniteLoss(UserError):
@@ -37,6 +39,8 @@ class StepResult:
     """True when the engine already averaged the loss over data-parallel ranks (the pipeline engine)."""
     grad_norm: float | None = None
     """A norm the engine measured itself this step; None: ask DeepSpeed (`Engine.grad_norm`)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The objective's own metrics (e.g. DPO's reward accuracy), this rank's means over its micro-batches."""
 
 
 class Engine(Protocol):
@@ -44,6 +48,9 @@ class Engine(Protocol):
     """The DeepSpeed engine: checkpoints (save/load_checkpoint), LR, ZeRO stage, module."""
     skipped_microbatches: int
     """Micro-batches dropped so far for a non-finite loss (checkpoint.on_nonfinite=skip)."""
+    objective: Any
+    """What a forward is scored by (runtime/objectives.py); set by `build`. Its `prepare` runs before
+    a checkpoint is loaded (DPO's cached reference scores the initial model)."""
 
     def start(self) -> None:
         """Join the process group (and pin this rank's device)."""
@@ -57,8 +64,8 @@ class Engine(Protocol):
     def summary_rows(self, ranks: list[dict[str, Any]]) -> list[tuple[str, str]]:
         """Extra start-up lines from every rank's world info (e.g. the pipeline's stage split)."""
 
-    def flops_per_token(self, seq_len: int) -> float | None:
-        """Training FLOPs per token of the model, for MFU."""
+    def token_flops(self) -> TokenFlops | None:
+        """Training FLOPs per token of the model as a function of the attention span, for MFU."""
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         """One optimizer step: forward and backward over the accumulation steps, then the update."""
@@ -66,8 +73,9 @@ class Engine(Protocol):
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last step, as DeepSpeed tracks it."""
 
-    def eval_loss(self, batches: list[Batch]) -> float:
-        """The mean loss over the eval batches and all data-parallel ranks."""
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        """`eval_loss` (the mean over the eval batches and all data-parallel ranks) and the objective's
+        own eval metrics (`eval_ppl`, or DPO's `eval_reward_accuracy`, ...)."""
 
     def export(self, final: Path, tokenizer: Any) -> None:
         """Write a plain Hugging Face model directory (every rank takes part)."""

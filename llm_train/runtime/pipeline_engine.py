@@ -20,12 +20,14 @@ import torch
 from torch import nn
 
 from llm_train.config.resolution import Resolved
-from llm_train.observability.metrics import shape_flops_per_token
+from llm_train.observability.metrics import shape_token_flops
+from llm_train.planning.flops import TokenFlops
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.engine import Batch, StepResult
 from llm_train.runtime.export import reference_input_ids, write_reference
+from llm_train.runtime.objectives import LanguageModeling
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
     LayerMap,
@@ -67,6 +69,7 @@ class PipelineEngine:
         self.ds: Any = None
         self.module: Any = None
         self.skipped_microbatches = 0  # never: on_nonfinite=skip is refused for pipelines
+        self.objective = LanguageModeling()  # preference objectives are refused for pipelines (parallel.py)
         self.config = hf_config(run)
         self.names = LayerMap(
             self.config.num_hidden_layers, bool(getattr(self.config, "tie_word_embeddings", False))
@@ -134,8 +137,8 @@ class PipelineEngine:
         _clip_fp32_across_stages(self.ds)
         mark("deepspeed init")
 
-    def flops_per_token(self, seq_len: int) -> float | None:
-        return shape_flops_per_token(shape_from_config(self.config.to_dict()), seq_len)
+    def token_flops(self) -> TokenFlops | None:
+        return shape_token_flops(shape_from_config(self.config.to_dict()))
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         if self._pairs is None or self._pairs.batches is not batches:
@@ -147,11 +150,12 @@ class PipelineEngine:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else None
 
-    def eval_loss(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
         if not batches:
-            return float("nan")
+            return {"eval_loss": float("nan")}
         pairs = [as_pipeline_batch(b) for b in batches]
-        return float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
+        loss = float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
+        return self.objective.eval_summary({"loss": loss})
 
     def export(self, final: Path, tokenizer: Any) -> None:
         reference = self._reference_forward(tokenizer)  # every stage takes part

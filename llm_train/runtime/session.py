@@ -115,7 +115,7 @@ def build_data(run: Resolved, options: RunOptions, dp_rank: int, say: Callable[[
         recipe.optim.epochs or 1.0, stream.per_epoch, layout.grad_accum
     )
     # Before any model is loaded: a run that would loop over a small corpus thousands of times stops here.
-    volume = DataVolume.of(layout, stream.order.epoch_len, max_steps, recipe.data.seq_len)
+    volume = DataVolume.of(layout, stream.order.epoch_len, max_steps, recipe.data.seq_len, train_blocks.pairs)
     requested = recipe.optim.epochs if recipe.optim.max_steps is None else None
     say(check_volume(volume, recipe.data.max_epochs, requested))
     if recipe.optim.max_steps is None:
@@ -230,7 +230,10 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     )
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
-    meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options.peak_tflops, clock)
+    # DPO with a cached reference scores every pair now, while the engine still holds the initial
+    # model: before a checkpoint's weights are loaded into it (runtime/reference.py).
+    engine.objective.prepare([stream.split, eval_blocks], dp_rank, layout.dp, say)
+    meter = StepMeter.for_run(run, engine.token_flops(), options.peak_tflops, clock)
 
     import torch
 
@@ -265,7 +268,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         eval_every=recipe.eval.every,
         start_step=start_step,
     )
-    tokens_per_step = layout.global_batch_size * recipe.data.seq_len
+    tokens_per_step = layout.global_batch_size * recipe.sequences_per_sample * recipe.data.seq_len
     say(
         f"training {max_steps} steps, {tokens_per_step:,} tokens per step; "
         f"setup took {time.perf_counter() - started:.1f}s"

@@ -88,8 +88,8 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     ),
     "memory.torch_compile": (
         "refused",
-        "memory.torch_compile=true",
-        "memory.torch_compile=true is not supported",
+        "memory.torch_compile=layers",
+        "memory.torch_compile=layers is not supported",
     ),
     "lora.rank": ("refused", "lora.rank=8", "lora is not supported with deepspeed.pipeline_stages=2"),
     "lora.alpha": ("refused", "lora.alpha=16", "lora is not supported with deepspeed.pipeline_stages=2"),
@@ -104,6 +104,27 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "lora.export=adapter",
         "lora is not supported with deepspeed.pipeline_stages=2",
     ),
+    # Preference objectives need pair data, which a text run does not have; with pairs the pipeline
+    # itself refuses them (tests/unit/test_preference.py: "is not supported with deepspeed.pipeline_stages").
+    "objective": ("refused", "objective=dpo", "but objective=dpo trains on pairs"),
+    "preference.beta": ("refused", "preference.beta=0.2", "preference.beta is set but objective is lm"),
+    "preference.label_smoothing": (
+        "refused",
+        "preference.label_smoothing=0.1",
+        "preference.label_smoothing is set but objective is lm",
+    ),
+    "preference.simpo_gamma": (
+        "refused",
+        "preference.simpo_gamma=1.0",
+        "preference.simpo_gamma is set but objective is lm",
+    ),
+    "preference.reference": (
+        "refused",
+        "preference.reference=live",
+        "preference.reference is set but objective is lm",
+    ),
+    # A quantised base is loaded from a checkpoint; tiny-cpu-pp2 builds a random one, refused first.
+    "lora.quantize": ("refused", "lora.quantize=int8", "lora.quantize=int8 quantises a pretrained base"),
     "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),
     "deepspeed.pipeline_stages": (RUN_A, "deepspeed.pipeline_stages=2"),
     "deepspeed.sequence_parallel": (
@@ -139,6 +160,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
 REFUSED_VALUES = [
     ("deepspeed.config=zero2", "needs ZeRO stage 0 or 1"),
     ("memory.attention=flash_attention_2", "flash_attention_2 needs a CUDA GPU"),
+    ("memory.attention=sdpa_flex", "memory.attention=sdpa_flex cannot train on CPU"),
     ("precision=fp16", "precision=fp16 is not supported on CPU"),
 ]
 

@@ -176,3 +176,57 @@ def test_read_wheel_takes_tags_from_the_name_and_requirements_from_metadata(tmp_
     assert info.requires == ["numpy>=1.17", "pytest; extra == 'dev'"]
     assert {str(t) for t in info.tags} == {"cp312-cp312-manylinux_2_17_x86_64"}
     assert gpu_wheels.check([info], PRESENT).ok
+
+
+def test_slim_wheel_drops_the_libraries_and_their_record_lines(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from slim_wheel import slim
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    source = tmp_path / "in" / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    source.parent.mkdir()
+    members = {
+        "bitsandbytes/__init__.py": b"",
+        "bitsandbytes/libbitsandbytes_cpu.so": b"cpu",
+        "bitsandbytes/libbitsandbytes_cuda130.so": b"cuda130",
+        "bitsandbytes/libbitsandbytes_cuda124.so": b"cuda124" * 1000,
+        "bitsandbytes/libbitsandbytes_rocm72.so": b"rocm",
+    }
+    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in members.items())
+    with zipfile.ZipFile(source, "w") as whl:
+        for name, data in members.items():
+            whl.writestr(name, data)
+        whl.writestr(
+            "bitsandbytes-0.50.2.dist-info/RECORD", record + "bitsandbytes-0.50.2.dist-info/RECORD,,\n"
+        )
+    target, dropped = slim(source, tmp_path / "out", r"\.so$", r"libbitsandbytes_(cpu|cuda130)\.so$")
+    assert target.name == source.name
+    assert sorted(dropped) == [
+        "bitsandbytes/libbitsandbytes_cuda124.so",
+        "bitsandbytes/libbitsandbytes_rocm72.so",
+    ]
+    with zipfile.ZipFile(target) as whl:
+        names = set(whl.namelist())
+        kept = whl.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
+    assert "bitsandbytes/libbitsandbytes_cuda130.so" in names and not names & set(dropped)
+    assert "cuda124" not in kept and "rocm72" not in kept and "libbitsandbytes_cuda130.so" in kept
+
+
+def test_liger_travels_and_finds_torch_and_triton_on_the_machine() -> None:
+    """memory.liger_kernels on the GPU machine: liger-kernel 0.8.5 is shipped (pure Python), and what it
+    requires (its METADATA's lines, extras included) is met by the image's packages file."""
+    assert "liger-kernel==0.8.5" in (REPO / "bench" / "gpu_wheels.sh").read_text()
+    present = gpu_wheels.read_present((REPO / "bench" / "gpu_machine_packages.txt").read_text().splitlines())
+    liger = wheel(
+        "liger_kernel",
+        "0.8.5",
+        "torch>=2.1.2",
+        "triton>=2.3.1",
+        'cuda-tile>=1.5.0; extra == "cutile"',
+        'transformers>=5.0.0; extra == "dev"',
+    )
+    report = gpu_wheels.check([liger], present)
+    assert report.ok, report.errors
+    # triton's version there is unknown: an assumption, not an error
+    assert any("requires triton>=2.3.1" in line for line in report.assumptions)
