@@ -22,6 +22,7 @@ from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.console import add_train_args
+from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.guards import (
     auto_pinning,
     check_host_ram,
@@ -67,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="With --resume: train on with this launch's global batch instead of keeping the checkpoint's.",
     )
     parser.add_argument(
+        "--allow-data-revision-change",
+        action="store_true",
+        help="With --resume: continue a streamed hub dataset that now resolves to another commit than the "
+        "checkpoint read (its saved offsets then point at other rows).",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="Print the resolved recipe, DS JSON, plan, memory; exit."
     )
     parser.add_argument("--world-size", type=int, help="With --dry-run: plan for this many processes.")
@@ -103,6 +110,10 @@ def print_dry_run(run: Resolved) -> None:
             print(f"  {key:<28} {value}")
     if run.notice:
         print(f"notice: {run.notice}")
+    if lines := checkpoint_lines(run):
+        print("# checkpoints (estimate; see llm_train/planning/checkpoint_cost.py for the rates)")
+        for line in lines:
+            print(f"  {line}")
     # Last, because it may tokenise local data (into the cache the run reads) and refuses a run
     # that would loop over its data more than data.max_epochs times.
     recipe = run.recipe
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             output_dir=args.output_dir,
             resume=args.resume,
             allow_batch_change=args.allow_batch_change,
+            allow_data_revision_change=args.allow_data_revision_change,
             overwrite=args.overwrite,
             verbose=args.verbose,
             profile=args.profile,

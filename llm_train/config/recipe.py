@@ -100,6 +100,11 @@ class _SourceFields(Section):
     )
     split: str = Field("train", description="Split to read from a hub dataset or a save_to_disk DatasetDict.")
     subset: str | None = Field(None, description="Hub dataset configuration name (load_dataset's `name`).")
+    revision: str | None = Field(
+        None,
+        description="Hub dataset revision to read (branch, tag or commit sha; default: the default branch). "
+        "The commit read is recorded in checkpoints; a resume that resolves to another one is refused.",
+    )
     streaming: bool = Field(
         False,
         description="Read through datasets' streaming mode and tokenise + pack on the fly (corpora too large to "
@@ -567,6 +572,17 @@ class DeepSpeedSection(Section):
     def _yaml_off_is_off(cls, value: Any) -> Any:
         # YAML 1.1 reads a bare `off` (also from `deepspeed.pinning=off` on the command line) as false.
         return "off" if value is False else value
+
+    # 30 minutes: the longest wait inside a collective in the largest shipped recipe (70b-zero3, 32
+    # ranks) is one rank writing its ~25 GiB checkpoint share or a ~1 min step, minutes at worst on a
+    # busy shared filesystem; hashing and conversion never wait inside one (runtime/file_sync.py).
+    # `llm-train plan` and --dry-run print the checkpoint's expected times against it.
+    timeout_minutes: float = Field(
+        30.0,
+        gt=0,
+        description="Process-group timeout (NCCL/gloo), given to Accelerate and DeepSpeed: a collective fails "
+        "after waiting this long for a rank; ranks waiting for checkpoint work through files use it too.",
+    )
 
     @model_validator(mode="after")
     def _nvme_path_is_a_path(self) -> DeepSpeedSection:

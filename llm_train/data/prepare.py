@@ -39,7 +39,7 @@ from llm_train.data.packing import (
     placement,
     trained_per_span,
 )
-from llm_train.data.sources import load_rows, locate
+from llm_train.data.sources import check_revision, load_rows, locate
 from llm_train.data.store import TokenStore, auto_num_proc, build_store
 from llm_train.errors import UserError
 
@@ -193,12 +193,13 @@ class _Job:
 
     def tokens(self, source: Source, key: str, label: str) -> _Tokens:
         located = locate(source.path, key)
+        check_revision(located, source, key)
         rows = None
         signature = located.signature()
-        if signature is None:  # hub dataset: datasets' own fingerprint of what it downloaded
+        if signature is None:  # hub dataset: datasets' own fingerprint of what it downloaded (its revision)
             rows = load_rows(located, source, key, self.cache_dir)
             signature = rows._fingerprint
-        fields = source.model_dump(exclude={"path", "weight", "overlong"})
+        fields = source.model_dump(exclude={"path", "weight", "overlong", "revision"})
         # Other formats ignore the template (a preference source renders message rows with it).
         chat = self.template if isinstance(source, (ChatSource, PreferenceSource)) else None
         tok_key = digest("tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat)

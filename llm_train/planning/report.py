@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from llm_train.config.hardware import GPU_HEADROOM, Hardware, hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
+from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.fit import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
@@ -316,6 +317,7 @@ def plan_recipe(
     report = PlanReport(title, hw, config_line(base, run.layout.grad_accum), ev, nvme_bytes=nvme)
     if run.notice:
         report.notes.append(run.notice)
+    report.notes.extend(f"checkpoints: {line}" for line in checkpoint_lines(run))
     tight = hw.kind == "cuda" and ev.device_bytes > hw.gpu_limit_bytes
     if not ev.fits or tight:
         report.fixes = search_fixes(base, run.layout.grad_accum, hw, run.recipe, nvme_bytes=nvme)

@@ -45,7 +45,7 @@ def rank() -> int:
     return dist.get_rank() if initialized() else 0
 
 
-def join_restarted_world() -> None:
+def join_restarted_world(timeout: timedelta) -> None:
     """After a torchrun restart (--max_restarts), join the new attempt's world under keys of its own.
 
     torchrun's agent keeps one key-value store for every attempt, and the workers of a
@@ -68,7 +68,11 @@ def join_restarted_world() -> None:
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"llm_train/attempt_{attempt}", store), rank=rank_, world_size=world
+        backend,
+        store=dist.PrefixStore(f"llm_train/attempt_{attempt}", store),
+        rank=rank_,
+        world_size=world,
+        timeout=timeout,
     )
 
 
@@ -111,6 +115,10 @@ class Collectives:
     @property
     def device(self) -> torch.device:
         return comm_device(self.group)
+
+    @property
+    def size(self) -> int:
+        return world_size_of(self.group)
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
         """All-reduce a copy of `tensor` on the communication device; the result stays there."""
@@ -193,6 +201,22 @@ class Collectives:
 
 def world_size_of(group: Any) -> int:
     return dist.get_world_size(group) if initialized() else 1
+
+
+def timeout_s() -> float | None:
+    """The timeout of the world's process group as its backend holds it (None if none or unreadable).
+
+    What Accelerate and DeepSpeed actually gave the backend, read back so that a run records it
+    (world.json) rather than what it asked for. torch 2.13 exposes it only on the backend's
+    options (`_timeout`, the field init_process_group sets); checked for gloo on CPU.
+    """
+    if not initialized():
+        return None
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(comm_device())
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 WORLD = Collectives()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +27,11 @@ from llm_train.planning.flops import TokenFlops
 
 class NonFiniteLoss(UserError):
     exit_code = EXIT_NONFINITE
+
+
+def process_group_timeout(timeout_minutes: float) -> timedelta:
+    """deepspeed.timeout_minutes as the process group's timeout (every engine's `start` passes it on)."""
+    return timedelta(minutes=timeout_minutes)
 
 
 Batch = dict[str, Any]
@@ -76,6 +82,12 @@ class Engine(Protocol):
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
         """`eval_loss` (the mean over the eval batches and all data-parallel ranks) and the objective's
         own eval metrics (`eval_ppl`, or DPO's `eval_reward_accuracy`, ...)."""
+
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, logits) of the live model on the export check's fixed batch (every rank takes part).
+
+        Recorded with each checkpoint and next to final/: the reference the export checks compare with.
+        """
 
     def export(self, final: Path, tokenizer: Any) -> None:
         """Write a plain Hugging Face model directory (every rank takes part)."""

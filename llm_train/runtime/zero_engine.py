@@ -23,7 +23,7 @@ from llm_train.errors import UserError
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
-from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
+from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
 from llm_train.runtime.export import (
     EXPORT_DTYPES,
     reference_input_ids,
@@ -94,8 +94,12 @@ class ZeroEngine:
 
             self._hf_ds_config = HfDeepSpeedConfig(run.ds_config)
         # Without a GPU, Accelerate must be told the backend or every rank believes it is rank 0
-        # of a world of 1 while DeepSpeed runs a world of N (DESIGN.md fact 2).
-        handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+        # of a world of 1 while DeepSpeed runs a world of N. The timeout reaches DeepSpeed through
+        # Accelerate (its DeepSpeed path calls deepspeed.init_distributed with these kwargs; without
+        # them DeepSpeed's own default, 10 minutes, applies); world.json records what the group got.
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = process_group_timeout(run.recipe.deepspeed.timeout_minutes)
+        handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout)]
         self.accelerator = Accelerator(
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
             mixed_precision=_MIXED_PRECISION[run.layout.precision],
@@ -280,17 +284,19 @@ class ZeroEngine:
         # The reference for the export check: the trained model's logits on a fixed batch, from
         # the engine itself, before anything is written. A collective like the gather below:
         # under ZeRO-3 each layer's shards are gathered from every rank for the forward.
-        reference = self._reference_forward(tokenizer)
+        reference = self.reference_logits(tokenizer)
         release_moments(self.ds.optimizer)  # the run is over: room for the gathered copy below
         if lora is not None and is_peft_model(self.accelerator.unwrap_model(self.ds)):
             self._export_lora(final, tokenizer, reference)
             return
-        # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes.
+        # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes, alone and with nobody
+        # waiting for it: at 70B that is ~140 GB of safetensors, far beyond a collective's timeout,
+        # and nothing the other ranks do next needs final/ (they tear the world down and exit; rank 0
+        # verifies final/ after that).
         state_dict = self.accelerator.get_state_dict(self.ds)
         if self.accelerator.is_main_process:
             save_hf_model(self.accelerator.unwrap_model(self.ds), state_dict, tokenizer, final)
             write_reference(final, *reference)
-        self.accelerator.wait_for_everyone()
 
     @torch.no_grad()
     def _export_lora(self, final: Path, tokenizer: Any, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -312,7 +318,9 @@ class ZeroEngine:
             # base plus this adapter must give when reloaded with PEFT (lora.verify_adapter_export
             # checks the files' shapes; reloading needs the user's base model).
             write_reference(final, *reference)
-        self.accelerator.wait_for_everyone()
+        # No barrier after the last shard, as for a full export: nothing the other ranks do next needs
+        # final/. Between ZeRO-3's per-module gathers rank 0 writes at most one shard (EXPORT_SHARD_BYTES)
+        # while the others wait in the next gather: seconds, far inside the process group's timeout.
 
     @staticmethod
     def _gather(params: list[torch.nn.Parameter]) -> Any:
@@ -321,7 +329,7 @@ class ZeroEngine:
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     @torch.no_grad()
-    def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the model as it trained; eval mode, since the reload runs without dropout."""
         config = self.accelerator.unwrap_model(self.ds).config
         input_ids = reference_input_ids(tokenizer, config.vocab_size)

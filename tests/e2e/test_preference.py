@@ -6,7 +6,7 @@ Five launches for the whole feature, each covering several things:
 - the same run killed with -9 after a checkpoint, its reference cache deleted, and resumed with
   `--resume auto`: the reference is scored again on the freshly built model (never on trained
   weights; the stream checks its digest), and losses and final weights equal the baseline's bit for bit;
-- LoRA under ZeRO-3 with the live, adapter-disabled reference: it learns too;
+- QLoRA (LoRA on a 4-bit base) under ZeRO-3 with the live, adapter-disabled reference: it learns too;
 - a live frozen reference (a second DeepSpeed engine, sharded under ZeRO-3): the same losses as the
   cached reference.
 The losses and gradients themselves are checked against TRL in tests/unit/test_objectives.py.
@@ -28,7 +28,15 @@ import torch
 from safetensors.torch import load_file
 
 from llm_train.runtime.objectives import PREFERENCE_METRICS
-from tests.helpers import accelerate_launch, accelerate_popen, assert_ok, losses, read_metrics, wait_for_step
+from tests.helpers import (
+    accelerate_launch,
+    accelerate_popen,
+    assert_ok,
+    losses,
+    make_tiny_pretrained,
+    read_metrics,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -152,13 +160,20 @@ def test_kill_9_then_resume_rescoring_a_lost_reference_is_bit_identical(
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_lora_dpo_with_the_adapter_disabled_reference(cache: Path, tmp_path: Path) -> None:
+def test_qlora_dpo_with_the_adapter_disabled_reference(cache: Path, tmp_path: Path) -> None:
+    """LoRA on a 4-bit base (QLoRA: the adapter-disabled reference is the quantised base, the same code
+    path a 16-bit LoRA takes), loaded from a saved checkpoint as a user's base is."""
+    pytest.importorskip("bitsandbytes")
     run_dir = tmp_path / "lora"
+    base = make_tiny_pretrained(tmp_path / "base", seed=2)
     result = accelerate_launch(
         _args(
             run_dir,
             cache,
             "preference.reference=live",
+            "model.init=pretrained",
+            f"model.name_or_path={base}",
+            "lora.quantize=nf4",
             "lora.rank=8",
             "lora.alpha=16",
             "lora.dropout=0.0",
@@ -168,7 +183,8 @@ def test_lora_dpo_with_the_adapter_disabled_reference(cache: Path, tmp_path: Pat
     )
     assert_ok(result)
     assert "reference: log-probs" not in result.stdout  # live: the base scores each batch, nothing cached
-    _assert_learns(run_dir, "ZeRO-3 + LoRA, adapter-disabled reference")
+    assert "base model: 28 linear layers in nf4" in result.stdout
+    _assert_learns(run_dir, "ZeRO-3 + QLoRA, adapter-disabled reference")
     assert "exported " in result.stdout and "(verified: " in result.stdout  # the merged model
 
 
