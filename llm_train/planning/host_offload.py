@@ -222,7 +222,21 @@ class OffloadRank:
 
     def sub_groups(self) -> list[int]:
         """Elements of this rank's ZeRO-3 optimizer sub-groups, in order."""
-        return [s for p in self.parts() for s in zero3_sub_groups(p, self.sub_group_size)]
+        return [sum(members) for members in self.sub_group_members()]
+
+    def sub_group_members(self) -> list[list[int]]:
+        """This rank's partition of each tensor, grouped into its ZeRO-3 optimizer sub-groups."""
+        out = []
+        for part in self.parts():
+            start = 0
+            for size in zero3_sub_groups(part, self.sub_group_size):
+                end, total = start, 0
+                while total < size:
+                    total += part[end]
+                    end += 1
+                out.append(part[start:end])
+                start = end
+        return out
 
 
 def _step_transient(rank: OffloadRank, largest: int) -> list[HostBuffer]:
@@ -380,11 +394,20 @@ def nvme_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
 
 
 def nvme_optimizer_bytes(rank: OffloadRank) -> float:
-    """Drive bytes of one rank's swapped optimizer: master, m, v and gradient of each swapped sub-group."""
+    """Drive bytes of one rank's swapped optimizer: master, m and v of each swapped sub-group, and the
+    gradient of each of its tensors that is itself large enough to swap (a smaller tensor's gradient
+    waits in host RAM: optimizer_utils.py `_swap_out_gradients`, `unswapped_gradients`). Every step
+    reads these bytes and writes them back."""
     state, swap = rank.state_bytes, rank.swap
     alignment = AIO_ALIGNED_BYTES * swap.intra_op_parallelism // state
-    swapped = [s for s in rank.sub_groups() if s * state >= max(MIN_AIO_BYTES, swap.block_size)]
-    return sum(SWAP_BUFFERS_PER_SUB_GROUP * state * math.ceil(s / alignment) * alignment for s in swapped)
+    floor = max(MIN_AIO_BYTES, swap.block_size)
+    total = 0.0
+    for members in rank.sub_group_members():
+        if sum(members) * state < floor:
+            continue
+        total += (SWAP_BUFFERS_PER_SUB_GROUP - 1) * state * math.ceil(sum(members) / alignment) * alignment
+        total += state * sum(n for n in members if n * state >= floor)
+    return total
 
 
 def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
