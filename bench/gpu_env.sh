@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by the prepared GPU checks (bench/gpu_check.sh, bench/consumer_check.sh): the interpreter, the
+# Sourced by the prepared GPU checks (bench/gpu_check.sh, bench/consumer_check.sh, bench/full_ft_check.sh): the interpreter, the
 # travelled wheels installed beside the machine's own packages, llm_train from this checkout, offline.
 #
 # Wheels: every $WHEELS/*.whl except llm_train's own is installed with `pip install --no-index --no-deps

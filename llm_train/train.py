@@ -7,6 +7,7 @@ parse -> resolve (recipe, DeepSpeed JSON, plan) -> build (world, data, model, en
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -22,9 +23,16 @@ from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.console import add_train_args
 from llm_train.planning.checkpoint_cost import checkpoint_lines
-from llm_train.planning.guards import check_host_ram, check_nvme_path, memory_rows
+from llm_train.planning.guards import (
+    auto_pinning,
+    check_host_ram,
+    check_memlock,
+    check_nvme_path,
+    memory_rows,
+)
 from llm_train.runtime import launcher
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
+from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.quantize import check_bitsandbytes
 from llm_train.runtime.resume_layout import check_resume_early
@@ -192,6 +200,19 @@ def resolve(args: argparse.Namespace, world_size: int | None, device: Device | N
         if world_size
         else _resolve_declared(args)
     )
+    if run.recipe.deepspeed.pinning == "auto":
+        # Decided once, here, and carried as an override so that every later resolution (workers,
+        # resume, the run directory's recipe.yaml) sees the same allocator.
+        pinning, notice = auto_pinning(run)
+        args.overrides = [*args.overrides, f"deepspeed.pinning={pinning}"]
+        run = resolve(args, world_size, device)
+        return dataclasses.replace(run, notice="; ".join(n for n in (run.notice, notice) if n))
+    backend = os.environ.get(PIN_BACKEND_ENV)
+    if backend and backend != ("native" if run.recipe.deepspeed.pinning == "native" else "torch"):
+        say(
+            f"notice: {PIN_BACKEND_ENV}={backend} in the environment is replaced by deepspeed.pinning="
+            f"{run.recipe.deepspeed.pinning} (the recipe decides; set deepspeed.pinning=native for exact-size pins)"
+        )
     if args.flops_profiler and run.layout.pp > 1:
         raise UserError(
             f"--flops-profiler is not supported with deepspeed.pipeline_stages={run.layout.pp} (DeepSpeed "
@@ -212,6 +233,7 @@ def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: 
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)
+    check_memlock(run, nproc_per_node)
 
 
 def _resolve_declared(args: argparse.Namespace) -> Resolved:

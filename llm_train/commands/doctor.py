@@ -1,6 +1,6 @@
 """`llm-train doctor`: what this machine has, and what will break before it breaks.
 
-    llm-train doctor [--skip-build] [--build-timeout SECONDS] [--recipe NAME [key.sub=value ...]]
+    llm-train doctor [--skip-build] [--build-timeout SECONDS] [--recipe NAME [--drive-gib GIB] [key.sub=value ...]]
 
 Prints GPUs (name, memory, compute capability, bf16), host RAM, CPU cores, free disk,
 the GPU interconnect (`nvidia-smi topo -m`) when present, which GPU pairs lack peer-to-peer access
@@ -10,7 +10,8 @@ DeepSpeed's CPU Adam actually builds and loads here: the ZeRO-Offload recipes ne
 its JIT build is a classic failure (missing compiler, headers, mismatched CUDA). It also
 says whether DeepSpeed's async I/O op (NVMe offload, ZeRO-Infinity) can build: that needs
 libaio, which most machines lack. That is a warning only when --recipe names a recipe that
-offloads to nvme (then its deepspeed.nvme_path is checked too), else information. Every
+offloads to nvme (then its deepspeed.nvme_path is checked too, and the drive's sequential read and
+write speed measured there: commands/drive.py), else information. Every
 warning comes with its fix. Runs on a machine without a GPU or without nvidia-smi.
 """
 
@@ -29,6 +30,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from llm_train.commands.drive import measure_drive
 from llm_train.config import ds_json
 from llm_train.config.attention import choose_attention
 from llm_train.config.ds_json import nvme_paths
@@ -40,6 +42,8 @@ from llm_train.planning.guards import nvme_problems
 
 GiB = 1024**3
 DEFAULT_BUILD_TIMEOUT_S = 300.0
+# A few GiB: past the drive's DRAM cache, short enough for a check (a PCIe 4.0 drive: ~1-2 s each way).
+DEFAULT_DRIVE_BYTES = 4 * GiB
 # Below these, the common recipes run into trouble (checkpoints, NCCL shared memory).
 MIN_FREE_DISK_GIB = 50.0
 MIN_SHM_GIB = 1.0
@@ -413,8 +417,11 @@ def recipe_uses_nvme(recipe_name: str, overrides: list[str]) -> bool:
     return "nvme" in devices or recipe.deepspeed.nvme_path is not None
 
 
-def check_nvme_recipe(report: Report, recipe_name: str, overrides: list[str]) -> None:
-    """The recipe's NVMe directory, with the checks a real run makes before it starts."""
+def check_nvme_recipe(
+    report: Report, recipe_name: str, overrides: list[str], drive_bytes: int = DEFAULT_DRIVE_BYTES
+) -> None:
+    """The recipe's NVMe directory, with the checks a real run makes before it starts, and its drive's
+    sequential speeds (commands/drive.py) when the directory passes them (drive_bytes 0: not measured)."""
 
     section = "NVMe offload"
     try:
@@ -430,6 +437,21 @@ def check_nvme_recipe(report: Report, recipe_name: str, overrides: list[str]) ->
     for line in problems:
         problem, _, fix = line.partition("; ")
         report.warn(problem, fix or "see the message")
+    if run is None or problems or not drive_bytes:
+        return
+    for path in sorted(set(nvme_paths(run.ds_config).values())):
+        try:
+            speed = measure_drive(Path(path), drive_bytes)
+        except OSError as exc:
+            report.add(section, "drive speed", f"not measured at {path}: {exc.strerror or exc}")
+            continue
+        report.add(section, "drive speed", f"{path}: {speed.describe()}")
+        report.add(
+            section,
+            "plan with it",
+            f"llm-train plan --recipe {recipe_name} --nvme-read-gbs {speed.read_bytes_per_s / 1e9:.2f} "
+            f"--nvme-write-gbs {speed.write_bytes_per_s / 1e9:.2f} --nvme-gib FREE",
+        )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -443,6 +465,7 @@ def collect(
     cwd: Path | None = None,
     recipe: str | None = None,
     overrides: list[str] | None = None,
+    drive_bytes: int = 0,
 ) -> Report:
     report = Report()
     # The recipe first: a misspelled name is a one-line error before minutes of probing.
@@ -457,7 +480,7 @@ def collect(
         report.add("DeepSpeed ops", "CPU Adam", "not tried (--skip-build)")
         report.add("DeepSpeed ops", "async I/O", "not tried (--skip-build)")
     if recipe and uses_nvme:
-        check_nvme_recipe(report, recipe, overrides or [])
+        check_nvme_recipe(report, recipe, overrides or [], drive_bytes)
     if gpus:
         import psutil
 
@@ -493,6 +516,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--recipe",
         help="Also check what this recipe needs: with NVMe offload, async I/O and deepspeed.nvme_path.",
     )
+    p.add_argument(
+        "--drive-gib",
+        type=float,
+        default=DEFAULT_DRIVE_BYTES / GiB,
+        metavar="GIB",
+        help="With an NVMe recipe: write and read this much at its nvme_path to measure the drive "
+        "(O_DIRECT where the filesystem allows; 0 skips it).",
+    )
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides (with --recipe).")
     p.set_defaults(func=cmd_doctor)
 
@@ -501,8 +532,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     if args.overrides and not args.recipe:
         raise UserError("doctor: key.sub=value overrides need --recipe NAME")
+    if args.drive_gib < 0:
+        raise UserError(
+            f"--drive-gib {args.drive_gib:g}: give GiB to write and read (0 skips the drive test)"
+        )
     report = collect(
-        build=not args.skip_build, timeout=args.build_timeout, recipe=args.recipe, overrides=args.overrides
+        build=not args.skip_build,
+        timeout=args.build_timeout,
+        recipe=args.recipe,
+        overrides=args.overrides,
+        drive_bytes=int(args.drive_gib * GiB),
     )
     print(report.render())
     return 0

@@ -9,6 +9,7 @@ llm-train plan --recipe auto --model meta-llama/Llama-3.1-8B --gpu RTX-4090 [--t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -22,6 +23,16 @@ from llm_train.planning.report import plan_recipe, render
 from llm_train.train import main as train_main
 
 # --- CLI ------------------------------------------------------------------------------------------------
+
+
+def drive_speeds(read_gbs: float | None, write_gbs: float | None) -> dict[str, float]:
+    """Hardware fields for the drive speeds given on the command line (GB/s -> bytes/s)."""
+    out = {}
+    if read_gbs is not None:
+        out["nvme_read_bytes_per_s"] = read_gbs * 1e9
+    if write_gbs is not None:
+        out["nvme_write_bytes_per_s"] = write_gbs * 1e9
+    return out
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -48,6 +59,19 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         metavar="GIB",
         help="Free NVMe space per node for ZeRO-Infinity offload; without it NVMe offload is never chosen.",
+    )
+    p.add_argument(
+        "--nvme-read-gbs",
+        type=float,
+        metavar="GB/S",
+        help="Sequential read speed of that drive in GB/s (default 6, a PCIe 4.0 drive; `llm-train doctor "
+        "--recipe NAME` measures yours).",
+    )
+    p.add_argument(
+        "--nvme-write-gbs",
+        type=float,
+        metavar="GB/S",
+        help="Sustained sequential write speed of that drive in GB/s (default 3: past a TLC drive's SLC cache).",
     )
     p.add_argument(
         "--seq-len", type=int, help="With --recipe auto: tokens per sequence (default min(2048, model max))."
@@ -80,6 +104,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(
             f"--nvme-gib {args.nvme_gib:g}: give the free NVMe space in GiB (> 0), or leave it out"
         )
+    for flag in ("nvme_read_gbs", "nvme_write_gbs"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} {value:g}: give the drive's speed in GB/s (> 0)")
+    speeds = drive_speeds(args.nvme_read_gbs, args.nvme_write_gbs)
     if args.recipe != "auto":
         for flag in ("model", "write", "output_dir", "seq_len"):
             if getattr(args, flag):
@@ -96,12 +125,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.gpu_mem,
             args.host_ram,
             nvme_gib=args.nvme_gib,
+            drive=speeds,
         )
         print(render(report))
         return 0
     if not args.model:
         raise UserError("--recipe auto needs --model ID_OR_PATH (a known id or a directory with config.json)")
-    hw = hardware_for(args.gpus, args.gpu, args.gpu_mem, args.host_ram, None)
+    hw = dataclasses.replace(hardware_for(args.gpus, args.gpu, args.gpu_mem, args.host_ram, None), **speeds)
     mode = "always" if args.lora else "never" if args.no_lora else "fallback"
     auto = choose_auto(args.model, hw, args.seq_len, args.global_batch, lora=mode, nvme_gib=args.nvme_gib)
     out_dir = Path(

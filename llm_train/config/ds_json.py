@@ -108,6 +108,7 @@ class RecipeValues:
     max_steps: int
     nvme_path: str | None = None  # deepspeed.nvme_path: fills every nvme offload's "nvme_path"
     state_dtype: str = "fp32"  # optim.state_dtype: bf16 = DeepSpeed bf16 master weights + Adam states
+    largest_weight: int = 0  # elements of the model's largest weight: offload_param.buffer_size "auto" (NVMe)
 
 
 def find_ds_config(name_or_path: str) -> Path:
@@ -359,6 +360,7 @@ def fill_autos(config: dict[str, Any], values: RecipeValues, source: str) -> dic
                 f"or change {recipe_key}"
             )
     _fill_nvme_paths(resolved, values.nvme_path, source)
+    _fill_param_swap_buffer(resolved, values.largest_weight, source)
     if zero_stage(resolved) == 3:
         # Export gathers the partitioned weights through this switch; without it the saved
         # model would be empty (a classic ZeRO-3 pitfall).
@@ -372,6 +374,33 @@ def fill_autos(config: dict[str, Any], values: RecipeValues, source: str) -> dic
             "give it a concrete value"
         )
     return resolved
+
+
+# offload_param.buffer_size's default (deepspeed/runtime/zero/offload_config.py).
+DS_PARAM_SWAP_BUFFER_DEFAULT = 100_000_000
+
+
+def _fill_param_swap_buffer(config: dict[str, Any], largest: int, source: str) -> None:
+    """offload_param.buffer_size for NVMe: "auto" is the larger of DeepSpeed's default and the largest
+    weight; an explicit value below the largest weight is refused (in place).
+
+    DeepSpeed swaps each parameter through one buffer of `buffer_size` elements and asserts that it
+    fits (swap_tensor/partitioned_param_swapper.py 357); its default 1e8 is smaller than the embedding
+    of every Llama from 7B up (131M elements for Llama-2-7B, 525M for Llama-3-8B). Sized on the whole
+    tensor, an upper bound of any rank's partition.
+    """
+    offload = (config.get("zero_optimization") or {}).get("offload_param")
+    if not isinstance(offload, dict) or offload.get("device") != "nvme":
+        return
+    size = offload.get("buffer_size", DS_PARAM_SWAP_BUFFER_DEFAULT)
+    key = "zero_optimization.offload_param.buffer_size"
+    if size == "auto":
+        offload["buffer_size"] = max(DS_PARAM_SWAP_BUFFER_DEFAULT, largest)
+    elif not isinstance(size, int) or size < largest:
+        raise UserError(
+            f"DeepSpeed config {source}: {key}={json.dumps(size)} is smaller than the model's largest weight "
+            f'({largest:,} elements), which DeepSpeed swaps through one such buffer; set it to "auto" or >= {largest}'
+        )
 
 
 def _find_auto(node: Any, prefix: str = "") -> Any:

@@ -112,6 +112,12 @@ GPU_HEADROOM = 0.05
 # desktops look smaller than they are while reserving 100 GiB on a 2 TiB node. Page cache is
 # reclaimable and needs no reserve. `llm-train plan` prints it.
 HOST_RESERVE_BYTES = 3 * GiB
+# The NVMe drive of ZeRO-Infinity when the user gives no speeds (`llm-train plan --nvme-read-gbs/--nvme-write-gbs`,
+# `llm-train doctor --recipe ...` measures them): a PCIe 4.0 x4 TLC drive. Its data sheet's sequential read
+# (~7 GB/s) less DeepSpeed's per-request overhead; writes past the drive's SLC cache (a step writes ~16 bytes
+# per parameter, 100+ GB for 7B) run at about half the read speed on such drives.
+NVME_READ_BYTES_PER_S = 6e9
+NVME_WRITE_BYTES_PER_S = 3e9
 # Speed model stand-ins when the hardware's peak is unknown (only ratios matter there).
 UNKNOWN_GPU_PEAK_TFLOPS = 100.0
 CPU_PEAK_TFLOPS = 0.2
@@ -175,6 +181,10 @@ class Hardware:
     nvlink: bool = False
     compute_capability: tuple[int, int] | None = None
     sources: tuple[str, ...] = ()  # where the numbers came from, for the printout
+    nvme_read_bytes_per_s: float = NVME_READ_BYTES_PER_S
+    """Sequential read speed of the node's NVMe drive (ZeRO-Infinity's swap-ins)."""
+    nvme_write_bytes_per_s: float = NVME_WRITE_BYTES_PER_S
+    """Sustained sequential write speed of that drive (swap-outs)."""
 
     @property
     def host_limit_bytes(self) -> int:

@@ -558,6 +558,21 @@ class DeepSpeedSection(Section):
         description="Directory on a fast local NVMe drive for ZeRO-Infinity offload (DS JSON device 'nvme'); "
         "checked for existence, write access and free space before the run starts.",
     )
+    pinning: Literal["torch", "native", "off", "auto"] = Field(
+        "torch",
+        description="How the offload buffers the DS JSON pins (pin_memory) are allocated: 'torch' "
+        "(DeepSpeed's default: torch's pinned allocator rounds each up to a power of two), 'native' (exact "
+        "size, mlocked: DS_PIN_MEMORY_BACKEND=native; needs a memlock limit (ulimit -l) that large, checked "
+        "before start), 'off' (pin_memory false everywhere: exact, pageable, slower copies), 'auto' ('native' "
+        "when the memlock limit allows it, else 'off' with a notice).",
+    )
+
+    @field_validator("pinning", mode="before")
+    @classmethod
+    def _yaml_off_is_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (also from `deepspeed.pinning=off` on the command line) as false.
+        return "off" if value is False else value
+
     # 30 minutes: the longest wait inside a collective in the largest shipped recipe (70b-zero3, 32
     # ranks) is one rank writing its ~25 GiB checkpoint share or a ~1 min step, minutes at worst on a
     # busy shared filesystem; hashing and conversion never wait inside one (runtime/file_sync.py).

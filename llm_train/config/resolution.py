@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     pass
 
 GiB = 1024**3
+DS_PARAM_SWAP_BUFFER_DEFAULT = (
+    100_000_000  # offload_param.buffer_size (deepspeed/runtime/zero/offload_config.py)
+)
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,15 @@ def resolve_run(
         max_steps=recipe.optim.max_steps or 0,
         nvme_path=recipe.deepspeed.nvme_path,
         state_dtype=recipe.optim.state_dtype,
+        largest_weight=largest_weight(fields, hidden),
     )
     resolved = ds_json.fill_autos(raw, values, str(ds_path))
+    if recipe.deepspeed.pinning == "off":
+        # The recipe's switch, not a contradiction: every offload section's buffers become pageable.
+        for section in ("offload_optimizer", "offload_param"):
+            offload = resolved.get("zero_optimization", {}).get(section)
+            if isinstance(offload, dict) and offload.get("device", "none") != "none":
+                offload["pin_memory"] = False
     if layout.tp > 1:
         # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
         # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.

@@ -31,6 +31,7 @@ from llm_train.planning.fit import (
     SUGGESTED_LORA_RANK,
     Evaluation,
     evaluate,
+    shipped_settings,
 )
 from llm_train.planning.memory import (
     GiB,
@@ -135,6 +136,10 @@ def choose_auto(
                     tiled_mlp=tiled_mlp,
                     tiled_loss=tiled_loss,
                     offload_checkpoints=offload_ckpt,
+                    # The generated recipe asks for deepspeed.pinning=auto: exact-size buffers.
+                    pinning="native" if mode[1] != "none" else "torch",
+                    param_pinning="native" if mode[2] != "none" else "torch",
+                    **shipped_settings(mode),
                 )
             except MemoryInputError:
                 continue  # a combination the layout (or sequence-parallel) rules refuse
@@ -364,7 +369,12 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
             if c.lora_rank
             else {}
         ),
-        "deepspeed": {"config": auto.ds_config, **({"sequence_parallel": c.sp} if c.sp > 1 else {})},
+        "deepspeed": {
+            "config": auto.ds_config,
+            **({"sequence_parallel": c.sp} if c.sp > 1 else {}),
+            # Exact-size host buffers when offloading (planning/pinning.py), as the plan assumed.
+            **({"pinning": "auto"} if c.offload_optimizer != "none" or c.offload_params != "none" else {}),
+        },
         "output": {"dir": "runs/{name}", "log_every": 10},
         "tracking": {"mode": "disabled"},
     }

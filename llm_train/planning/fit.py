@@ -12,11 +12,14 @@ exists, and ZeRO-Infinity is so slow that it should be a deliberate choice.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
+from llm_train.planning.host_offload import SwapSettings
 from llm_train.planning.memory import (
     ALLOCATOR_SLACK_FRACTION,
     DS_ALLGATHER_BUCKET_SIZE,
@@ -47,6 +50,7 @@ SHIPPED_DS_CONFIGS: dict[tuple[int, str, str], str] = {
     (2, "cpu", "none"): "zero2_offload",
     (3, "cpu", "none"): "zero3_offload_optimizer",
     (3, "cpu", "cpu"): "zero3_offload",
+    (3, "nvme", "none"): "zero3_offload_optimizer_nvme",
     (3, "nvme", "nvme"): "zero3_offload_nvme",
 }
 
@@ -88,8 +92,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
 
     on_gpu = layout.device != "cpu"
-    # DeepSpeed pins by default (offload_config.py); its CPU accelerator pins nothing (cpu_accelerator.py).
-    pinned = bool((zero.get("offload_optimizer") or {}).get("pin_memory", True)) and on_gpu
+    swap = swap_settings(run.ds_config)
     # config/layout.workers_for: data.loader_workers, else none with the optimizer offloaded, else the stream's
     # 2 worker processes on CUDA, forked at the first batch.
     asked = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
@@ -122,11 +125,55 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         tiled_mlp=recipe.memory.tiled_mlp,
         tiled_loss=recipe.memory.tiled_loss,
         offload_checkpoints=recipe.memory.offload_checkpoints,
-        pin_memory=pinned,
+        pinning=section_pinning(zero.get("offload_optimizer"), recipe.deepspeed.pinning, on_gpu),
+        param_pinning=section_pinning(zero.get("offload_param"), recipe.deepspeed.pinning, on_gpu),
+        # save_on_cpu(pin_memory=True) on CUDA only (runtime/model.py), through torch's allocator.
+        checkpoint_pinning="torch" if on_gpu else "off",
+        swap=swap,
         loader_forks=forked,
         sequences_per_sample=recipe.sequences_per_sample,
         reference=recipe.preference.reference if recipe.objective == "dpo" else "none",
     )
+
+
+def swap_settings(ds_config: dict[str, Any]) -> SwapSettings:
+    """The NVMe swap settings of a DS JSON's offload_optimizer and aio sections (DeepSpeed's defaults if absent)."""
+    aio = ds_config.get("aio") or {}
+    swap = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return SwapSettings(
+        buffer_count=int(swap.get("buffer_count", SwapSettings.buffer_count)),
+        pipeline_read=bool(swap.get("pipeline_read", False)),
+        pipeline_write=bool(swap.get("pipeline_write", False)),
+        intra_op_parallelism=int(aio.get("intra_op_parallelism", SwapSettings.intra_op_parallelism)),
+        block_size=int(aio.get("block_size", SwapSettings.block_size)),
+    )
+
+
+@functools.cache
+def shipped_settings(ds_key: tuple[int, str, str]) -> dict[str, Any]:
+    """MemoryInputs fields a shipped DS JSON fixes beyond its stage and offload: sub_group_size and the
+    swap settings (what the planner's candidates of that JSON run with)."""
+    name = SHIPPED_DS_CONFIGS.get(ds_key)
+    if name is None:
+        return {}
+    _, raw = load_ds_config(name)
+    size = (raw.get("zero_optimization") or {}).get("sub_group_size", DS_SUB_GROUP_SIZE)
+    return {"sub_group_size": int(size), "swap": swap_settings(raw)}
+
+
+def section_pinning(offload: dict[str, Any] | None, pinning: str, on_gpu: bool) -> str:
+    """host_offload.PINNINGS for one offload section of a resolved DS JSON under deepspeed.pinning.
+
+    DeepSpeed pins when the section says so (pin_memory defaults to true, offload_config.py); its CPU
+    accelerator pins nothing through torch (cpu_accelerator.py), but native pinning mlocks on any
+    device. 'auto' becomes native or off before a run starts (planning/pinning.choose_auto); both
+    size the buffers exactly, and the planner counts it as native.
+    """
+    if not bool((offload or {}).get("pin_memory", True)) or pinning == "off":
+        return "off"
+    if pinning in ("native", "auto"):
+        return "native"
+    return "torch" if on_gpu else "off"
 
 
 def needs(est: MemoryEstimate, inp: MemoryInputs, kind: str) -> tuple[int, int]:
@@ -168,5 +215,7 @@ def evaluate(inp: MemoryInputs, hw: Hardware, nvme_bytes: int = 0) -> Evaluation
     fits_device = hw.kind == "cpu" or device_bytes <= hw.gpu_limit_bytes
     fits_host = host_bytes <= hw.host_limit_bytes
     fits_nvme = est.nvme_bytes <= nvme_bytes
-    speed = step_time(inp, inp.grad_accum, hw.peak_tflops, hw.nvlink)
+    speed = step_time(
+        inp, inp.grad_accum, hw.peak_tflops, hw.nvlink, hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s
+    )
     return Evaluation(inp, est, device_bytes, host_bytes, speed, fits_device, fits_host, fits_nvme)

@@ -23,6 +23,7 @@ from llm_train.planning.memory import (
     MemoryEstimate,
     estimate_memory,
 )
+from llm_train.planning.pinning import MemlockLimit, choose_auto, memlock_problem
 from llm_train.planning.shapes import shape_from_config
 
 # --- host-RAM guard (called by train.py before anything loads) --------------------------------------------
@@ -103,6 +104,37 @@ def memory_rows(run: Resolved) -> list[tuple[str, str]]:
             )
         )
     return rows
+
+
+# --- pinned host memory: the allocator deepspeed.pinning=auto gets, the memlock limit ---------------------
+
+
+def auto_pinning(run: Resolved, limit: MemlockLimit | None = None) -> tuple[str, str]:
+    """What deepspeed.pinning=auto becomes on this machine, and the notice that says why."""
+    try:
+        shape = shape_from_config(run.model_fields)
+    except UserError:
+        return (
+            "off",
+            "deepspeed.pinning=auto: off (the model's shape is unknown, so its locked bytes are too)",
+        )
+    return choose_auto(memory_inputs(run, shape), run.layout.device, limit)
+
+
+def check_memlock(run: Resolved, gpus_per_node: int | None = None, limit: MemlockLimit | None = None) -> None:
+    """Refuse to start, in one line, when a process would mlock more than its memlock limit allows.
+
+    Native pinning and DeepSpeed's async-I/O buffers are mlocked; past the limit DeepSpeed's allocator
+    fails inside the engine's set-up, after the model has loaded (planning/pinning.py).
+    """
+    try:
+        shape = shape_from_config(run.model_fields)
+    except UserError:
+        return
+    source = f"NVMe swapping ({run.ds_path.name})"
+    problem = memlock_problem(memory_inputs(run, shape, gpus_per_node), source, limit)
+    if problem:
+        raise UserError(problem)
 
 
 # --- the NVMe offload directory, checked before start -----------------------------------------------

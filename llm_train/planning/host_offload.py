@@ -1,34 +1,52 @@
-"""Host RAM of DeepSpeed's CPU offload, allocation by allocation (DeepSpeed 0.19.8, torch 2.13).
+"""Host RAM of DeepSpeed's CPU and NVMe offload, allocation by allocation (DeepSpeed 0.19.8, torch 2.13).
 
-memory.py takes its host terms for `offload_optimizer: cpu` and `offload_param: cpu` from here.
-Each number is one allocation in DeepSpeed's source, cited where it is counted (paths under
-deepspeed/; line numbers of 0.19.8). Four facts make them larger than the "12 + 4 bytes per
-parameter" of the ZeRO-Offload paper; the first H200 run of 7b-rtx4090 (bench/results/
-host-ram-7b-offload-20261130.txt) was killed by the kernel in its first step after the planner,
-counting 16 bytes per parameter, had said 103 GiB:
+memory.py takes its host terms for `offload_optimizer: cpu | nvme` and `offload_param: cpu` from
+here. Each `HostBuffer` is one allocation (or one kind of allocation) in DeepSpeed's source, cited
+where it is built (paths under deepspeed/; line numbers of 0.19.8). The first H200 run of
+7b-rtx4090 (bench/results/host-ram-7b-offload-20261130.txt) was killed by the kernel in its first
+step after the planner, counting 16 bytes per parameter, had said 103 GiB. What makes the real
+number larger:
 
-1. Pinned buffers are rounded up to a power of two. DeepSpeed pins with `tensor.pin_memory()`
-   (accelerator/abstract_accelerator.py `_torch_pin_memory`; its mlock backend is opt-in,
-   DS_PIN_MEMORY_BACKEND=native), i.e. torch's CachingHostAllocator, whose `allocate`
-   (ATen/core/CachingHostAllocator.h) returns `PowerOf2Ceil(size)` bytes for any request up to
-   `pinned_max_round_threshold_mb` / `pinned_max_cached_size_mb` (c10/core/AllocatorConfig.h:
-   unlimited unless PYTORCH_CUDA_ALLOC_CONF sets them). A freed pinned block stays in that
-   allocator's cache (`maybe_cache_block`), page-locked, until the process ends.
-2. ZeRO-3 holds the gradient partitions twice: the flat 16-bit buffer the reduce-scatter lands
-   in (runtime/zero/stage3.py 791-795, `_setup_for_real_optimizer`; dtype = the model's, engine.py
-   `get_data_types`, as no recipe sets grad_accum_dtype) and the master-dtype `.grad` of each
-   optimizer sub-group (stage3.py 1337-1342, `initialize_optimizer_states`), each pinned.
+1. How a pinned buffer is allocated decides its size: the pinning choice (`PINNINGS`).
+   - "torch" (DeepSpeed's default): `tensor.pin_memory()` (accelerator/abstract_accelerator.py
+     `_torch_pin_memory`), i.e. torch's CachingHostAllocator, whose `allocate`
+     (ATen/core/CachingHostAllocator.h) returns `PowerOf2Ceil(size)` bytes for any request up to
+     `pinned_max_round_threshold_mb` (c10/core/AllocatorConfig.h: unlimited unless
+     PYTORCH_CUDA_ALLOC_CONF sets it). A freed block stays cached, page-locked, until the process
+     ends. DeepSpeed's CPU accelerator (cpu_accelerator.py `pin_memory`) pins nothing this way.
+   - "native" (`DS_PIN_MEMORY_BACKEND=native`, deepspeed/utils/pin_memory.py): posix_memalign + mlock
+     of the exact request (ops/csrc/pin_memory/page_alloc.cpp), whole pages; it counts against the
+     process's memlock limit (RLIMIT_MEMLOCK, `ulimit -l`) unless it has CAP_IPC_LOCK. On this CPU
+     machine tiny-cpu under ZeRO-3 + CPU offload locked 29,756 kB, every page of it accounted for
+     below (tests/e2e/test_host_offload.py measures it against these rows).
+   - "off" (`pin_memory: false` in the DS JSON): pageable buffers of the exact size.
+   DeepSpeed's async-I/O buffers (NVMe swapping) are always mlocked exactly, whatever the choice
+   (ops/csrc/aio/py_lib/deepspeed_py_io_handle.cpp `new_cpu_locked_tensor`).
+2. ZeRO-3 holds the gradient partitions twice under CPU offload: the flat 16-bit buffer the
+   reduce-scatter lands in (runtime/zero/stage3.py 791-795, `_setup_for_real_optimizer`; dtype =
+   the model's, engine.py `get_data_types`, as no recipe sets grad_accum_dtype) and the master-dtype
+   `.grad` of each optimizer sub-group (stage3.py 1337-1342, `initialize_optimizer_states`), both
+   pinned.
 3. CPU Adam creates m and v at its first step (ops/adam/cpu_adam.py 153-164), pageable: the set-up
    holds master + gradients only, and the first optimizer step is where the host peaks.
 4. DataLoader workers are forked (data/stream.py `_fork_context`) at the first batch, after
    DeepSpeed has set up. A forked child keeps the pre-fork version of every private page the
-   parent later writes (copy-on-write), and CPU Adam rewrites the pageable master weights (and,
-   after a resume, m and v) in place every step: while workers live, the host holds that state
-   twice. Pinned buffers are shared mappings and are not copied.
+   parent later writes (copy-on-write): the pageable master weights CPU Adam rewrites every step
+   (and, after a resume, m and v), the gradient buffers when they are pageable or mlocked
+   (posix_memalign memory is private). torch's CUDA pinned blocks are shared mappings, not copied.
+5. Under NVMe offload (ZeRO-Infinity) the master, m, v and fp32 gradients of every sub-group of at
+   least max(1 MiB, aio block_size) live on the drive (swap_tensor/optimizer_utils.py
+   `is_swappable_tensor`); the host keeps the flat 16-bit gradient buffer and `buffer_count` swap
+   buffers, each as large as the largest sub-group rounded up to the I/O alignment
+   (optimizer_utils.py `_io_aligned_numel`, swap_tensor/utils.py `SwapBufferManager`). A sub-group
+   in flight takes 4 of them (master, m, v and its gradient: partitioned_optimizer_swapper.py
+   `required_buffer_count`); pipelined read needs the next one's 4 too, pipelined write the
+   previous one's.
 
 Not counted: transients of the set-up (a pageable twin of each buffer while `pin_memory()` copies
-it, defragment's 16-bit CPU copy of the partitions, runtime/zero/utils.py 221): all are freed
-before CPU Adam allocates m and v, whose 4 or 8 bytes per parameter exceed them.
+it, defragment's 16-bit CPU copy of the partitions, runtime/zero/utils.py 221; the fp32 buffer of
+the largest sub-group `initialize_optimizer_states` zero-fills): all are freed before CPU Adam
+allocates m and v, whose 8 bytes per parameter exceed them.
 """
 
 from __future__ import annotations
@@ -38,12 +56,64 @@ from dataclasses import dataclass
 
 from llm_train.planning.shapes import ModelShape
 
+PINNINGS = ("torch", "native", "off")
+"""How DeepSpeed's pinned host buffers are allocated (module docstring, fact 1)."""
+PAGE_BYTES = 4096
+# swap_tensor/utils.py: requests under MIN_AIO_BYTES are not swapped; I/O is aligned to
+# AIO_ALIGNED_BYTES x aio.intra_op_parallelism bytes.
+MIN_AIO_BYTES = 1024**2
+AIO_ALIGNED_BYTES = 1024
+# partitioned_optimizer_swapper.py `required_buffer_count`: master, m, v and the gradient.
+SWAP_BUFFERS_PER_SUB_GROUP = 4
 
-def pinned_bytes(nbytes: float, pinned: bool = True) -> float:
-    """Host bytes a buffer of `nbytes` really takes: rounded up to a power of two when pinned (fact 1)."""
-    if not pinned or nbytes <= 0:
-        return float(max(nbytes, 0))
-    return float(1 << (math.ceil(nbytes) - 1).bit_length())
+
+def held_bytes(nbytes: float, pinning: str) -> float:
+    """Host bytes one allocation of `nbytes` really takes under a pinning choice (module docstring, fact 1)."""
+    if nbytes <= 0:
+        return 0.0
+    if pinning == "torch":
+        return float(1 << (math.ceil(nbytes) - 1).bit_length())
+    if pinning == "native":
+        return float(math.ceil(nbytes / PAGE_BYTES) * PAGE_BYTES)
+    return float(math.ceil(nbytes))
+
+
+@dataclass(frozen=True)
+class HostBuffer:
+    """One kind of host allocation: what it is, its sizes, how it is allocated, when it exists."""
+
+    term: str
+    """The memory.py host term it belongs to."""
+    what: str
+    sizes: tuple[float, ...]
+    """Bytes requested, one entry per allocation."""
+    how: str = "pinned"
+    """'pinned' (the pinning choice of its section applies), 'pageable', or 'locked' (async I/O: mlock)."""
+    section: str = "optimizer"
+    """Whose pin_memory applies: 'optimizer' (offload_optimizer) or 'param' (offload_param)."""
+    released: bool = False
+    """Adam's m and v: freed before the final export (runtime/optim.py `release_moments`)."""
+    step_only: bool = False
+    """Exists only while the optimizer steps (a transient of the step)."""
+    rewritten: bool = True
+    """Written after the loader workers fork (every step), so a forked child keeps the old pages."""
+
+    def allocator(self, pinning: str) -> str:
+        """The allocator that serves it under `pinning`: 'torch', 'native' (exact mlock) or 'off'."""
+        if self.how == "locked":
+            return "native"
+        return pinning if self.how == "pinned" else "off"
+
+    def held(self, pinning: str) -> float:
+        return sum(held_bytes(size, self.allocator(pinning)) for size in self.sizes)
+
+    def locked(self, pinning: str) -> float:
+        """Bytes counted against the memlock limit (mlock: native pinning and async I/O)."""
+        return self.held(pinning) if self.allocator(pinning) == "native" else 0.0
+
+    def fork_copied(self, pinning: str) -> float:
+        """What a forked loader worker keeps of it (fact 4): private pages the parent rewrites."""
+        return self.held(pinning) if self.rewritten and self.allocator(pinning) != "torch" else 0.0
 
 
 def trainable_tensors(shape: ModelShape, lora_rank: int | None) -> tuple[list[int], list[int]]:
@@ -95,8 +165,27 @@ def zero3_sub_groups(numels: list[int], sub_group_size: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class SwapSettings:
+    """The DS JSON's NVMe swap settings that size host buffers (offload_optimizer and the aio section)."""
+
+    buffer_count: int = 4
+    """offload_optimizer.buffer_count (DeepSpeed's default 4: one sub-group in flight)."""
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    intra_op_parallelism: int = 1
+    """aio.intra_op_parallelism: I/O is aligned to 1 KiB per thread."""
+    block_size: int = 1024**2
+    """aio.block_size: a sub-group smaller than max(1 MiB, this) is not swapped."""
+
+    @property
+    def buffers_needed(self) -> int:
+        """Swap buffers a step takes at once (module docstring, fact 5)."""
+        return SWAP_BUFFERS_PER_SUB_GROUP * (1 + int(self.pipeline_read) + int(self.pipeline_write))
+
+
+@dataclass(frozen=True)
 class OffloadRank:
-    """What one rank's CPU offload depends on."""
+    """What one rank's offload depends on."""
 
     shape: ModelShape
     lora_rank: int | None
@@ -111,104 +200,258 @@ class OffloadRank:
     """Master weights, their gradients and Adam's m and v: 4 (fp32) or 2 (optim.state_dtype bf16)."""
     sub_group_size: int
     grad_accum: int
-    pin_memory: bool
+    pinning: str
+    """How the offload_optimizer buffers are pinned (PINNINGS)."""
     params_offloaded: bool
     loader_forks: bool
-    persistence_threshold: int = 0
-    """ZeRO-3 keeps tensors under this many elements whole on the GPU (stage3_param_persistence_threshold)."""
+    param_pinning: str = "torch"
+    """How the offload_param buffers are pinned (PINNINGS)."""
+    swap: SwapSettings = SwapSettings()
 
     def part(self, numel: int) -> int:
         """This rank's ZeRO-3 partition of one tensor (padded up to a multiple of the partition count)."""
         return math.ceil(numel / self.shard / self.partitions)
 
+    def pinning_of(self, buffer: HostBuffer) -> str:
+        return self.param_pinning if buffer.section == "param" else self.pinning
 
-@dataclass(frozen=True)
-class CpuOptimizerHost:
-    """Host bytes of one rank's CPU-offloaded optimizer at its peak (the optimizer step)."""
+    def parts(self) -> list[list[int]]:
+        """This rank's ZeRO-3 partition of every trainable tensor, per optimizer parameter group."""
+        groups = [g for g in trainable_tensors(self.shape, self.lora_rank) if g]
+        return [[self.part(n) for n in g] for g in groups]
 
-    states: float
-    """Master weights + Adam m + v (the master pinned, hence rounded, under ZeRO-1/2)."""
-    moments: float
-    """Adam m + v: freed before the final export (runtime/optim.py `release_moments`)."""
-    gradients: float
-    """The master-dtype gradient partitions CPU Adam steps on (pinned)."""
-    buffers: float
-    """16-bit buffers: ZeRO-3's flat gradient partitions; ZeRO-1/2's parameter copy and staging."""
-    step_transient: float
-    """A 16-bit CPU copy of one sub-group while its updated master goes back to the GPU."""
-    fork_copies: float
-    """Pre-fork pages of the pageable optimizer state that forked loader workers keep (fact 4)."""
+    def sub_groups(self) -> list[int]:
+        """Elements of this rank's ZeRO-3 optimizer sub-groups, in order."""
+        return [sum(members) for members in self.sub_group_members()]
+
+    def sub_group_members(self) -> list[list[int]]:
+        """This rank's partition of each tensor, grouped into its ZeRO-3 optimizer sub-groups."""
+        out = []
+        for part in self.parts():
+            start = 0
+            for size in zero3_sub_groups(part, self.sub_group_size):
+                end, total = start, 0
+                while total < size:
+                    total += part[end]
+                    end += 1
+                out.append(part[start:end])
+                start = end
+        return out
 
 
-def cpu_optimizer_host(rank: OffloadRank) -> CpuOptimizerHost:
-    """Host bytes of one rank's `offload_optimizer: cpu` (module docstring for the facts)."""
-    pin, state, low = rank.pin_memory, rank.state_bytes, rank.model_bytes
-    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank) if g]
+def _step_transient(rank: OffloadRank, largest: int) -> list[HostBuffer]:
+    # stage3.py 2860 (`_reassign_or_swap_out_partitioned_parameters`) copies the updated master of a
+    # sub-group into the 16-bit partition on the GPU; a blocking copy that changes dtype converts on
+    # the CPU first (ATen cuda/Copy.cu `copy_kernel_cuda`): one 16-bit temporary of the sub-group.
+    # With the parameters offloaded the destination is on the CPU: no temporary.
+    if rank.state_bytes == rank.model_bytes or rank.params_offloaded:
+        return []
+    return [
+        HostBuffer(
+            "optimizer_step_transient",
+            "16-bit copy of one sub-group on its way to the GPU (stage3.py 2860)",
+            (rank.model_bytes * largest,),
+            how="pageable",
+            step_only=True,
+            rewritten=False,
+        )
+    ]
+
+
+def cpu_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
+    """Host allocations of one rank's `offload_optimizer: cpu` (module docstring for the facts)."""
+    state, low = rank.state_bytes, rank.model_bytes
     if rank.zero_stage == 3:
-        parts = [[rank.part(n) for n in g] for g in groups]
-        elements = sum(sum(p) for p in parts)
-        subs = [s for p in parts for s in zero3_sub_groups(p, rank.sub_group_size)]
-        # stage3.py 1157-1160 (`_create_fp32_partitions`): the master of each sub-group, a pageable
-        # CPU copy in the master dtype; cpu_adam.py 161-164: m and v, pageable, at the first step.
-        master, moments = state * elements, 2 * state * elements
-        # stage3.py 1337-1342: each sub-group's gradient in the master dtype, pinned on its own.
-        gradients = sum(pinned_bytes(state * s, pin) for s in subs)
-        # stage3.py 791-795: one flat buffer of every partition's 16-bit gradient, pinned.
-        buffers = pinned_bytes(low * elements, pin)
-        # stage3.py 2860 (`_reassign_or_swap_out_partitioned_parameters`) copies the updated master
-        # of a sub-group into the 16-bit partition on the GPU; a blocking copy that changes dtype
-        # converts on the CPU first (ATen cuda/Copy.cu `copy_kernel_cuda`): one 16-bit temporary of
-        # the sub-group. With the parameters offloaded the destination is on the CPU: no temporary.
-        transient = low * max(subs) if state != low and not rank.params_offloaded else 0.0
-        pageable = master + moments
-        states = master + moments
-    else:
-        # ZeRO-1/2 flatten each parameter group and partition it whole (stage_1_and_2.py).
-        parts_12 = [math.ceil(sum(n / rank.shard for n in g) / rank.partitions) for g in groups]
-        elements = sum(parts_12)
-        # 559-565: the master partition, pinned; 934-941: its gradient, pinned; cpu_adam.py: m, v.
-        master = sum(pinned_bytes(state * p, pin) for p in parts_12)
-        moments = 2 * state * elements
-        gradients = sum(pinned_bytes(state * p, pin) for p in parts_12)
+        subs = rank.sub_groups()
+        elements = sum(subs)
+        return [
+            # stage3.py 1157-1160 (`_create_fp32_partitions`): the master of each sub-group, a pageable
+            # copy in the master dtype; cpu_adam.py 161-164: m and v, pageable, at the first step.
+            HostBuffer(
+                "offloaded_optimizer_states",
+                "master weights (stage3.py 1157)",
+                tuple(state * s for s in subs),
+                how="pageable",
+            ),
+            HostBuffer(
+                "offloaded_optimizer_states",
+                "Adam m and v (cpu_adam.py 161)",
+                tuple(state * s for s in subs for _ in (0, 1)),
+                how="pageable",
+                released=True,
+            ),
+            # stage3.py 1337-1342: each sub-group's gradient in the master dtype, pinned on its own.
+            HostBuffer(
+                "offloaded_fp32_gradients",
+                "master-dtype gradient per sub-group (stage3.py 1337)",
+                tuple(state * s for s in subs),
+            ),
+            # stage3.py 791-795: one flat buffer of every partition's 16-bit gradient, pinned.
+            HostBuffer(
+                "offload_16bit_buffers",
+                "flat 16-bit gradient partitions (stage3.py 791)",
+                (low * elements,),
+            ),
+            *_step_transient(rank, max(subs)),
+        ]
+    # ZeRO-1/2 flatten each parameter group and partition it whole (stage_1_and_2.py).
+    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank) if g]
+    parts = [math.ceil(sum(n / rank.shard for n in g) / rank.partitions) for g in groups]
+    largest = max(max(g) for g in groups) / rank.shard
+    buffers = [
+        # 559-565: the master partition, pinned; 934-941: its gradient, pinned; cpu_adam.py: m and v.
+        HostBuffer(
+            "offloaded_optimizer_states",
+            "master weights (stage_1_and_2.py 559)",
+            tuple(state * p for p in parts),
+        ),
+        HostBuffer(
+            "offloaded_optimizer_states",
+            "Adam m and v (cpu_adam.py 161)",
+            tuple(state * p for p in parts for _ in (0, 1)),
+            how="pageable",
+            released=True,
+        ),
+        HostBuffer(
+            "offloaded_fp32_gradients",
+            "gradient partition (stage_1_and_2.py 934)",
+            tuple(state * p for p in parts),
+        ),
         # 566-575: a 16-bit copy of the partition (the step writes it, then sends it to the GPU);
         # 656-658: a staging buffer as large as the largest trainable tensor; both pinned.
-        largest = max(max(g) for g in groups) / rank.shard
-        buffers = sum(pinned_bytes(low * p, pin) for p in parts_12) + pinned_bytes(low * largest, pin)
-        if rank.grad_accum > 1 and state == 4:
-            # 1822-1826: with accumulation, a pinned 16-bit buffer per tensor of the partition
-            # (about 1/partitions of them, each whole).
-            every = [n / rank.shard for g in groups for n in g]
-            buffers += sum(pinned_bytes(low * n, pin) for n in every) / rank.partitions
-        transient = 0.0
-        pageable = moments + (0.0 if pin else state * elements)
-        states = master + moments
-    # Fact 4, for a resumed run (m and v exist before the fork too): the worst case is every
-    # pageable byte of optimizer state held twice.
-    fork_copies = pageable if rank.loader_forks else 0.0
-    return CpuOptimizerHost(states, moments, gradients, buffers, transient, fork_copies)
+        HostBuffer(
+            "offload_16bit_buffers",
+            "16-bit copy of the partition (stage_1_and_2.py 566)",
+            tuple(low * p for p in parts),
+        ),
+        HostBuffer(
+            "offload_16bit_buffers",
+            "staging buffer (stage_1_and_2.py 656)",
+            (low * largest,),
+            rewritten=False,
+        ),
+    ]
+    if rank.grad_accum > 1 and state == 4:
+        # 1822-1826: with accumulation, a pinned 16-bit buffer per tensor of the partition (about
+        # 1/partitions of them, each whole).
+        every = [n / rank.shard for g in groups for n in g]
+        share = every[: math.ceil(len(every) / rank.partitions)] if rank.partitions > 1 else every
+        buffers.append(
+            HostBuffer(
+                "offload_16bit_buffers",
+                "accumulation buffers (stage_1_and_2.py 1822)",
+                tuple(low * n for n in share),
+            )
+        )
+    return buffers
 
 
-def cpu_parameters_host(rank: OffloadRank) -> float:
-    """Host bytes of one rank's `offload_param: cpu` (ZeRO-3): the 16-bit parameter partitions.
+def nvme_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
+    """Host allocations of one rank's `offload_optimizer: nvme` (ZeRO-3; module docstring, fact 5)."""
+    state, low, swap = rank.state_bytes, rank.model_bytes, rank.swap
+    subs = rank.sub_groups()
+    swapped = [s for s in subs if s * state >= max(MIN_AIO_BYTES, swap.block_size)]
+    kept = [s for s in subs if s * state < max(MIN_AIO_BYTES, swap.block_size)]
+    buffers = [
+        HostBuffer(
+            "offload_16bit_buffers", "flat 16-bit gradient partitions (stage3.py 791)", (low * sum(subs),)
+        )
+    ]
+    if swapped:
+        # optimizer_utils.py 183-191: SwapBufferManager of buffer_count buffers of the largest sub-group,
+        # aligned for the I/O threads; allocated by the aio handle, always mlocked.
+        alignment = AIO_ALIGNED_BYTES * swap.intra_op_parallelism // state
+        largest = math.ceil(max(swapped) / alignment) * alignment
+        buffers.append(
+            HostBuffer(
+                "optimizer_swap_buffers",
+                f"{swap.buffer_count} swap buffers of the largest sub-group (swap_tensor/utils.py 192)",
+                (state * largest,) * swap.buffer_count,
+                how="locked",
+            )
+        )
+    if kept:
+        # Sub-groups too small to swap stay in host RAM like CPU offload's (stage3.py 1160, 1337).
+        buffers += [
+            HostBuffer(
+                "offloaded_optimizer_states",
+                "master of unswapped sub-groups",
+                tuple(state * s for s in kept),
+                how="pageable",
+            ),
+            HostBuffer(
+                "offloaded_optimizer_states",
+                "Adam m and v of unswapped sub-groups",
+                tuple(state * s for s in kept for _ in (0, 1)),
+                how="pageable",
+                released=True,
+            ),
+            HostBuffer(
+                "offloaded_fp32_gradients", "gradient of unswapped sub-groups", tuple(state * s for s in kept)
+            ),
+        ]
+    return [*buffers, *_step_transient(rank, max(subs))]
 
-    zero.Init gives every tensor's partition its own pinned block (runtime/zero/
-    partition_parameters.py 1829-1843; the persistent small tensors stay on the GPU); the optimizer then moves the trainable ones into one flat
-    pinned buffer per parameter group (stage3.py 906-907 and 881-883, `_move_to_flat_buffer`). The
-    blocks it leaves are freed into torch's pinned cache, which keeps them (fact 1); unpinned, they go
-    back to the OS and only the frozen tensors' blocks (LoRA's base) remain.
+
+def nvme_optimizer_bytes(rank: OffloadRank) -> float:
+    """Drive bytes of one rank's swapped optimizer: master, m and v of each swapped sub-group, and the
+    gradient of each of its tensors that is itself large enough to swap (a smaller tensor's gradient
+    waits in host RAM: optimizer_utils.py `_swap_out_gradients`, `unswapped_gradients`). Every step
+    reads these bytes and writes them back."""
+    state, swap = rank.state_bytes, rank.swap
+    alignment = AIO_ALIGNED_BYTES * swap.intra_op_parallelism // state
+    floor = max(MIN_AIO_BYTES, swap.block_size)
+    total = 0.0
+    for members in rank.sub_group_members():
+        if sum(members) * state < floor:
+            continue
+        total += (SWAP_BUFFERS_PER_SUB_GROUP - 1) * state * math.ceil(sum(members) / alignment) * alignment
+        total += state * sum(n for n in members if n * state >= floor)
+    return total
+
+
+def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
+    """Host allocations of one rank's `offload_param: cpu` (ZeRO-3): the 16-bit parameter partitions.
+
+    zero.Init gives every tensor's partition its own pinned block, the small ones ZeRO-3 keeps whole
+    on the GPU included (runtime/zero/partition_parameters.py 1829-1843: measured, 9 norm blocks of
+    tiny-cpu); the optimizer then moves the trainable ones into one flat pinned buffer per parameter
+    group (stage3.py 906-907 and 881-883, `_move_to_flat_buffer`). The blocks it leaves stay
+    allocated when pinned: torch's pinned cache keeps them (fact 1), and under native pinning they
+    are still referenced (measured on CPU: all 39 blocks of tiny-cpu alive after the optimizer's
+    set-up). Unpinned they are freed, and only the frozen tensors' blocks (LoRA's base) remain.
     """
-    pin, low = rank.pin_memory, rank.model_bytes
+    low = rank.model_bytes
     groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank) if g]
-    flat = sum(pinned_bytes(low * sum(rank.part(n) for n in g), pin) for g in groups)
-
-    def blocks(tensors: list[list[int]]) -> float:
-        offloaded = (n for g in tensors for n in g if n >= rank.persistence_threshold)
-        return sum(pinned_bytes(low * rank.part(n), pin) for n in offloaded)
-
-    trainable_blocks = blocks(groups)
-    all_blocks = blocks(list(trainable_tensors(rank.shape, None)))
+    trainable = [rank.part(n) for g in groups for n in g]
+    every = [rank.part(n) for g in trainable_tensors(rank.shape, None) for n in g]
     if rank.lora_rank:
-        # LoRA's adapters are created after the base model, outside zero.Init's per-tensor blocks.
-        all_blocks += trainable_blocks
-    kept_blocks = all_blocks if pin else all_blocks - trainable_blocks
-    return flat + kept_blocks
+        every += trainable  # LoRA's adapters are created after the base model, outside zero.Init's blocks
+    blocks = every if rank.param_pinning != "off" else every[: len(every) - len(trainable)]
+    buffers = [
+        HostBuffer(
+            "offloaded_parameters",
+            "flat 16-bit parameter partitions (stage3.py 906)",
+            tuple(low * sum(rank.part(n) for n in g) for g in groups),
+            section="param",
+        ),
+    ]
+    if blocks:
+        buffers.append(
+            HostBuffer(
+                "offloaded_parameters",
+                "zero.Init's per-tensor blocks (partition_parameters.py 1843)",
+                tuple(low * n for n in blocks),
+                section="param",
+                rewritten=False,
+            )
+        )
+    return buffers
+
+
+def loader_fork_copies(rank: OffloadRank, buffers: list[HostBuffer]) -> float:
+    """Fact 4, for a resumed run (m and v exist before the fork too): the worst case is every private
+    page the optimizer rewrites held twice."""
+    if not rank.loader_forks:
+        return 0.0
+    return sum(b.fork_copied(rank.pinning_of(b)) for b in buffers if not b.step_only)

@@ -25,14 +25,16 @@ offload, it is persistent and we do count it (`offloaded_fp32_gradients`).
 `deepspeed_zero2_model_states` / `deepspeed_zero3_model_states` reproduce DeepSpeed's
 functions exactly for anyone who wants that convention.
 
-Host RAM under CPU offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
-allocates, read from its source in planning/host_offload.py: for a ZeRO-3 + CPU-Adam 7B with fp32
-states and pinned buffers (the shipped default) ~18.8 bytes per parameter at the first optimizer
-step (master 4 + m, v 8 + the sub-groups' fp32 gradients 4 and the flat 16-bit gradient buffer 2,
-both pinned and so rounded up to a power of two by torch), plus a 16-bit copy of one sub-group in
-flight, plus, while forked DataLoader workers live, a second copy of the pageable state. The first
-H200 run of 7b-rtx4090 was killed by the kernel in that step on a 125.9 GiB machine after this
-estimate had said 103 GiB (bench/results/host-ram-7b-offload-20261130.txt).
+Host RAM under CPU and NVMe offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
+allocates, read from its source in planning/host_offload.py, under the run's pinning choice
+(deepspeed.pinning): for a ZeRO-3 + CPU-Adam 7B with fp32 states at the first optimizer step, master 4
++ m, v 8 + the sub-groups' fp32 gradients 4 + the flat 16-bit gradient buffer 2 bytes per parameter,
+the last two rounded up to powers of two by torch's pinned allocator (DeepSpeed's default) or exact
+(native mlock, or unpinned), plus a 16-bit copy of one sub-group in flight, plus, while forked
+DataLoader workers live, a second copy of the pages the step rewrites. With the optimizer on NVMe the
+host keeps the flat 16-bit gradients and the swap buffers. The first H200 run of 7b-rtx4090 was killed
+by the kernel in that step on a 125.9 GiB machine after this estimate had said 103 GiB
+(bench/results/host-ram-7b-offload-20261130.txt).
 
 Activations. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4): per layer s*b*h*(34 + 5*a*s/h) bytes with eager
@@ -62,7 +64,8 @@ intermediates exist for one tile (and that tile's gradients), not per layer.
 fp32 logits per row (ALST's 1 GiB slices, runtime/tiling.py): one tile and its gradient instead
 of the full [tokens x vocabulary] tensor. `memory.offload_checkpoints` keeps the per-layer checkpointed
 hidden states in pinned host RAM between forward and backward: on the GPU stays the one
-being copied; the host holds all of them (pinned blocks stay cached by torch for the run).
+being copied; the host holds all of them, each in a block of torch's pinned allocator, rounded up to
+a power of two, that stays cached for the next step (save_on_cpu(pin_memory=True) on CUDA).
 
 Low-precision optimizer states (`state_dtype="bf16"`, DeepSpeed's bf16_master_weights_and_grads +
 bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m and v are 2 bytes
@@ -120,7 +123,18 @@ from llm_train.config.layout import (
     state_dtype_problem,
 )
 from llm_train.errors import UserError
-from llm_train.planning.host_offload import OffloadRank, cpu_optimizer_host, cpu_parameters_host
+from llm_train.planning.host_offload import (
+    PINNINGS,
+    HostBuffer,
+    OffloadRank,
+    SwapSettings,
+    cpu_optimizer_buffers,
+    cpu_parameter_buffers,
+    held_bytes,
+    loader_fork_copies,
+    nvme_optimizer_buffers,
+    nvme_optimizer_bytes,
+)
 from llm_train.planning.quantized import QUANTIZE_MODES, base_weight_bytes, dequantized_layer_bytes
 from llm_train.planning.shapes import ModelShape
 
@@ -149,9 +163,9 @@ OVERLAP_COMM_FACTOR = 4.5
 DS_ALLREDUCE_BUCKET_SIZE = 500_000_000  # stage 0 gradient all-reduce bucket (elements)
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
 DS_SUB_GROUP_SIZE = 1_000_000_000
-DS_NVME_OPTIMIZER_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
 DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
+DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
 
 # memory.attention's kernels (config/attention.py). Only sdpa (and eager) receive the dense s x s mask
 # for packed or padded rows; flex_attention's block mask is (b x s/128 x s/128) int32 tensors, a few
@@ -397,9 +411,17 @@ class MemoryInputs:
     """Offloaded master weights, gradients and Adam states: "fp32", or "bf16" (optim.state_dtype)."""
     export_adapter_only: bool = False
     """LoRA runs that export only the adapter (lora.export=adapter): no merged copy of the model."""
-    pin_memory: bool = True
-    """Offloaded buffers pinned (the DS JSON's offload_optimizer.pin_memory; DeepSpeed 0.19.8's default
-    and every shipped config: True). torch rounds each pinned buffer up to a power of two."""
+    pinning: str = "torch"
+    """How the offload_optimizer buffers are pinned (host_offload.PINNINGS): "torch" (DeepSpeed 0.19.8's
+    default: torch rounds each pinned buffer up to a power of two), "native" (exact-size mlock,
+    DS_PIN_MEMORY_BACKEND=native) or "off" (the DS JSON's pin_memory false: pageable, exact)."""
+    param_pinning: str = "torch"
+    """The same for the offload_param buffers (the DS JSON's offload_param.pin_memory)."""
+    checkpoint_pinning: str = "torch"
+    """memory.offload_checkpoints: "torch" on CUDA (save_on_cpu(pin_memory=True): torch's pinned
+    allocator, rounded up to a power of two per checkpoint) or "off" (CPU: plain host tensors)."""
+    swap: SwapSettings = SwapSettings()
+    """The NVMe swap settings of offload_optimizer (buffer count, pipelining, aio alignment)."""
     loader_forks: bool = False
     """DataLoader workers are forked after DeepSpeed's set-up (data.loader_workers > 0; 2 by default on
     CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/host_offload.py)."""
@@ -440,6 +462,11 @@ class MemoryInputs:
             raise MemoryInputError(
                 f"attn_impl must be one of {', '.join(ATTN_IMPLS)}, got '{self.attn_impl}'"
             )
+        for name in ("pinning", "param_pinning", "checkpoint_pinning"):
+            if getattr(self, name) not in PINNINGS:
+                raise MemoryInputError(
+                    f"{name} must be one of {', '.join(PINNINGS)}, got '{getattr(self, name)}'"
+                )
         if self.lora_rank is not None and self.lora_rank < 1:
             raise MemoryInputError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
         if self.quantize not in QUANTIZE_MODES:
@@ -617,16 +644,16 @@ _LABELS = {
     "deepspeed_buffers": "DeepSpeed buffers",
     "cuda_context_and_slack": "CUDA context + allocator slack",
     "offloaded_optimizer_states": "offloaded optimizer states (master, m, v)",
-    "offloaded_fp32_gradients": "offloaded gradients (pinned)",
-    "offload_16bit_buffers": "offload 16-bit gradient/parameter buffers (pinned)",
+    "offloaded_fp32_gradients": "offloaded master-dtype gradients",
+    "offload_16bit_buffers": "offload 16-bit gradient/parameter buffers",
     "optimizer_step_transient": "optimizer step: 16-bit copy of one sub-group (transient)",
     "loader_fork_copies": "forked loader workers: copy-on-write twin of the optimizer state",
-    "optimizer_swap_buffers": "optimizer NVMe swap buffers (pinned)",
-    "offloaded_parameters": "offloaded parameters (pinned)",
+    "optimizer_swap_buffers": "optimizer NVMe swap buffers (mlocked)",
+    "offloaded_parameters": "offloaded parameters",
     "offloaded_checkpoints": "offloaded activation checkpoints (pinned)",
     "reference_model": "DPO reference model (frozen copy, 16-bit)",
     "offloaded_reference_parameters": "offloaded DPO reference parameters",
-    "param_swap_buffers": "parameter NVMe swap buffers (pinned)",
+    "param_swap_buffers": "parameter NVMe swap buffers (mlocked)",
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
     "export_peak": "final export (transient)",
@@ -647,6 +674,8 @@ class MemoryEstimate:
     gpu_bytes: int
     host_bytes: int
     convention: str
+    locked_per_rank: int = 0
+    """Host bytes one process mlocks (native pinning, async-I/O buffers): what its memlock limit must allow."""
 
     def table(self) -> list[tuple[str, str]]:
         rows = [(f"GPU {_LABELS.get(k, k)}", _gib(v)) for k, v in self.gpu_terms.items()]
@@ -807,7 +836,6 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     )
 
     # -- host (per node: `ranks` processes share it)
-    opt_part = trainable / dp  # this rank's optimizer partition (elements)
     host: dict[str, float] = {
         "offloaded_optimizer_states": 0.0,
         "offloaded_fp32_gradients": 0.0,
@@ -816,48 +844,40 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "param_swap_buffers": 0.0,
     }
     nvme = 0.0
-    # What DeepSpeed allocates for CPU offload, buffer by buffer, read from its source.
-    offload = OffloadRank(
-        shape=shape,
-        lora_rank=inp.lora_rank,
-        zero_stage=stage,
-        partitions=dp,
-        shard=shard,
-        model_bytes=weight_bytes,
-        state_bytes=2 if inp.state_dtype == "bf16" else 4,
-        sub_group_size=inp.sub_group_size,
-        grad_accum=inp.grad_accum,
-        pin_memory=inp.pin_memory,
-        params_offloaded=inp.offload_params == "cpu",
-        loader_forks=inp.loader_forks,
-        persistence_threshold=inp.param_persistence_threshold,
-    )
-    moments = 0.0  # Adam's m and v on the host: freed before the export
-    if inp.offload_optimizer == "cpu":
-        cpu_adam = cpu_optimizer_host(offload)
-        host["offloaded_optimizer_states"] = ranks * cpu_adam.states
-        host["offloaded_fp32_gradients"] = ranks * cpu_adam.gradients
-        host["offload_16bit_buffers"] = ranks * cpu_adam.buffers
-        host["optimizer_step_transient"] = ranks * cpu_adam.step_transient
-        host["loader_fork_copies"] = ranks * cpu_adam.fork_copies
-        moments = ranks * cpu_adam.moments
-    elif inp.offload_optimizer == "nvme":
-        nvme += ranks * opt_part * (optim_bytes + 4)
-        # Pinned swap-in/out buffers, each as large as the biggest optimizer sub-group.
-        host["optimizer_swap_buffers"] = (
-            ranks * DS_NVME_OPTIMIZER_BUFFER_COUNT * min(inp.sub_group_size, opt_part) * 4
-        )
-    if inp.offload_params == "cpu":
-        host["offloaded_parameters"] = ranks * cpu_parameters_host(offload)
-    elif inp.offload_params == "nvme":
+    rank = offload_rank(inp)
+    # What DeepSpeed allocates for CPU and NVMe offload, buffer by buffer, read from its source.
+    buffers = host_buffers(inp)
+    for buffer in buffers:
+        host[buffer.term] = host.get(buffer.term, 0.0) + ranks * buffer.held(rank.pinning_of(buffer))
+    if inp.offload_optimizer != "none":
+        host["loader_fork_copies"] = ranks * loader_fork_copies(rank, buffers)
+    # Adam's m and v on the host and the step's transients: gone before the export.
+    released = ranks * sum(b.held(rank.pinning_of(b)) for b in buffers if b.released or b.step_only)
+    locked = sum(b.locked(rank.pinning_of(b)) for b in buffers)
+    if inp.offload_optimizer == "nvme":
+        nvme += ranks * nvme_optimizer_bytes(rank)
+    if inp.offload_params == "nvme":
         nvme += ranks * partitioned / dp * weight_bytes
-        # DeepSpeed requires buffer_size >= the largest parameter tensor, so the
-        # configured 1e8 grows to vocab*hidden for these models.
+        # DeepSpeed requires buffer_size >= the largest parameter tensor, so the configured 1e8 grows
+        # to vocab*hidden for these models; the aio handle mlocks them (partitioned_param_swapper.py 131).
         buffer_elems = max(DS_NVME_PARAM_BUFFER_SIZE, shape.largest_layer_params / inp.tp)
-        host["param_swap_buffers"] = ranks * DS_NVME_PARAM_BUFFER_COUNT * buffer_elems * weight_bytes
+        swap = DS_NVME_PARAM_BUFFER_COUNT * held_bytes(buffer_elems * weight_bytes, "native")
+        host["param_swap_buffers"] = ranks * swap
+        locked += swap
+        # stage3.py 888-907: up to offload_param.max_in_cpu elements of the partitions also stay in a
+        # flat host buffer (pinned as the section says), the first parameter groups first.
+        in_cpu = min(DS_NVME_PARAM_MAX_IN_CPU, partitioned / dp)
+        flat = held_bytes(in_cpu * weight_bytes, inp.param_pinning)
+        host["offloaded_parameters"] += ranks * flat
+        locked += flat if inp.param_pinning == "native" else 0.0
     if offloaded_checkpoints:
-        # Pinned, and kept by torch's pinned-memory cache once freed: a training-phase term to the end.
-        host["offloaded_checkpoints"] = ranks * offloaded_checkpoints
+        # save_on_cpu(pin_memory=True) pins each checkpoint in torch's pinned allocator, rounded up to a
+        # power of two, and torch keeps the freed blocks cached for the next step's: a training-phase
+        # term to the end (runtime/tiling.py).
+        count = layers_per_stage * in_flight
+        host["offloaded_checkpoints"] = (
+            ranks * count * held_bytes(offloaded_checkpoints / count, inp.checkpoint_pinning)
+        )
     if reference_host:
         host["offloaded_reference_parameters"] = reference_host
     host["process_overhead"] = ranks * PROCESS_HOST_BYTES
@@ -888,7 +908,7 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     train_phase = sum(
         v for k, v in host.items() if k not in ("model_load_peak", "process_overhead", "export_peak")
     )
-    export_phase = train_phase - moments - host.get("optimizer_step_transient", 0.0) + host["export_peak"]
+    export_phase = train_phase - released + host["export_peak"]
     host_total = host["process_overhead"] + max(load_phase, train_phase, export_phase)
 
     gpu_int = {k: int(v) for k, v in gpu_terms.items()}
@@ -903,7 +923,42 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         gpu_bytes=gpu_bytes,
         host_bytes=int(host_total),
         convention=CONVENTION,
+        locked_per_rank=int(locked),
     )
+
+
+def offload_rank(inp: MemoryInputs) -> OffloadRank:
+    """What one rank's CPU / NVMe offload depends on (planning/host_offload.py)."""
+    mixed = inp.precision != "fp32"
+    return OffloadRank(
+        shape=inp.shape,
+        lora_rank=inp.lora_rank,
+        zero_stage=inp.zero_stage,
+        partitions=inp.zero_partitions,
+        shard=inp.tp * inp.pp,
+        model_bytes=2 if mixed else 4,
+        state_bytes=2 if inp.state_dtype == "bf16" else 4,
+        sub_group_size=inp.sub_group_size,
+        grad_accum=inp.grad_accum,
+        pinning=inp.pinning,
+        params_offloaded=inp.offload_params != "none",
+        loader_forks=inp.loader_forks,
+        param_pinning=inp.param_pinning,
+        swap=inp.swap,
+    )
+
+
+def host_buffers(inp: MemoryInputs) -> list[HostBuffer]:
+    """One rank's host allocations for its offloaded optimizer and parameters, as DeepSpeed makes them."""
+    rank = offload_rank(inp)
+    buffers: list[HostBuffer] = []
+    if inp.offload_optimizer == "cpu":
+        buffers += cpu_optimizer_buffers(rank)
+    elif inp.offload_optimizer == "nvme":
+        buffers += nvme_optimizer_buffers(rank)
+    if inp.offload_params == "cpu":
+        buffers += cpu_parameter_buffers(rank)
+    return buffers
 
 
 def export_peak_bytes(inp: MemoryInputs) -> float:

@@ -7,6 +7,7 @@ headroom is missing), with the cheapest changes that make it fit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from llm_train.config.hardware import GPU_HEADROOM, Hardware, hardware_for
@@ -19,12 +20,19 @@ from llm_train.planning.fit import (
     Evaluation,
     evaluate,
     memory_inputs,
+    needs,
 )
+from llm_train.planning.host_budget import choose_host_settings
+from llm_train.planning.host_budget import describe as describe_host_settings
+from llm_train.planning.host_offload import PINNINGS
 from llm_train.planning.memory import (
     _LABELS,
     GiB,
     MemoryInputError,
     MemoryInputs,
+    estimate_memory,
+    host_buffers,
+    offload_rank,
 )
 from llm_train.planning.search import (
     Fix,
@@ -53,6 +61,8 @@ class PlanReport:
     practicality: Practicality = field(default_factory=Practicality)
     nvme_bytes: int = 0
     """NVMe space per node the user declared (--nvme-gib); 0 = none."""
+    pinning_rows: list[str] = field(default_factory=list)
+    """The offload buffers under each pinning choice (pinning_table)."""
 
     @property
     def fits(self) -> bool:
@@ -132,6 +142,11 @@ def render(report: PlanReport) -> str:
     ):
         if value:
             parts.append(f"{label} {value:.2f}s")
+    if t.nvme:
+        parts[-1] += (
+            f": read {t.nvme_read_bytes / 1e9:.0f} GB at {hw.nvme_read_bytes_per_s / 1e9:g} GB/s, write "
+            f"{t.nvme_write_bytes / 1e9:.0f} GB at {hw.nvme_write_bytes_per_s / 1e9:g} GB/s"
+        )
     lines.append(
         f"speed (rough model): ~{t.total:.2f} s/step, ~{t.tokens_per_s:,.0f} tokens/s ({', '.join(parts)})"
     )
@@ -154,9 +169,51 @@ def render(report: PlanReport) -> str:
         lines.append("")
         lines.append("faster options that also fit (spare memory spent on speed):")
         lines.extend(_fix_lines(report.faster, hw))
+    if report.pinning_rows:
+        lines.append("")
+        lines.extend(report.pinning_rows)
     for note in report.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def pinning_table(inp: MemoryInputs, hw: Hardware) -> list[str]:
+    """The offload buffers of one node under each pinning choice (deepspeed.pinning), as DeepSpeed allocates
+    them (planning/host_offload.py), with the host total and what one process locks."""
+    buffers = host_buffers(inp)
+    if not buffers:
+        return []
+    ranks = inp.ranks_per_node
+    choices = [inp.vary(pinning=p, param_pinning=p) for p in PINNINGS]
+    ours = next(
+        p for p in PINNINGS if (inp.pinning, inp.param_pinning) in ((p, p), (p, "torch"), ("torch", p))
+    )
+    width = max(len(b.what) for b in buffers) + 2
+    head = "".join(f"{p + (' *' if p == ours else ''):>10}" for p in PINNINGS)
+    lines = [
+        "host buffers per pinning choice (deepspeed.pinning; GiB per node; * this run):",
+        f"  {'':<{width}}{head}",
+    ]
+    held = []  # per choice: buffer -> bytes on the node (unpinned, zero.Init's blocks are freed: absent)
+    for c in choices:
+        rank = offload_rank(c)
+        held.append({(b.term, b.what): ranks * b.held(rank.pinning_of(b)) for b in host_buffers(c)})
+    whats = list(dict.fromkeys((b.term, b.what) for c in choices for b in host_buffers(c)))
+    width = max(len(what) for _, what in whats) + 2
+    lines[1] = f"  {'':<{width}}{head}"
+    for key in whats:
+        values = [h.get(key, 0.0) for h in held]
+        lines.append(f"  {key[1]:<{width}}" + "".join(f"{v / GiB:>10.2f}" for v in values))
+    estimates = [needs(estimate_memory(c), c, hw.kind)[1] for c in choices]
+    lines.append(
+        f"  {'host RAM total (the estimate above)':<{width}}"
+        + "".join(f"{v / GiB:>10.2f}" for v in estimates)
+    )
+    locked = [estimate_memory(c).locked_per_rank for c in choices]
+    lines.append(
+        f"  {'mlocked per process (memlock limit)':<{width}}" + "".join(f"{v / GiB:>10.2f}" for v in locked)
+    )
+    return lines
 
 
 def cpu_rows(ev: Evaluation) -> list[tuple[str, str]]:
@@ -236,14 +293,18 @@ def plan_recipe(
     host_ram_gib: float | None = None,
     detect: bool = True,
     nvme_gib: float | None = None,
+    drive: dict[str, float] | None = None,
 ) -> PlanReport:
     """The plan for a recipe on the given (or detected, or declared) hardware.
 
     nvme_gib: NVMe space per node for offload (--nvme-gib); without it NVMe configurations do not fit.
+    drive: Hardware's nvme_read_bytes_per_s / nvme_write_bytes_per_s (--nvme-read-gbs, --nvme-write-gbs).
     """
 
     recipe = load_recipe(recipe_name, overrides)
-    hw = hardware_for(gpus, gpu, gpu_mem_gib, host_ram_gib, recipe, detect)
+    hw = dataclasses.replace(
+        hardware_for(gpus, gpu, gpu_mem_gib, host_ram_gib, recipe, detect), **(drive or {})
+    )
     run = resolve_run(recipe_name, overrides, world_size=hw.gpus, device=hw.device())
     shape = shape_from_config(run.model_fields)
     base = memory_inputs(run, shape, hw.gpus_per_node)
@@ -266,6 +327,9 @@ def plan_recipe(
     else:
         report.practicality = judge(ev, without_nvme(base, hw))
         report.faster = search_faster(base, run.layout.grad_accum, hw, run.recipe, nvme_bytes=nvme)
+    report.pinning_rows = pinning_table(base, hw)
+    if base.offload_optimizer != "none" and hw.kind == "cuda":
+        report.notes.append(describe_host_settings(choose_host_settings(base, hw), base))
     saving = bf16_states_note(base, hw)
     if saving:
         report.notes.append(saving)

@@ -32,7 +32,13 @@ from typing import Any
 from llm_train.config.attention import FLEX_KERNELS
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import sequence_parallel_problem
-from llm_train.planning.fit import SHIPPED_DS_CONFIGS, SUGGESTED_LORA_RANK, Evaluation, evaluate
+from llm_train.planning.fit import (
+    SHIPPED_DS_CONFIGS,
+    SUGGESTED_LORA_RANK,
+    Evaluation,
+    evaluate,
+    shipped_settings,
+)
 from llm_train.planning.memory import (
     MemoryInputError,
     MemoryInputs,
@@ -139,7 +145,8 @@ def describe_changes(
             adds.append(Change("zero3", "ZeRO-3 (partition the weights too)"))
         if "nvme" in (new.offload_optimizer, new.offload_params):
             if "nvme" not in (base.offload_optimizer, base.offload_params):
-                adds.append(Change("nvme", "NVMe offload of optimizer states and weights (ZeRO-Infinity)"))
+                weights = " and weights" if new.offload_params == "nvme" else " (weights stay on the GPU)"
+                adds.append(Change("nvme", f"NVMe offload of the optimizer states{weights} (ZeRO-Infinity)"))
         else:
             if new.offload_optimizer == "cpu" and base.offload_optimizer == "none":
                 adds.append(Change("offload_optimizer", "optimizer offload to CPU (DeepSpeed CPU Adam)"))
@@ -218,10 +225,13 @@ def _variants(
         dp = start.world_size // (start.tp * start.pp * sp)
         if dp < 1 or global_batch % (mb * dp):
             continue  # this micro-batch cannot make the same global batch with this many dp ranks
+        # Another DS JSON brings its own sub-group size and swap settings.
+        shipped = shipped_settings(mode) if mode != start.ds_key else {}
         # Under sequence parallelism the flex kernels give way to sdpa, as memory.attention=auto does there.
         attention = "sdpa" if sp > 1 and start.attn_impl in FLEX_KERNELS else start.attn_impl
         try:
             yield start.vary(
+                **shipped,
                 attn_impl=attention,
                 zero_stage=mode[0],
                 offload_optimizer=mode[1],
@@ -300,7 +310,9 @@ def search(
     nvme_bytes: NVMe space per node (--nvme-gib); NVMe configurations need it.
     """
     start = base if base.grad_accum == grad_accum else base.vary(grad_accum=grad_accum)
-    reference = step_time(base, grad_accum, hw.peak_tflops, hw.nvlink).total
+    reference = step_time(
+        base, grad_accum, hw.peak_tflops, hw.nvlink, hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s
+    ).total
     per_rank = start.micro_batch * start.grad_accum  # sequences per rank per step: kept fixed
     if faster:
         checkpointing = [start.activation_checkpointing, not start.activation_checkpointing]

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_train.config.hardware import NVME_READ_BYTES_PER_S, NVME_WRITE_BYTES_PER_S
 from llm_train.planning.flops import training_flops_per_token
-from llm_train.planning.memory import MemoryInputs
+from llm_train.planning.host_offload import nvme_optimizer_bytes
+from llm_train.planning.memory import MemoryInputs, offload_rank
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
@@ -39,8 +41,6 @@ CPU_ADAM_BYTES_PER_PARAM = 30
 # With bf16 states (optim.state_dtype=bf16) it streams 2 (bf16 grad) + 12 (bf16 m/v/master read and
 # written) + 2 (weight out) = 16 bytes per parameter instead of 30: proportionally faster.
 CPU_ADAM_BF16_BYTES_PER_PARAM = 16
-# A single PCIe 4.0 NVMe drive under DeepSpeed's async I/O, read and write mixed.
-NVME_BYTES_PER_S = 3e9
 # With overlap_comm, ZeRO hides about half of its communication behind compute.
 OVERLAPPED_COMM_EXPOSED = 0.5
 # ZeRO-3's per-module gather/release hooks and bookkeeping cost time even on one GPU.
@@ -61,6 +61,9 @@ class StepTime:
     cpu_optimizer: float
     nvme: float
     tokens_per_step: int
+    nvme_read_bytes: float = 0.0
+    """Bytes read from the NVMe drive per step (per node)."""
+    nvme_write_bytes: float = 0.0
 
     @property
     def total(self) -> float:
@@ -113,8 +116,20 @@ def reference_pass_seconds(inp: MemoryInputs, grad_accum: int, peak_tflops: floa
     return tokens * reference_flops_per_token(inp) / (peak_tflops * 1e12 * efficiency)
 
 
-def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bool = False) -> StepTime:
-    """Estimated seconds per optimizer step on each rank for `inp` with `grad_accum` micro-batches."""
+def step_time(
+    inp: MemoryInputs,
+    grad_accum: int,
+    peak_tflops: float,
+    nvlink: bool = False,
+    nvme_read_bytes_per_s: float = NVME_READ_BYTES_PER_S,
+    nvme_write_bytes_per_s: float = NVME_WRITE_BYTES_PER_S,
+) -> StepTime:
+    """Estimated seconds per optimizer step on each rank for `inp` with `grad_accum` micro-batches.
+
+    NVMe traffic is timed at the drive's read and write speeds, one after the other: a drive shares
+    its bandwidth between directions, and the swapper reads a sub-group's state before it writes
+    the updated one back (pipelined read/write overlap the swaps with CPU Adam, not with each other).
+    """
     shape = inp.shape
     mixed = inp.precision != "fp32"
     wbytes = 2 if mixed else 4
@@ -167,7 +182,7 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
 
     # Host <-> GPU traffic of ZeRO-Offload / ZeRO-Infinity, per rank over its own PCIe link.
     pcie_bytes = 0.0
-    nvme_bytes = 0.0
+    nvme_read = nvme_write = 0.0
     fetches = 3 if inp.activation_checkpointing else 2  # forward, backward (+ recompute)
     if inp.offload_optimizer != "none":
         # 16-bit gradients leave the GPU every micro-batch (ZeRO-2/3 accumulate on the host);
@@ -181,19 +196,28 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
         # Each layer's 16-bit checkpoint goes to the host in forward and comes back in backward.
         pcie_bytes += grad_accum * shape.num_layers * 2 * (2 * tokens_rank * shape.hidden_size)
     if inp.offload_params == "nvme":
-        # Swapped in from the drive (shared by the node's ranks) for every pass.
-        nvme_bytes += ranks * grad_accum * fetches * weights / dp * wbytes
+        # Swapped in from the drive (shared by the node's ranks) for every pass; written back once a step.
+        nvme_read += ranks * grad_accum * fetches * weights / dp * wbytes
+        nvme_write += ranks * weights / dp * wbytes
     if inp.offload_optimizer == "nvme":
-        optim_bytes = 12 if mixed else 8
-        nvme_bytes += ranks * 2 * trainable / dp * (optim_bytes + 4)  # read and write back
+        # Every swapped sub-group: master, m, v and the gradient read in at the step; the gradient written
+        # out at the accumulation boundary and master, m, v written back after the update
+        # (planning/host_offload.py, fact 5). The same bytes each way.
+        swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
+        nvme_read += swapped
+        nvme_write += swapped
     pcie = pcie_bytes / PCIE_BYTES_PER_S
-    nvme = nvme_bytes / NVME_BYTES_PER_S
+    nvme = nvme_read / nvme_read_bytes_per_s + nvme_write / nvme_write_bytes_per_s
 
     cpu_optimizer = 0.0
     if inp.offload_optimizer != "none":
         cpu_optimizer = trainable / dp / (CPU_ADAM_PARAMS_PER_S / ranks)
         if inp.state_dtype == "bf16":
             cpu_optimizer *= CPU_ADAM_BF16_BYTES_PER_PARAM / CPU_ADAM_BYTES_PER_PARAM
+        if inp.offload_optimizer == "nvme" and (inp.swap.pipeline_read or inp.swap.pipeline_write):
+            # Pipelined swapping hides CPU Adam behind the drive's traffic.
+            hidden = min(cpu_optimizer, nvme)
+            cpu_optimizer -= hidden
 
     return StepTime(
         compute=compute,
@@ -202,4 +226,6 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
         cpu_optimizer=cpu_optimizer,
         nvme=nvme,
         tokens_per_step=grad_accum * tokens_micro * inp.dp,
+        nvme_read_bytes=nvme_read,
+        nvme_write_bytes=nvme_write,
     )

@@ -124,6 +124,19 @@ def use_deepspeed_in_accelerate() -> None:
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 
 
+PIN_BACKEND_ENV = "DS_PIN_MEMORY_BACKEND"
+
+
+def use_pin_memory_backend(pinning: str) -> None:
+    """DeepSpeed's pinned-buffer allocator for deepspeed.pinning (planning/pinning.py).
+
+    DeepSpeed reads DS_PIN_MEMORY_BACKEND at every pin (deepspeed/utils/pin_memory.py): 'native' mlocks
+    the exact size, anything else pins through torch. The recipe decides, so a value left in the
+    environment never switches the allocator behind the planner's back (train.py says so once).
+    """
+    os.environ[PIN_BACKEND_ENV] = "native" if pinning == "native" else "torch"
+
+
 def spawn_workers(world: LocalWorld, argv: list[str]) -> int:
     """Start this node's workers, forward stop signals, return the first failing exit code (or 0)."""
     procs: list[subprocess.Popen] = []

@@ -28,11 +28,13 @@ def lr_factor(step: int, optim: OptimSection, max_steps: int) -> float:
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    # No decay on biases and norm weights (1-D tensors), the usual LLM practice.
+    # No decay on biases and norm weights (1-D tensors), the usual LLM practice. Under ZeRO-3 every
+    # parameter built in zero.Init is an empty 1-D placeholder; its real shape is `ds_shape` (without
+    # it every matrix landed in the no-decay group: weight decay silently 0, one optimizer group).
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

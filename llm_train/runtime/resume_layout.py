@@ -138,6 +138,16 @@ def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) ->
             "universal loader does not cross between ZeRO-3 and ZeRO-1/2; keep the stage (1 <-> 2 works, and "
             "the world size, TP degree and offload may change), or export the checkpoint and fine-tune from it"
         )
+    if "nvme" in (saved.get("offload_optimizer"), now.offload_optimizer):
+        # DeepSpeed 0.19.8 keeps a swapped sub-group's master, m and v in per-rank swap files (copied into
+        # the checkpoint's offloaded_tensors/rankR): its optimizer state holds empty placeholders for them
+        # (stage3.py _rigid_state_dict), so neither the universal conversion nor another offload can read
+        # them (runtime/nvme_swap.py).
+        raise UserError(
+            f"cannot resume a checkpoint across NVMe optimizer offload or on another layout ({what}): the "
+            "swapped optimizer state is kept per rank for the layout that wrote it; resume with the "
+            "checkpoint's layout and deepspeed.config, or export it and fine-tune from the export"
+        )
     if stages == (0, 0) and "precision" in saved and saved["precision"] != now.precision:
         # ZeRO-0 loads its own files as they are (no universal conversion): under bf16 DeepSpeed saves its
         # BF16_Optimizer's state, under fp32 the client optimizer's; crossing them is not supported.

@@ -33,6 +33,7 @@ from llm_train.runtime.checkpoint import (
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.export import write_reference_file
 from llm_train.runtime.file_sync import FileSync
+from llm_train.runtime.nvme_swap import restore_swapped_state
 from llm_train.runtime.resume_layout import ResumeLayout
 from llm_train.runtime.universal import ensure_universal, universal_dir
 
@@ -220,6 +221,7 @@ def restore_run_state(
         load_lr_scheduler_states=True,
         load_module_strict=not frozen_left_out,
     )
+    restore_swapped_state(engine, str(load_dir), DS_TAG)  # NVMe offload: what DeepSpeed's load skips
     # The data position is the global count of sequences consumed, the same in every rank's file.
     state = json.loads(trainer_state_path(ckpt, rank if plan.same_layout else 0).read_text())
     stream.load_state_dict(state["data"], allow_data_revision_change)

@@ -198,6 +198,7 @@ def check_same_data(stream: Any, comm: collectives.Collectives) -> None:
 def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None]) -> int:
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
+    launcher.use_pin_memory_backend(run.recipe.deepspeed.pinning)
     quiet(options.verbose)  # before DeepSpeed logs anything
     started = time.perf_counter()
     recipe, layout = run.recipe, run.layout

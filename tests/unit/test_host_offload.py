@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llm_train.planning.host_offload import pinned_bytes, trainable_tensors, zero3_sub_groups
+from llm_train.planning.host_offload import held_bytes, trainable_tensors, zero3_sub_groups
 from llm_train.planning.memory import GiB, MemoryInputs, estimate_memory
 from llm_train.planning.shapes import shape_of
 
@@ -22,10 +22,10 @@ MiB = 2**20
 
 def test_pinned_buffers_take_the_next_power_of_two() -> None:
     # torch's CachingHostAllocator::allocate rounds with PowerOf2Ceil (ATen/core/CachingHostAllocator.h).
-    assert pinned_bytes(4 * 1_011_875_840) == 2**32  # one fp32 sub-group of Llama-2-7B: 3.77 -> 4 GiB
-    assert pinned_bytes(2 * PSI_7B) == 2**34  # the flat 16-bit gradient buffer: 12.55 -> 16 GiB
-    assert pinned_bytes(2**32) == 2**32 and pinned_bytes(2**32 + 1) == 2**33
-    assert pinned_bytes(2 * PSI_7B, pinned=False) == 2 * PSI_7B and pinned_bytes(0) == 0
+    assert held_bytes(4 * 1_011_875_840, "torch") == 2**32  # one fp32 sub-group of Llama-2-7B: 3.77 -> 4 GiB
+    assert held_bytes(2 * PSI_7B, "torch") == 2**34  # the flat 16-bit gradient buffer: 12.55 -> 16 GiB
+    assert held_bytes(2**32, "torch") == 2**32 and held_bytes(2**32 + 1, "torch") == 2**33
+    assert held_bytes(2 * PSI_7B, "off") == 2 * PSI_7B and held_bytes(0, "torch") == 0
 
 
 def test_trainable_tensors_are_the_model_in_the_optimizers_two_groups() -> None:
@@ -99,7 +99,7 @@ def test_the_7b_host_peak_does_not_fit_the_h200_machine_that_killed_it() -> None
 
 
 def test_unpinned_buffers_are_not_rounded() -> None:
-    pinned, unpinned = estimate_memory(offload_7b()), estimate_memory(offload_7b(pin_memory=False))
+    pinned, unpinned = estimate_memory(offload_7b()), estimate_memory(offload_7b(pinning="off"))
     assert unpinned.host_terms["offloaded_fp32_gradients"] == 4 * PSI_7B
     assert unpinned.host_terms["offload_16bit_buffers"] == 2 * PSI_7B
     saved = (7 * 2**32 + 2 * MiB - 4 * PSI_7B) + (2**34 - 2 * PSI_7B)  # 2.9 + 3.45 GiB
@@ -142,7 +142,150 @@ def test_offloaded_parameters_keep_zero_inits_pinned_blocks() -> None:
     )
     t = estimate_memory(inp).host_terms
     # Per tensor (bf16): embedding and head 262 MB -> 256 MiB; q, k, v, o 32 MiB exactly; gate, up,
-    # down 90 MB -> 128 MiB; the norms stay on the GPU (under the persistence threshold). Flat: 13.48 GB
+    # down 90 MB -> 128 MiB; the 65 norms 8 KiB each (ZeRO-3 keeps them whole on the GPU, but zero.Init
+    # pinned their partition first: measured on CPU, tests/e2e/test_host_offload.py). Flat: 13.48 GB
     # -> 16 GiB, and the norms' group 532,480 B -> 1 MiB.
-    blocks = 2 * 256 * MiB + L * (4 * 32 * MiB + 3 * 128 * MiB)
+    blocks = 2 * 256 * MiB + L * (4 * 32 * MiB + 3 * 128 * MiB) + (2 * L + 1) * 8 * 2**10
     assert t["offloaded_parameters"] == 2**34 + MiB + blocks  # 32.5 GiB for 12.55 GiB of weights
+
+
+# --- each pinning choice, 7B and 8B, CPU offload and NVMe: the rows against arithmetic ----------------------
+
+LLAMA31_8B = shape_of("meta-llama/Llama-3.1-8B")
+# Llama-3.1-8B: vocabulary 128,256, hidden 4096, MLP 14,336, 8 KV heads of 128, 32 layers, untied head.
+V8, I8, KV8 = 128_256, 14_336, 1024
+EMBED_8B = V8 * H  # 525,336,576
+LAYER_8B = 2 * H * H + 2 * H * KV8 + 3 * H * I8  # q, o 16.8M; k, v 4.2M; gate, up, down 58.7M: 218,103,808
+PSI_8B = 2 * EMBED_8B + L * LAYER_8B + NORMS_7B  # the same 65 norms of 4096: 8,030,261,248
+# At the recipes' sub_group_size 2e8 (stage3.py _create_fp16_sub_groups, checked against DeepSpeed's own
+# code above): 7B: the embedding with layer 1's q, k, v, o, gate; 31 of (up, down, q, k, v, o, gate); the
+# last up, down with the head. 8B: the embedding alone, one group per layer, the head alone. The norms
+# are a group of their own in both.
+SUB_GROUPS_7B = [V * H + 4 * H * H + H * I_MLP] + [3 * H * I_MLP + 4 * H * H] * 31 + [2 * H * I_MLP + V * H]
+SUB_GROUPS_8B = [EMBED_8B] + [LAYER_8B] * L + [EMBED_8B]
+
+
+def pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def full_finetune(shape: object, offload: str, pinning: str) -> MemoryInputs:
+    """7b-rtx4090 / 8b-rtx4090(-nvme) as the planner sees them: one process, ZeRO-3, bf16, checkpointing."""
+    return MemoryInputs.of(
+        shape=shape,
+        world_size=1,
+        zero_stage=3,
+        offload_optimizer=offload,
+        micro_batch=1,
+        activation_checkpointing=True,
+        pinning=pinning,
+        sub_group_size=2 * 10**8,
+    )
+
+
+def test_the_sub_groups_written_here_are_the_planners() -> None:
+    from llm_train.planning.memory import offload_rank
+
+    assert sum(SUB_GROUPS_7B) == MATRICES_7B and sum(SUB_GROUPS_8B) + NORMS_7B == PSI_8B
+    assert LLAMA31_8B.num_params == PSI_8B
+    assert offload_rank(full_finetune(LLAMA2_7B, "cpu", "torch")).sub_groups() == [*SUB_GROUPS_7B, NORMS_7B]
+    assert offload_rank(full_finetune(LLAMA31_8B, "cpu", "torch")).sub_groups() == [*SUB_GROUPS_8B, NORMS_7B]
+
+
+@pytest.mark.parametrize(
+    ("shape", "psi", "subs"), [(LLAMA2_7B, PSI_7B, SUB_GROUPS_7B), (LLAMA31_8B, PSI_8B, SUB_GROUPS_8B)]
+)
+@pytest.mark.parametrize("pinning", ["torch", "native", "off"])
+def test_cpu_offload_rows_under_each_pinning_choice(
+    shape: object, psi: int, subs: list[int], pinning: str
+) -> None:
+    t = estimate_memory(full_finetune(shape, "cpu", pinning))
+    grads = [4 * s for s in [*subs, NORMS_7B]]  # fp32 gradient of each sub-group (stage3.py 1337)
+    flat = 2 * psi  # the bf16 gradient partitions (stage3.py 791)
+    if pinning == "torch":  # torch's pinned allocator: each one up to a power of two
+        grads, flat = [pow2(g) for g in grads], pow2(flat)
+    elif pinning == "native":  # mlock of the exact size: whole 4 KiB pages, and these are whole pages
+        assert all(g % 4096 == 0 for g in grads) and flat % 4096 == 0
+    rows = t.host_terms
+    assert rows["offloaded_optimizer_states"] == 12 * psi  # master, m, v: pageable whatever the choice
+    assert rows["offloaded_fp32_gradients"] == sum(grads)
+    assert rows["offload_16bit_buffers"] == flat
+    assert rows["optimizer_step_transient"] == 2 * max(subs)
+    assert t.host_bytes == 3 * GiB + 12 * psi + sum(grads) + flat + 2 * max(subs)
+    assert t.locked_per_rank == (sum(grads) + flat if pinning == "native" else 0)
+
+
+def test_the_7b_fits_the_issues_118_gib_only_with_exact_buffers() -> None:
+    native, off, torch = (
+        estimate_memory(full_finetune(LLAMA2_7B, "cpu", p)).host_bytes for p in ("native", "off", "torch")
+    )
+    assert native == off <= 118 * GiB < torch  # 116.4 GiB exact; 127.8 GiB with torch's rounding
+    # torch rounds every ~0.8-0.97 GB fp32 sub-group gradient to 1 GiB: 33 GiB for 25.1 GiB.
+    assert (
+        estimate_memory(full_finetune(LLAMA2_7B, "cpu", "torch")).host_terms["offloaded_fp32_gradients"]
+        == 33 * GiB + 2 * MiB
+    )
+
+
+@pytest.mark.parametrize("pinning", ["torch", "native", "off"])
+def test_nvme_offload_rows_of_the_8b_under_each_pinning_choice(pinning: str) -> None:
+    t = estimate_memory(full_finetune(LLAMA31_8B, "nvme", pinning))
+    rows = t.host_terms
+    # Every sub-group is at least 1 MiB of fp32 (the norms' 266,240 x 4 B too), so all are swapped; the
+    # host keeps 4 swap buffers of the largest, the embedding (aligned to 256 elements: it is), mlocked
+    # by the async-I/O handle whatever the choice.
+    swap = 4 * 4 * EMBED_8B
+    assert rows["optimizer_swap_buffers"] == swap  # 7.83 GiB
+    flat = 2 * PSI_8B if pinning != "torch" else pow2(2 * PSI_8B)  # 14.96 GiB, or 16 GiB rounded
+    assert rows["offload_16bit_buffers"] == flat
+    assert rows["offloaded_optimizer_states"] == 0 and rows["offloaded_fp32_gradients"] == 0
+    assert rows["optimizer_step_transient"] == 2 * EMBED_8B
+    # The drive holds master, m and v of every sub-group (12 bytes per parameter) and the gradient of
+    # every tensor of at least 1 MiB of fp32: not the 65 norms' 4,096-element gradients (266,240 in
+    # all), which wait in host RAM.
+    norms = 65 * 4096
+    assert t.nvme_bytes == 16 * PSI_8B - 4 * norms  # 119.7 GiB: a 150 GB drive
+    # The export's gathered bf16 model outweighs the step's transient: it decides the peak.
+    assert t.host_bytes == 3 * GiB + swap + flat + 2 * PSI_8B
+    assert t.locked_per_rank == swap + (flat if pinning == "native" else 0)
+
+
+def test_pipelined_swapping_takes_more_buffers() -> None:
+    from llm_train.planning.host_offload import SwapSettings
+
+    base = full_finetune(LLAMA31_8B, "nvme", "native")
+    for read, write, count in ((True, False, 8), (True, True, 12)):
+        swap = SwapSettings(buffer_count=count, pipeline_read=read, pipeline_write=write)
+        assert swap.buffers_needed == count
+        assert (
+            estimate_memory(dataclasses.replace(base, swap=swap)).host_terms["optimizer_swap_buffers"]
+            == count * 4 * EMBED_8B
+        )
+
+
+def test_offloaded_checkpoints_are_rounded_like_torchs_pinned_blocks() -> None:
+    # save_on_cpu(pin_memory=True): one pinned block per checkpointed layer input, 2 bytes x tokens x h.
+    inp = dataclasses.replace(
+        MemoryInputs.of(shape=LLAMA31_8B, world_size=1, zero_stage=3, offload_optimizer="cpu", seq_len=401_408,
+                        activation_checkpointing=True),
+        offload_checkpoints=True, tiled_loss=True, tiled_mlp=True,
+    )  # fmt: skip
+    each = 2 * 401_408 * H  # 3.06 GiB -> 4 GiB
+    assert estimate_memory(inp).host_terms["offloaded_checkpoints"] == L * pow2(each)
+    unpinned = dataclasses.replace(inp, checkpoint_pinning="off")  # a CPU run: plain tensors
+    assert estimate_memory(unpinned).host_terms["offloaded_checkpoints"] == L * each
+
+
+def test_offload_param_pin_memory_is_modelled_separately() -> None:
+    inp = MemoryInputs.of(
+        shape=LLAMA2_7B, world_size=1, zero_stage=3, offload_optimizer="cpu", offload_params="cpu"
+    )
+    pinned = estimate_memory(inp).host_terms["offloaded_parameters"]
+    unpinned = estimate_memory(dataclasses.replace(inp, param_pinning="off")).host_terms[
+        "offloaded_parameters"
+    ]
+    # offload_param.pin_memory false: the flat buffers at their exact size and zero.Init's blocks freed.
+    assert unpinned == 2 * MATRICES_7B + 2 * NORMS_7B < pinned
+    # The optimizer's own buffers follow offload_optimizer.pin_memory, not this one.
+    opt = estimate_memory(dataclasses.replace(inp, param_pinning="off")).host_terms["offload_16bit_buffers"]
+    assert opt == 2**34

@@ -141,7 +141,14 @@ def test_the_switches_cost_speed_and_sequence_parallel_splits_compute() -> None:
     hw = hardware_for(8, "H100", None, 2048, None, detect=False)
 
     def seconds(inp: MemoryInputs) -> float:
-        return step_time(inp, inp.grad_accum, hw.peak_tflops, hw.nvlink).total
+        return step_time(
+            inp,
+            inp.grad_accum,
+            hw.peak_tflops,
+            hw.nvlink,
+            hw.nvme_read_bytes_per_s,
+            hw.nvme_write_bytes_per_s,
+        ).total
 
     base = inputs(sp=8)
     for switch in ("tiled_mlp", "tiled_loss", "offload_checkpoints"):

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from collections import namedtuple
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +32,7 @@ from llm_train.planning.guards import check_nvme_path, memory_estimate, nvme_pro
 from tests.unit.test_dsconfig import VALUES
 
 CPU = Device("cpu", "cpu", True)
+REPO = Path(__file__).resolve().parents[2]
 NVME = ["deepspeed.config=zero3_offload_nvme"]
 SECTIONS = ("offload_optimizer", "offload_param")
 
@@ -164,13 +168,29 @@ def test_directory_that_refuses_new_files_is_one_line(
     assert "chown/chmod" in message
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_read_only_directory_is_refused_for_real(tmp_path: Path) -> None:
-    tmp_path.chmod(0o555)
+    """The kernel's own answer, also where tests run as root (CI does): the check runs in a child that
+    lacks CAP_DAC_OVERRIDE, which is what lets root write into a mode-555 directory."""
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from tests.unit.test_nvme_offload import _run; "
+        "from llm_train.planning.guards import nvme_problems; print(nvme_problems(_run(sys.argv[2]), 2)[0])"
+    )
+    cmd = [sys.executable, "-c", code, str(REPO), str(read_only)]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without util-linux's setpriv to drop CAP_DAC_OVERRIDE")
+        drop = "-dac_override,-dac_read_search"
+        cmd = [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}", *cmd]
     try:
-        assert "cannot create files there" in _one_line_error(_run(tmp_path))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     finally:
-        tmp_path.chmod(0o755)
+        read_only.chmod(0o755)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"deepspeed.nvme_path={read_only}: cannot create files there (Permission denied)" in out.stdout
 
 
 Usage = namedtuple("Usage", "total used free")
@@ -301,7 +321,16 @@ def test_doctor_command_takes_a_recipe_and_its_overrides(
 ) -> None:
     from llm_train import cli
 
-    args = ["doctor", "--skip-build", "--recipe", "tiny-cpu", *NVME, f"deepspeed.nvme_path={tmp_path}"]
+    args = [
+        "doctor",
+        "--skip-build",
+        "--drive-gib",
+        "0",
+        "--recipe",
+        "tiny-cpu",
+        *NVME,
+        f"deepspeed.nvme_path={tmp_path}",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "== NVMe offload" in out and f"tiny-cpu offloads to nvme at {tmp_path}" in out
@@ -331,3 +360,109 @@ def test_a_real_run_stops_before_any_worker_when_the_nvme_path_is_missing(
     assert code == 2 and len(err.splitlines()) == 1
     assert f"deepspeed.nvme_path={missing}: does not exist" in err
     assert not (tmp_path / "run").exists()
+
+
+# --- the keys DeepSpeed 0.19.8 reads; the parameter swap buffer --------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["zero3_offload_nvme", "zero3_offload_optimizer_nvme"])
+def test_shipped_nvme_configs_use_only_keys_deepspeed_reads(name: str) -> None:
+    """DeepSpeed ignores unknown aio keys (thread_count is no longer read: intra_op_parallelism), and its
+    offload sections are pydantic models: their fields are the keys it reads."""
+    aio_config = pytest.importorskip("deepspeed.runtime.swap_tensor.aio_config")
+    offload = pytest.importorskip("deepspeed.runtime.zero.offload_config")
+    _, raw = load_ds_config(name)
+    assert set(raw["aio"]) <= set(aio_config.AIO_DEFAULT_DICT), set(raw["aio"]) - set(
+        aio_config.AIO_DEFAULT_DICT
+    )
+    models = {
+        "offload_optimizer": offload.DeepSpeedZeroOffloadOptimizerConfig,
+        "offload_param": offload.DeepSpeedZeroOffloadParamConfig,
+    }
+    for section, model in models.items():
+        keys = set(raw["zero_optimization"].get(section, {}))
+        assert keys <= set(model.model_fields), (section, keys - set(model.model_fields))
+
+
+def test_param_swap_buffer_holds_the_largest_weight() -> None:
+    # DeepSpeed swaps each parameter through one buffer_size buffer and asserts it fits
+    # (partitioned_param_swapper.py 357): "auto" is the larger of its 1e8 default and the largest weight.
+    run = resolve_run("13b-rtx4090-offload", [], world_size=1)
+    assert run.ds_config["zero_optimization"]["offload_param"]["buffer_size"] == 32000 * 5120  # the embedding
+    tiny = _run("/tmp")
+    assert tiny.ds_config["zero_optimization"]["offload_param"]["buffer_size"] == 100_000_000
+    _, raw = load_ds_config("zero3_offload_nvme")
+    raw["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
+    with pytest.raises(
+        UserError,
+        match=r"offload_param\.buffer_size=100000000 is smaller than the model's largest weight \(163,840,000",
+    ):
+        resolve_ds(raw, replace(VALUES, nvme_path="/x", largest_weight=163_840_000), "x.json")
+
+
+# --- llm-train doctor: the drive's sequential speed at nvme_path -------------------------------------------
+
+
+def test_drive_speed_is_measured_and_the_probe_removed(tmp_path: Path) -> None:
+    from llm_train.commands.drive import measure_drive
+
+    speed = measure_drive(tmp_path, 16 * 2**20, block=2**20)
+    assert speed.nbytes == 16 * 2**20 and speed.write_bytes_per_s > 0 and speed.read_bytes_per_s > 0
+    assert list(tmp_path.iterdir()) == []
+    assert "GB/s" in speed.describe()
+
+
+def test_a_filesystem_without_o_direct_is_measured_buffered_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from llm_train.commands import drive
+
+    real_open = os.open
+
+    def no_direct(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT:  # what tmpfs answers
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(drive.os, "open", no_direct)
+    speed = drive.measure_drive(tmp_path, 4 * 2**20, block=2**20)
+    assert not speed.direct and "buffered" in speed.describe()
+
+
+def test_doctor_measures_the_drive_of_an_nvme_recipe(tmp_path: Path) -> None:
+    report = doctor.Report()
+    doctor.check_nvme_recipe(
+        report, "tiny-cpu", [*NVME, f"deepspeed.nvme_path={tmp_path}"], drive_bytes=8 * 2**20
+    )
+    rows = dict(report.sections["NVMe offload"])
+    assert rows["drive speed"].startswith(f"{tmp_path}: sequential write ") and "read" in rows["drive speed"]
+    assert "--nvme-read-gbs" in rows["plan with it"] and "--nvme-write-gbs" in rows["plan with it"]
+    silent = doctor.Report()
+    doctor.check_nvme_recipe(silent, "tiny-cpu", [*NVME, f"deepspeed.nvme_path={tmp_path}"], drive_bytes=0)
+    assert "drive speed" not in dict(silent.sections["NVMe offload"])
+
+
+# --- the step time from the drive's speeds --------------------------------------------------------------------
+
+
+def test_nvme_step_time_is_the_drive_traffic_at_its_read_and_write_speeds() -> None:
+    from llm_train.planning.memory import MemoryInputs
+    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.speed import step_time
+
+    psi = shape_of("meta-llama/Llama-3.1-8B").num_params
+    inp = MemoryInputs.of(
+        shape=shape_of("meta-llama/Llama-3.1-8B"), world_size=1, zero_stage=3, offload_optimizer="nvme",
+        micro_batch=1, grad_accum=32, activation_checkpointing=True, sub_group_size=2 * 10**8,
+    )  # fmt: skip
+    fast = step_time(inp, 32, 165.2, nvme_read_bytes_per_s=6e9, nvme_write_bytes_per_s=3e9)
+    # Master, m, v of every sub-group and the gradient of every tensor of 1 MiB or more (16 bytes a
+    # parameter but the 65 norms' 4,096-element gradients, all aligned already) are read in at the step
+    # and written back: 128.5 GB each way.
+    swapped = 16 * psi - 4 * 65 * 4096
+    assert fast.nvme_read_bytes == fast.nvme_write_bytes == swapped
+    assert fast.nvme == pytest.approx(swapped / 6e9 + swapped / 3e9)  # ~64 s on a PCIe 4.0 drive
+    slow = step_time(inp, 32, 165.2, nvme_read_bytes_per_s=3e9, nvme_write_bytes_per_s=1.5e9)
+    assert slow.nvme == pytest.approx(2 * fast.nvme) and slow.compute == fast.compute

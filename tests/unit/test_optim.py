@@ -62,3 +62,17 @@ def test_release_moments_frees_adam_state_inside_a_deepspeed_style_wrapper() -> 
     assert release_moments(wrapper) >= moments
     assert len(adam.state) == 0
     assert release_moments(SimpleNamespace()) == 0  # nothing to free: no error
+
+
+def test_zero3_placeholders_are_grouped_by_their_real_shape() -> None:
+    """Under ZeRO-3 zero.Init leaves each parameter an empty 1-D tensor with its shape in `ds_shape`:
+    the matrices must still be decayed (they all fell into the no-decay group before)."""
+    from llm_train.runtime.optim import _param_groups
+
+    model = _model()
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    decay, no_decay = _param_groups(model, 0.1)
+    assert [tuple(p.ds_shape) for p in decay["params"]] == [(16, 8), (4, 16)]
+    assert [tuple(p.ds_shape) for p in no_decay["params"]] == [(16,), (16,), (16,), (4,)]

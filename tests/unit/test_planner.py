@@ -78,7 +78,8 @@ DECISIONS = [
     ("Qwen/Qwen2.5-0.5B", 1, "RTX-4090", None, 64, None, "fallback", "zero0", None, "bf16", "fp32"),
     ("meta-llama/Llama-3.2-1B", 2, "RTX-3090", None, 64, None, "fallback", "zero2", None, "bf16", "fp32"),
     ("meta-llama/Llama-2-7b-hf", 1, None, 24, 192, None, "fallback", "zero3_offload_optimizer", None, "bf16", "fp32"),
-    ("meta-llama/Llama-2-7b-hf", 1, None, 24, 125.9, None, "fallback", "zero0", 16, "bf16", "fp32"),
+    # 128 GiB: the full fine-tune fits with exact-size buffers (the recipe pins with deepspeed.pinning=auto)
+    ("meta-llama/Llama-2-7b-hf", 1, None, 24, 128, None, "fallback", "zero3_offload_optimizer", None, "bf16", "fp32"),
     ("meta-llama/Llama-2-7b-hf", 1, None, 24, 64, None, "fallback", "zero0", 16, "bf16", "fp32"),
     ("meta-llama/Llama-3.1-8B", 1, None, 24, 128, None, "fallback", "zero0", 16, "bf16", "fp32"),
     ("meta-llama/Llama-3.1-8B", 1, None, 24, 128, None, "always", "zero0", 16, "bf16", "fp32"),
@@ -159,20 +160,24 @@ def test_does_not_fit_anywhere_cli(capsys: pytest.CaptureFixture[str]) -> None:
 # --- plan for a recipe: verdict, fixes, faster options ------------------------------------------------
 
 
-def test_7b_rtx4090_fits_24gb_with_192gib_not_128() -> None:
-    report = plan_recipe("7b-rtx4090", [], gpu_mem_gib=24, host_ram_gib=192, detect=False)
+def test_7b_rtx4090_fits_128gib_with_exact_buffers_but_not_with_torchs_rounding() -> None:
+    report = plan_recipe("7b-rtx4090", [], gpu_mem_gib=24, host_ram_gib=128, detect=False)
     ev = report.evaluation
     assert report.word == "FITS" and not report.fixes
     assert 12.5 * GiB < ev.device_bytes < 22.8 * GiB  # the 16-bit weights stay on the GPU
-    # 6.7B x 12 bytes (pageable fp32 master, m, v: 75.3 GiB) + the pinned fp32 sub-group gradients
-    # (28 GiB) and bf16 gradient buffer (16 GiB) + one bf16 sub-group in flight + processes: 124.2.
-    assert 124 * GiB < ev.host_bytes < 124.5 * GiB
+    # deepspeed.pinning=auto: exact sizes. 6.7B x 12 bytes (fp32 master, m, v: 75.3 GiB) + the fp32
+    # sub-group gradients (25.1) + the bf16 gradient buffer (12.6) + one bf16 sub-group in flight + 3 GiB.
+    assert ev.host_bytes <= 118 * GiB  # the target, the final export included
+    assert (ev.inputs.pinning, ev.inputs.sub_group_size) == ("native", 2 * 10**8)
     assert (ev.inputs.zero_stage, ev.inputs.offload_optimizer, ev.inputs.offload_params) == (3, "cpu", "none")
     assert not ev.inputs.loader_forks  # the recipe sets data.loader_workers: 0
-    assert any("bf16 optimizer states would save 53.5 GiB host RAM" in note for note in report.notes)
-    # The H200 machine's 125.9 GiB leave 122.9 usable: the configuration its first run was killed in.
-    small = plan_recipe("7b-rtx4090", [], gpu_mem_gib=24, host_ram_gib=125.9, detect=False)
-    assert small.word == "DOES NOT FIT" and not small.evaluation.fits_host
+    assert any("bf16 optimizer states would save 50.7 GiB host RAM" in note for note in report.notes)
+    # DeepSpeed's default pinning rounds each pinned buffer up to a power of two: the configuration
+    # the first H200 run was killed in does not fit 128 GiB.
+    rounded = plan_recipe(
+        "7b-rtx4090", ["deepspeed.pinning=torch"], gpu_mem_gib=24, host_ram_gib=128, detect=False
+    )
+    assert rounded.word == "DOES NOT FIT" and not rounded.evaluation.fits_host
 
 
 def test_7b_rtx4090_with_64gib_host_is_fixed_by_lora_or_nvme_when_given() -> None:
@@ -184,7 +189,8 @@ def test_7b_rtx4090_with_64gib_host_is_fixed_by_lora_or_nvme_when_given() -> Non
     with_nvme = plan_recipe("7b-rtx4090", [], gpu_mem_gib=24, host_ram_gib=64, detect=False, nvme_gib=1000)
     kinds = [fix.kinds for fix in with_nvme.fixes]
     assert "nvme" in kinds[0] and kinds[-1:] == [{"lora"}]  # training-changing fixes last
-    assert with_nvme.fixes[0].slowdown > 1.5  # NVMe is slow, and the plan says so
+    # The optimizer's 100 GiB cross the drive each way every step: ~+47% at 6 / 3 GB/s, and the plan says so.
+    assert with_nvme.fixes[0].slowdown > 1.3
     for fix in with_nvme.fixes:
         assert fix.evaluation.fits
 
@@ -272,12 +278,16 @@ def test_recipe_headers_state_the_planners_numbers(name: str) -> None:
     match = re.search(r"planner computes\s+GPU ~([\d.]+) GiB,? (?:and )?host RAM ~([\d.]+) GiB", header)
     assert match, f"{name}: header must state the planner's GPU and host RAM numbers"
     recipe = load_recipe(name)
+    drive = re.search(
+        r"Check yours: llm-train plan .*--nvme-gib (\d+)", header
+    )  # NVMe recipes name their drive
     report = plan_recipe(
         name,
         [],
         gpu_mem_gib=recipe.hardware.gpu_mem_gib,
         host_ram_gib=recipe.hardware.host_ram_gib,
         detect=False,
+        nvme_gib=float(drive.group(1)) if drive else None,
     )
     assert report.fits
     assert abs(report.evaluation.device_bytes / GiB - float(match.group(1))) < 0.1
@@ -370,9 +380,10 @@ def test_host_ram_guard_refuses_with_the_planners_numbers(monkeypatch: pytest.Mo
     with pytest.raises(UserError) as exc:
         check_host_ram(_offload_run(), available=64 * GiB)
     message = str(exc.value)
+    # deepspeed.pinning=auto, as native pinning on this CUDA device: exact sizes (planning/host_offload.py).
     assert re.match(
-        r"host RAM: 7b-rtx4090 needs ~124\.2 GiB per node \(planner: offloaded optimizer states 75\.3, "
-        r"offloaded fp32 gradients 28\.0, offload 16bit buffers 16\.0, optimizer step transient 1\.9",
+        r"host RAM: 7b-rtx4090 needs ~116\.4 GiB per node \(planner: offloaded optimizer states 75\.3, "
+        r"offloaded fp32 gradients 25\.1, offload 16bit buffers 12\.6, optimizer step transient 0\.5",
         message,
     )
     assert "final export (transient) 12.6" in message

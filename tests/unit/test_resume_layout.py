@@ -82,6 +82,18 @@ def test_a_precision_change_goes_through_universal() -> None:
         ({"zero_stage": 3}, {"zero_stage": 0}, "ZeRO-1/2/3 only"),
         ({"zero_stage": 2}, {"zero_stage": 3}, "between ZeRO-3 and ZeRO-1/2"),
         ({"zero_stage": 3}, {"zero_stage": 1}, "between ZeRO-3 and ZeRO-1/2"),
+        # The swapped optimizer state lives in per-rank swap files (runtime/nvme_swap.py), not in DeepSpeed's
+        # checkpoint: no universal conversion can read it.
+        (
+            {"zero_stage": 3, "offload_optimizer": "nvme"},
+            {"zero_stage": 3, "offload_optimizer": "nvme", "world_size": 1},
+            "NVMe optimizer offload",
+        ),
+        (
+            {"zero_stage": 3, "offload_optimizer": "nvme"},
+            {"zero_stage": 3, "offload_optimizer": "cpu"},
+            "NVMe",
+        ),
         ({"zero_stage": 0, "precision": "fp32"}, {"zero_stage": 0, "precision": "bf16"}, "precision=fp32"),
         ({"zero_stage": 0, "precision": "bf16"}, {"zero_stage": 0, "precision": "fp32"}, "precision=bf16"),
         # the same world, split 2 x sp 1 before and 1 x sp 2 after (or more ranks with sp 2)
