@@ -134,6 +134,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     ),
     "deepspeed.nvme_path": ("refused", "deepspeed.nvme_path=/tmp", "offloads nothing to nvme"),
     "deepspeed.timeout_minutes": (RUN_A, "deepspeed.timeout_minutes=10"),
+    "deepspeed.pinning": (RUN_A, "deepspeed.pinning=off"),
     "eval.every": (RUN_A, "eval.every=2"),
     "eval.batches": (RUN_A, "eval.batches=2"),
     "output.dir": (RUN_A, "output.dir={run_dir}"),
