@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config import ds_json
+from llm_train.config.ds_validate import check_with_deepspeed
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.layout import Layout, make_layout
@@ -141,6 +142,8 @@ def resolve_run(
         # betas (0.9, 0.999), and an LR schedule left driving the old optimizer, so the LR froze
         # after a resume.
         resolved["zero_force_ds_cpu_optimizer"] = False
+    # Last: DeepSpeed's own config classes see exactly the JSON the workers will hand it.
+    check_with_deepspeed(resolved, str(ds_path))
     return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice)
 
 
