@@ -36,8 +36,8 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
 from llm_train.planning.guards import nvme_problems
+from llm_train.units import GiB
 
-GiB = 1024**3
 DEFAULT_BUILD_TIMEOUT_S = 300.0
 # Below these, the common recipes run into trouble (checkpoints, NCCL shared memory).
 MIN_FREE_DISK_GIB = 50.0

@@ -27,8 +27,6 @@ from llm_train.errors import UserError
 if TYPE_CHECKING:
     pass
 
-GiB = 1024**3
-
 
 @dataclass(frozen=True)
 class Resolved:

@@ -99,8 +99,7 @@ from llm_train.config.layout import (
 from llm_train.errors import UserError
 from llm_train.planning.host_offload import OffloadRank, cpu_optimizer_host, cpu_parameters_host
 from llm_train.planning.shapes import ModelShape
-
-GiB = 1024**3
+from llm_train.units import GiB
 
 # CUDA context (driver, cuBLAS/cuDNN handles, NCCL communicators) that `torch.cuda`
 # never reports as allocated: ~0.3-0.6 GiB on Hopper/Ada with recent CUDA.
