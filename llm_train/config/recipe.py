@@ -518,8 +518,6 @@ class Recipe(Section):
             raise ValueError(
                 "memory.attention=flash_attention_2 needs a CUDA GPU; use sdpa on hardware.device=cpu"
             )
-        if self.precision == "fp16" and self.hardware.device == "cpu":
-            raise ValueError("precision=fp16 is not supported on CPU; use fp32 or bf16")
         if self.optim.max_steps is None and any(
             not isinstance(s, str) and s.streaming for s in self.data.train
         ):
