@@ -31,24 +31,19 @@ import argparse
 import datetime as dt
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from llm_train.runtime.launcher import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
 CORPUS = REPO / "llm_train" / "assets" / "tiny" / "corpus.txt"
 SEQ_LEN, MICRO_BATCH, GRAD_ACCUM, LR, SGD_LR = 64, 1, 2, 1e-3, 0.5
 MASKED_PREFIX = 24  # labels hidden on odd samples, like an SFT prompt
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def samples(count: int) -> list[dict]:
@@ -199,7 +194,7 @@ def launch(sp: int, nproc: int, args: argparse.Namespace) -> tuple[int, str, flo
         str(nproc),
         "--use_deepspeed",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         __file__,
         "--worker",
         "--sp",
