@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "llm_train" / "train.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
-# Nothing in the tests may wait on a network that is not there (DESIGN.md facts 9-11).
+# Nothing in the tests may wait on a network that is not there: the hubs are unreachable from CI, and
+# W&B runs offline (a local .wandb file, synced later if at all).
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",

@@ -73,7 +73,8 @@ class ZeroEngine:
 
             self._hf_ds_config = HfDeepSpeedConfig(run.ds_config)
         # Without a GPU, Accelerate must be told the backend or every rank believes it is rank 0
-        # of a world of 1 while DeepSpeed runs a world of N (DESIGN.md fact 2).
+        # of a world of 1 while DeepSpeed runs a world of N (seen with 2 processes: every rank wrote the
+        # same files and the data was not sharded).
         handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
         self.accelerator = Accelerator(
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
