@@ -4,6 +4,7 @@
                                             (processes from the recipe's hardware or --num-processes)
     llm-train recipes                       the shipped recipes, one line each
     llm-train show RECIPE [key=value ...]   the resolved recipe YAML and effective DeepSpeed JSON
+    llm-train show --schema                 every recipe key: type, default, description (docs/recipe.md)
     llm-train dry-run RECIPE [...]          same as train.py --dry-run
 
 Each subcommand lives in its own small function; errors a user can cause are one line, exit 2.
@@ -22,6 +23,7 @@ from importlib import metadata
 
 from llm_train.commands import data, doctor, launch_train, plan, report
 from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
 from llm_train.observability.console import print_recipe_table
@@ -41,6 +43,15 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
 
+    if args.schema:
+        if args.recipe or args.overrides:
+            raise UserError("show --schema: the reference of every recipe key takes no recipe or overrides")
+        print(recipe_reference(), end="")
+        return 0
+    if not args.recipe:
+        raise UserError(
+            "show: name a recipe (llm-train recipes lists them), or pass --schema for the reference"
+        )
     recipe = load_recipe(args.recipe, args.overrides)
     run = resolve_run(args.recipe, args.overrides, world_size=args.world_size or recipe.hardware.world_size)
     print(f"# recipe {run.recipe.name}\n{run.recipe_yaml()}")
@@ -89,8 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Print the resolved recipe, DS JSON, plan and memory estimate (arguments as train.py's).",
     ).set_defaults(func=cmd_dry_run)
     sub.add_parser("recipes", help="List the shipped recipes.").set_defaults(func=cmd_recipes)
-    show = sub.add_parser("show", help="Show a recipe resolved, with its effective DeepSpeed JSON.")
-    show.add_argument("recipe")
+    show = sub.add_parser(
+        "show",
+        help="Show a recipe resolved, with its effective DeepSpeed JSON (or --schema: every recipe key).",
+    )
+    show.add_argument("recipe", nargs="?")
+    show.add_argument(
+        "--schema", action="store_true", help=f"Print the recipe reference (docs/recipe.md: {REGENERATE})."
+    )
     show.add_argument(
         "--world-size", type=int, help="Resolve for this many processes (default: the recipe's)."
     )
