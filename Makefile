@@ -15,7 +15,7 @@ OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_M
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -e ".[dev,tensorboard,lora,report]"
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -e ".[dev,tensorboard,lora,qlora,report]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -341,6 +341,8 @@ class Launch:
     host_pss_peak_gib: float | None = None  # the process tree's PSS (HostMemorySampler)
     host_used_delta_peak_gib: float | None = None  # the machine's used memory above its value at launch
     gpu_used_peak_gib: float | None = None
+    # With `second_phase_when`: the tree's PSS peak from the moment it first held (e.g. the export).
+    second_phase_host_pss_peak_gib: float | None = None
 
     @property
     def tail(self) -> str:
@@ -354,14 +356,16 @@ def launch(
     sigterm_when: Callable[[], bool] | None = None,
     kill_when: Callable[[], bool] | None = None,
     gpu: GpuMemorySampler | None = None,
+    second_phase_when: Callable[[], bool] | None = None,
 ) -> Launch:
     """Run `cmd` in its own process group, polling it: SIGTERM once `sigterm_when()`, SIGKILL (the
     group) once `kill_when()` or at `timeout`. Peak host memory (HostMemorySampler) and device memory
-    are sampled."""
+    are sampled; from the first poll at which `second_phase_when()` holds, a second host sampler too."""
     result = Launch(cmd)
     env = {**os.environ, **OFFLINE_ENV, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     started = time.time()
     host = HostMemorySampler()
+    second: HostMemorySampler | None = None
     with open(log, "w") as out:
         # Its own process group (so that a kill takes its helpers too) but not its own session: the
         # device tool ends every process of the command's session when the command ends or times out.
@@ -369,6 +373,10 @@ def launch(
         RUNNING.append(proc)
         while proc.poll() is None:
             host.sample(proc.pid)
+            if second is None and second_phase_when is not None and second_phase_when():
+                second = HostMemorySampler()
+            if second is not None:
+                second.sample(proc.pid)
             used = gpu.used_gib() if gpu else None
             if used is not None:
                 result.gpu_used_peak_gib = max(result.gpu_used_peak_gib or 0.0, used)
@@ -388,6 +396,7 @@ def launch(
         RUNNING.remove(proc)
     result.wall_s = time.time() - started
     result.host_pss_peak_gib, result.host_used_delta_peak_gib = host.pss_peak_gib, host.used_delta_peak_gib
+    result.second_phase_host_pss_peak_gib = second.pss_peak_gib if second is not None else None
     result.output = log.read_text(errors="replace")
     return result
 

@@ -19,55 +19,11 @@
 #   bash bench/gpu_check.sh --cpu-tiny --out /tmp/x   # the same logic on CPU, tiny model (~2-3 min)
 #   bash bench/gpu_check.sh --wheels DIR ...          # same as WHEELS=DIR
 #
-# Wheels: every DIR/*.whl except llm_train's own is installed with `pip install --no-index
-# --no-deps --target $WHEELS_TARGET` (default /tmp/llm_train_gpu_site) and put on PYTHONPATH,
-# so the machine's torch/CUDA stay untouched and nothing reaches for an index; llm_train itself
-# runs from this checkout. Other arguments go to bench/gpu_check.py (--only NAME..., --budget-s S).
+# Wheels: installed beside the machine's packages, llm_train from this checkout (bench/gpu_env.sh).
+# Other arguments go to bench/gpu_check.py (--only NAME..., --budget-s S).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ARGS=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --wheels) WHEELS=${2:?--wheels needs a folder of .whl files}; shift 2 ;;
-    --wheels=*) WHEELS=${1#--wheels=}; shift ;;
-    *) ARGS+=("$1"); shift ;;
-  esac
-done
+source bench/gpu_env.sh "$@"
 
-PY=${PYTHON:-}
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-
-if [[ -n "${WHEELS:-}" ]]; then
-  shopt -s nullglob
-  wheels=()
-  for w in "$WHEELS"/*.whl; do
-    case "$(basename "$w")" in llm_train-*) ;; *) wheels+=("$w") ;; esac
-  done
-  if [[ ${#wheels[@]} -eq 0 ]]; then
-    echo "gpu_check: WHEELS=$WHEELS holds no .whl files; build them with 'make gpu-wheels'" >&2
-    exit 2
-  fi
-  SITE=${WHEELS_TARGET:-/tmp/llm_train_gpu_site}
-  echo "gpu_check: installing ${#wheels[@]} wheels from $WHEELS into $SITE"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# llm_train from this checkout, ahead of any installed copy.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-# Nothing may wait on a network that is not there.
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-
-"$PY" - <<'EOF'
-import importlib.util, sys
-needed = ("torch", "deepspeed", "accelerate", "transformers", "pydantic", "hjson", "yaml", "psutil")
-missing = [m for m in needed if importlib.util.find_spec(m) is None]
-if missing:
-    sys.exit(f"gpu_check: missing {', '.join(missing)}; install them or pass WHEELS=folder-of-wheels")
-EOF
-
-exec "$PY" bench/gpu_check.py "${ARGS[@]}"
+exec "$PY" bench/gpu_check.py ${ARGS[@]+"${ARGS[@]}"}

@@ -3,8 +3,8 @@
 #
 # The GPU machine runs a fixed Python 3.12 image with torch, accelerate,
 # transformers and friends (bench/gpu_machine_packages.txt) and reaches no package registry. It lacks
-# deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection
-# and wandb, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
+# deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection,
+# bitsandbytes and wandb, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
 # pure Python; the versions this .venv runs, so what is tested here is what travels) into .whl/. There:
 #
 #   pip install --no-index --no-deps --target DIR .whl/*.whl
@@ -26,7 +26,7 @@ PRESENT=bench/gpu_machine_packages.txt
 
 # What pip on the GPU machine accepts: CPython 3.12, manylinux up to glibc 2.28, or pure Python.
 TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
-  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_28_x86_64 --platform any --no-deps)
 
 installed() { "$PY" -c 'import importlib.metadata, sys; print(importlib.metadata.version(sys.argv[1]))' "$1"; }
@@ -61,6 +61,14 @@ pip_ download "${TARGET[@]}" -d "$OUT" datasets==5.0.1 \
   $(pins deepspeed hjson msgpack dill multiprocess pydantic pydantic-core annotated-types typing-inspection \
     typing-extensions | grep -v '^deepspeed==')
 
+# bitsandbytes (QLoRA, lora.quantize): its wheel carries a compiled library per CUDA and ROCm version
+# (41 MiB). The machine's torch is built for CUDA 13.0, and bitsandbytes loads the library matching
+# torch.version.cuda, so only libbitsandbytes_cuda130.so and the CPU one travel (~3.4 MiB).
+BNB=$(mktemp -d)
+pip_ download "${TARGET[@]}" -d "$BNB" "$(pins bitsandbytes)"
+"$PY" bench/slim_wheel.py "$BNB"/bitsandbytes-*.whl --drop '\.so$' --keep 'libbitsandbytes_(cpu|cuda130)\.so$' -o "$OUT"
+rm -rf "$BNB"
+
 # llm_train from a clean copy of the working tree (tracked and new files, not ignored ones): a build in
 # place reuses build/lib, which keeps modules that have since been deleted or moved.
 SRC=$(mktemp -d)
@@ -89,4 +97,4 @@ else
 fi
 
 "$PY" bench/gpu_wheels.py "$OUT" --present "$PRESENT" --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
-  --resolve llm_train
+  --resolve 'llm_train[qlora]'

@@ -191,7 +191,7 @@ def missing_dependency_fix(module: str) -> str | None:
         return None
     for requirement in requirements:
         name = _normalise(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0])
-        if name != wanted:
+        if name != wanted or name == _normalise(DISTRIBUTION):  # an extra that includes another extra
             continue
         extra = re.search(r"extra\s*==\s*[\"']([^\"']+)[\"']", requirement)
         if extra is None:

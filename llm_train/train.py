@@ -25,6 +25,7 @@ from llm_train.planning.guards import check_host_ram, check_nvme_path, memory_ro
 from llm_train.runtime import launcher
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.quantize import check_bitsandbytes
 from llm_train.runtime.resume_layout import check_resume_early
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
@@ -206,6 +207,7 @@ def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: 
         root = run.recipe.output_dir / "checkpoints"
         check_resume_early(args.resume, root, run.layout, args.allow_batch_change)
     check_attention_kernel(run.recipe.memory)
+    check_bitsandbytes(run.recipe.lora)
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)

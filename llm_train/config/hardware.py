@@ -42,7 +42,13 @@ class GPUSpec:
 
 GPUS: tuple[GPUSpec, ...] = (
     GPUSpec("RTX 2080 Ti", 11264 / 1024, False, 53.8, (7, 5), aliases=("2080ti", "rtx2080ti")),
+    GPUSpec("RTX 3060", 12288 / 1024, True, 12.7, (8, 6), aliases=("3060", "rtx3060", "rtx306012gb")),
     GPUSpec("RTX 3090", 24576 / 1024, True, 71.0, (8, 6), aliases=("3090", "rtx3090")),
+    GPUSpec(
+        "RTX 4060 Ti 16GB", 16380 / 1024, True, 44.2, (8, 9), aliases=("4060ti", "rtx4060ti", "rtx4060ti16")
+    ),
+    GPUSpec("RTX 4070", 12282 / 1024, True, 58.4, (8, 9), aliases=("4070", "rtx4070")),
+    GPUSpec("RTX 4080", 16376 / 1024, True, 97.5, (8, 9), aliases=("4080", "rtx4080")),
     GPUSpec("RTX 4090", 24564 / 1024, True, 165.2, (8, 9), aliases=("4090", "rtx4090")),
     GPUSpec("RTX 5090", 32607 / 1024, True, 209.5, (12, 0), aliases=("5090", "rtx5090")),
     GPUSpec("T4", 15360 / 1024, False, 65.0, (7, 5), aliases=("teslat4",)),
@@ -100,10 +106,12 @@ def peak_tflops(name: str) -> float | None:
 # Keep 5% of GPU memory free beyond the estimate (which already counts allocator slack):
 # the estimate claims +-15%, and an OOM at step 900 costs more than a slower step.
 GPU_HEADROOM = 0.05
-# The OS, page cache and everything else on the machine: never plan to use the last
-# max(4 GiB, 5%) of host RAM.
-HOST_RESERVE_BYTES = 4 * GiB
-HOST_RESERVE_FRACTION = 0.05
+# What the operating system itself keeps: kernel, services, a desktop session (a Linux desktop
+# idles at ~1.5-2.5 GiB; a headless server at under 1). A flat amount, not a share: 5% of a 16 GiB
+# desktop is too little to matter, and a share that grows with the machine would make 16-32 GiB
+# desktops look smaller than they are while reserving 100 GiB on a 2 TiB node. Page cache is
+# reclaimable and needs no reserve. `llm-train plan` prints it.
+HOST_RESERVE_BYTES = 3 * GiB
 # Speed model stand-ins when the hardware's peak is unknown (only ratios matter there).
 UNKNOWN_GPU_PEAK_TFLOPS = 100.0
 CPU_PEAK_TFLOPS = 0.2
@@ -170,7 +178,7 @@ class Hardware:
 
     @property
     def host_limit_bytes(self) -> int:
-        return int(self.host_ram_bytes - max(HOST_RESERVE_BYTES, HOST_RESERVE_FRACTION * self.host_ram_bytes))
+        return max(0, self.host_ram_bytes - HOST_RESERVE_BYTES)
 
     @property
     def gpu_limit_bytes(self) -> int:

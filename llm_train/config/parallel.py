@@ -47,6 +47,40 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
         _check_tensor_parallel(layout, recipe, fields, ds_source, degrees)
     if layout.sp > 1:
         _check_sequence_parallel(layout, recipe, fields, degrees)
+    if recipe.lora is not None and recipe.lora.quantize != "none":
+        _check_quantized(layout, recipe, ds_source, degrees)
+
+
+def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: str) -> None:
+    """QLoRA (lora.quantize): what bitsandbytes layers cannot do under DeepSpeed, refused before anything loads.
+
+    Pipeline stages and AutoTP are refused for every LoRA run above. bitsandbytes keeps each
+    quantised weight with its quantisation state (absmax, code book) on the GPU that computes with
+    it: ZeRO-3 may partition the packed storage (its dtype is the compute dtype, so DeepSpeed
+    flattens it like any 16-bit tensor), but offloading it to CPU or NVMe would move the bytes
+    without the state.
+    """
+    asked = f"lora.quantize={recipe.lora.quantize if recipe.lora else 'none'}"
+    if layout.offload_params != "none":
+        raise UserError(
+            f"{asked} cannot offload parameters (offload_param.device={layout.offload_params} in {ds_source}): "
+            "bitsandbytes keeps 4/8-bit weights on the GPU; use ds_configs/zero2, zero3 or "
+            "zero3_offload_optimizer (the adapters' optimizer may go to the CPU)"
+        )
+    if layout.sp > 1:
+        raise UserError(
+            f"{degrees}: {asked} is not supported with deepspeed.sequence_parallel={layout.sp} (not verified "
+            "with bitsandbytes layers); use lora.quantize=none or deepspeed.sequence_parallel=1"
+        )
+    for setting, on in (
+        ("memory.torch_compile=true", recipe.memory.torch_compile),
+        ("memory.liger_kernels=true", recipe.memory.liger_kernels),
+    ):
+        if on:
+            raise UserError(
+                f"{setting} is not supported with {asked} (not verified with bitsandbytes layers); "
+                f"set {setting.replace('true', 'false')}"
+            )
 
 
 def _check_sequence_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], degrees: str) -> None:

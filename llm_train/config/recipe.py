@@ -412,6 +412,12 @@ class LoraSection(Section):
     export: Literal["merged", "adapter"] = Field(
         "merged", description="'merged': a plain HF model with the adapters folded in; 'adapter': PEFT files."
     )
+    quantize: Literal["none", "nf4", "int8"] = Field(
+        "none",
+        description="Load the frozen base through bitsandbytes (QLoRA): 'nf4' = 4-bit NormalFloat with double "
+        "quantisation, 'int8' = LLM.int8(); embeddings and output layer stay 16-bit. Needs "
+        "pip install 'llm_train[qlora]'.",
+    )
 
 
 class DeepSpeedSection(Section):
@@ -517,6 +523,13 @@ class Recipe(Section):
         if self.memory.attention == "flash_attention_2" and self.hardware.device == "cpu":
             raise ValueError(
                 "memory.attention=flash_attention_2 needs a CUDA GPU; use sdpa on hardware.device=cpu"
+            )
+        if self.lora is not None and self.lora.quantize != "none" and self.model.init == "random":
+            # bitsandbytes quantises weights as transformers loads them from a checkpoint.
+            raise ValueError(
+                f"lora.quantize={self.lora.quantize} quantises a pretrained base as it loads; it needs "
+                "model.init=pretrained (save a randomly initialised model with save_pretrained first, and point "
+                "model.name_or_path at that directory)"
             )
         if self.optim.max_steps is None and any(
             not isinstance(s, str) and s.streaming for s in self.data.train

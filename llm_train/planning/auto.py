@@ -104,7 +104,7 @@ def choose_auto(
     plain = (1, False, False, False)
 
     def all_evaluations(
-        lora_rank: int | None, long_context: list[tuple[int, bool, bool, bool]]
+        lora_rank: int | None, long_context: list[tuple[int, bool, bool, bool]], quantize: str = "none"
     ) -> list[Evaluation]:
         out = []
         states = ("fp32",)  # never bf16 states: see the module docstring
@@ -129,6 +129,7 @@ def choose_auto(
                     seq_len=seq,
                     activation_checkpointing=ckpt,
                     lora_rank=lora_rank,
+                    quantize=quantize,
                     overlap_comm=True,
                     state_dtype=state,
                     tiled_mlp=tiled_mlp,
@@ -140,17 +141,20 @@ def choose_auto(
             out.append(evaluate(candidate, hw, nvme_bytes))
         return out
 
-    def evaluations(lora_rank: int | None) -> list[Evaluation]:
+    def evaluations(lora_rank: int | None, quantize: str = "none") -> list[Evaluation]:
         """Without ALST; with it too when nothing fits without (only a long sequence needs it)."""
-        out = all_evaluations(lora_rank, [plain])
+        out = all_evaluations(lora_rank, [plain], quantize)
         if not any(e.fits for e in out):
             probe = MemoryInputs.of(shape=shape, world_size=dp, gpus_per_node=hw.gpus_per_node, seq_len=seq)
-            out += all_evaluations(lora_rank, long_context_options(probe)[1:])
+            out += all_evaluations(lora_rank, long_context_options(probe)[1:], quantize)
         return out
 
     reasons: list[str] = []
     full_tried = [] if lora == "always" else evaluations(None)
     lora_all = evaluations(SUGGESTED_LORA_RANK)
+    if not any(e.fits for e in lora_all) and hw.kind == "cuda":
+        # QLoRA: the same adapters on a 4-bit base (bitsandbytes), when the 16-bit base does not fit.
+        lora_all += evaluations(SUGGESTED_LORA_RANK, "nf4")
     lora_tried = [] if lora == "never" else lora_all
     full_fitting = [e for e in full_tried if e.fits]
     lora_fitting = [e for e in lora_tried if e.fits]
@@ -178,6 +182,11 @@ def choose_auto(
             reasons.append(
                 "no full fine-tune fits, even with ZeRO-3 and CPU offload"
                 f"{nvme}, so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) on the frozen model"
+            )
+        if best_lora.inputs.quantize != "none":
+            reasons.append(
+                "16-bit LoRA does not fit either, so the frozen base loads in 4 bits (QLoRA, lora.quantize=nf4; "
+                "pip install 'llm_train[qlora]')"
             )
     else:
         raise UserError(_nowhere(model, hw, tried, lora, nvme_bytes))
@@ -247,7 +256,7 @@ def _needs_text(ev: Evaluation, hw: Hardware) -> str:
         export = ev.estimate.host_terms.get("export_peak", 0)
         parts.append(
             f"{ev.host_bytes / GiB:.0f} GiB host RAM (usable {hw.host_limit_bytes / GiB:.0f}; "
-            f"{export / GiB:.0f} of it the final export's 16-bit copies of the model)"
+            f"{export / GiB:.0f} of it the final export)"
         )
     if not ev.fits_nvme:
         parts.append(f"{ev.estimate.nvme_bytes / GiB:.0f} GiB of NVMe (--nvme-gib)")
@@ -297,6 +306,12 @@ def _auto_key(ev: Evaluation) -> tuple[bool, bool, float, int]:
     return (c.uses_nvme, c.state_dtype == "bf16", round(ev.time.total, 3), ev.device_bytes + ev.host_bytes)
 
 
+def _kind(c: MemoryInputs) -> str:
+    if not c.lora_rank:
+        return "full"
+    return "QLoRA" if c.quantize != "none" else "LoRA"
+
+
 def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
     """A complete recipe for the chosen configuration, with a header like the shipped ones."""
     import yaml
@@ -309,7 +324,7 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", auto.model.lower()).strip("-")[-40:]
     body: dict[str, Any] = {
         "name": f"auto-{slug}",
-        "description": f"Auto-planned {'LoRA' if c.lora_rank else 'full'} fine-tune of {auto.model} on {hw.gpus} x {hw.name}",
+        "description": f"Auto-planned {_kind(c)} fine-tune of {auto.model} on {hw.gpus} x {hw.name}",
         "hardware": {
             "device": hw.kind,
             "nodes": -(-hw.gpus // hw.gpus_per_node),
@@ -338,7 +353,14 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
         "precision": auto.precision,
         "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "sdpa", **switches},
         **(
-            {"lora": {"rank": c.lora_rank, "alpha": 2.0 * c.lora_rank, "dropout": 0.05}}
+            {
+                "lora": {
+                    "rank": c.lora_rank,
+                    "alpha": 2.0 * c.lora_rank,
+                    "dropout": 0.05,
+                    **({"quantize": c.quantize} if c.quantize != "none" else {}),
+                }
+            }
             if c.lora_rank
             else {}
         ),

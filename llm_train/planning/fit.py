@@ -95,6 +95,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
     asked = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
     workers = 2 if asked is None else asked
     forked = workers > 0 and on_gpu
+    quantize = recipe.lora.quantize if recipe.lora else "none"
     return MemoryInputs(
         shape=shape,
         layout=layout,
@@ -104,6 +105,10 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         attn_impl=recipe.memory.attention,
         dense_mask=True,  # packed rows (block-diagonal) and padded rows both carry one
         lora_rank=recipe.lora.rank if recipe.lora else None,
+        quantize=quantize,
+        # transformers loads a quantised base whole on each GPU, not under zero.Init (memory.py).
+        zero_init=False if quantize != "none" else None,
+        direct_load=recipe.model.init == "pretrained",
         reduce_bucket_size=number("reduce_bucket_size", None),
         prefetch_bucket_size=number("stage3_prefetch_bucket_size", None),
         # DeepSpeed turns overlap_comm on by default for stage 3 only.

@@ -69,13 +69,26 @@ bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m a
 each instead of 4 (6 instead of 12 per parameter) and the host gradient partition is bf16 (2
 instead of 4): 8 bytes per offloaded parameter on the host instead of 16.
 
-Export. At the end of a run (runtime/zero_engine.py `export`) rank 0 holds the gathered 16-bit
-model on the CPU (Accelerate's get_state_dict: ZeRO-3's consolidated 16-bit state dict, or a CPU
-clone of the module's); `save_hf_model` writes it without another copy (it clones only tensors
+Export. At the end of a full fine-tune (runtime/zero_engine.py `export`) rank 0 holds the gathered
+16-bit model on the CPU (Accelerate's get_state_dict: ZeRO-3's consolidated 16-bit state dict, or a
+CPU clone of the module's); `save_hf_model` writes it without another copy (it clones only tensors
 that share storage). Before gathering, every rank frees its Adam moments (runtime/optim.py
 `release_moments`: the final checkpoint is committed, the run is over), two thirds of the
 offloaded optimizer state. The export phase is therefore the training phase, less the
-offloaded moments, plus the gathered copy; the host peak is the larger of the phases.
+offloaded moments, plus the gathered copy; the host peak is the larger of the phases. A LoRA run
+writes final/ layer by layer from the GPU (runtime/sharded_export.py): the host holds one shard of
+EXPORT_SHARD_BYTES (or the largest tensor, if larger) for a merged export, the adapters for an
+adapter export.
+
+Loading. A pretrained model is read from its checkpoint one tensor at a time, straight onto the GPU
+(transformers' device_map; ZeRO-0/1/2) or into zero.Init's partitions (ZeRO-3): the host holds the
+safetensors shard being read (CHECKPOINT_SHARD_BYTES), never the model. Only a randomly initialised
+model (`direct_load=False`) is built whole on the host first.
+
+QLoRA (`quantize`): the decoder layers' linear weights in 4 or 8 bits, the rest 16-bit
+(planning/quantized.py), plus one dequantised 16-bit copy of the layer computing. transformers
+loads a quantised model whole on each GPU (it skips zero.Init); ZeRO-3 partitions it afterwards, so
+the GPU's peak is the larger of that load and training.
 
 Units: bytes everywhere; `GiB` (2**30) in tables. GPU terms are per GPU (the
 busiest one: first pipeline stage); host terms and NVMe are per node.
@@ -98,6 +111,7 @@ from llm_train.config.layout import (
 )
 from llm_train.errors import UserError
 from llm_train.planning.host_offload import OffloadRank, cpu_optimizer_host, cpu_parameters_host
+from llm_train.planning.quantized import QUANTIZE_MODES, base_weight_bytes, dequantized_layer_bytes
 from llm_train.planning.shapes import ModelShape
 from llm_train.units import GiB
 
@@ -112,8 +126,11 @@ ALLOCATOR_SLACK_FRACTION = 0.10
 PROCESS_HOST_BYTES = 3 * GiB
 # Hugging Face's default `max_shard_size` when checkpoints are saved ("5GB").
 # With zero.Init each rank reads one shard at a time into CPU memory, partitions
-# it, and frees it, so the load peak per rank is one shard, not the model.
+# it, and frees it, so the load peak per rank is one shard, not the model; loading
+# straight to the GPU (device_map) maps one shard file at a time the same way.
 CHECKPOINT_SHARD_BYTES = 5 * 10**9
+# A LoRA run's final/ shards (runtime/sharded_export.py): the host's share of a merged export.
+EXPORT_SHARD_BYTES = 2 * GiB
 # DeepSpeed's "overlap_comm uses 4.5x the allgather_bucket_size and
 # reduce_bucket_size values" (its ZeRO config documentation).
 OVERLAP_COMM_FACTOR = 4.5
@@ -343,6 +360,11 @@ class MemoryInputs:
     as [micro x 1 x s x s] without sequence parallelism (Ulysses drops it); flash-attention-2 needs none."""
     lora_rank: int | None = None
     """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
+    quantize: str = "none"
+    """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
+    direct_load: bool = True
+    """Pretrained weights read tensor by tensor onto the GPU or into zero.Init's partitions (False: a
+    randomly initialised model, built whole on the host first)."""
     reduce_bucket_size: int | None = None
     """Elements; None = hidden*hidden (HF's "auto")."""
     prefetch_bucket_size: int | None = None
@@ -399,6 +421,12 @@ class MemoryInputs:
             )
         if self.lora_rank is not None and self.lora_rank < 1:
             raise MemoryInputError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise MemoryInputError(
+                f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got '{self.quantize}'"
+            )
+        if self.quantize != "none" and self.lora_rank is None:
+            raise MemoryInputError("quantize needs lora_rank: a quantised base trains adapters only (QLoRA)")
         if self.state_dtype not in STATE_DTYPES:
             raise MemoryInputError(
                 f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got '{self.state_dtype}'"
@@ -482,6 +510,7 @@ class MemoryInputs:
             self.grad_accum,
             self.activation_checkpointing,
             self.lora_rank,
+            self.quantize,
             self.state_dtype,
             self.long_context,
         )
@@ -540,6 +569,7 @@ class MemoryInputs:
 
 _LABELS = {
     "parameters": "parameters",
+    "dequantized_weight": "dequantised 4/8-bit weight (transient)",
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "activations": "activations",
@@ -559,7 +589,7 @@ _LABELS = {
     "param_swap_buffers": "parameter NVMe swap buffers (pinned)",
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
-    "export_peak": "final export: gathered model (transient)",
+    "export_peak": "final export (transient)",
 }
 
 
@@ -632,6 +662,12 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     else:
         on_gpu_weights = weights
     params_gpu = on_gpu_weights * weight_bytes
+    quantized_base = base_weight_bytes(shape, inp.quantize, weight_bytes) / shard
+    if inp.quantize != "none":
+        # The base's share of what this GPU holds, at the quantised bytes (ZeRO-3 partitions the
+        # packed storage like any weight); adapters stay in the training dtype.
+        base_on_gpu = on_gpu_weights * base / weights
+        params_gpu += base_on_gpu * (quantized_base / base - weight_bytes)
 
     # Under ZeRO-2/3 offload, gradients stream through the reduce buckets to the host
     # optimizer. Stage 1 with offload is counted as keeping its full 16-bit gradients
@@ -700,6 +736,8 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "logits_and_loss": logits,
         "deepspeed_buffers": buffers,
     }
+    if inp.quantize != "none":
+        gpu_terms["dequantized_weight"] = dequantized_layer_bytes(shape, inp.quantize, weight_bytes, inp.tp)
     if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
         # HF builds one bool [b, 1, s, s] mask per forward; torch's sdpa turns it into an additive
         # mask of the compute dtype in each layer and keeps it for backward (measured on CPU at 8k:
@@ -771,9 +809,9 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         host["offloaded_checkpoints"] = ranks * offloaded_checkpoints
     host["process_overhead"] = ranks * PROCESS_HOST_BYTES
     full_model = shape.num_params * weight_bytes
-    if inp.zero_init:
-        # zero.Init: no rank materialises the model; each reads one checkpoint shard
-        # at a time, keeps its partition and frees the rest.
+    if inp.zero_init or (inp.direct_load and inp.pp == 1):
+        # zero.Init, or straight onto the GPU: no rank materialises the model on the host; each
+        # reads one checkpoint shard at a time and keeps only its own tensors, on its device.
         host["model_load_peak"] = ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
     elif inp.pp > 1:
         # A pipeline stage is built as its own module (~1/pp of the layers) and reads only its
@@ -801,11 +839,15 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     host_total = host["process_overhead"] + max(load_phase, train_phase, export_phase)
 
     gpu_int = {k: int(v) for k, v in gpu_terms.items()}
+    gpu_bytes = sum(gpu_int.values())
+    if inp.quantize != "none" and stage == 3 and dp > 1:
+        # transformers loads the quantised base whole onto each GPU; the engine then partitions it.
+        gpu_bytes = max(gpu_bytes, int(quantized_base + CUDA_CONTEXT_BYTES))
     return MemoryEstimate(
         gpu_terms=gpu_int,
         host_terms={k: int(v) for k, v in host.items()},
         nvme_bytes=int(nvme),
-        gpu_bytes=sum(gpu_int.values()),
+        gpu_bytes=gpu_bytes,
         host_bytes=int(host_total),
         convention=CONVENTION,
     )
@@ -815,14 +857,16 @@ def export_peak_bytes(inp: MemoryInputs) -> float:
     """Host bytes the final export adds on the busiest node (see the module docstring).
 
     ZeRO engine: rank 0 holds the gathered 16-bit model, which save_hf_model writes as it is: one
-    copy of the whole model. LoRA merged: a second, since lora.merged_state_dict builds new
-    tensors for every adapted projection (nearly all the weights); LoRA adapter: the gathered
-    model only (the adapters are tiny). Pipeline engine: each stage's data-parallel rank 0
+    copy of the whole model. LoRA: written layer by layer from the GPU (runtime/sharded_export.py),
+    so one shard, or the largest tensor if larger (merged), or the adapters (adapter). Pipeline engine: each stage's data-parallel rank 0
     copies its stage's weights to the CPU once (pipeline_model.stage_hf_state).
     """
-    full_model = inp.shape.num_params * (2 if inp.precision != "fp32" else 4)
+    weight_bytes = 2 if inp.precision != "fp32" else 4
+    full_model = inp.shape.num_params * weight_bytes
     if inp.pp > 1:
         return min(inp.pp, inp.ranks_per_node) * full_model / inp.pp
     if inp.lora_rank:
-        return (1.0 if inp.export_adapter_only else 2.0) * full_model
+        if inp.export_adapter_only:
+            return inp.shape.lora_params(inp.lora_rank) * weight_bytes
+        return min(full_model, max(EXPORT_SHARD_BYTES, inp.shape.largest_layer_params * weight_bytes))
     return 1.0 * full_model

@@ -86,10 +86,12 @@ def verdict(
             f"GPU {ev.device_bytes / GiB:.1f} of {hw.gpu_mem_bytes / GiB:.1f} GiB "
             f"({spare / GiB:+.1f} GiB, {spare / hw.gpu_mem_bytes:+.0%})"
         )
-    spare_host = hw.host_ram_bytes - ev.host_bytes
+    usable = hw.host_limit_bytes
+    spare_host = usable - ev.host_bytes
     parts.append(
-        f"host RAM {ev.host_bytes / GiB:.1f} of {hw.host_ram_bytes / GiB:.1f} GiB "
-        f"({spare_host / GiB:+.1f} GiB, {spare_host / hw.host_ram_bytes:+.0%})"
+        f"host RAM {ev.host_bytes / GiB:.1f} of {usable / GiB:.1f} GiB usable "
+        f"({spare_host / GiB:+.1f} GiB, {spare_host / max(1, usable):+.0%}; "
+        f"{(hw.host_ram_bytes - usable) / GiB:.0f} of {hw.host_ram_bytes / GiB:.0f} GiB kept for the OS)"
     )
     if ev.estimate.nvme_bytes:
         declared = f"of {nvme_bytes / GiB:.0f} GiB (--nvme-gib)" if nvme_bytes else "(no --nvme-gib given)"
@@ -205,6 +207,8 @@ def config_line(inp: MemoryInputs, grad_accum: int) -> str:
         else "no offload"
     )
     what = f"LoRA r={inp.lora_rank}" if inp.lora_rank else "full fine-tune"
+    if inp.quantize != "none":
+        what = f"QLoRA ({inp.quantize} base) r={inp.lora_rank}"
     if inp.state_dtype == "bf16":
         offload += " (bf16 optimizer states)"
     return (

@@ -451,7 +451,8 @@ def short_config(c: MemoryInputs) -> str:
     text = f"ZeRO-{c.zero_stage}" + (f" ({', '.join(off)})" if off else " without offload")
     text += f", micro-batch {c.micro_batch}" + (", checkpointing" if c.activation_checkpointing else "")
     text += long_context_text(c, prefix=", ")
-    return ("LoRA, " if c.lora_rank else "") + text
+    kind = ("QLoRA, " if c.quantize != "none" else "LoRA, ") if c.lora_rank else ""
+    return kind + text
 
 
 def long_context_text(c: MemoryInputs, prefix: str = "") -> str:

@@ -45,6 +45,10 @@ NVME_BYTES_PER_S = 3e9
 OVERLAPPED_COMM_EXPOSED = 0.5
 # ZeRO-3's per-module gather/release hooks and bookkeeping cost time even on one GPU.
 ZERO3_COMPUTE_OVERHEAD = 0.05
+# QLoRA: bitsandbytes dequantises every 4/8-bit weight to 16 bits for each matmul (forward, the
+# recompute, and the input gradient in backward) instead of reading it: assumed ~30% more step time
+# than 16-bit LoRA, until bench/consumer_check.sh measures both on a GPU.
+QUANTIZED_COMPUTE_OVERHEAD = 0.30
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
     compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
     if stage == 3:
         compute *= 1 + ZERO3_COMPUTE_OVERHEAD
+    if inp.quantize != "none":
+        compute *= 1 + QUANTIZED_COMPUTE_OVERHEAD
 
     # ZeRO collectives (ring: each GPU sends/receives ~(dp-1)/dp of the tensor per pass).
     comm_bytes = 0.0

@@ -31,6 +31,7 @@ import torch
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError
 from llm_train.runtime.checkpoint import read_manifest, verify
+from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
 from llm_train.runtime.run_state import DS_TAG
 from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
@@ -172,11 +173,6 @@ def write_reference(final: Path, input_ids: torch.Tensor, logits: torch.Tensor) 
         "logits": logits.detach().float().cpu().contiguous(),
     }
     save_file(tensors, str(path), metadata={"dtype": str(logits.dtype).removeprefix("torch.")})
-
-
-def clear_reference(final: Path) -> None:
-    """No reference for this export (adapter exports): a stale one from an earlier run must not be read."""
-    reference_path(final).unlink(missing_ok=True)
 
 
 def read_reference(final: Path) -> Reference | None:
@@ -339,7 +335,7 @@ def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
 
 # ------------------------------------------------------------ export from a checkpoint
 
-_EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
@@ -389,6 +385,13 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         raise UserError(f"export output {out_dir} is not empty; choose a new directory")
     hf_dir = ckpt_dir / "hf"
     state_dict = checkpoint_state_dict(ckpt_dir)
+    lora = checkpoint_lora(ckpt_dir)
+    if lora is not None:
+        config = json.loads((hf_dir / "config.json").read_text())
+        count = export_adapter_checkpoint(ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path"))
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
+        why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
+        return {"tensors": count, "max_logit_diff": float("nan"), "verified": why}
     config = AutoConfig.from_pretrained(hf_dir)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.
@@ -411,7 +414,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     batch = reference_input_ids(tokenizer, config.vocab_size)
     with torch.no_grad():
         ref_logits = reference(batch).logits
-    exported = reference.to(_EXPORT_DTYPES[dtype])
+    exported = reference.to(EXPORT_DTYPES[dtype])
     exported.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
     tokenizer.save_pretrained(out_dir)
     with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write

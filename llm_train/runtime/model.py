@@ -15,6 +15,7 @@ from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
 from llm_train.runtime.lora import apply_lora
+from llm_train.runtime.quantize import keep_training_layout, quantization_config, quantized
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -67,15 +68,32 @@ def _known_offline(name: str) -> bool:
 
 
 def build_model(
-    model: ModelSection, memory: MemorySection, precision: str, seed: int, lora: LoraSection | None = None
+    model: ModelSection,
+    memory: MemorySection,
+    precision: str,
+    seed: int,
+    lora: LoraSection | None = None,
+    device: str | None = None,
 ) -> Any:
-    """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set."""
+    """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set.
+
+    `device` (e.g. "cuda:0"): pretrained weights are read from the checkpoint straight onto it,
+    one tensor at a time, so the host never holds the whole model (transformers' device_map; the
+    caller leaves it None where weights are created partitioned instead, under ZeRO-3's zero.Init).
+    With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantize.py).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, _DTYPES[precision])
     if model.init == "pretrained":
         assert model.name_or_path is not None
+        placement: dict[str, Any] = {"device_map": {"": device}} if device else {}
+        if quantized(lora):
+            assert lora is not None
+            # Without a device_map (ZeRO-3, CPU) transformers' bitsandbytes quantizer loads onto the
+            # current CUDA device, or the CPU: still one tensor at a time, never a full 16-bit copy.
+            placement["quantization_config"] = quantization_config(lora, dtype)
         try:
             lm = AutoModelForCausalLM.from_pretrained(
                 model.name_or_path,
@@ -83,6 +101,7 @@ def build_model(
                 trust_remote_code=model.trust_remote_code,
                 dtype=dtype,
                 attn_implementation=memory.attention,
+                **placement,
                 **({"config": _with_overrides(model)} if model.config else {}),
             )
         except OSError as exc:
@@ -99,6 +118,8 @@ def build_model(
             attn_implementation=memory.attention,
             trust_remote_code=model.trust_remote_code,
         )
+    if quantized(lora):
+        keep_training_layout(lm)
     if memory.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 partitioned params.
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -112,6 +133,9 @@ def build_model(
     if memory.offload_checkpoints:
         enable_checkpoint_offload(lm, pin_memory=torch.cuda.is_available())
     if lora is not None:
+        # PEFT draws the adapters' A matrices from torch's global RNG: seeded here, a pretrained base
+        # gets the same adapters in every run, like a random one gets the same weights.
+        torch.manual_seed(seed)
         lm = apply_lora(lm, lora)
     return lm
 

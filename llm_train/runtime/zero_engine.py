@@ -21,12 +21,19 @@ from llm_train.errors import UserError
 from llm_train.observability.metrics import model_flops_per_token
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
-from llm_train.runtime.export import clear_reference, reference_input_ids, save_hf_model, write_reference
+from llm_train.runtime.export import (
+    EXPORT_DTYPES,
+    reference_input_ids,
+    save_hf_model,
+    write_reference,
+)
 from llm_train.runtime.fast import apply_liger, compile_engine
-from llm_train.runtime.lora import export_view
+from llm_train.runtime.lora import is_peft_model
 from llm_train.runtime.model import build_model
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
+from llm_train.runtime.quantize import describe_quantized, quantized
 from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
+from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
 
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
@@ -102,8 +109,11 @@ class ZeroEngine:
         if notice := apply_liger(recipe.memory, self.run.model_fields.get("model_type"), layout.zero_stage):
             self.say(notice)
         self.model = build_model(
-            recipe.model, recipe.memory, layout.precision, recipe.optim.seed, recipe.lora
+            recipe.model, recipe.memory, layout.precision, recipe.optim.seed, recipe.lora, self._load_device()
         )
+        if quantized(recipe.lora):
+            assert recipe.lora is not None
+            self.say(describe_quantized(self.model, recipe.lora))
         mark("model build")
         self.ds = self._prepare(max_steps)
         self.ds.train()  # from_pretrained returns the model in eval mode (dropout off)
@@ -116,6 +126,16 @@ class ZeroEngine:
             self.say(notice)
         mark("deepspeed init")
         self._hf_ds_config = None  # zero.Init is done with it
+
+    def _load_device(self) -> str | None:
+        """Where pretrained weights load to: this rank's GPU, except under ZeRO-3 (zero.Init partitions them).
+
+        Read onto the GPU tensor by tensor, the host never holds the model (the planner's load
+        peak is one checkpoint shard); DeepSpeed would move it there anyway.
+        """
+        if not torch.cuda.is_available() or self.run.layout.zero_stage == 3:
+            return None
+        return f"cuda:{torch.cuda.current_device()}"
 
     def _prepare(self, max_steps: int) -> Any:
         """The DeepSpeed engine, with the optimizer and LR schedule it steps at each accumulation boundary."""
@@ -219,25 +239,49 @@ class ZeroEngine:
         return WORLD.mean(torch.stack(losses).mean()) if losses else float("nan")
 
     def export(self, final: Path, tokenizer: Any) -> None:
-        adapter_only = self.run.recipe.lora is not None and self.run.recipe.lora.export == "adapter"
+        lora = self.run.recipe.lora
         # The reference for the export check: the trained model's logits on a fixed batch, from
         # the engine itself, before anything is written. A collective like the gather below:
         # under ZeRO-3 each layer's shards are gathered from every rank for the forward.
-        reference = None if adapter_only else self._reference_forward(tokenizer)
+        reference = self._reference_forward(tokenizer)
         release_moments(self.ds.optimizer)  # the run is over: room for the gathered copy below
+        if lora is not None and is_peft_model(self.accelerator.unwrap_model(self.ds)):
+            self._export_lora(final, tokenizer, reference)
+            return
         # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes.
         state_dict = self.accelerator.get_state_dict(self.ds)
         if self.accelerator.is_main_process:
-            # LoRA: merged weights or the adapter; else unchanged.
-            model, state = export_view(
-                self.accelerator.unwrap_model(self.ds), state_dict, self.run.recipe.lora
-            )
-            save_hf_model(model, state, tokenizer, final)
-            if reference is None:  # an adapter has its own check (lora.verify_adapter_export)
-                clear_reference(final)
-            else:
-                write_reference(final, *reference)
+            save_hf_model(self.accelerator.unwrap_model(self.ds), state_dict, tokenizer, final)
+            write_reference(final, *reference)
         self.accelerator.wait_for_everyone()
+
+    @torch.no_grad()
+    def _export_lora(self, final: Path, tokenizer: Any, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """LoRA / QLoRA: merged weights written shard by shard from the GPU, or the adapter alone."""
+        model = self.accelerator.unwrap_model(self.ds)
+        gather = self._gather if self.run.layout.zero_stage == 3 else no_gather
+        write = self.accelerator.is_main_process
+        lora = self.run.recipe.lora
+        assert lora is not None
+        if lora.export == "adapter":
+            write_adapter(model, final, tokenizer, gather, write)
+        else:
+            dtype = EXPORT_DTYPES[self.run.layout.precision]
+            peak = write_merged(model, final, tokenizer, gather, dtype, write)
+            if write:
+                self.say(f"export: merged shard by shard, host peak {peak / 2**30:.2f} GiB")
+        if write:
+            # Merged: what verify_export compares the reloaded model with. Adapter: the logits the
+            # base plus this adapter must give when reloaded with PEFT (lora.verify_adapter_export
+            # checks the files' shapes; reloading needs the user's base model).
+            write_reference(final, *reference)
+        self.accelerator.wait_for_everyone()
+
+    @staticmethod
+    def _gather(params: list[torch.nn.Parameter]) -> Any:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     @torch.no_grad()
     def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ OPTIONAL = {
     for extra, reqs in EXTRAS.items()
     if extra != "dev"
     for req in reqs
+    if not req.startswith("llm_train[")  # an extra that includes another (qlora includes lora)
 }
 
 # The optional packages as on an installation without the extras: not found, neither by `import`
@@ -42,7 +43,12 @@ sys.meta_path = [Hide if f is importlib.machinery.PathFinder else f for f in sys
 
 
 def test_the_extras_are_the_ones_the_cli_names() -> None:
-    assert OPTIONAL == {"tensorboard": "tensorboard", "peft": "lora", "matplotlib": "report"}
+    assert OPTIONAL == {
+        "tensorboard": "tensorboard",
+        "peft": "lora",
+        "bitsandbytes": "qlora",
+        "matplotlib": "report",
+    }
     for package, extra in OPTIONAL.items():
         assert cli.missing_dependency_fix(package) == f"pip install 'llm_train[{extra}]'"
     assert cli.missing_dependency_fix("matplotlib.pyplot") == "pip install 'llm_train[report]'"

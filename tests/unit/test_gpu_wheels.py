@@ -176,3 +176,38 @@ def test_read_wheel_takes_tags_from_the_name_and_requirements_from_metadata(tmp_
     assert info.requires == ["numpy>=1.17", "pytest; extra == 'dev'"]
     assert {str(t) for t in info.tags} == {"cp312-cp312-manylinux_2_17_x86_64"}
     assert gpu_wheels.check([info], PRESENT).ok
+
+
+def test_slim_wheel_drops_the_libraries_and_their_record_lines(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from slim_wheel import slim
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    source = tmp_path / "in" / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    source.parent.mkdir()
+    members = {
+        "bitsandbytes/__init__.py": b"",
+        "bitsandbytes/libbitsandbytes_cpu.so": b"cpu",
+        "bitsandbytes/libbitsandbytes_cuda130.so": b"cuda130",
+        "bitsandbytes/libbitsandbytes_cuda124.so": b"cuda124" * 1000,
+        "bitsandbytes/libbitsandbytes_rocm72.so": b"rocm",
+    }
+    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in members.items())
+    with zipfile.ZipFile(source, "w") as whl:
+        for name, data in members.items():
+            whl.writestr(name, data)
+        whl.writestr(
+            "bitsandbytes-0.50.2.dist-info/RECORD", record + "bitsandbytes-0.50.2.dist-info/RECORD,,\n"
+        )
+    target, dropped = slim(source, tmp_path / "out", r"\.so$", r"libbitsandbytes_(cpu|cuda130)\.so$")
+    assert target.name == source.name
+    assert sorted(dropped) == [
+        "bitsandbytes/libbitsandbytes_cuda124.so",
+        "bitsandbytes/libbitsandbytes_rocm72.so",
+    ]
+    with zipfile.ZipFile(target) as whl:
+        names = set(whl.namelist())
+        kept = whl.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
+    assert "bitsandbytes/libbitsandbytes_cuda130.so" in names and not names & set(dropped)
+    assert "cuda124" not in kept and "rocm72" not in kept and "libbitsandbytes_cuda130.so" in kept

@@ -11,7 +11,7 @@ import torch
 from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.errors import UserError
 from llm_train.planning.shapes import shape_from_config
-from llm_train.runtime.lora import apply_lora, export_view, merged_state_dict, verify_adapter_export
+from llm_train.runtime.lora import apply_lora, verify_adapter_export
 
 pytest.importorskip("peft")
 
@@ -52,37 +52,6 @@ def test_unknown_target_module_is_one_line() -> None:
         UserError, match=r"lora.target_modules: query_key_value not in this model; its linear"
     ):
         apply_lora(tiny_model(), LoraSection(target_modules=["q_proj", "query_key_value"]))
-
-
-def test_merged_export_equals_peft_merge() -> None:
-    model = apply_lora(tiny_model(), LoraSection(rank=4, alpha=8, dropout=0.0))
-    with torch.no_grad():  # B starts at zero; give the adapters something to merge
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    to_save, merged = export_view(model, state, LoraSection(rank=4, alpha=8))
-    assert to_save is model.get_base_model()
-    reference = model.merge_and_unload().state_dict()
-    assert set(merged) == set(reference)
-    for key, value in reference.items():
-        torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-6)
-    assert not any("lora" in k or "base_layer" in k for k in merged)
-
-
-def test_export_view_passes_through_without_lora_or_for_adapter_export() -> None:
-    model = tiny_model()
-    state = model.state_dict()
-    assert export_view(model, state, None) == (model, state)
-    peft_model = apply_lora(tiny_model(), LoraSection(rank=4))
-    state = peft_model.state_dict()
-    assert export_view(peft_model, state, LoraSection(rank=4, export="adapter")) == (peft_model, state)
-
-
-def test_merge_refuses_a_state_dict_without_adapters() -> None:
-    model = apply_lora(tiny_model(), LoraSection(rank=4))
-    with pytest.raises(UserError, match="holds no adapter weights"):
-        merged_state_dict(model, {"base_model.model.lm_head.weight": torch.zeros(2, 2)})
 
 
 def test_verify_adapter_export(tmp_path: Path) -> None:

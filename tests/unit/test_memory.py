@@ -279,14 +279,18 @@ def test_checkpointing_and_sdpa_reduce_activations() -> None:
 
 def test_zero_init_avoids_full_model_per_rank_at_load() -> None:
     with_init = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=3))
-    without = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=3, zero_init=False))
+    without = estimate_memory(
+        MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=3, zero_init=False, direct_load=False)
+    )
     assert without.host_terms["model_load_peak"] == 8 * 2 * LLAMA2_7B.num_params  # every rank, 16-bit
     assert with_init.host_terms["model_load_peak"] == 8 * 5 * 10**9  # one 5 GB shard per rank
     assert with_init.host_bytes < without.host_bytes
 
 
 def test_pipeline_stages_load_only_their_share_of_the_model() -> None:
-    whole = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=1, zero_init=False))
+    whole = estimate_memory(
+        MemoryInputs.of(shape=LLAMA2_7B, world_size=8, zero_stage=1, zero_init=False, direct_load=False)
+    )
     staged = estimate_memory(
         MemoryInputs.of(shape=LLAMA2_7B, world_size=8, pp=8, zero_stage=1, zero_init=False)
     )

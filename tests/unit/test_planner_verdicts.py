@@ -40,7 +40,7 @@ PROCESS = 3 * GiB  # one CUDA training process before model state (memory.PROCES
 
 
 def usable_host(ram_gib: float) -> float:
-    return ram_gib * GiB - max(4 * GiB, 0.05 * ram_gib * GiB)
+    return ram_gib * GiB - 3 * GiB  # what the operating system keeps
 
 
 def usable_gpu(mem_gib: float) -> float:
@@ -152,10 +152,15 @@ def offloaded_host_peak(state: int) -> float:
 @pytest.mark.parametrize(
     ("overrides", "state", "ram_gib", "expected"),
     [
-        ([], 4, 192, "FITS"),  # 124.2 GiB < 182.4 usable
-        ([], 4, 128, "DOES NOT FIT"),  # 124.2 GiB > 121.6 usable: what killed the first H200 run
-        (["precision=bf16", "optim.state_dtype=bf16"], 2, 96, "FITS"),  # 70.7 GiB < 91.2 usable
-        (["precision=bf16", "optim.state_dtype=bf16"], 2, 64, "DOES NOT FIT"),  # 70.7 GiB > 60.8 usable
+        ([], 4, 192, "FITS"),  # 124.2 GiB < 189 usable
+        (
+            [],
+            4,
+            125.9,
+            "DOES NOT FIT",
+        ),  # 124.2 GiB > 122.9 usable: the H200 machine the first run was killed on
+        (["precision=bf16", "optim.state_dtype=bf16"], 2, 96, "FITS"),  # 70.7 GiB < 93 usable
+        (["precision=bf16", "optim.state_dtype=bf16"], 2, 64, "DOES NOT FIT"),  # 70.7 GiB > 61 usable
     ],
 )
 def test_offloaded_optimizer_host_ram_and_verdict(
@@ -218,13 +223,16 @@ PSI_70B = shape_of("meta-llama/Llama-3.1-70B").num_params  # 70.6e9
 
 
 def test_70b_on_one_24gb_card_with_64gib_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    # Whatever is offloaded where, the export gathers the 16-bit model on the host and clones it.
-    assert usable_host(64) < 4 * PSI_70B  # 60.8 < 263 GiB
+    # Even in 4 bits (QLoRA) the weights are ~35 GiB: more than the card, whatever is offloaded.
+    assert usable_host(64) < 4 * PSI_70B  # 61 < 263 GiB
     args = ["--recipe", "auto", "--model", "meta-llama/Llama-3.1-70B", "--gpus", "1", "--gpu-mem", "24"]
-    for extra in ([], ["--nvme-gib", "4000"]):
-        assert cli.main(["plan", *args, "--host-ram", "64", *extra]) == 2
-        err = capsys.readouterr().err
-        assert "DOES NOT FIT anywhere" in err and "final export" in err and err.count("\n") == 1
+    assert cli.main(["plan", *args, "--host-ram", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "DOES NOT FIT anywhere" in err and "the closest, QLoRA" in err and err.count("\n") == 1
+    # With a drive, LoRA with the weights on NVMe fits (the export writes one shard at a time), at a
+    # pace nobody should accept.
+    assert cli.main(["plan", *args, "--host-ram", "64", "--nvme-gib", "4000"]) == 0
+    assert "FITS BUT IMPRACTICAL" in capsys.readouterr().out
 
 
 def test_70b_with_nvme_on_an_rtx3090_is_impractical() -> None:
@@ -245,7 +253,7 @@ def test_13b_on_one_24gb_card_with_128gib_is_not_a_full_finetune_that_fits() -> 
     # The 16-bit weights alone (2 Psi = 24.2 GiB) overflow the card, so they must be offloaded too;
     # then the host holds at least bf16 states (8) + weights (2) + the export (4) per parameter.
     assert 2 * psi > usable_gpu(24)
-    assert (8 + 2 + 4) * psi > usable_host(128)  # 170 GiB > 121.6
+    assert (8 + 2 + 4) * psi > usable_host(128)  # 170 GiB > 125
     hw = hardware_for(1, None, 24, 128, None, detect=False)
     auto = choose_auto("meta-llama/Llama-2-13b-hf", hw)
     assert auto.inputs.lora_rank == 16 and "no full fine-tune fits" in auto.reasons[0]

@@ -1,0 +1,61 @@
+"""Bytes of a QLoRA base (`lora.quantize`): which weights bitsandbytes quantises, and to how many bytes.
+
+transformers' bitsandbytes integration replaces every `nn.Linear` of the decoder layers (q, k, v,
+o, gate, up, down) and leaves the embeddings, the norms and the output layer in the 16-bit
+training dtype (the output embeddings are never converted; `nn.Embedding` has no bitsandbytes
+layer). Per quantised weight element, as bitsandbytes 0.50 stores it (measured on a 1024 x 4096
+weight: 0.5161 B for NF4 with double quantisation, against 0.5159 from the formula below plus the
+two 16- and 256-entry code tables):
+- nf4 (double quantisation, blocks of 64): 4-bit codes 0.5 B, one 8-bit absmax per block (1/64 B),
+  one fp32 absmax per 256 blocks (4 / (64 x 256) B);
+- int8 (LLM.int8()): 1 B, plus one fp32 scale per output row (4 / in_features B).
+Biases stay 16-bit.
+
+While a quantised layer computes, bitsandbytes dequantises its weight to the compute dtype (in
+forward, and again for the input gradient in backward): one 16-bit copy of the layer being
+computed exists at a time.
+"""
+
+from __future__ import annotations
+
+from llm_train.planning.shapes import ModelShape
+
+QUANTIZE_MODES = ("none", "nf4", "int8")
+QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BLOCK = 64
+NF4_NESTED_BLOCK = 256
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_NESTED_BLOCK)
+
+
+def _in_features(shape: ModelShape, module: str) -> int:
+    if module == "o_proj":
+        return shape.q_dim
+    if module == "down_proj":
+        return shape.intermediate_size
+    return shape.hidden_size
+
+
+def quantized_weight_params(shape: ModelShape) -> int:
+    """Weight elements bitsandbytes quantises (the decoder layers' linear weights, not their biases)."""
+    return sum(numels[0] * count for name, numels, count in shape.modules() if name in QUANTIZED_MODULES)
+
+
+def base_weight_bytes(shape: ModelShape, quantize: str, weight_bytes: int) -> float:
+    """Bytes of the whole base model's weights: quantised projections plus everything left 16-bit."""
+    if quantize == "none":
+        return float(shape.num_params * weight_bytes)
+    quantized = 0.0
+    for name, numels, count in shape.modules():
+        if name not in QUANTIZED_MODULES:
+            continue
+        per_weight = NF4_BYTES_PER_WEIGHT if quantize == "nf4" else 1 + 4 / _in_features(shape, name)
+        quantized += numels[0] * count * per_weight
+    return quantized + (shape.num_params - quantized_weight_params(shape)) * weight_bytes
+
+
+def dequantized_layer_bytes(shape: ModelShape, quantize: str, weight_bytes: int, tp: int = 1) -> float:
+    """The 16-bit copy of the largest quantised weight while it computes (0 when nothing is quantised)."""
+    if quantize == "none":
+        return 0.0
+    largest = max(numels[0] for name, numels, _ in shape.modules() if name in QUANTIZED_MODULES)
+    return largest * weight_bytes / tp

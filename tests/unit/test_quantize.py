@@ -1,0 +1,277 @@
+"""QLoRA (lora.quantize): the recipe key, its refusals, the 4-bit base and its merged export, in one process.
+
+The real 2-process runs (ZeRO-2 and ZeRO-3, kill -9 + resume) are tests/e2e/test_qlora.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_train.config.recipe import LoraSection, load_recipe
+from llm_train.config.resolution import resolve_run
+from llm_train.errors import UserError
+from llm_train.runtime.export import logit_tolerance
+from llm_train.runtime.quantize import check_bitsandbytes, quantization_config
+from tests.helpers import make_tiny_pretrained
+
+pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+QLORA = ["model.init=pretrained", "model.name_or_path=/models/tiny", "lora.quantize=nf4"]
+
+
+def test_recipe_key_defaults_to_none_and_names_its_values() -> None:
+    assert load_recipe("tiny-cpu-lora").lora.quantize == "none"  # type: ignore[union-attr]
+    assert load_recipe("tiny-cpu-lora", QLORA).lora.quantize == "nf4"  # type: ignore[union-attr]
+    with pytest.raises(UserError, match=r"lora.quantize: Input should be 'none', 'nf4' or 'int8'"):
+        load_recipe("tiny-cpu-lora", ["lora.quantize=fp4"])
+
+
+def test_a_random_base_is_refused_in_one_line() -> None:
+    with pytest.raises(
+        UserError, match=r"lora.quantize=nf4 quantises a pretrained base as it loads; it needs model.init"
+    ):
+        load_recipe("tiny-cpu-lora", ["lora.quantize=nf4"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["deepspeed.config=zero3_offload"],
+            r"lora.quantize=nf4 cannot offload parameters \(offload_param.device=cpu",
+        ),
+        (["memory.torch_compile=true"], r"memory.torch_compile=true is not supported with lora.quantize=nf4"),
+        (["memory.liger_kernels=true"], r"memory.liger_kernels=true is not supported with lora.quantize=nf4"),
+        (
+            ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"],
+            r"lora is not supported with deepspeed.pipeline_stages=2",
+        ),
+    ],
+)
+def test_what_bitsandbytes_cannot_do_is_refused_before_anything_loads(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(UserError, match=message):
+        resolve_run("tiny-cpu-lora", QLORA + overrides, world_size=2)
+
+
+def test_sequence_parallel_is_refused() -> None:
+    overrides = QLORA + ["deepspeed.sequence_parallel=2", "data.packing=padded"]
+    with pytest.raises(
+        UserError, match=r"lora.quantize=nf4 is not supported with deepspeed.sequence_parallel=2"
+    ):
+        resolve_run("tiny-cpu-lora", overrides, world_size=2)
+
+
+def test_the_optimizer_may_go_to_the_cpu() -> None:
+    run = resolve_run("tiny-cpu-lora", QLORA + ["deepspeed.config=zero3_offload_optimizer"], world_size=2)
+    assert run.layout.offload_optimizer == "cpu" and run.layout.offload_params == "none"
+
+
+def test_missing_bitsandbytes_is_one_line_that_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
+    with pytest.raises(
+        UserError, match=r"lora.quantize=nf4 needs bitsandbytes.*pip install 'llm_train\[qlora\]'"
+    ):
+        check_bitsandbytes(LoraSection(quantize="nf4"))
+    check_bitsandbytes(LoraSection())  # 16-bit LoRA needs no bitsandbytes
+
+
+def test_config_is_nf4_double_quant_with_storage_equal_to_compute() -> None:
+    config = quantization_config(LoraSection(quantize="nf4"), torch.bfloat16)
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.bnb_4bit_quant_storage == torch.bfloat16
+    assert quantization_config(LoraSection(quantize="int8"), torch.bfloat16).load_in_8bit
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_pretrained(tmp_path_factory.mktemp("qbase") / "tiny", seed=5)
+
+
+def _qlora(base: Path, dtype: torch.dtype, quantize: str = "nf4") -> torch.nn.Module:
+    from llm_train.config.recipe import MemorySection, ModelSection
+    from llm_train.runtime.model import build_model
+
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    lora = LoraSection(rank=4, alpha=8, dropout=0.0, quantize=quantize)  # type: ignore[arg-type]
+    model = build_model(ModelSection(name_or_path=str(base)), MemorySection(), precision, seed=1, lora=lora)
+    with torch.no_grad():  # B starts at zero: give the adapters something to merge
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return model.eval()
+
+
+def test_the_base_is_4bit_and_only_adapters_train(tiny_base: Path) -> None:
+    from llm_train.runtime.quantize import is_quantized_linear
+
+    model = _qlora(tiny_base, torch.float32)
+    layers = [m for m in model.modules() if is_quantized_linear(m)]
+    assert len(layers) == 7 * 4  # every projection of the 4 decoder layers
+    assert all(type(m.weight).__name__ == "Params4bit" and m.weight.dtype == torch.float32 for m in layers)
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    embedding = model.get_base_model().model.embed_tokens.weight
+    assert embedding.dtype == torch.float32 and not embedding.requires_grad  # not quantised, frozen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_merged_export_gives_the_quantised_models_logits(
+    tiny_base: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """The merged model (dequantised base + adapter, in the training dtype) against the 4-bit model with adapters.
+
+    The quantised forward dequantises each weight to the compute dtype exactly as the merge does, so
+    the only difference is where the adapter's product is rounded: into the merged weight (one
+    rounding per element, in `dtype`) or added to the layer's output. That is the export check's
+    own tolerance (export.logit_tolerance: 4 ulps of the coarser dtype times the largest logit).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llm_train.runtime.sharded_export import no_gather, write_merged
+
+    model = _qlora(tiny_base, dtype)
+    ids = torch.tensor([[5, 17, 99, 1000, 7, 3, 250, 11]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits.float()
+    write_merged(model, tmp_path, AutoTokenizer.from_pretrained(tiny_base), no_gather, dtype, write=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto").eval()
+    assert merged.dtype == dtype and not hasattr(merged.config, "quantization_config")
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits.float()
+    assert (got - expected).abs().max() <= logit_tolerance(expected, dtype)
+    # ...and it is not the original 16-bit model: the 4-bit rounding and the adapters are in it.
+    original = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=dtype).eval()
+    with torch.no_grad():
+        assert (original(input_ids=ids).logits.float() - expected).abs().max() > logit_tolerance(
+            expected, dtype
+        )
+
+
+def test_int8_base_merges_too(tiny_base: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llm_train.runtime.sharded_export import no_gather, write_merged
+
+    model = _qlora(tiny_base, torch.float32, quantize="int8")
+    ids = torch.tensor([[5, 17, 99, 1000]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits.float()
+    write_merged(
+        model, tmp_path, AutoTokenizer.from_pretrained(tiny_base), no_gather, torch.float32, write=True
+    )
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits.float()
+    # LLM.int8() multiplies int8 inputs by int8 weights (outliers in 16-bit); the merge dequantises the
+    # weights and multiplies in fp32, so the two differ by the inputs' int8 rounding: ~1% of the scale.
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> None:
+    """Without it, an eval forward on an AVX512-BF16 CPU rewrites every 4-bit weight in place."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
+
+    model = _qlora(tiny_base, torch.float32)
+    layer = next(m for m in model.modules() if is_quantized_linear(m))
+    before = dequantized_weight(layer, torch.float32).clone()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert torch.equal(dequantized_weight(layer, torch.float32), before)
+    if has_avx512bf16():  # the case it guards against, where this CPU can show it
+        layer.support_avx512bf16_for_cpu = True
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+        assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+
+
+# --- the planner's numbers, against arithmetic written out here ---------------------------------------------
+
+GiB = 1024**3
+
+
+def _llama31_8b_arithmetic() -> tuple[int, int]:
+    """(quantised projection weights, everything else) of Llama-3.1-8B, from its published config."""
+    h, inter, layers, vocab, kv = 4096, 14336, 32, 128256, 8 * 128
+    projections = layers * (h * h + 2 * h * kv + h * h + 3 * h * inter)  # q, k, v, o, gate, up, down
+    rest = 2 * vocab * h + (2 * layers + 1) * h  # embeddings + untied head, the RMSNorm weights
+    return projections, rest
+
+
+def test_nf4_and_int8_bases_by_hand() -> None:
+    from llm_train.planning.quantized import base_weight_bytes
+    from llm_train.planning.shapes import shape_of
+
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    projections, rest = _llama31_8b_arithmetic()
+    assert projections + rest == shape.num_params
+    # NF4: 4-bit codes, an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those.
+    nf4 = projections * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2
+    assert base_weight_bytes(shape, "nf4", 2) == pytest.approx(nf4, rel=1e-12)
+    assert 5.3 * GiB < nf4 < 5.4 * GiB  # vs 14.96 GiB in bf16
+    # int8: a byte per weight, an fp32 scale per output row (in_features: h, except o's q_dim and down's inter).
+    h, inter, layers, kv = 4096, 14336, 32, 1024
+    rows = layers * (h + kv + kv + h + inter + inter + h)
+    assert base_weight_bytes(shape, "int8", 2) == pytest.approx(projections + 4 * rows + rest * 2, rel=1e-12)
+
+
+def test_8b_qlora_plan_by_hand() -> None:
+    """8b-qlora-rtx4070's GPU and host terms, each recomputed from its definition."""
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import (
+        CHECKPOINT_SHARD_BYTES,
+        EXPORT_SHARD_BYTES,
+        PROCESS_HOST_BYTES,
+        estimate_memory,
+    )
+    from llm_train.planning.shapes import shape_of
+
+    run = resolve_run("8b-qlora-rtx4070", [], world_size=1)
+    est = estimate_memory(memory_inputs(run, shape_of("meta-llama/Llama-3.1-8B")))
+    projections, rest = _llama31_8b_arithmetic()
+    r, h, inter, layers, kv = 16, 4096, 14336, 32, 1024
+    adapters = layers * r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))
+    nf4 = projections * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2
+    gpu = est.gpu_terms
+    assert gpu["parameters"] == pytest.approx(nf4 + 2 * adapters, abs=2)  # bf16 adapters on top of the base
+    assert gpu["optimizer_states"] == pytest.approx(
+        12 * adapters, abs=2
+    )  # fp32 master, m, v of adapters only
+    assert gpu["gradients"] == pytest.approx(2 * adapters, abs=2)
+    assert gpu["dequantized_weight"] == h * inter * 2  # the largest projection (gate/up/down) in bf16
+    host = est.host_terms
+    assert host["model_load_peak"] == CHECKPOINT_SHARD_BYTES  # read onto the GPU, one shard at a time
+    assert host["export_peak"] == EXPORT_SHARD_BYTES  # merged export: one 2 GiB shard on the host
+    assert est.host_bytes == PROCESS_HOST_BYTES + CHECKPOINT_SHARD_BYTES  # the load phase is the largest
+    assert est.host_bytes < 13 * GiB  # a 16 GiB desktop less the OS's 3 GiB
+    assert est.gpu_bytes < 0.95 * 12282 / 1024 * GiB  # an RTX 4070, with the planner's 5% headroom
+
+
+def test_16bit_lora_host_ram_by_hand() -> None:
+    """8b-lora-rtx4090 with 16 GiB: no full copy of the model on the host at load, in checkpoints or at export."""
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import (
+        CHECKPOINT_SHARD_BYTES,
+        EXPORT_SHARD_BYTES,
+        PROCESS_HOST_BYTES,
+        estimate_memory,
+    )
+    from llm_train.planning.shapes import shape_of
+
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    merged = estimate_memory(memory_inputs(resolve_run("8b-lora-rtx4090", [], world_size=1), shape))
+    assert merged.gpu_terms["parameters"] == pytest.approx(
+        2 * shape.num_params + 2 * shape.lora_params(16), abs=2
+    )
+    assert merged.host_bytes == PROCESS_HOST_BYTES + max(CHECKPOINT_SHARD_BYTES, EXPORT_SHARD_BYTES)
+    adapter = estimate_memory(
+        memory_inputs(resolve_run("8b-lora-rtx4090", ["lora.export=adapter"], world_size=1), shape)
+    )
+    assert adapter.host_terms["export_peak"] == 2 * shape.lora_params(16)  # the bf16 adapters only
