@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-OUTSIDE = re.compile(r"\bDESIGN\b|(?i:\bdesign facts?\b|\.\./shared\b|/work/shared\b)")  # DESIGN: the file's name
+# DESIGN in capitals is the notes file's name (DESIGN.md, "DESIGN fact 7", "DESIGN: ...").
+OUTSIDE = re.compile(r"\bDESIGN\b|(?i:\bdesign facts?\b|\.\./shared\b|/work/shared\b)")
 FACT = re.compile(r"\bfacts? (\d+)", re.IGNORECASE)
 THIS = Path(__file__).resolve()
 
