@@ -91,8 +91,12 @@ CASES = (
 STEPS = 4
 
 # Every run: the bundled corpus, a short schedule, nothing written but metrics and (when it finishes)
-# final/. The global batch of 4 keeps each step a few seconds on the H200.
+# final/. The global batch of 4 keeps each step a few seconds on the H200. sdpa, not the recipes' auto
+# (sdpa_flex on a GPU): flex attention compiles its kernels at the first batch, tens of seconds per run
+# this check's 8 minutes cannot spare; the kernels' speed is bench/mfu_matrix.py's question, and at 2048
+# tokens sdpa's s x s mask is 0.01 GiB, which the planner counts for it.
 COMMON = [
+    "memory.attention=sdpa",
     f"data.train=[{CORPUS}]",
     "data.max_epochs=1000",
     "data.eval_fraction=0.02",

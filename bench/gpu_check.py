@@ -632,7 +632,9 @@ def measure_speed(
         "steady_steps": len(steady),
         "step_time_s": median(steady, "step_time_s"),
         "tokens_per_s": median(steady, "tokens_per_s"),
-        "mfu": median(steady, "mfu"),
+        "mfu": median(steady, "mfu"),  # attention over the documents the rows pack (planning/flops.py)
+        "mfu_seq_len": median(steady, "mfu_seq_len"),  # attention over the whole row, as before
+        "attention_span": median(steady, "attention_span"),
         "gpu_mem_peak_gib": peak(rows, "gpu_mem_peak_gib"),
         "final_loss": rows[-1]["loss"] if rows else None,
         "wall_s": run.wall_s,

@@ -4,7 +4,7 @@
 # The GPU machine runs a fixed Python 3.12 image with torch, accelerate,
 # transformers and friends (bench/gpu_machine_packages.txt) and reaches no package registry. It lacks
 # deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection,
-# bitsandbytes and wandb, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
+# bitsandbytes, wandb and liger-kernel, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
 # pure Python; the versions this .venv runs, so what is tested here is what travels) into .whl/. There:
 #
 #   pip install --no-index --no-deps --target DIR .whl/*.whl
@@ -69,6 +69,11 @@ pip_ download "${TARGET[@]}" -d "$BNB" "$(pins bitsandbytes)"
 "$PY" bench/slim_wheel.py "$BNB"/bitsandbytes-*.whl --drop '\.so$' --keep 'libbitsandbytes_(cpu|cuda130)\.so$' -o "$OUT"
 rm -rf "$BNB"
 
+# Liger's kernels (memory.liger_kernels) are Triton and run on GPUs only, so this .venv has no copy to
+# pin: the version bench/mfu_matrix.py was written against. Pure Python (~0.9 MiB); it needs torch and
+# triton, which the image's CUDA torch brings.
+pip_ download "${TARGET[@]}" -d "$OUT" liger-kernel==0.8.5
+
 # llm_train from a clean copy of the working tree (tracked and new files, not ignored ones): a build in
 # place reuses build/lib, which keeps modules that have since been deleted or moved.
 SRC=$(mktemp -d)
@@ -97,4 +102,4 @@ else
 fi
 
 "$PY" bench/gpu_wheels.py "$OUT" --present "$PRESENT" --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
-  --resolve 'llm_train[qlora]'
+  --resolve 'llm_train[qlora]' liger-kernel

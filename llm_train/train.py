@@ -98,6 +98,7 @@ def print_dry_run(run: Resolved) -> None:
     print("# parallel plan")
     for key, value in run.layout.rows():
         print(f"  {key:<12} {value}")
+    print(f"  {'attention':<12} {run.recipe.memory.attention} ({run.attention})")
     rows = memory_rows(run)
     if rows:
         print("# memory estimate per GPU / host (first estimate; see `llm-train plan`)")

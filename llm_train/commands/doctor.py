@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.config import ds_json
+from llm_train.config.attention import choose_attention
 from llm_train.config.ds_json import nvme_paths
 from llm_train.config.hardware import describe_pairs, find_gpu, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
@@ -271,12 +272,14 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
                 "pip install --force-reinstall --no-build-isolation flash-attn, or use memory.attention=sdpa",
             )
     else:
-        report.add(section, "flash-attn", "not installed (memory.attention=sdpa works without it)")
-        if any(g[2] >= (8, 0) for g in gpus):
-            report.warn(
-                "flash-attn is not installed (optional)",
-                "pip install flash-attn --no-build-isolation to use memory.attention=flash_attention_2",
-            )
+        report.add(section, "flash-attn", "not installed (memory.attention=auto works without it)")
+    # What memory.attention=auto picks on this machine for one process per GPU (config/attention.py).
+    report.add(section, "attention", choose_attention("auto", "cuda" if gpus else "cpu").why)
+    if not flash and any(g[2] >= (8, 0) for g in gpus):
+        report.warn(
+            "flash-attn is not installed (optional)",
+            "pip install flash-attn --no-build-isolation to use memory.attention=flash_attention_2",
+        )
     compilers = []
     for tool in ("gcc", "g++", "ninja", "nvcc"):
         path = shutil.which(tool)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llm_train.config.attention import FLEX_KERNELS
 from llm_train.config.layout import Layout, sequence_parallel_message, sequence_parallel_problem
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
@@ -40,6 +41,14 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
             f"{degrees}: tensor parallel (tensor_parallel.autotp_size={tp} in {ds_source}) cannot be combined "
             f"with pipeline parallel (deepspeed.pipeline_stages={pp}): DeepSpeed's AutoTP shards models driven "
             f"through Accelerate, not PipelineModule stages; {SUPPORTED}"
+        )
+    attention = recipe.memory.attention
+    if attention in FLEX_KERNELS and (tp > 1 or pp > 1 or layout.sp > 1):
+        # Pipeline stages build their own masks, DeepSpeed's Ulysses attention wraps sdpa / flash-attention
+        # only, and flex under AutoTP is not verified (config/attention.py).
+        raise UserError(
+            f"{degrees}: memory.attention={attention} runs on the plain ZeRO path only (tp = pp = sp = 1); "
+            "use memory.attention=auto (flash_attention_2 where installed, else sdpa)"
         )
     if pp > 1:
         _check_pipeline(layout, recipe, fields, ds_source, degrees)
@@ -72,14 +81,14 @@ def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: st
             f"{degrees}: {asked} is not supported with deepspeed.sequence_parallel={layout.sp} (not verified "
             "with bitsandbytes layers); use lora.quantize=none or deepspeed.sequence_parallel=1"
         )
-    for setting, on in (
-        ("memory.torch_compile=true", recipe.memory.torch_compile),
-        ("memory.liger_kernels=true", recipe.memory.liger_kernels),
+    for setting, on, fix in (
+        (f"memory.torch_compile={recipe.memory.torch_compile}", recipe.memory.torch_compile != "off", "off"),
+        ("memory.liger_kernels=true", recipe.memory.liger_kernels, "false"),
     ):
         if on:
             raise UserError(
                 f"{setting} is not supported with {asked} (not verified with bitsandbytes layers); "
-                f"set {setting.replace('true', 'false')}"
+                f"set {setting.split('=')[0]}={fix}"
             )
 
 
@@ -107,13 +116,13 @@ def _check_sequence_parallel(layout: Layout, recipe: Recipe, fields: dict[str, A
         )
     unsupported = {
         "memory.liger_kernels=true": memory.liger_kernels,
-        "memory.torch_compile=true": memory.torch_compile,
+        f"memory.torch_compile={memory.torch_compile}": memory.torch_compile != "off",
     }
     for setting, asked_for in unsupported.items():
         if asked_for:
             raise UserError(
                 f"{degrees}: {setting} is not supported with {asked} (not verified with Ulysses attention); "
-                f"set {setting.replace('true', 'false')}"
+                f"set {setting.split('=')[0]}={'off' if 'compile' in setting else 'false'}"
             )
 
 
@@ -137,9 +146,9 @@ def _check_pipeline(
             recipe.memory.liger_kernels,
             "Liger patches the HF model classes, which pipeline stages do not use; set memory.liger_kernels=false",
         ),
-        "memory.torch_compile=true": (
-            recipe.memory.torch_compile,
-            "DeepSpeed's pipeline engine does not compile its stages; set memory.torch_compile=false",
+        f"memory.torch_compile={recipe.memory.torch_compile}": (
+            recipe.memory.torch_compile != "off",
+            "DeepSpeed's pipeline engine does not compile its stages; set memory.torch_compile=off",
         ),
         "memory.tiled_mlp=true": (
             recipe.memory.tiled_mlp,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llm_train import RECIPES_DIR
 from llm_train.config.credentials import is_secret_key
@@ -361,16 +361,22 @@ class MemorySection(Section):
     """Memory techniques that trade compute for memory."""
 
     activation_checkpointing: bool = Field(False, description="Recompute layer activations in backward.")
-    attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel; flash_attention_2 needs the flash-attn package and a GPU."
+    attention: Literal["auto", "sdpa", "sdpa_flex", "flex_attention", "flash_attention_2", "eager"] = Field(
+        "auto",
+        description="Attention kernel. 'auto': the fastest exact one installed (flash_attention_2, else sdpa_flex "
+        "on GPUs, sdpa on CPU; the dry run says which). 'sdpa_flex': sdpa with is_causal for batches without "
+        "sample boundaries or padding, flex_attention with a block mask per document for the others (GPU, "
+        "torch >= 2.5). flash_attention_2 needs the flash-attn package and a GPU.",
     )
     liger_kernels: bool = Field(
         False,
         description="Liger Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); needs liger-kernel and a GPU.",
     )
-    torch_compile: bool = Field(
-        False,
-        description="torch.compile the model via DeepSpeed's engine.compile(); the first steps compile.",
+    torch_compile: Literal["off", "model", "layers"] = Field(
+        "off",
+        description="torch.compile: 'layers' compiles each decoder layer in place (one compile, reused by every "
+        "layer), 'model' the whole model through DeepSpeed's engine.compile(); the first steps compile. "
+        "true/false mean 'model'/'off'.",
     )
     tiled_mlp: bool = Field(
         False,
@@ -387,6 +393,26 @@ class MemorySection(Section):
         description="Keep the activation-checkpoint inputs (one hidden state per layer) in host RAM "
         "between forward and backward; needs memory.activation_checkpointing=true.",
     )
+
+    @field_validator("torch_compile", mode="before")
+    @classmethod
+    def _compile_bool(cls, value: Any) -> Any:
+        # The switch was a bool before regional compilation existed: true meant the whole model.
+        if isinstance(value, bool):
+            return "model" if value else "off"
+        return value
+
+    @model_validator(mode="after")
+    def _compile_not_with_alst(self) -> MemorySection:
+        # The ALST switches patch forwards with their own autograd functions and saved-tensor hooks;
+        # torch.compile over them is not verified, so it is refused rather than trusted.
+        tiled = [n for n in ("tiled_mlp", "tiled_loss", "offload_checkpoints") if getattr(self, n)]
+        if self.torch_compile != "off" and tiled:
+            raise ValueError(
+                f"memory.torch_compile={self.torch_compile} is not verified with memory.{tiled[0]}=true; "
+                f"set memory.torch_compile=off or memory.{tiled[0]}=false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_checkpoints(self) -> MemorySection:
@@ -523,6 +549,11 @@ class Recipe(Section):
         if self.memory.attention == "flash_attention_2" and self.hardware.device == "cpu":
             raise ValueError(
                 "memory.attention=flash_attention_2 needs a CUDA GPU; use sdpa on hardware.device=cpu"
+            )
+        if self.memory.attention in ("flex_attention", "sdpa_flex") and self.hardware.device == "cpu":
+            raise ValueError(
+                f"memory.attention={self.memory.attention} cannot train on CPU (torch has no flex_attention "
+                "backward there); use sdpa or auto on hardware.device=cpu"
             )
         if self.lora is not None and self.lora.quantize != "none" and self.model.init == "random":
             # bitsandbytes quantises weights as transformers loads them from a checkpoint.

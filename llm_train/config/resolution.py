@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config import ds_json
+from llm_train.config.attention import choose_attention
 from llm_train.config.ds_validate import check_with_deepspeed
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
@@ -37,6 +38,8 @@ class Resolved:
     hidden_size: int
     model_fields: dict[str, Any]  # the HF config fields the shape came from
     notice: str | None
+    attention: str = ""
+    """How memory.attention was decided (recipe.memory.attention holds the kernel itself, never "auto")."""
 
     def recipe_yaml(self) -> str:
         return recipe_to_yaml(self.recipe)
@@ -86,6 +89,11 @@ def resolve_run(
     device = device or Device.declared(recipe)
     ds_path, raw = ds_json.load_ds_config(recipe.deepspeed.config)
     layout, notice = make_layout(recipe, raw, world_size, device, str(ds_path))
+    # Before the parallel checks, which judge the kernel itself (Ulysses and packed rows need flash-attention).
+    attention = choose_attention(recipe.memory.attention, device.kind, layout.tp, layout.pp, layout.sp)
+    recipe = recipe.model_copy(
+        update={"memory": recipe.memory.model_copy(update={"attention": attention.kernel})}
+    )
     fields = model_fields(recipe)
     check_parallel(layout, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
     hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)
@@ -142,7 +150,7 @@ def resolve_run(
         resolved["zero_force_ds_cpu_optimizer"] = False
     # Last: DeepSpeed's own config classes see exactly the JSON the workers will hand it.
     check_with_deepspeed(resolved, str(ds_path))
-    return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice)
+    return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice, attention.why)
 
 
 def largest_weight(fields: dict[str, Any], hidden: int) -> int:

@@ -14,6 +14,9 @@ Padded rows hold one sample, right-padded, with a 0/1 `attention_mask`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import numpy as np
 
 from llm_train.data.prepare import PackedSplit
@@ -46,3 +49,54 @@ def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str
         attention = (np.arange(width)[None, :] < used[:, None]).astype(np.int64)
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "use_cache": False}
+
+
+def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:
+    """(sum of n^2, sum of n) over the documents of a micro-batch's rows: the attention they really span.
+
+    A document is a run of consecutive position ids (transformers' packed-sequence rule,
+    masking_utils.find_packed_sequence_indices): each packed sample, and the padding tail, which
+    restarts its positions and attends to itself. Padded rows are their sample and their padding
+    (the 0/1 mask); a row with neither is one document. n counts every slot, as tokens/s does.
+    planning/flops.py turns the two sums into MFU's span.
+    """
+    positions = batch.get("position_ids")
+    if positions is not None:
+        pos = np.asarray(positions)
+        new = np.ones(pos.shape, dtype=bool)
+        new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        starts = np.flatnonzero(new.reshape(-1))  # every row starts a document, so rows never merge
+        lengths = np.diff(np.append(starts, pos.size))
+        return int(np.square(lengths).sum()), int(pos.size)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        used = np.asarray(mask).sum(axis=1).astype(np.int64)
+        width = np.asarray(mask).shape[1]
+        return int((np.square(used) + np.square(width - used)).sum()), int(used.size * width)
+    rows, width = np.asarray(batch["input_ids"]).shape
+    return rows * width * width, rows * width
+
+
+class SpanTally:
+    """Passes micro-batches through unchanged and sums their `span_sums` until `take` (one per logged window)."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self.batches = batches
+        self.squared = 0
+        self.tokens = 0
+
+    def __iter__(self) -> SpanTally:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        squared, tokens = span_sums(batch)
+        self.squared += squared
+        self.tokens += tokens
+        return batch
+
+    def take(self) -> tuple[int, int]:
+        """(sum of n^2, sum of n) since the last take."""
+        out = (self.squared, self.tokens)
+        self.squared = self.tokens = 0
+        return out

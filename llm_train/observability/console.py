@@ -110,7 +110,9 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, Any], eta_s: flo
     if "tokens_per_s" in metrics:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     if "mfu" in metrics:
-        parts.append(f"mfu {metrics['mfu']:.1%}")
+        mfu, full = metrics["mfu"], metrics.get("mfu_seq_len", metrics["mfu"])
+        # Packed rows: the document-aware figure, and the row-width one most tools print beside it.
+        parts.append(f"mfu {mfu:.1%}" + (f" ({full:.1%} at seq_len)" if abs(full - mfu) >= 5e-4 else ""))
     if "gpu_mem_peak_gib" in metrics:
         parts.append(f"mem {metrics['gpu_mem_peak_gib']:.1f} GiB")
     if eta_s is not None:
@@ -128,6 +130,7 @@ def startup_summary(
     say(f"llm-train: recipe {recipe.name} -> {out}")
     for key, value in layout.rows():
         say(f"  {key:<12} {value}")
+    say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
     estimate = dict(memory_rows(run)) if layout.device != "cpu" else {}
     if estimate:
         say(

@@ -7,11 +7,14 @@ in evaluation, checkpointing or logging never counts as training time.
 
 MFU counts model FLOPs per token with llm_train.planning.flops: 6N + 6*L*H*Q*T, with N the
 parameters that take part in matmuls (the input embedding is a lookup, so it is left out
-unless the output head shares it), L layers, H heads, Q head dim, T the sequence length,
-causal attention counted as half of PaLM's (appendix B) full 12*L*H*Q*T, as Megatron-LM
-does; flops.py says why. It is measured against the device's dense bf16 peak
-(llm_train.config.hardware) or `--peak-tflops`; without a known peak (CPU) there is no MFU.
-Activation recomputation is not counted: that is hardware FLOPs utilisation, not MFU.
+unless the output head shares it), L layers, H heads, Q head dim, T the span attention really
+covers, causal attention counted as half of PaLM's (appendix B) full 12*L*H*Q*T, as Megatron-LM
+does; flops.py says why. T is measured on the micro-batches this rank trained on since the last
+log (data/batches.span_sums: sum(n^2) / sum(n) over packed samples, or T = seq_len for rows that
+hold one sequence): `mfu`. `mfu_seq_len` counts T = data.seq_len, the row width, as most tools do
+(and as llm_train did before), so the two can be compared. It is measured against the device's
+dense bf16 peak (llm_train.config.hardware) or `--peak-tflops`; without a known peak (CPU) there
+is no MFU. Activation recomputation is not counted: that is hardware FLOPs utilisation, not MFU.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config.hardware import peak_tflops
-from llm_train.planning.flops import training_flops_per_token
+from llm_train.planning.flops import TokenFlops, attention_span, token_flops
 
 if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved
@@ -32,13 +35,15 @@ if TYPE_CHECKING:
 GIB = 1024**3
 
 
-def shape_flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """`model_flops_per_token` from the config's shape alone (no model needed): every weight trained,
+def shape_token_flops(shape: ModelShape) -> TokenFlops:
+    """`model_token_flops` from the config's shape alone (no model needed): every weight trained,
     the input embedding (a lookup, not a matmul) left out unless it is tied to the output head."""
     embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
-    return training_flops_per_token(
-        shape.num_params - embedding, shape.num_layers, shape.num_heads, shape.head_dim, seq_len
-    )
+    return token_flops(shape.num_params - embedding, shape.num_layers, shape.num_heads, shape.head_dim)
+
+
+def shape_flops_per_token(shape: ModelShape, seq_len: float) -> float:
+    return shape_token_flops(shape).at(seq_len)
 
 
 def _numel(param: Any) -> int:
@@ -46,8 +51,8 @@ def _numel(param: Any) -> int:
     return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
-def model_flops_per_token(model: Any, seq_len: int) -> float | None:
-    """FLOPs per token of a Hugging Face causal LM, or None when its config lacks the shape."""
+def model_token_flops(model: Any) -> TokenFlops | None:
+    """FLOPs per token of a Hugging Face causal LM as a function of the span, or None when its config lacks the shape."""
     config = getattr(model, "config", None)
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
@@ -71,7 +76,13 @@ def model_flops_per_token(model: Any, seq_len: int) -> float | None:
             trainable += _numel(param)
         else:
             frozen += _numel(param)
-    return training_flops_per_token(trainable, int(layers), int(heads), int(head_dim), seq_len, frozen=frozen)
+    return token_flops(trainable, int(layers), int(heads), int(head_dim), frozen=frozen)
+
+
+def model_flops_per_token(model: Any, seq_len: float) -> float | None:
+    """FLOPs per token of a Hugging Face causal LM trained on spans of `seq_len`, or None without a shape."""
+    flops = model_token_flops(model)
+    return flops.at(seq_len) if flops is not None else None
 
 
 def peak_tflops_for(flag: float | None, cuda: bool) -> float | None:
@@ -180,7 +191,8 @@ class StepMeter:
         tokens_per_step: int,
         samples_per_step: int = 0,
         world_size: int = 1,
-        flops_per_token: float | None = None,
+        flops: TokenFlops | None = None,
+        seq_len: int = 0,
         peak_tflops: float | None = None,
         cuda: bool = False,
         clock: StartupClock | None = None,
@@ -188,13 +200,16 @@ class StepMeter:
         self.tokens_per_step = tokens_per_step
         self.samples_per_step = samples_per_step
         self.world_size = max(1, world_size)
-        self.flops_per_token = flops_per_token
+        self.flops = flops
+        self.seq_len = seq_len
         self.peak_flops = peak_tflops * 1e12 if peak_tflops else None
         self.cuda = cuda
         self.clock = clock
         self.started = time.perf_counter()
         self._steps = 0
         self._seconds = 0.0
+        self._squared = 0
+        self._span_tokens = 0
         self._first_step_seen = False
         self._startup_logged = False
 
@@ -202,7 +217,7 @@ class StepMeter:
     def for_run(
         cls,
         run: Resolved,
-        flops_per_token: float | None,
+        flops: TokenFlops | None,
         peak_tflops: float | None = None,
         clock: StartupClock | None = None,
     ) -> StepMeter:
@@ -215,14 +230,17 @@ class StepMeter:
             tokens_per_step=layout.global_batch_size * run.recipe.data.seq_len,
             samples_per_step=layout.global_batch_size,
             world_size=layout.world_size,
-            flops_per_token=flops_per_token,
+            flops=flops,
+            seq_len=run.recipe.data.seq_len,
             peak_tflops=peak_tflops_for(peak_tflops, cuda),
             cuda=cuda,
             clock=clock,
         )
 
-    def record(self, step_time: float) -> None:
-        """One optimizer step took `step_time` seconds (forward, backward and update; nothing else)."""
+    def record(self, step_time: float, squared_lengths: int = 0, span_tokens: int = 0) -> None:
+        """One optimizer step took `step_time` seconds (forward, backward and update; nothing else) on
+        micro-batches whose documents' lengths n give sum(n^2) = `squared_lengths`, sum(n) = `span_tokens`
+        (data/batches.span_sums; 0, 0 when not measured: the span is then seq_len)."""
         if not self._first_step_seen:
             self._first_step_seen = True
             if self.clock is not None:
@@ -230,6 +248,8 @@ class StepMeter:
                 self.clock.save()
         self._steps += 1
         self._seconds += step_time
+        self._squared += squared_lengths
+        self._span_tokens += span_tokens
 
     def flush(self) -> dict[str, float]:
         """Metrics over the steps recorded since the last flush (throughput), and now (memory)."""
@@ -242,8 +262,13 @@ class StepMeter:
             if self.samples_per_step:
                 row["samples_per_s"] = self.samples_per_step / step_time
             row["step_time_s"] = step_time
-            if self.flops_per_token and self.peak_flops:
-                row["mfu"] = tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops
+            span = attention_span(self._squared, self._span_tokens) or float(self.seq_len)
+            if self.flops is not None and span:
+                row["attention_span"] = span
+            if self.flops is not None and self.peak_flops and span:
+                per_gpu = tokens_per_s / self.world_size / self.peak_flops
+                row["mfu"] = per_gpu * self.flops.at(span)
+                row["mfu_seq_len"] = per_gpu * self.flops.at(self.seq_len)
         if self.cuda:
             row.update(gpu_memory_gib())
         row["host_rss_gib"] = host_rss_gib()
@@ -251,5 +276,5 @@ class StepMeter:
         if self.clock is not None and self._first_step_seen and not self._startup_logged:
             self._startup_logged = True
             row["startup_s"] = self.clock.total()  # process start to the end of the first step, once
-        self._steps, self._seconds = 0, 0.0
+        self._steps, self._seconds, self._squared, self._span_tokens = 0, 0.0, 0, 0
         return row

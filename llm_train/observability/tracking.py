@@ -111,13 +111,25 @@ class JsonlTracker:
         self.handle.close()
 
 
+PERF_KEYS = (
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "samples_per_s",
+    "step_time_s",
+    "mfu",
+    "mfu_seq_len",
+    "attention_span",
+    "startup_s",
+)
+
+
 def tensorboard_tag(key: str) -> str:
     """Group the flat metric names into TensorBoard sections (train/, eval/, perf/, memory/)."""
     if key.startswith("eval_"):
         return f"eval/{key[5:]}"
     if key.startswith(("gpu_mem", "host_rss")):
         return f"memory/{key}"
-    if key in ("tokens_per_s", "tokens_per_s_per_gpu", "samples_per_s", "step_time_s", "mfu", "startup_s"):
+    if key in PERF_KEYS:
         return f"perf/{key}"
     return f"train/{key}"
 

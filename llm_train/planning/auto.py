@@ -351,7 +351,7 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
             **({"state_dtype": "bf16"} if c.state_dtype == "bf16" else {}),
         },
         "precision": auto.precision,
-        "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "sdpa", **switches},
+        "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "auto", **switches},
         **(
             {
                 "lora": {

@@ -24,7 +24,11 @@ count causal attention; we follow them.
 T is the length the attention really spans: `data.seq_len` for a row that is one sequence.
 Rows that pack several samples with boundaries (batches.py) attend only within each sample;
 their true span is sum(n_i^2) / sum(n_i) over the samples, which Megatron-LM takes per batch
-(`seqlen_squared_sum`); passing the row width there overstates attention.
+(`seqlen_squared_sum`); passing the row width there overstates attention. MFU is counted with
+that span (`TokenFlops.at(attention_span(...))`, measured on the batches a run trains on), and
+beside it with the row width, the figure most tools print (observability/metrics.py). A kernel
+that computes the whole row anyway (sdpa with a dense mask) does the same model work in more
+time: its MFU is lower, as it should be.
 
 Activation checkpointing runs the forward once more; that is hardware work, not model work,
 so MFU leaves it out (`recompute=False`; PaLM's convention: counted, it is hardware FLOPs
@@ -32,6 +36,8 @@ utilisation, HFU) while the step-time model counts it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def attention_flops_per_token(layers: int, heads: int, head_dim: int, seq_len: float) -> float:
@@ -56,3 +62,30 @@ def training_flops_per_token(
     if recompute:
         flops += 2.0 * (trainable + frozen) + attention
     return flops
+
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """Training FLOPs per token as a function of the attention span T: `weights + attention * T`."""
+
+    weights: float
+    """6 per trained and 4 per frozen matmul weight (and one more forward with `recompute`)."""
+    attention: float
+    """The attention matmuls' FLOPs per token per unit of span (linear in T, see above)."""
+
+    def at(self, span: float) -> float:
+        return self.weights + self.attention * span
+
+
+def token_flops(
+    trainable: float, layers: int, heads: int, head_dim: int, frozen: float = 0.0, recompute: bool = False
+) -> TokenFlops:
+    """`training_flops_per_token` split into its span-free part and its slope in the span."""
+    weights = training_flops_per_token(trainable, layers, heads, head_dim, 0.0, frozen, recompute)
+    slope = training_flops_per_token(0.0, layers, heads, head_dim, 1.0, 0.0, recompute)
+    return TokenFlops(weights, slope)
+
+
+def attention_span(squared_lengths: float, tokens: float) -> float | None:
+    """sum(n_i^2) / sum(n_i): the span T at which the formula gives the attention of documents n_i."""
+    return squared_lengths / tokens if tokens > 0 else None

@@ -101,6 +101,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llm_train.config.attention import FLEX_KERNELS, KERNELS
 from llm_train.config.ds_json import zero_bucket_sizes
 from llm_train.config.layout import (
     Layout,
@@ -142,7 +143,10 @@ DS_NVME_OPTIMIZER_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
 DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 
-ATTN_IMPLS = ("sdpa", "flash_attention_2", "eager")
+# memory.attention's kernels (config/attention.py). Only sdpa (and eager) receive the dense s x s mask
+# for packed or padded rows; flex_attention's block mask is (b x s/128 x s/128) int32 tensors, a few
+# hundred KiB at 32k tokens, and sdpa_flex never builds the dense one.
+ATTN_IMPLS = KERNELS
 # Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
 # runtime/tiling.py cuts its tiles by this same constant).
 LOSS_TILE_LOGITS_BYTES = GiB
@@ -357,7 +361,8 @@ class MemoryInputs:
     attn_impl: str = "sdpa"
     dense_mask: bool = False
     """The rows carry an attention mask (packed rows: block-diagonal; padded rows), which sdpa receives
-    as [micro x 1 x s x s] without sequence parallelism (Ulysses drops it); flash-attention-2 needs none."""
+    as [micro x 1 x s x s] without sequence parallelism (Ulysses drops it); flash-attention-2,
+    flex_attention and sdpa_flex build none."""
     lora_rank: int | None = None
     """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
     quantize: str = "none"
@@ -444,10 +449,12 @@ class MemoryInputs:
             raise MemoryInputError(
                 sequence_parallel_message(broken, self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
             )
-        if self.sp > 1 and self.attn_impl == "eager":
+        if self.sp > 1 and self.attn_impl not in ("sdpa", "flash_attention_2"):
             raise MemoryInputError(
-                "sp > 1 needs attn_impl 'sdpa' or 'flash_attention_2' (the run refuses eager)"
+                f"sp > 1 needs attn_impl 'sdpa' or 'flash_attention_2' (the run refuses {self.attn_impl})"
             )
+        if self.attn_impl in FLEX_KERNELS and (self.tp > 1 or self.pp > 1):
+            raise MemoryInputError(f"attn_impl '{self.attn_impl}' needs tp = pp = 1 (the run refuses it)")
 
     @classmethod
     def of(

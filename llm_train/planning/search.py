@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from llm_train.config.attention import FLEX_KERNELS
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import sequence_parallel_problem
 from llm_train.planning.fit import SHIPPED_DS_CONFIGS, SUGGESTED_LORA_RANK, Evaluation, evaluate
@@ -89,19 +90,20 @@ def describe_changes(
     changes: list[Change] = []
     overrides: list[str] = []
     if new.sp != base.sp:
+        # Ulysses wraps sdpa or flash-attention only: a flex kernel gives way to what memory.attention=auto
+        # picks under sequence parallelism.
+        kernel = f", attention {base.attn_impl} -> {new.attn_impl}" if new.attn_impl != base.attn_impl else ""
         changes.append(
             Change(
                 "sequence_parallel",
                 f"Ulysses sequence parallel {base.sp} -> {new.sp}: each sequence split over {new.sp} GPUs "
-                f"({new.local_tokens} tokens each)",
+                f"({new.local_tokens} tokens each{kernel})",
             )
         )
         overrides.append(f"deepspeed.sequence_parallel={new.sp}")
-        if (
-            recipe is not None
-            and recipe.data.packing == "packed"
-            and recipe.memory.attention != "flash_attention_2"
-        ):
+        if kernel:
+            overrides.append("memory.attention=auto")
+        if recipe is not None and recipe.data.packing == "packed" and new.attn_impl != "flash_attention_2":
             # Under SP, sdpa sees one causal sequence per row: packed samples would attend to each other.
             overrides.append("data.packing=padded")
     for name, text in LONG_CONTEXT_SWITCHES:
@@ -216,8 +218,11 @@ def _variants(
         dp = start.world_size // (start.tp * start.pp * sp)
         if dp < 1 or global_batch % (mb * dp):
             continue  # this micro-batch cannot make the same global batch with this many dp ranks
+        # Under sequence parallelism the flex kernels give way to sdpa, as memory.attention=auto does there.
+        attention = "sdpa" if sp > 1 and start.attn_impl in FLEX_KERNELS else start.attn_impl
         try:
             yield start.vary(
+                attn_impl=attention,
                 zero_stage=mode[0],
                 offload_optimizer=mode[1],
                 offload_params=mode[2],

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from llm_train.errors import EXIT_NONFINITE, UserError
+from llm_train.planning.flops import TokenFlops
 
 
 class NonFiniteLoss(UserError):
@@ -57,8 +58,8 @@ class Engine(Protocol):
     def summary_rows(self, ranks: list[dict[str, Any]]) -> list[tuple[str, str]]:
         """Extra start-up lines from every rank's world info (e.g. the pipeline's stage split)."""
 
-    def flops_per_token(self, seq_len: int) -> float | None:
-        """Training FLOPs per token of the model, for MFU."""
+    def token_flops(self) -> TokenFlops | None:
+        """Training FLOPs per token of the model as a function of the attention span, for MFU."""
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         """One optimizer step: forward and backward over the accumulation steps, then the update."""

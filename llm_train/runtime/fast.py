@@ -121,15 +121,31 @@ def apply_liger(memory: MemorySection, model_type: str | None, zero_stage: int) 
     return "Liger kernels on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)"
 
 
-def compile_engine(engine: Any, memory: MemorySection) -> str | None:
-    """torch.compile the model through DeepSpeed (its hooks stay outside the compiled graphs)."""
-    if not getattr(memory, "torch_compile", False):
+def dynamo_plugin(memory: MemorySection) -> Any:
+    """Accelerate's TorchDynamoPlugin for memory.torch_compile; `prepare` compiles the DeepSpeed engine's module.
+
+    'layers' is Accelerate's regional compilation for DeepSpeed (accelerate.utils.compile_regions_deepspeed):
+    each decoder layer (a repeated block) and the few other leaf modules are compiled in place with
+    `module.compile()`, so parameter names, DeepSpeed's hooks and checkpoints are those of the plain
+    model, and the compiled layer graph is reused by every layer: one layer's compile time instead of
+    the whole model's (https://pytorch.org/tutorials/recipes/regional_compilation.html). 'model' is
+    DeepSpeed's own `engine.compile()`. Every field is set here, so an accelerate config's
+    ACCELERATE_DYNAMO_* variables never switch compilation on or off behind the recipe's back.
+    """
+    from accelerate.utils import TorchDynamoPlugin
+
+    compile_ = getattr(memory, "torch_compile", "off")
+    return TorchDynamoPlugin(
+        backend="no" if compile_ == "off" else "inductor",
+        mode="default",
+        fullgraph=False,
+        use_regional_compilation=compile_ == "layers",
+    )
+
+
+def compile_notice(memory: MemorySection) -> str | None:
+    compile_ = getattr(memory, "torch_compile", "off")
+    if compile_ == "off":
         return None
-    compile_ = getattr(engine, "compile", None)
-    if compile_ is None:
-        raise UserError(
-            "memory.torch_compile=true needs DeepSpeed >= 0.14 (DeepSpeedEngine.compile); "
-            "upgrade deepspeed or set memory.torch_compile=false"
-        )
-    compile_()
-    return "torch.compile on: the first steps are slow while graphs compile"
+    what = "each decoder layer, in place" if compile_ == "layers" else "the whole model, via DeepSpeed"
+    return f"torch.compile on ({what}): the first steps are slow while graphs compile"

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from llm_train.data.batches import SpanTally
 from llm_train.observability.console import progress_line
 from llm_train.observability.metrics import StepMeter
 from llm_train.observability.profiling import NullProfiler, StepProfiler
@@ -49,6 +50,7 @@ def train_loop(
     profiler: StepProfiler | NullProfiler | None = None,
 ) -> LoopResult:
     profiler = profiler or NullProfiler()
+    batches = SpanTally(batches)  # the documents' lengths in the batches trained on: MFU's attention span
     metrics: dict[str, float] = {}
     started = time.perf_counter()
     for step in range(cfg.start_step + 1, cfg.max_steps + 1):
@@ -65,7 +67,7 @@ def train_loop(
                 f"non-finite loss at step {step}; resume from the last checkpoint with a lower optim.lr, "
                 "or set checkpoint.on_nonfinite=skip to drop such micro-batches"
             )
-        meter.record(time.perf_counter() - t0)
+        meter.record(time.perf_counter() - t0, *batches.take())
         profiler.step()
 
         if logged:

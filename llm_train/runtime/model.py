@@ -10,10 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llm_train.config.attention import choose_attention
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
+from llm_train.runtime.attention import NAME as SDPA_FLEX
+from llm_train.runtime.attention import register_sdpa_flex
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.quantize import keep_training_layout, quantization_config, quantized
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
@@ -86,6 +89,13 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, _DTYPES[precision])
+    if memory.attention == "auto":
+        # A resolved run never gets here with "auto" (config/resolution.py picks the kernel for its layout);
+        # a caller that builds a model on its own (tests, tools) gets what auto picks for one process here.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        memory = memory.model_copy(update={"attention": choose_attention("auto", device).kernel})
+    if memory.attention == SDPA_FLEX:
+        register_sdpa_flex()  # transformers looks the kernel up by name while building the model
     if model.init == "pretrained":
         assert model.name_or_path is not None
         placement: dict[str, Any] = {"device_map": {"": device}} if device else {}

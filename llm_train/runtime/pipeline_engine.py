@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from llm_train.config.resolution import Resolved
-from llm_train.observability.metrics import shape_flops_per_token
+from llm_train.observability.metrics import shape_token_flops
+from llm_train.planning.flops import TokenFlops
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
@@ -134,8 +135,8 @@ class PipelineEngine:
         _clip_fp32_across_stages(self.ds)
         mark("deepspeed init")
 
-    def flops_per_token(self, seq_len: int) -> float | None:
-        return shape_flops_per_token(shape_from_config(self.config.to_dict()), seq_len)
+    def token_flops(self) -> TokenFlops | None:
+        return shape_token_flops(shape_from_config(self.config.to_dict()))
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         if self._pairs is None or self._pairs.batches is not batches:

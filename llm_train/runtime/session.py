@@ -229,7 +229,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     )
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
-    meter = StepMeter.for_run(run, engine.flops_per_token(recipe.data.seq_len), options.peak_tflops, clock)
+    meter = StepMeter.for_run(run, engine.token_flops(), options.peak_tflops, clock)
 
     import torch
 

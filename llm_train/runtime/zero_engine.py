@@ -18,7 +18,8 @@ import torch
 
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.observability.metrics import model_flops_per_token
+from llm_train.observability.metrics import model_token_flops
+from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
 from llm_train.runtime.export import (
@@ -27,7 +28,7 @@ from llm_train.runtime.export import (
     save_hf_model,
     write_reference,
 )
-from llm_train.runtime.fast import apply_liger, compile_engine
+from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.lora import is_peft_model
 from llm_train.runtime.model import build_model
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
@@ -87,6 +88,7 @@ class ZeroEngine:
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
             mixed_precision=_MIXED_PRECISION[run.layout.precision],
             kwargs_handlers=handlers,
+            dynamo_plugin=dynamo_plugin(run.recipe.memory),  # memory.torch_compile: `prepare` compiles
             parallelism_config=parallelism_config(
                 run.layout, run.recipe.data.seq_len, run.recipe.memory.attention
             ),
@@ -122,7 +124,7 @@ class ZeroEngine:
 
             group = Collectives(groups._get_sequence_parallel_group())
             self._sequence = SequenceShard(layout.sp, layout.sp_rank(int(os.environ["RANK"])), group)
-        if notice := compile_engine(self.ds, recipe.memory):
+        if notice := compile_notice(recipe.memory):
             self.say(notice)
         mark("deepspeed init")
         self._hf_ds_config = None  # zero.Init is done with it
@@ -162,8 +164,8 @@ class ZeroEngine:
             engine.lr_scheduler = schedule(engine.basic_optimizer)  # the optimizer the engine steps
         return engine
 
-    def flops_per_token(self, seq_len: int) -> float | None:
-        return model_flops_per_token(self.model, seq_len)
+    def token_flops(self) -> TokenFlops | None:
+        return model_token_flops(self.model)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         """The micro-batch's mean token loss (whole rows: evaluation, and training without SP)."""

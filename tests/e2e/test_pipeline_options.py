@@ -88,8 +88,8 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     ),
     "memory.torch_compile": (
         "refused",
-        "memory.torch_compile=true",
-        "memory.torch_compile=true is not supported",
+        "memory.torch_compile=layers",
+        "memory.torch_compile=layers is not supported",
     ),
     "lora.rank": ("refused", "lora.rank=8", "lora is not supported with deepspeed.pipeline_stages=2"),
     "lora.alpha": ("refused", "lora.alpha=16", "lora is not supported with deepspeed.pipeline_stages=2"),
@@ -104,6 +104,8 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "lora.export=adapter",
         "lora is not supported with deepspeed.pipeline_stages=2",
     ),
+    # A quantised base is loaded from a checkpoint; tiny-cpu-pp2 builds a random one, refused first.
+    "lora.quantize": ("refused", "lora.quantize=int8", "lora.quantize=int8 quantises a pretrained base"),
     "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),
     "deepspeed.pipeline_stages": (RUN_A, "deepspeed.pipeline_stages=2"),
     "deepspeed.sequence_parallel": (
@@ -139,6 +141,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
 REFUSED_VALUES = [
     ("deepspeed.config=zero2", "needs ZeRO stage 0 or 1"),
     ("memory.attention=flash_attention_2", "flash_attention_2 needs a CUDA GPU"),
+    ("memory.attention=sdpa_flex", "memory.attention=sdpa_flex cannot train on CPU"),
     ("precision=fp16", "precision=fp16 is not supported on CPU"),
 ]
 

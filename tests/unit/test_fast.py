@@ -6,14 +6,14 @@ import pytest
 
 from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
-from llm_train.runtime.fast import apply_liger, compile_engine, set_cuda_alloc_conf
+from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin, set_cuda_alloc_conf
 
 
 def test_switches_default_off() -> None:
     memory = MemorySection()
-    assert not memory.liger_kernels and not memory.torch_compile
+    assert not memory.liger_kernels and memory.torch_compile == "off"
     assert apply_liger(memory, "llama", zero_stage=3) is None
-    assert compile_engine(object(), memory) is None
+    assert compile_notice(memory) is None
 
 
 def test_liger_without_a_gpu_is_a_clear_error() -> None:
@@ -56,19 +56,28 @@ def test_liger_loss_kernels_follow_zero_stage_and_tiled_loss(
     assert notice is not None and ("tiled_loss" in notice) == tiled_loss
 
 
-def test_compile_needs_an_engine_that_can() -> None:
-    with pytest.raises(UserError, match="memory.torch_compile=true needs DeepSpeed >= 0.14"):
-        compile_engine(object(), MemorySection(torch_compile=True))
-
-    class Engine:
-        compiled = False
-
-        def compile(self) -> None:
-            self.compiled = True
-
-    engine = Engine()
-    assert "torch.compile on" in (compile_engine(engine, MemorySection(torch_compile=True)) or "")
-    assert engine.compiled
+@pytest.mark.parametrize(
+    ("asked", "backend", "regional"),
+    [
+        ("off", "NO", False),
+        ("model", "INDUCTOR", False),
+        ("layers", "INDUCTOR", True),
+        (True, "INDUCTOR", False),
+    ],
+)
+def test_compile_switch_is_accelerates_dynamo_plugin(
+    monkeypatch: pytest.MonkeyPatch, asked: object, backend: str, regional: bool
+) -> None:
+    """'layers' is Accelerate's regional compilation of the DeepSpeed module, 'model' DeepSpeed's engine.compile;
+    an accelerate config's ACCELERATE_DYNAMO_* variables switch nothing (true, the old bool, means 'model')."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+    memory = MemorySection(torch_compile=asked)  # type: ignore[arg-type]
+    plugin = dynamo_plugin(memory)
+    assert plugin.backend.name == backend and plugin.use_regional_compilation is regional
+    notice = compile_notice(memory)
+    assert (notice is None) == (backend == "NO")
+    assert notice is None or ("each decoder layer" in notice) == regional
 
 
 def test_alloc_conf_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,3 +133,14 @@ def test_flash_attention_2_is_refused_in_one_line_when_flash_attn_does_not_impor
         check_attention_kernel(MemorySection(attention="flash_attention_2"))
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     check_attention_kernel(MemorySection(attention="flash_attention_2"))  # installed: accepted
+
+
+def test_compile_over_the_alst_switches_is_refused_in_one_line() -> None:
+    """Their own autograd functions and saved-tensor hooks under torch.compile: not verified, so refused."""
+    from llm_train.config.recipe import load_recipe
+
+    with pytest.raises(
+        UserError, match=r"memory.torch_compile=layers is not verified with memory.tiled_mlp=true"
+    ):
+        load_recipe("tiny-cpu", ["memory.torch_compile=layers", "memory.tiled_mlp=true"])
+    assert load_recipe("tiny-cpu", ["memory.torch_compile=layers"]).memory.torch_compile == "layers"

@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llm_train.observability.metrics import StepMeter, model_flops_per_token, shape_flops_per_token
+from llm_train.observability.metrics import (
+    StepMeter,
+    model_flops_per_token,
+    model_token_flops,
+    shape_flops_per_token,
+)
 from llm_train.planning.flops import attention_flops_per_token, training_flops_per_token
 from llm_train.planning.shapes import shape_of
 from tests.unit.test_metrics import tiny_llama
@@ -91,7 +96,8 @@ def test_mfu_of_a_known_step_is_the_formula_by_hand() -> None:
     assert model_flops_per_token(model, 128) == per_token
 
     # 8 sequences of 128 tokens on 2 ranks in 0.5 s, against a 1 TFLOP/s peak per rank.
-    meter = StepMeter(tokens_per_step=8 * 128, world_size=2, flops_per_token=per_token, peak_tflops=1.0)
+    flops = model_token_flops(model)
+    meter = StepMeter(tokens_per_step=8 * 128, world_size=2, flops=flops, seq_len=128, peak_tflops=1.0)
     meter.record(0.5)
     mfu = meter.flush()["mfu"]
     assert mfu == pytest.approx(1024 / 0.5 / 2 * 640_896 / 1e12, rel=1e-12)  # 6.563e-4

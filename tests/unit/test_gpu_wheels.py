@@ -211,3 +211,22 @@ def test_slim_wheel_drops_the_libraries_and_their_record_lines(tmp_path: Path) -
         kept = whl.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
     assert "bitsandbytes/libbitsandbytes_cuda130.so" in names and not names & set(dropped)
     assert "cuda124" not in kept and "rocm72" not in kept and "libbitsandbytes_cuda130.so" in kept
+
+
+def test_liger_travels_and_finds_torch_and_triton_on_the_machine() -> None:
+    """memory.liger_kernels on the GPU machine: liger-kernel 0.8.5 is shipped (pure Python), and what it
+    requires (its METADATA's lines, extras included) is met by the image's packages file."""
+    assert "liger-kernel==0.8.5" in (REPO / "bench" / "gpu_wheels.sh").read_text()
+    present = gpu_wheels.read_present((REPO / "bench" / "gpu_machine_packages.txt").read_text().splitlines())
+    liger = wheel(
+        "liger_kernel",
+        "0.8.5",
+        "torch>=2.1.2",
+        "triton>=2.3.1",
+        'cuda-tile>=1.5.0; extra == "cutile"',
+        'transformers>=5.0.0; extra == "dev"',
+    )
+    report = gpu_wheels.check([liger], present)
+    assert report.ok, report.errors
+    # triton's version there is unknown: an assumption, not an error
+    assert any("requires triton>=2.3.1" in line for line in report.assumptions)

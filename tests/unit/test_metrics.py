@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_train.data.batches import SpanTally, span_sums
 from llm_train.observability.console import duration, progress_line
 from llm_train.observability.metrics import (
     StartupClock,
@@ -18,7 +19,7 @@ from llm_train.observability.metrics import (
     peak_tflops_for,
     shape_flops_per_token,
 )
-from llm_train.planning.flops import training_flops_per_token
+from llm_train.planning.flops import TokenFlops, token_flops, training_flops_per_token
 from llm_train.planning.shapes import shape_from_config
 
 
@@ -46,6 +47,11 @@ def test_flops_formula_is_palm_with_causal_attention_counted_as_half() -> None:
     assert training_flops_per_token(0, 1, 1, 1, 2, frozen=10) == 40 + 12
     # Recomputation (activation checkpointing) adds one forward: hardware work, not model FLOPs.
     assert training_flops_per_token(1, 1, 1, 1, 2, recompute=True) == (6 + 12) + (2 + 4)
+    # Linear in the span: the weights' part and the attention's slope reproduce it at any T.
+    for t in (1, 1000, 4096):
+        assert token_flops(1e9, 16, 32, 64, frozen=2e8).at(t) == training_flops_per_token(
+            1e9, 16, 32, 64, t, 2e8
+        )
 
 
 def test_model_flops_leave_out_the_input_embedding() -> None:
@@ -89,9 +95,34 @@ def test_meter_averages_the_window_and_resets() -> None:
 
 def test_mfu_against_a_given_peak() -> None:
     # 1e12 FLOPs/token, 100 tokens/s/GPU -> 1e14 FLOP/s per GPU against a 400 TFLOP/s peak = 25%.
-    meter = StepMeter(tokens_per_step=800, world_size=8, flops_per_token=1e12, peak_tflops=400.0)
+    flops = TokenFlops(weights=1e12 - 1e8 * 1000, attention=1e8)  # 1e12 at the row width 1000
+    meter = StepMeter(tokens_per_step=800, world_size=8, flops=flops, seq_len=1000, peak_tflops=400.0)
     meter.record(1.0)
-    assert meter.flush()["mfu"] == pytest.approx(0.25)
+    row = meter.flush()
+    assert row["mfu"] == pytest.approx(0.25) and row["mfu_seq_len"] == pytest.approx(0.25)
+    assert row["attention_span"] == 1000  # not measured: the row width
+
+
+def test_packed_rows_count_the_attention_their_documents_span() -> None:
+    """Two rows of 8: [3, 5] and [8] (position ids restart per sample); a third of 8 padded to [6 | 2]."""
+    packed = {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], list(range(8))])}
+    assert span_sums(packed) == (9 + 25 + 64, 16)
+    padded = {"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])}
+    assert span_sums(padded) == (36 + 4, 8)
+    assert span_sums({"input_ids": torch.zeros(2, 8, dtype=torch.long)}) == (2 * 64, 16)
+
+    flops = TokenFlops(weights=100.0, attention=10.0)
+    meter = StepMeter(tokens_per_step=16, flops=flops, seq_len=8, peak_tflops=1e-12)  # peak 1 FLOP/s
+    tally = SpanTally(iter([packed, packed]))
+    for batch in tally:
+        assert batch is packed  # passed through unchanged
+    meter.record(1.0, *tally.take())
+    row = meter.flush()
+    span = (9 + 25 + 64) / 16
+    assert row["attention_span"] == pytest.approx(span)
+    assert row["mfu"] == pytest.approx(16 * (100 + 10 * span))  # 16 tokens/s x FLOPs per token at the span
+    assert row["mfu_seq_len"] == pytest.approx(16 * (100 + 10 * 8))
+    assert tally.take() == (0, 0)
 
 
 def test_peak_on_cpu_only_from_the_flag() -> None:
@@ -125,7 +156,9 @@ def test_progress_line() -> None:
         50, 200, {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 41230.0, "mfu": 0.382}, 725
     )
     assert line.startswith("step 50/200 [#####...............]  25%")
-    assert "loss 2.5000" in line and "41,230 tok/s" in line and "mfu 38.2%" in line and "eta 12m05s" in line
+    assert "loss 2.5000" in line and "41,230 tok/s" in line and "mfu 38.2% |" in line and "eta 12m05s" in line
+    packed = progress_line(50, 200, {"mfu": 0.27, "mfu_seq_len": 0.301}, None)
+    assert "mfu 27.0% (30.1% at seq_len)" in packed
     assert duration(3 * 3600 + 61) == "3h01m" and duration(59.6) == "1m00s" and duration(5) == "5s"
 
 

@@ -45,7 +45,10 @@ def test_a_random_base_is_refused_in_one_line() -> None:
             ["deepspeed.config=zero3_offload"],
             r"lora.quantize=nf4 cannot offload parameters \(offload_param.device=cpu",
         ),
-        (["memory.torch_compile=true"], r"memory.torch_compile=true is not supported with lora.quantize=nf4"),
+        (
+            ["memory.torch_compile=layers"],
+            r"memory.torch_compile=layers is not supported with lora.quantize=nf4",
+        ),
         (["memory.liger_kernels=true"], r"memory.liger_kernels=true is not supported with lora.quantize=nf4"),
         (
             ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"],

@@ -89,7 +89,7 @@ def test_largest_weight_is_the_biggest_matrix() -> None:
         ),
         (["memory.attention=eager"], 2, "does not run with memory.attention=eager"),
         (["data.packing=packed"], 2, "use data.packing=padded, or memory.attention=flash_attention_2"),
-        (["memory.torch_compile=true"], 2, "memory.torch_compile=true is not supported with"),
+        (["memory.torch_compile=layers"], 2, "memory.torch_compile=layers is not supported with"),
     ],
 )
 def test_bad_layouts_get_one_line(overrides: list[str], world: int, expected: str) -> None:
