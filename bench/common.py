@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.runtime.launcher import free_port  # noqa: F401 - each benchmark launch gets its own port
+from llm_train.units import GiB  # noqa: F401 - the benchmarks' unit
 
 REPO = Path(__file__).resolve().parent.parent
 ACCELERATE = Path(sys.executable).with_name("accelerate")

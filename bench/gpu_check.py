@@ -59,13 +59,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import OFFLINE_ENV, REPO, proc_kib_field, versions  # bench/ is this script's folder
+from common import OFFLINE_ENV, REPO, GiB, proc_kib_field, versions  # bench/ is this script's folder
 
 TRAIN = REPO / "llm_train" / "train.py"
 CAPPED_TRAIN = REPO / "bench" / "capped_train.py"
 TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
 CORPUS = REPO / "llm_train" / "assets" / "tiny" / "corpus.txt"
-GiB = 1024**3
 EXIT_PREEMPTED = 75  # llm_train/runtime/control.py; a copy, so that this file imports no llm_train at start
 MFU_TARGET = 0.45
 CONSUMER_GPU_GIB = 24.0
