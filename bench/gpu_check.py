@@ -18,8 +18,15 @@ Each result is one JSON line, appended to OUT_DIR/gpu_check.jsonl the moment it 
 leaves what was done); OUT_DIR/gpu_check_summary.json follows at the end, and
 OUT_DIR/gpu_check.log holds each launch's command and output tail. Every line has `passed`;
 a failed or timed-out measurement carries `error` and `tail` and the next one starts. The
-exit code is 1 when any line did not pass. (b)'s MFU target is reported (`target_met`), not
-enforced: a slow kernel is a finding, not a broken check.
+exit code is 1 when any line did not pass.
+
+Verdicts: every measured case of (b), (c) and (d) carries `verdicts` (bench/common.py `verdict`),
+one per quantity, against the planner's estimate for the same configuration (+-15%, the planner's
+stated precision) and against its target (b: MFU >= 45%). A miss fails the line (`passed` false,
+`error` names what missed by how much) and the exit code, and every other line is still written.
+Under --cpu-tiny the planner's GPU estimates mean nothing: the comparisons are recorded with
+`judged: false`; `--expect NAME.QUANTITY=VALUE` replaces an estimate and judges it anywhere (the
+CI test injects a wrong one and expects that line, and only it, to fail).
 
 The speed runs ((b), (c), (d)) are stopped by this script (SIGKILL) once they have logged
 their steps: their end-of-run export (a 13 GB gather for 7B) would cost minutes and, for 7B,
@@ -59,7 +66,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import OFFLINE_ENV, REPO, GiB, proc_kib_field, versions  # bench/ is this script's folder
+from common import (
+    OFFLINE_ENV,
+    REPO,
+    GiB,
+    judge,
+    proc_kib_field,
+    verdict,
+    versions,
+)  # bench/ is this script's folder
 
 TRAIN = REPO / "llm_train" / "train.py"
 CAPPED_TRAIN = REPO / "bench" / "capped_train.py"
@@ -160,6 +175,8 @@ class Sizes:
     extra_args: list[str]  # train.py flags every run gets
     timeouts: dict[str, float]
     budget_s: float
+    mfu_target: float
+    judge: bool  # enforce the verdicts against the planner's estimates and the targets (GPU only)
 
 
 GPU_SIZES = Sizes(
@@ -177,6 +194,8 @@ GPU_SIZES = Sizes(
     extra_args=[],
     timeouts={"a": 120, "a_offload": 200, "bc": 100, "d": 260},
     budget_s=510,
+    mfu_target=MFU_TARGET,
+    judge=True,
 )
 CPU_SIZES = Sizes(
     gpu=False,
@@ -193,7 +212,10 @@ CPU_SIZES = Sizes(
     extra_args=["--peak-tflops", "1.0"],  # nominal: MFU is computed, and means nothing
     timeouts={"a": 150, "a_offload": 300, "bc": 100, "d": 150},
     budget_s=900,
+    mfu_target=MFU_TARGET,
+    judge=False,
 )
+NOT_JUDGED = "cpu-tiny: the planner's estimates and the MFU target are for GPUs"
 
 
 # --- launching and watching one run ------------------------------------------------------------------
@@ -448,8 +470,9 @@ def peak(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def round_floats(value: Any) -> Any:
+    """Six significant digits (an injected estimate of 1e-6 stays 1e-6)."""
     if isinstance(value, float):
-        return round(value, 5)
+        return float(f"{value:.6g}")
     if isinstance(value, dict):
         return {k: round_floats(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -591,6 +614,61 @@ def _checkpoint_step(latest: Path) -> int | None:
         return None
 
 
+# --- verdicts against the planner -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Judging:
+    """How measured cases are judged: against the planner's estimates (enforced on a GPU), or against
+    estimates injected with --expect NAME.QUANTITY=VALUE (enforced anywhere: the CI test's hook)."""
+
+    enforce: bool
+    injected: dict[str, float] = field(default_factory=dict)
+
+    def against(
+        self,
+        name: str,
+        quantity: str,
+        measured: float | None,
+        planner: float | None,
+        target: float | None = None,
+    ) -> dict[str, Any]:
+        key = f"{name}.{quantity}"
+        judged = self.enforce or key in self.injected
+        return verdict(
+            quantity,
+            measured,
+            estimate=self.injected.get(key, planner),
+            target=target,
+            judged=judged,
+            why_not_judged=None if judged else NOT_JUDGED,
+        )
+
+
+def planner_estimate(sizes: Sizes, recipe: str, overrides: list[str]) -> dict[str, Any]:
+    """The planner's step time for the configuration a launch runs (one GPU, or this CPU).
+
+    A planner that refuses the configuration leaves the estimate None and says why: the verdict
+    then misses ("not measured" is the measurement's side; this is the estimate's).
+    """
+    from llm_train.errors import UserError
+    from llm_train.planning.report import plan_recipe
+
+    host_gib = min(HOST_RAM_CAP_GIB, machine_host_gib()) if sizes.gpu else machine_host_gib()
+    try:
+        report = plan_recipe(
+            recipe,
+            [*COMMON, *overrides],
+            gpus=1,
+            gpu="H200" if sizes.gpu else None,
+            host_ram_gib=host_gib,
+            detect=False,
+        )
+    except UserError as exc:
+        return {"step_time_s": None, "planner_error": str(exc)}
+    return {"step_time_s": report.evaluation.time.total}
+
+
 # --- (b), (c) speed -------------------------------------------------------------------------------------------
 
 
@@ -602,11 +680,15 @@ def measure_speed(
     work: Path,
     budget: Budget,
     results: Results,
+    judging: Judging,
     extra: list[str] | None = None,
     mfu_target: float | None = None,
 ) -> dict[str, Any]:
     run_dir = work / name
     steps = sizes.bc_steps
+    estimate = planner_estimate(
+        sizes, "tiny-cpu", [*sizes.bc_overrides, *(extra or []), f"deepspeed.config={ds_config}"]
+    )
     # Two steps more than are waited for: the run is stopped mid-step, never in its export.
     cmd = [
         *train_cmd(sizes, "tiny-cpu", run_dir, steps + 2, [*sizes.bc_overrides, *(extra or [])]),
@@ -645,25 +727,31 @@ def measure_speed(
         record.update(passed=False, error=f"{what} after {len(rows)} of {steps} steps", tail=run.tail)
     else:
         record["passed"] = True
+    record["est_step_time_s"] = estimate["step_time_s"]
+    if "planner_error" in estimate:
+        record["planner_error"] = estimate["planner_error"]
+    verdicts = [judging.against(name, "step_time_s", record["step_time_s"], estimate["step_time_s"])]
     if mfu_target is not None:
-        # Reported, not enforced (see the module docstring).
-        record.update(mfu_target=mfu_target, target_met=(record["mfu"] or 0.0) >= mfu_target)
-    return record
+        verdicts.append(judging.against(name, "mfu", record["mfu"], None, target=mfu_target))
+    return judge(record, verdicts)
 
 
-def speed_ratio(zero3: dict[str, Any], zero0: dict[str, Any]) -> dict[str, Any]:
+def speed_ratio(zero3: dict[str, Any], zero0: dict[str, Any], judging: Judging) -> dict[str, Any]:
+    name = "c_zero3_over_zero0"
     t3, t0 = zero3.get("step_time_s"), zero0.get("step_time_s")
+    e3, e0 = zero3.get("est_step_time_s"), zero0.get("est_step_time_s")
     record: dict[str, Any] = {
-        "measurement": "c_zero3_over_zero0",
+        "measurement": name,
         "group": "c",
         "zero3_step_time_s": t3,
         "zero0_step_time_s": t0,
         "ratio": t3 / t0 if t3 and t0 else None,
+        "est_ratio": e3 / e0 if e3 and e0 else None,
     }
     record["passed"] = record["ratio"] is not None
     if not record["passed"]:
         record["error"] = "a step time is missing (see c_zero3 and c_zero0)"
-    return record
+    return judge(record, [judging.against(name, "ratio", record["ratio"], record["est_ratio"])])
 
 
 # --- (d) the consumer card --------------------------------------------------------------------------------------
@@ -675,7 +763,9 @@ def machine_host_gib() -> float:
     return psutil.virtual_memory().total / GiB
 
 
-def consumer_card(sizes: Sizes, work: Path, budget: Budget, results: Results) -> dict[str, Any]:
+def consumer_card(
+    sizes: Sizes, work: Path, budget: Budget, results: Results, judging: Judging
+) -> dict[str, Any]:
     name = "d_consumer_card"
     record: dict[str, Any] = {"measurement": name, "group": "d", "recipe": sizes.d_recipe}
     host_gib = min(HOST_RAM_CAP_GIB, machine_host_gib()) if sizes.gpu else machine_host_gib()
@@ -773,13 +863,21 @@ def consumer_card(sizes: Sizes, work: Path, budget: Budget, results: Results) ->
             # Not this script's kill; with host memory near its end the kernel's OOM killer is the usual sender.
             what += " (SIGKILL not sent by gpu_check; see host_used_delta_peak_gib)"
         record.update(passed=False, error=f"{what} after {len(rows)} of {steps} steps", tail=run.tail)
-    return record
+    # Each against the planner's number for the configuration it chose (the tree's PSS for the host).
+    verdicts = [
+        judging.against(name, "gpu_mem_peak_gib", gpu_peak, record["est_gpu_gib"]),
+        judging.against(name, "host_pss_peak_gib", run.host_pss_peak_gib, record["est_host_gib"]),
+        judging.against(name, "step_time_s", record["step_time_s"], record["est_step_time_s"]),
+    ]
+    return judge(record, verdicts)
 
 
 # --- main --------------------------------------------------------------------------------------------------------
 
 
-def run_all(sizes: Sizes, only: set[str] | None, results: Results, budget: Budget, work: Path) -> None:
+def run_all(
+    sizes: Sizes, only: set[str] | None, results: Results, budget: Budget, work: Path, judging: Judging
+) -> None:
     def wanted(name: str) -> bool:
         return only is None or name in only
 
@@ -805,18 +903,18 @@ def run_all(sizes: Sizes, only: set[str] | None, results: Results, budget: Budge
         ("c_zero0", "c", "zero0"),
     ):
         if wanted(name):
-            target = MFU_TARGET if group == "b" else None
+            target = sizes.mfu_target if group == "b" else None
             speed[name] = guarded(
                 name,
                 group,
                 lambda n=name, g=group, d=ds, t=target: measure_speed(
-                    n, g, d, sizes, work, budget, results, mfu_target=t
+                    n, g, d, sizes, work, budget, results, judging, mfu_target=t
                 ),
             )
     if "c_zero3" in speed and "c_zero0" in speed:
-        results.add(speed_ratio(speed["c_zero3"], speed["c_zero0"]))
+        results.add(speed_ratio(speed["c_zero3"], speed["c_zero0"], judging))
     if wanted("d_consumer_card"):
-        guarded("d_consumer_card", "d", lambda: consumer_card(sizes, work, budget, results))
+        guarded("d_consumer_card", "d", lambda: consumer_card(sizes, work, budget, results, judging))
     if wanted("zero2_ac"):  # optional (--only zero2_ac): activation checkpointing's cost on the 1B shape
         guarded(
             "zero2_ac",
@@ -829,6 +927,7 @@ def run_all(sizes: Sizes, only: set[str] | None, results: Results, budget: Budge
                 work,
                 budget,
                 results,
+                judging,
                 ["memory.activation_checkpointing=true"],
             ),
         )
@@ -858,7 +957,22 @@ def main() -> None:
     parser.add_argument(
         "--budget-s", type=float, help="Deadline for the whole check (default 510 GPU, 900 CPU)."
     )
+    parser.add_argument(
+        "--expect",
+        nargs="+",
+        default=[],
+        metavar="NAME.QUANTITY=VALUE",
+        help="Replace the planner's estimate of QUANTITY in measurement NAME and judge it, also under "
+        "--cpu-tiny (a test hook: a wrong estimate must fail that line), e.g. c_zero0.step_time_s=1e-6.",
+    )
     args = parser.parse_args()
+    injected = {}
+    for item in args.expect:
+        key, _, value = item.partition("=")
+        try:
+            injected[key] = float(value)
+        except ValueError:
+            parser.error(f"--expect {item}: give NAME.QUANTITY=NUMBER")
     sizes = CPU_SIZES if args.cpu_tiny else GPU_SIZES
     if not args.cpu_tiny:
         import torch
@@ -883,7 +997,7 @@ def main() -> None:
         jsonl=Path(f"{stem}.jsonl"), log=Path(f"{stem}.log"), summary=Path(f"{stem}_summary.json")
     )
     with tempfile.TemporaryDirectory(prefix="llm_train_gpu_check_") as tmp:
-        run_all(sizes, only, results, budget, Path(tmp))
+        run_all(sizes, only, results, budget, Path(tmp), Judging(sizes.judge, injected))
 
     by_name = {r["measurement"]: r for r in results.records}
     failed = [r["measurement"] for r in results.records if not r.get("passed")]
@@ -906,8 +1020,13 @@ def main() -> None:
             k: by_name.get(k, {}).get("passed") for k in ("a_zero2", "a_zero3", "a_zero3_offload")
         },
         "mfu_zero2": b.get("mfu"),
-        "mfu_target": MFU_TARGET,
-        "mfu_target_met": b.get("target_met"),
+        "mfu_target": sizes.mfu_target,
+        "verdicts_missed": {
+            r["measurement"]: [m for v in r.get("verdicts", []) if v["judged"] for m in v["misses"]]
+            for r in results.records
+            if any(v["judged"] and v["misses"] for v in r.get("verdicts", []))
+        },
+        "judged": sizes.judge or bool(injected),
         "zero3_over_zero0_step_time": by_name.get("c_zero3_over_zero0", {}).get("ratio"),
         "consumer_card": {
             k: d.get(k)

@@ -20,7 +20,7 @@
 #   bash bench/gpu_check.sh --wheels DIR ...          # same as WHEELS=DIR
 #
 # Wheels: installed beside the machine's packages, llm_train from this checkout (bench/gpu_env.sh).
-# Other arguments go to bench/gpu_check.py (--only NAME..., --budget-s S).
+# Other arguments go to bench/gpu_check.py (--only NAME..., --budget-s S, --expect NAME.QUANTITY=VALUE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

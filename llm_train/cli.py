@@ -6,6 +6,7 @@
     llm-train show RECIPE [key=value ...]   the resolved recipe YAML and effective DeepSpeed JSON
     llm-train show --schema                 every recipe key: type, default, description (docs/recipe.md)
     llm-train dry-run RECIPE [...]          same as train.py --dry-run
+    llm-train convert RUN_DIR               a checkpoint's universal copy, ahead of a resume on a new layout
 
 Each subcommand lives in its own small function; errors a user can cause are one line, exit 2.
 Every subcommand takes its key.sub=value overrides anywhere among its options (`parse_command`).
@@ -21,13 +22,12 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 
-from llm_train.commands import data, doctor, launch_train, plan, report
+from llm_train.commands import convert, data, doctor, launch_train, plan, report
 from llm_train.config.recipe import available_recipes, load_recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
 from llm_train.observability.console import print_recipe_table
-from llm_train.runtime.checkpoint import find_resumable
 from llm_train.runtime.export import export_checkpoint
 from llm_train.train import build_parser as train_parser
 from llm_train.train import main as train_main
@@ -62,16 +62,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
-        found = find_resumable(ckpt / "checkpoints", lambda m: print(m, file=sys.stderr))
-        if found is None:
-            raise UserError(f"{ckpt}: no complete checkpoint under {ckpt / 'checkpoints'}")
-        ckpt = found
-    elif not (ckpt / "manifest.json").is_file() and not ckpt.is_dir():
-        raise UserError(
-            f"export: {ckpt} is not a checkpoint directory (expected checkpoints/step-N or a run dir)"
-        )
+    ckpt = convert.checkpoint_of(Path(args.checkpoint), "export")
     result = export_checkpoint(ckpt, Path(args.out), args.dtype)
     print(f"exported {ckpt} -> {args.out}: {result['tensors']} tensors, {args.dtype}; {result['verified']}")
     return 0
@@ -136,6 +127,7 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = [
     doctor.register_cli,
     report.register_cli,
     data.register_cli,
+    convert.register_cli,
 ]
 
 

@@ -21,6 +21,7 @@ from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.console import add_train_args
+from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.guards import check_host_ram, check_nvme_path, memory_rows
 from llm_train.runtime import launcher
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
@@ -62,6 +63,12 @@ def build_parser(recipe_positional: bool = False, add_help: bool = True) -> argp
         "--allow-batch-change",
         action="store_true",
         help="With --resume: train on with this launch's global batch instead of keeping the checkpoint's.",
+    )
+    parser.add_argument(
+        "--allow-data-revision-change",
+        action="store_true",
+        help="With --resume: continue a streamed hub dataset that now resolves to another commit than the "
+        "checkpoint read (its saved offsets then point at other rows).",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="Print the resolved recipe, DS JSON, plan, memory; exit."
@@ -106,6 +113,10 @@ def print_dry_run(run: Resolved) -> None:
             print(f"  {key:<28} {value}")
     if run.notice:
         print(f"notice: {run.notice}")
+    if lines := checkpoint_lines(run):
+        print("# checkpoints (estimate; see llm_train/planning/checkpoint_cost.py for the rates)")
+        for line in lines:
+            print(f"  {line}")
     # Last, because it may tokenise local data (into the cache the run reads) and refuses a run
     # that would loop over its data more than data.max_epochs times.
     recipe = run.recipe
@@ -160,6 +171,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             output_dir=args.output_dir,
             resume=args.resume,
             allow_batch_change=args.allow_batch_change,
+            allow_data_revision_change=args.allow_data_revision_change,
             overwrite=args.overwrite,
             verbose=args.verbose,
             profile=args.profile,

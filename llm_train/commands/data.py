@@ -28,7 +28,9 @@ def register_cli(subparsers: Any) -> None:
     for parser in (prepare, inspect):
         parser.add_argument("--recipe", required=True, help="A name in recipes/ or a YAML path.")
         parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides.")
-    inspect.add_argument("-n", type=int, default=3, help="Samples to decode (default 3).")
+    inspect.add_argument(
+        "-n", type=int, default=3, help="Samples (or preference pairs) to decode (default 3)."
+    )
     prepare.set_defaults(func=cmd_prepare)
     inspect.set_defaults(func=cmd_inspect)
 
@@ -73,8 +75,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print("\n".join(describe_split(split)))
     train = prepared.train
     order = EpochOrder([p.n_sequences for p in train.parts], train.weights, recipe.optim.seed)
-    views = sample_views(train, tokenizer, order, max(0, args.n))
+    per_sample = 2 if train.pairs else 1  # a preference pair shows its chosen and its rejected row
+    views = sample_views(train, tokenizer, order, max(0, args.n) * per_sample)
     if views:
-        print(f"\nthe first {len(views)} samples of epoch 0; text the model is trained to predict is in ⟦ ⟧")
+        what = f"{len(views) // 2} pairs (chosen, then rejected)" if train.pairs else f"{len(views)} samples"
+        print(f"\nthe first {what} of epoch 0; text the model is trained to predict is in ⟦ ⟧")
         print("\n".join(views))
     return 0

@@ -93,6 +93,10 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B": _llama(
         4096, 32, 32, 8, 14336, 128256, 131072, 500000.0, rope_scaling=_LLAMA3_ROPE_SCALING_8X
     ),
+    # Tulu 3's SFT stage of Llama-3.1-8B (the checkpoint its DPO starts from): 8 added tokens, chat template.
+    "allenai/Llama-3.1-Tulu-3-8B-SFT": _llama(
+        4096, 32, 32, 8, 14336, 128264, 131072, 500000.0, rope_scaling=_LLAMA3_ROPE_SCALING_8X
+    ),
     "meta-llama/Llama-3.1-70B": _llama(
         8192, 80, 64, 8, 28672, 128256, 131072, 500000.0, rope_scaling=_LLAMA3_ROPE_SCALING_8X
     ),

@@ -10,9 +10,11 @@ TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with Z
   tensor parallel (AutoTP)  x data parallel  with ZeRO-0/1/2 (and ZeRO-3 for init: random)
   pipeline (PipelineModule) x data parallel  with ZeRO-0/1, Llama / Mistral / Qwen2
     (without LoRA, checkpoint.on_nonfinite=skip, Liger kernels, torch.compile, --flops-profiler)
-  Ulysses sequence parallel x data parallel with ZeRO-0/1/2/3 and offload, sdpa or flash-attention-2,
-    padded rows (packed rows with flash-attention-2 only), through Accelerate's ParallelismConfig
-    (tests/e2e/test_sequence_parallel.py: losses and gradient norms against sp=1)
+  Ulysses sequence parallel x data parallel with ZeRO-2/3 (ZeRO-0/1 and offload accepted, not run
+    end to end), sdpa or flash-attention-2, padded rows (packed rows with flash-attention-2 only),
+    through Accelerate's ParallelismConfig (tests/e2e/test_sequence_parallel.py: losses and gradient
+    norms against sp=1 within 1e-5, ZeRO-3 and ZeRO-2)
+  preference objectives (dpo, simpo) with ZeRO data parallelism only: each rank scores whole sequences
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
     """Raise a one-line UserError for the first combination that cannot run."""
     tp, pp = layout.tp, layout.pp
     degrees = f"world size {layout.world_size} = {layout.degrees}"
+    _check_objective(layout, recipe, degrees)
     if tp > 1 and pp > 1:
         raise UserError(
             f"{degrees}: tensor parallel (tensor_parallel.autotp_size={tp} in {ds_source}) cannot be combined "
@@ -89,6 +92,35 @@ def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: st
             raise UserError(
                 f"{setting} is not supported with {asked} (not verified with bitsandbytes layers); "
                 f"set {setting.split('=')[0]}={fix}"
+            )
+
+
+def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
+    """Preference objectives score whole sequences on one rank: what splits a sequence or its logits is refused."""
+    if recipe.objective == "lm":
+        return
+    asked = f"objective={recipe.objective}"
+    why = {
+        "deepspeed.pipeline_stages": (
+            layout.pp,
+            "DeepSpeed's pipeline engine computes a token loss on its last stage and hands back no logits to "
+            "score the chosen and rejected sequences by",
+        ),
+        "tensor_parallel.autotp_size": (
+            layout.tp,
+            "AutoTP may split the output layer over the vocabulary, so no rank holds a sequence's log-probs "
+            "(not verified)",
+        ),
+        "deepspeed.sequence_parallel": (
+            layout.sp,
+            "Ulysses splits each sequence over ranks, so no rank holds a sequence's log-prob",
+        ),
+    }
+    for setting, (degree, reason) in why.items():
+        if degree > 1:
+            raise UserError(
+                f"{degrees}: {asked} is not supported with {setting}={degree}: {reason}; train preferences with "
+                "ZeRO data parallelism (ZeRO-0..3, offload, LoRA)"
             )
 
 

@@ -100,6 +100,11 @@ class _SourceFields(Section):
     )
     split: str = Field("train", description="Split to read from a hub dataset or a save_to_disk DatasetDict.")
     subset: str | None = Field(None, description="Hub dataset configuration name (load_dataset's `name`).")
+    revision: str | None = Field(
+        None,
+        description="Hub dataset revision to read (branch, tag or commit sha; default: the default branch). "
+        "The commit read is recorded in checkpoints; a resume that resolves to another one is refused.",
+    )
     streaming: bool = Field(
         False,
         description="Read through datasets' streaming mode and tokenise + pack on the fly (corpora too large to "
@@ -148,14 +153,7 @@ class InstructionSource(_SourceFields):
 
     @model_validator(mode="after")
     def _template_has_prompt(self) -> InstructionSource:
-        import string
-
-        names = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
-        if names != {"prompt"}:
-            raise ValueError(
-                f"prompt_template must contain '{{prompt}}' and no other {{fields}} (found {sorted(names)}); "
-                "write literal braces as {{ and }}"
-            )
+        _check_prompt_template(self.prompt_template)
         return self
 
 
@@ -182,12 +180,60 @@ class TokenizedSource(_SourceFields):
     )
 
 
-Source = TextSource | InstructionSource | ChatSource | TokenizedSource
+class PreferenceSource(_SourceFields):
+    """Preference pairs: a prompt with a chosen and a rejected response (objective dpo or simpo).
+
+    Each of the three fields holds text or a list of {role, content} messages. Message lists
+    are rendered with the chat template; when `chosen` and `rejected` are whole conversations
+    (HuggingFaceH4/ultrafeedback_binarized's train_prefs), the prompt is what they share before
+    their last (assistant) message. Both sequences start with the same prompt tokens; the loss
+    mask covers the response only.
+    """
+
+    format: Literal["preference"] = "preference"
+    prompt_field: str = Field(
+        "prompt",
+        description="Field with the prompt (text or messages); not needed when chosen/rejected are "
+        "conversations that contain it.",
+    )
+    chosen_field: str = Field("chosen", description="Field with the preferred response (text or messages).")
+    rejected_field: str = Field(
+        "rejected", description="Field with the dispreferred response (text or messages)."
+    )
+    prompt_template: str = Field(
+        "{prompt}",
+        description="Wraps a text prompt ('{prompt}' is replaced by it); message prompts use the chat template.",
+    )
+    overlong: Literal["truncate", "drop", "error"] = Field(
+        "truncate",
+        description="Pairs whose prompt + longer response exceed seq_len: truncate (the prompt loses its "
+        "beginning first, down to half of seq_len, then the responses their ends), drop or error.",
+    )
+
+    @model_validator(mode="after")
+    def _template_has_prompt(self) -> PreferenceSource:
+        _check_prompt_template(self.prompt_template)
+        return self
+
+
+def _check_prompt_template(template: str) -> None:
+    import string
+
+    names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    if names != {"prompt"}:
+        raise ValueError(
+            f"prompt_template must contain '{{prompt}}' and no other {{fields}} (found {sorted(names)}); "
+            "write literal braces as {{ and }}"
+        )
+
+
+Source = TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource
 SOURCE_CLASSES: dict[str, type[Section]] = {
     "text": TextSource,
     "instruction": InstructionSource,
     "chat": ChatSource,
     "tokenized": TokenizedSource,
+    "preference": PreferenceSource,
 }
 
 
@@ -226,14 +272,18 @@ def _parse_source(item: Any, where: str) -> Any:
 class DataSection(Section):
     """Where the training data comes from and how it becomes packed sequences (see llm_train/data/)."""
 
-    train: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource] = Field(
-        min_length=1,
-        description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
-        "mappings {path, format: text|instruction|chat|tokenized, weight, ...}.",
+    train: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
+        Field(
+            min_length=1,
+            description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
+            "mappings {path, format: text|instruction|chat|tokenized|preference, weight, ...}.",
+        )
     )
-    eval: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource] = Field(
-        default_factory=list,
-        description="Held-out sources (same forms as train); empty = carve eval_fraction.",
+    eval: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
+        Field(
+            default_factory=list,
+            description="Held-out sources (same forms as train); empty = carve eval_fraction.",
+        )
     )
     eval_fraction: float = Field(
         0.05, ge=0.0, lt=0.5, description="Share of each train source's samples held out for eval."
@@ -331,12 +381,20 @@ class OptimSection(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine/linear).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per process per forward pass.")
+    micro_batch_size: int = Field(
+        1,
+        ge=1,
+        description="Sequences per process per forward pass (preference pairs, two sequences each, under "
+        "objective dpo or simpo).",
+    )
     grad_accum: int | None = Field(
         None, ge=1, description="Micro-batches per optimizer step; derived from global_batch_size if unset."
     )
     global_batch_size: int | None = Field(
-        None, ge=1, description="Sequences per optimizer step over all data-parallel ranks."
+        None,
+        ge=1,
+        description="Sequences (preference pairs under objective dpo or simpo) per optimizer step over all "
+        "data-parallel ranks.",
     )
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to train.")
     epochs: float | None = Field(
@@ -446,6 +504,42 @@ class LoraSection(Section):
     )
 
 
+Objective = Literal["lm", "dpo", "simpo"]
+# The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
+# (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
+
+
+class PreferenceSection(Section):
+    """Preference tuning on `format: preference` pairs (objective dpo or simpo; runtime/objectives.py)."""
+
+    beta: float | None = Field(
+        None,
+        gt=0,
+        description="Reward scale: how far the policy may move from the reference (dpo) or the per-token "
+        "reward scale (simpo); default 0.1 for dpo, 2.0 for simpo.",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="Probability that a pair's preference is flipped (conservative DPO, Mitchell 2023): "
+        "the loss is (1-e) of the sigmoid loss plus e of the reversed one; 0 = plain sigmoid loss.",
+    )
+    simpo_gamma: float = Field(
+        0.5,
+        ge=0,
+        description="SimPO's target reward margin gamma (objective simpo only; TRL's simpo_gamma).",
+    )
+    reference: Literal["cached", "live"] = Field(
+        "cached",
+        description="dpo only. 'cached': the reference model's log-probs of every pair are computed in one "
+        "pass before training and cached beside the data (training holds one model); 'live': computed "
+        "every step, by the base model with the adapters disabled under LoRA, else by a frozen copy of "
+        "the model (sharded like the policy under ZeRO-3; the planner counts its memory).",
+    )
+
+
 class DeepSpeedSection(Section):
     config: str = Field(description="A name in ds_configs/ (e.g. 'zero3') or a path to a DeepSpeed JSON.")
     pipeline_stages: int = Field(
@@ -463,6 +557,16 @@ class DeepSpeedSection(Section):
         None,
         description="Directory on a fast local NVMe drive for ZeRO-Infinity offload (DS JSON device 'nvme'); "
         "checked for existence, write access and free space before the run starts.",
+    )
+    # 30 minutes: the longest wait inside a collective in the largest shipped recipe (70b-zero3, 32
+    # ranks) is one rank writing its ~25 GiB checkpoint share or a ~1 min step, minutes at worst on a
+    # busy shared filesystem; hashing and conversion never wait inside one (runtime/file_sync.py).
+    # `llm-train plan` and --dry-run print the checkpoint's expected times against it.
+    timeout_minutes: float = Field(
+        30.0,
+        gt=0,
+        description="Process-group timeout (NCCL/gloo), given to Accelerate and DeepSpeed: a collective fails "
+        "after waiting this long for a rank; ranks waiting for checkpoint work through files use it too.",
     )
 
     @model_validator(mode="after")
@@ -538,6 +642,15 @@ class Recipe(Section):
     lora: LoraSection | None = Field(
         None, description="Train LoRA adapters instead of all weights (needs peft)."
     )
+    objective: Objective = Field(
+        "lm",
+        description="'lm': next-token cross-entropy on the loss mask (pre-training, SFT); 'dpo': DPO's "
+        "sigmoid loss against a reference model; 'simpo': SimPO, reference-free (both need "
+        "format: preference data).",
+    )
+    preference: PreferenceSection = Field(
+        default_factory=PreferenceSection, description="DPO / SimPO settings (objective dpo or simpo)."
+    )
     deepspeed: DeepSpeedSection
     eval: EvalSection = Field(default_factory=EvalSection)
     output: OutputSection = Field(default_factory=OutputSection)
@@ -569,7 +682,72 @@ class Recipe(Section):
                 "data.train is streamed (streaming: true), so its length is unknown and optim.epochs cannot be "
                 "counted; set optim.max_steps"
             )
+        self._check_objective()
         return self
+
+    def _check_objective(self) -> None:
+        """Preference data and preference objectives come together; what pairs cannot use is refused."""
+        objective, preference = self.objective, self.preference
+        sources = [
+            (f"data.{split}[{i}]", source)
+            for split in ("train", "eval")
+            for i, source in enumerate(getattr(self.data, split))
+        ]
+        if objective == "lm":
+            pairs = next((key for key, s in sources if isinstance(s, PreferenceSource)), None)
+            if pairs:
+                raise ValueError(
+                    f"{pairs} is format preference, which trains with a preference objective; set objective: dpo "
+                    "(or simpo), or use another format"
+                )
+            # Compared with the defaults, not with what was written: a dumped recipe lists every field.
+            changed = [k for k, v in PreferenceSection().model_dump().items() if getattr(preference, k) != v]
+            if changed:
+                raise ValueError(
+                    f"preference.{changed[0]} is set but objective is lm; set objective: dpo (or simpo), or "
+                    "remove the preference section"
+                )
+            return
+        for key, source in sources:
+            if not isinstance(source, PreferenceSource):
+                fmt = source.format if not isinstance(source, str) else "text"
+                raise ValueError(
+                    f"{key} is format {fmt}, but objective={objective} trains on pairs; give every data.train "
+                    "and data.eval source format: preference (prompt, chosen, rejected)"
+                )
+            if source.streaming:
+                raise ValueError(
+                    f"{key}.streaming=true: preference pairs are tokenised up front (the reference pass reads "
+                    "them all before training); remove streaming"
+                )
+        if self.data.packing == "packed":
+            raise ValueError(
+                f"objective={objective} trains each pair as two padded rows (chosen and rejected); set "
+                "data.packing=padded"
+            )
+        if self.memory.tiled_loss:
+            raise ValueError(
+                f"memory.tiled_loss=true computes a mean token loss in tiles, while objective={objective} needs "
+                "each sequence's summed log-probability; set memory.tiled_loss=false"
+            )
+        defaults = PreferenceSection()
+        if objective == "simpo" and preference.reference != defaults.reference:
+            raise ValueError(
+                "preference.reference=live applies to objective dpo; simpo is reference-free: remove "
+                "preference.reference"
+            )
+        if objective == "dpo" and preference.simpo_gamma != defaults.simpo_gamma:
+            raise ValueError(
+                "preference.simpo_gamma applies to objective simpo; remove it or set objective: simpo"
+            )
+        if preference.beta is None:
+            # Filled in here so the resolved recipe (config/recipe.yaml, W&B) shows the beta that trains.
+            preference.beta = DEFAULT_BETA[objective]
+
+    @property
+    def sequences_per_sample(self) -> int:
+        """Sequences one sample trains: two for a preference pair (chosen and rejected), else one."""
+        return 1 if self.objective == "lm" else 2
 
     @property
     def output_dir(self) -> Path:

@@ -10,6 +10,13 @@ token, which the mask (rightly) hides. The unused tail of a row is padding with 
 -100 and its own restarting positions, so it attends only to itself.
 
 Padded rows hold one sample, right-padded, with a 0/1 `attention_mask`.
+
+A micro-batch of m preference pairs is 2m padded rows, the m chosen rows first and then the m
+rejected ones in the same order (TRL's concatenated batch), labels on the responses only; a
+split with reference log-probs attached adds `reference_logps` [2m] in that row order. Pair
+rows are padded to the micro-batch's longest row rounded up to PAIR_WIDTH_STEP (at most
+seq_len), not to seq_len: preference data is padded, and short pairs would otherwise pay for
+seq_len; the rounding bounds the number of shapes (torch.compile compiles one per shape).
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import numpy as np
 from llm_train.data.prepare import PackedSplit
 
 IGNORE = -100
+PAIR_WIDTH_STEP = 64
 
 
 def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:
     """The micro-batch of the given (part, sequence) pairs, as int64 numpy arrays [rows, seq_len]."""
+    if split.pairs:
+        return build_pair_rows(split, sequences)
     rows, width = len(sequences), split.seq_len
     input_ids = np.full((rows, width), split.pad_id, dtype=np.int64)
     labels = np.full((rows, width), IGNORE, dtype=np.int64)
@@ -49,6 +59,37 @@ def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str
         attention = (np.arange(width)[None, :] < used[:, None]).astype(np.int64)
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "use_cache": False}
+
+
+def build_pair_rows(split: PackedSplit, pairs: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:
+    """The micro-batch of the given (part, pair) units: chosen rows, then rejected rows, right-padded."""
+    spans = [split.spans(part, pair) for part, pair in pairs]
+    longest = max(int(lengths.max()) for _, lengths in spans)
+    m, width = len(pairs), min(split.seq_len, -(-longest // PAIR_WIDTH_STEP) * PAIR_WIDTH_STEP)
+    input_ids = np.full((2 * m, width), split.pad_id, dtype=np.int64)
+    labels = np.full((2 * m, width), IGNORE, dtype=np.int64)
+    attention = np.zeros((2 * m, width), dtype=np.int64)
+    reference = np.zeros(2 * m, dtype=np.float32)
+    with_reference = all(split.parts[part].reference is not None for part, _ in pairs)
+    for r, ((part, pair), (starts, lengths)) in enumerate(zip(pairs, spans, strict=True)):
+        source = split.parts[part]
+        for side, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            row = r + side * m
+            ids, mask = source.store.tokens(start, length)
+            input_ids[row, :length] = ids
+            labels[row, :length] = np.where(mask != 0, ids, IGNORE)
+            labels[row, 0] = IGNORE
+            attention[row, :length] = 1
+        if with_reference:
+            reference[[r, r + m]] = source.reference[pair]  # type: ignore[index]
+    batch: dict[str, np.ndarray | bool] = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention,
+    }
+    if with_reference:
+        batch["reference_logps"] = reference
+    return batch
 
 
 def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:

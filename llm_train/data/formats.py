@@ -3,9 +3,14 @@
 Each `make_tokenize_fn` result is a batched `datasets.map` function. A sample's `loss_mask`
 marks the tokens the model is trained to predict: every token of a text sample; the
 response (and its eos) of an instruction sample; the assistant turns of a chat sample;
-the tokens whose label is not -100 in a tokenized sample. Text sources return no mask
-(all ones), which keeps pre-training caches a fifth smaller. Text and instruction samples
-come as rows (rows.py: int32 / uint8 bytes), chat and tokenized ones as lists of ints.
+the tokens whose label is not -100 in a tokenized sample; the response of each side of a
+preference pair. Text sources return no mask (all ones), which keeps pre-training caches a
+fifth smaller. Text and instruction samples come as rows (rows.py: int32 / uint8 bytes),
+chat and tokenized ones as lists of ints.
+
+A preference row becomes two stored rows, chosen then rejected, each the pair's prompt
+tokens followed by that response's: row 2k and 2k + 1 of the store are pair k (packing.py
+keeps them together).
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from llm_train.config.recipe import ChatSource, InstructionSource, Source, TextSource, TokenizedSource
+from llm_train.config.recipe import (
+    ChatSource,
+    InstructionSource,
+    PreferenceSource,
+    Source,
+    TextSource,
+    TokenizedSource,
+)
 from llm_train.data.rows import as_row, mask_row, width
 from llm_train.data.tokenize_memo import TokenizeMemo
 from llm_train.errors import UserError
@@ -25,6 +37,7 @@ TokenizeFn = Callable[[Batch, list[int]], Batch]
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Columns that suggest the user meant another format: named in the missing-field error.
 _FORMAT_HINTS = (
+    ({"chosen", "rejected"}, "preference"),
     ({"messages"}, "chat"),
     ({"instruction", "output"}, "instruction"),
     ({"input_ids"}, "tokenized"),
@@ -39,6 +52,8 @@ def required_fields(source: Source) -> list[str]:
         return [source.prompt_field, source.response_field]
     if isinstance(source, ChatSource):
         return [source.messages_field]
+    if isinstance(source, PreferenceSource):
+        return [source.chosen_field, source.rejected_field]
     return [source.input_ids_field]
 
 
@@ -49,6 +64,8 @@ def fields_read(source: Source, columns: list[str]) -> list[str]:
         optional.append(source.input_field)
     if isinstance(source, TokenizedSource):
         optional.append(source.labels_field)
+    if isinstance(source, PreferenceSource):
+        optional.append(source.prompt_field)
     return required_fields(source) + [c for c in optional if c in columns]
 
 
@@ -61,6 +78,7 @@ def check_fields(columns: list[str], source: Source, key: str, where: str) -> No
             "instruction": "prompt_field / response_field",
             "chat": "messages_field",
             "tokenized": "input_ids_field",
+            "preference": "chosen_field / rejected_field",
         }[source.format]
         hint = next(
             (
@@ -106,6 +124,8 @@ def make_tokenize_fn(source: Source, tokenizer: Any, chat_template: str | None, 
         return _instruction_fn(source, tokenizer)
     if isinstance(source, ChatSource):
         return _chat_fn(source, tokenizer, chat_template, key)
+    if isinstance(source, PreferenceSource):
+        return _preference_fn(source, tokenizer, chat_template, key)
     return _tokenized_fn(source, tokenizer, key)
 
 
@@ -304,3 +324,136 @@ def _tokenized_fn(source: TokenizedSource, tokenizer: Any, key: str) -> Tokenize
         return {"input_ids": ids_out, "loss_mask": masks}
 
     return tokenize
+
+
+def _preference_fn(
+    source: PreferenceSource, tokenizer: Any, chat_template: str | None, key: str
+) -> TokenizeFn:
+    """Two rows per pair (chosen, rejected): the shared prompt's tokens, then the response's, trained on.
+
+    Text pairs: the prompt goes through `prompt_template` and is encoded with the tokenizer's
+    special tokens (bos); each response is encoded without them and ends with eos. Message pairs
+    (any of the three fields a list) are rendered with the chat template: the prompt with the
+    generation prompt, each response as the text the template adds for that assistant message
+    (its end-of-turn token included). Prompt and response are encoded apart, as TRL does, so the
+    two sequences share the prompt's tokens exactly and the boundary never merges across.
+    """
+    eos = as_row([tokenizer.eos_token_id])
+    encode = make_encoder(tokenizer)
+    template = chat_template
+
+    def render(messages: list[dict[str, Any]], prompt: bool) -> str:
+        nonlocal template
+        if template is None:  # raises the one-line "no chat template" error of chat sources
+            template = chat_template_for(tokenizer, None, key)
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=prompt
+        )
+
+    def field(batch: Batch, name: str, n: int) -> Any:
+        column = batch.get(name)
+        return column[n] if column is not None else None
+
+    def split_pair(batch: Batch, n: int, row: int) -> tuple[str, bool, str, str]:
+        """(prompt text, prompt carries special tokens, chosen text, rejected text) of one row."""
+        where = f"{key}: row {row + 1}"
+        prompt = field(batch, source.prompt_field, n)
+        sides = {
+            "chosen": field(batch, source.chosen_field, n),
+            "rejected": field(batch, source.rejected_field, n),
+        }
+        names = {"chosen": source.chosen_field, "rejected": source.rejected_field}
+        for side, value in sides.items():
+            if value is None:
+                raise UserError(
+                    f"{where}: no '{names[side]}' (the {side} response); every pair needs {source.chosen_field} "
+                    f"and {source.rejected_field}: fill it in or remove the row"
+                )
+        chosen, rejected = sides["chosen"], sides["rejected"]
+        if isinstance(chosen, list) != isinstance(rejected, list):
+            raise UserError(
+                f"{where}: {source.chosen_field} and {source.rejected_field} must both be text or both be message "
+                "lists"
+            )
+        if not isinstance(chosen, list) and not isinstance(prompt, list):
+            if prompt is None:
+                raise UserError(
+                    f"{where}: no '{source.prompt_field}' (the prompt); text pairs need one (set prompt_field)"
+                )
+            for side, value in sides.items():
+                if not _as_text(value).strip():
+                    raise UserError(f"{where}: the {side} response is empty; fill it in or remove the pair")
+            text = source.prompt_template.format(prompt=_as_text(prompt))
+            return text, True, _as_text(chosen), _as_text(rejected)
+        # Message form: the responses are each conversation's last (assistant) message.
+        turns = {side: _side_messages(v, row, key) for side, v in sides.items()}
+        context = turns["chosen"][:-1]
+        if context != turns["rejected"][:-1]:
+            raise UserError(
+                f"{where}: the chosen and rejected conversations differ before their last message; a pair "
+                "shares one prompt"
+            )
+        if not context:
+            if prompt is None:
+                raise UserError(
+                    f"{where}: no '{source.prompt_field}' and the responses carry no conversation before them; "
+                    "give the prompt"
+                )
+            context = (
+                _clean_messages(prompt, row, key)
+                if isinstance(prompt, list)
+                else [{"role": "user", "content": _as_text(prompt)}]
+            )
+        prompt_text = render(context, prompt=True)
+        texts = []
+        for side, messages in turns.items():
+            last = messages[-1]
+            if last["role"] != "assistant":
+                raise UserError(
+                    f"{where}: the {side} conversation ends with a '{last['role']}' message; its last message "
+                    "must be the assistant's response"
+                )
+            if not _as_text(last["content"]).strip():
+                raise UserError(f"{where}: the {side} response is empty; fill it in or remove the pair")
+            full = render([*context, last], prompt=False)
+            if not full.startswith(prompt_text):
+                raise UserError(
+                    f"{where}: the chat template does not render the prompt as a prefix of the conversation, so "
+                    "the response cannot be located; use another data.chat_template"
+                )
+            texts.append(full[len(prompt_text) :])
+        return prompt_text, False, texts[0], texts[1]
+
+    def tokenize(batch: Batch, indices: list[int]) -> Batch:
+        pairs = [split_pair(batch, n, row) for n, row in enumerate(indices)]
+        with_special = [(n, p) for n, (p, special, _, _) in enumerate(pairs) if special]
+        without = [(n, p) for n, (p, special, _, _) in enumerate(pairs) if not special]
+        prompts: dict[int, bytes] = {}
+        for group, special in ((with_special, True), (without, False)):
+            if group:
+                prompts.update(
+                    zip([n for n, _ in group], encode([p for _, p in group], special), strict=True)
+                )
+        responses = encode([text for _, _, c, r in pairs for text in (c, r)], False)
+        ids, masks = [], []
+        for n, row in enumerate(indices):
+            prompt = prompts[n]
+            if width(prompt) == 0:
+                raise UserError(
+                    f"{key}: row {row + 1}: the prompt is empty (0 tokens); the responses are scored given a "
+                    "prompt: fill it in or remove the pair"
+                )
+            # Text responses end with eos like instruction responses; templates end the turn themselves.
+            end = eos if pairs[n][1] else b""
+            for response in responses[2 * n : 2 * n + 2]:
+                ids.append(prompt + response + end)
+                masks.append(mask_row(width(prompt), width(response + end)))
+        return {"input_ids": ids, "loss_mask": masks}
+
+    return tokenize
+
+
+def _side_messages(value: Any, row: int, key: str) -> list[dict[str, Any]]:
+    if isinstance(value, list):
+        return _clean_messages(value, row, key)
+    return [{"role": "assistant", "content": _as_text(value)}]  # a text response after a message prompt

@@ -4,6 +4,10 @@ A span is a slice of a source's token store: (start, length, row). Packing assig
 sequences of `seq_len` slots with best-fit decreasing, which leaves ~1% of slots empty on
 typical length spreads where greedy concatenation in arrival order leaves 10-15%. Spans are
 never cut to fill a sequence: a sample's tokens attend only to that sample (see batches.py).
+
+Preference pairs (`make_pair_spans`, `pair_placement`) are not packed: each pair is one unit
+of two padded rows, its chosen and its rejected span, so the stream deals a pair whole to one
+data-parallel rank and one micro-batch.
 """
 
 from __future__ import annotations
@@ -69,19 +73,72 @@ def make_spans(
     return spans.select(trained > 0), counts
 
 
+def make_pair_spans(
+    store: TokenStore, pairs: np.ndarray, seq_len: int, policy: str, key: str
+) -> tuple[Spans, dict[str, int]]:
+    """Two spans per pair (chosen, rejected; `row` = the pair's source row) after the over-long policy.
+
+    Store rows 2k and 2k + 1 are pair k: the same prompt tokens (untrained) then a response
+    (trained), so the prompt length is the row length minus its trained tokens. A pair is over-long
+    when prompt + longer response exceed seq_len. `truncate` cuts the prompt first, keeping its end
+    (the part next to the response) and at least min(prompt, seq_len // 2) tokens of it, then the
+    responses' ends; both rows keep the same prompt tokens.
+    """
+    chosen, rejected = 2 * pairs, 2 * pairs + 1
+    lengths = store.lengths
+    responses = np.stack([_row_sums(store, chosen), _row_sums(store, rejected)], axis=1)
+    prompt = lengths[chosen] - responses[:, 0]
+    longest = responses.max(axis=1)
+    over = prompt + longest > seq_len
+    counts = {"rows": len(pairs), "empty": 0, "truncated": 0, "dropped": 0, "split": 0, "no_target": 0}
+    if over.any():
+        first = int(np.argmax(over))
+        if policy == "error":
+            raise UserError(
+                f"{key}: row {int(pairs[first]) + 1}: prompt {int(prompt[first])} + longest response "
+                f"{int(longest[first])} tokens is more than data.seq_len={seq_len} ({int(over.sum())} such pairs); "
+                "set overlong: truncate (the prompt is cut first) or drop on this source, or raise data.seq_len"
+            )
+        counts["truncated" if policy == "truncate" else "dropped"] = int(over.sum())
+    keep = ~over if policy == "drop" else np.ones(len(pairs), dtype=bool)
+    kept_prompt = np.minimum(prompt, np.maximum(seq_len - longest, seq_len // 2))
+    cut = (prompt - kept_prompt)[keep]
+    room = seq_len - kept_prompt[keep]
+    start = np.stack([store.offsets[chosen][keep], store.offsets[rejected][keep]], axis=1) + cut[:, None]
+    length = kept_prompt[keep][:, None] + np.minimum(responses[keep], room[:, None])
+    row = np.repeat(pairs[keep], 2)
+    return Spans(start.reshape(-1), length.reshape(-1), row), counts
+
+
+def _row_sums(store: TokenStore, rows: np.ndarray) -> np.ndarray:
+    """Trained tokens of whole store rows (sorted), their first token included."""
+    return _mask_sums(store, store.offsets[rows], store.lengths[rows], skip_first=False)
+
+
+def pair_placement(spans: Spans) -> Placement:
+    """Each pair one unit of the stream: sequence k holds spans 2k (chosen) and 2k + 1 (rejected)."""
+    return Placement(spans, np.arange(0, len(spans) + 1, 2, dtype=np.int64))
+
+
 def trained_per_span(store: TokenStore, spans: Spans) -> np.ndarray:
     """Tokens each span trains on. A span's first token is never a target (nothing precedes it)."""
     if store.loss_mask is None:
         return np.maximum(spans.length - 1, 0)
-    out = np.zeros(len(spans), dtype=np.int64)
-    ends = spans.start + spans.length
+    return _mask_sums(store, spans.start, spans.length, skip_first=True)
+
+
+def _mask_sums(store: TokenStore, start: np.ndarray, length: np.ndarray, skip_first: bool) -> np.ndarray:
+    """The loss mask summed over each range (sorted by start, disjoint), window by window."""
+    assert store.loss_mask is not None
+    out = np.zeros(len(start), dtype=np.int64)
+    ends = start + length
     i = 0
-    while i < len(spans):  # spans are sorted by start and disjoint: sum the mask window by window
-        lo = int(spans.start[i])
+    while i < len(start):
+        lo = int(start[i])
         j = max(i + 1, int(np.searchsorted(ends, lo + _WINDOW, side="right")))
         window = np.asarray(store.loss_mask[lo : int(ends[j - 1])], dtype=np.int64)
         cumulative = np.concatenate(([0], np.cumsum(window)))
-        a = spans.start[i:j] - lo + 1
+        a = start[i:j] - lo + int(skip_first)
         b = np.maximum(ends[i:j] - lo, a)
         out[i:j] = cumulative[b] - cumulative[a]
         i = j

@@ -9,6 +9,11 @@ Per source, two cache entries under data.cache_dir:
 so changing seq_len re-packs without re-tokenising, and a second run of the same recipe reads
 both entries without touching the source. The eval split is carved by rows, before packing,
 so no packed sequence mixes train and eval samples.
+
+A preference source's unit is the pair (two store rows, packing.py): it is carved, counted
+and dealt by pair, and each of its "sequences" is one pair of padded rows. A preference
+objective also attaches the reference model's log-probs of every pair to each part
+(`PackedSource.reference`, runtime/reference.py), which batches.py hands out with the pairs.
 """
 
 from __future__ import annotations
@@ -21,18 +26,20 @@ from typing import Any, Literal
 
 import numpy as np
 
-from llm_train.config.recipe import ChatSource, DataSection, Source
+from llm_train.config.recipe import ChatSource, DataSection, PreferenceSource, Source
 from llm_train.data import formats
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import (
     Placement,
     length_stats,
+    make_pair_spans,
     make_spans,
+    pair_placement,
     placement,
     trained_per_span,
 )
-from llm_train.data.sources import load_rows, locate
+from llm_train.data.sources import check_revision, load_rows, locate
 from llm_train.data.store import TokenStore, auto_num_proc, build_store
 from llm_train.errors import UserError
 
@@ -50,10 +57,16 @@ class PackedSource:
     stats: dict[str, Any]
     cache: dict[str, str]
     key: str
+    reference: np.ndarray | None = None
+    """Preference pairs: the reference model's summed log-probs, float32 [pairs, 2] (chosen, rejected)."""
 
     @property
     def n_sequences(self) -> int:
         return self.placement.n_sequences
+
+    @property
+    def pairs(self) -> bool:
+        return isinstance(self.source, PreferenceSource)
 
 
 @dataclass
@@ -76,6 +89,22 @@ class PackedSplit:
     def fingerprint(self) -> str:
         """Identifies the exact sequences and mixture: a resumed stream checks it is reading the same data."""
         return digest([p.key for p in self.parts], self.weights)
+
+    @property
+    def pairs(self) -> bool:
+        """Preference pairs: each sequence of the split is a pair of rows (recipe.py allows no mixing)."""
+        return bool(self.parts) and all(p.pairs for p in self.parts)
+
+    @property
+    def reference_digest(self) -> str | None:
+        """The attached reference log-probs, hashed: a resumed run checks it trains against the same ones."""
+        if not self.pairs or any(p.reference is None for p in self.parts):
+            return None
+        import hashlib
+
+        return digest(
+            [hashlib.sha256(np.ascontiguousarray(p.reference).tobytes()).hexdigest() for p in self.parts]
+        )
 
     def spans(self, part: int, sequence: int) -> tuple[np.ndarray, np.ndarray]:
         lay = self.parts[part].placement
@@ -100,7 +129,7 @@ def prepare_data(data: DataSection, tokenizer: Any, seed: int, say: Say | None =
     train_parts, eval_parts = [], []
     for i, source in enumerate(data.sources("train")):
         tokens = job.tokens(source, "data.train", f"data.train[{i}] {source.path} ({source.format})")
-        rows = np.arange(tokens.store.rows)
+        rows = np.arange(tokens.samples)
         if carve:
             rows, held = _carve(rows, data.eval_fraction, seed, i)
             if len(held):
@@ -108,7 +137,7 @@ def prepare_data(data: DataSection, tokenizer: Any, seed: int, say: Say | None =
         train_parts.append(job.pack(tokens, "train", rows, carved=carve))
     for i, source in enumerate(data.sources("eval")):
         tokens = job.tokens(source, "data.eval", f"data.eval[{i}] {source.path} ({source.format})")
-        eval_parts.append(job.pack(tokens, "eval", np.arange(tokens.store.rows), carved=False))
+        eval_parts.append(job.pack(tokens, "eval", np.arange(tokens.samples), carved=False))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train = _split("train", train_parts, data, pad_id)
     if train.n_sequences == 0:
@@ -147,6 +176,11 @@ class _Tokens:
     store: TokenStore
     status: str  # cache status: hit | miss | waited
 
+    @property
+    def samples(self) -> int:
+        """Source rows: store rows, or half of them for pairs (two store rows each)."""
+        return self.store.rows // 2 if isinstance(self.source, PreferenceSource) else self.store.rows
+
 
 class _Job:
     """What every source of one prepare_data call shares: settings, tokenizer, cache, output."""
@@ -159,13 +193,15 @@ class _Job:
 
     def tokens(self, source: Source, key: str, label: str) -> _Tokens:
         located = locate(source.path, key)
+        check_revision(located, source, key)
         rows = None
         signature = located.signature()
-        if signature is None:  # hub dataset: datasets' own fingerprint of what it downloaded
+        if signature is None:  # hub dataset: datasets' own fingerprint of what it downloaded (its revision)
             rows = load_rows(located, source, key, self.cache_dir)
             signature = rows._fingerprint
-        fields = source.model_dump(exclude={"path", "weight", "overlong"})
-        chat = self.template if isinstance(source, ChatSource) else None  # other formats ignore it
+        fields = source.model_dump(exclude={"path", "weight", "overlong", "revision"})
+        # Other formats ignore the template (a preference source renders message rows with it).
+        chat = self.template if isinstance(source, (ChatSource, PreferenceSource)) else None
         tok_key = digest("tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat)
         entry = self.cache_dir / f"tokens-{tok_key}"
         where = f"{key}: {located.describe()}"
@@ -180,16 +216,19 @@ class _Job:
             meta = build_store(out, loaded, fn, columns, formats.has_loss_mask(source), procs, tok_key)
             if meta["tokens"] == 0:
                 raise UserError(f"{where}: every row is empty after tokenisation")
+            if isinstance(source, PreferenceSource):
+                meta["rows"] //= 2  # source rows; the store holds two (chosen, rejected) per pair
             self.say(
-                f"data: {label}: tokenised {meta['rows']:,} rows -> {meta['tokens']:,} tokens "
+                f"data: {label}: tokenised {meta['rows']:,} {unit} -> {meta['tokens']:,} tokens "
                 f"in {time.perf_counter() - started:.1f}s ({procs} process{'es' if procs > 1 else ''})"
             )
             return {**meta, "source": located.describe(), "format": source.format}
 
+        unit = "pairs" if isinstance(source, PreferenceSource) else "rows"
         meta, status = cached(entry, build)
         if status != "miss":
             how = "cached" if status == "hit" else "tokenised by another process"
-            self.say(f"data: {label}: {meta['rows']:,} rows, {meta['tokens']:,} tokens ({how})")
+            self.say(f"data: {label}: {meta['rows']:,} {unit}, {meta['tokens']:,} tokens ({how})")
         return _Tokens(source, label, tok_key, TokenStore.open(entry), status)
 
     def pack(
@@ -203,16 +242,22 @@ class _Job:
         entry = self.cache_dir / f"packed-{key}"
 
         def build(out: Path) -> dict[str, Any]:
-            spans, counts = make_spans(store, rows, data.seq_len, source.overlong, tokens.label)
-            lay = placement(spans, data.seq_len, data.packing)
+            if isinstance(source, PreferenceSource):
+                spans, counts = make_pair_spans(store, rows, data.seq_len, source.overlong, tokens.label)
+                lay, row_count = pair_placement(spans), len(spans)  # two padded rows per pair
+                lengths = _pair_lengths(store, rows)
+            else:
+                spans, counts = make_spans(store, rows, data.seq_len, source.overlong, tokens.label)
+                lay = placement(spans, data.seq_len, data.packing)
+                row_count = lay.n_sequences
+                lengths = store.lengths[rows]
             lay.save(out)
             n_tokens = int(spans.length.sum())
-            slots = lay.n_sequences * data.seq_len
-            lengths = store.lengths[rows]
+            slots = row_count * data.seq_len
             return {
                 **counts,
                 "role": role,
-                "samples": len(spans),
+                "samples": lay.n_sequences if isinstance(source, PreferenceSource) else len(spans),
                 "tokens": n_tokens,
                 "trained_tokens": int(trained_per_span(store, spans).sum()),
                 "sequences": lay.n_sequences,
@@ -222,7 +267,13 @@ class _Job:
             }
 
         stats, status = cached(entry, build)
-        if role == "train" and status == "miss" and stats["samples"]:
+        if role == "train" and status == "miss" and stats["samples"] and isinstance(source, PreferenceSource):
+            self.say(
+                f"data: {tokens.label}: {stats['samples']:,} pairs as {2 * stats['samples']:,} padded rows of "
+                f"{data.seq_len} ({stats['efficiency']:.1%} of slots used; truncated {stats['truncated']}, "
+                f"dropped {stats['dropped']})"
+            )
+        elif role == "train" and status == "miss" and stats["samples"]:
             self.say(
                 f"data: {tokens.label}: {stats['samples']:,} samples in {stats['sequences']:,} sequences of "
                 f"{data.seq_len} ({stats['efficiency']:.1%} of slots used; truncated {stats['truncated']}, "
@@ -237,4 +288,12 @@ def _chat_template_if_needed(data: DataSection, tokenizer: Any) -> str | None:
         for source in data.sources(split):  # type: ignore[arg-type]
             if isinstance(source, ChatSource):
                 return formats.chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
+            if isinstance(source, PreferenceSource) and (data.chat_template or tokenizer.chat_template):
+                # Text pairs need none; message pairs without one fail on their first row (formats.py).
+                return formats.chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
     return None
+
+
+def _pair_lengths(store: TokenStore, pairs: np.ndarray) -> np.ndarray:
+    """Tokens of each pair as a sequence sees it: the prompt and the longer response (its longer row)."""
+    return np.maximum(store.lengths[2 * pairs], store.lengths[2 * pairs + 1])

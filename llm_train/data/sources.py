@@ -76,6 +76,15 @@ def locate(path: str, key: str) -> Located:
     return Located("hub", path)
 
 
+def check_revision(located: Located, source: Any, key: str) -> None:
+    """`revision` names a commit of a hub dataset; on a local source it would be silently meaningless."""
+    if getattr(source, "revision", None) is not None and located.kind != "hub":
+        raise UserError(
+            f"{key}.revision: {located.describe()} is a local source; revision applies to hub datasets only "
+            "(remove it, or name the hub dataset's id as the path)"
+        )
+
+
 def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or Path(path).suffix in BUILDERS
 
@@ -113,7 +122,11 @@ def load_rows(located: Located, source: Any, key: str, cache_dir: Path) -> Any:
     if located.kind == "hub":
         try:
             loaded = datasets.load_dataset(
-                located.path, name=source.subset, split=source.split, cache_dir=hf_cache
+                located.path,
+                name=source.subset,
+                split=source.split,
+                revision=getattr(source, "revision", None),
+                cache_dir=hf_cache,
             )
         except Exception as exc:  # offline, unknown id, unknown split: one line, the library's own words
             raise UserError(

@@ -165,9 +165,16 @@ class BatchStream:
             "sequences_per_epoch": self.order.epoch_len,
             "data_fingerprint": self.split.fingerprint,
             "seed": self.seed,
+            "reference_digest": self.split.reference_digest,  # DPO's cached reference log-probs, or None
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any], allow_revision_change: bool = False) -> list[str]:
+        """Refuse a saved position this data cannot continue (one line); the notices to print otherwise.
+
+        Tokenised up front, a hub source is identified by `datasets`' fingerprint of what it loaded,
+        which follows its content: another revision fails the fingerprint check here, always
+        (the position counts sequences of the old packing, which no longer exist).
+        """
         if state.get("version") != _STATE_VERSION or "sequences_consumed" not in state:
             raise UserError(f"checkpoint data position {state!r} was written by another version of llm_train")
         if state.get("data_fingerprint") != self.split.fingerprint or state.get("seed") != self.seed:
@@ -175,6 +182,17 @@ class BatchStream:
                 "the training data, its mixture, packing or the seed differ from the checkpoint's; resuming would "
                 "repeat or skip samples: resume with the recipe's original data section, or start a new run"
             )
+        saved, ours = state.get("reference_digest"), self.split.reference_digest
+        if saved is not None and ours is not None and saved != ours:
+            raise UserError(
+                "the reference log-probs differ from the ones the checkpoint trained with (another model, "
+                "precision or data under data.cache_dir/reference-*); resuming would train against another "
+                "reference: resume with the original model and data (copy that cache entry along), or start a new run"
+            )
+        return []
+
+    def load_state_dict(self, state: dict[str, Any], allow_revision_change: bool = False) -> None:
+        self.check_state(state, allow_revision_change)
         self.consumed = int(state["sequences_consumed"])
         self._batches = None  # the next batch is built from the restored position
 

@@ -49,8 +49,9 @@ from llm_train.data.batches import build_rows
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
 from llm_train.data.prepare import PackedSplit, prepare_data
+from llm_train.data.revision import resolve_revision
 from llm_train.data.rows import IDS, MASK, to_arrow
-from llm_train.data.sources import Located, locate
+from llm_train.data.sources import Located, check_revision, locate
 from llm_train.data.store import TokenStore
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError, first_line
@@ -81,6 +82,8 @@ class StreamSpec:
     window_rows: int
     cache_dir: str
     fingerprint: str
+    # Per source: the hub commit it is read at (data/revision.py); None for local files or unknown.
+    revisions: list[str | None]
 
     @classmethod
     def build(
@@ -99,15 +102,22 @@ class StreamSpec:
                     f"data.train[{i}]: {source.path} was written by save_to_disk and is memory-mapped already; "
                     "remove streaming: true from this source"
                 )
+            check_revision(where, source, f"data.train[{i}]")
             located.append(where)
+        # Each hub source is read at one commit, recorded in checkpoints: a resume must read the same rows.
+        revisions = [
+            resolve_revision(w.path, getattr(s, "revision", None)) if w.kind == "hub" else None
+            for s, w in zip(sources, located, strict=True)
+        ]
         template = None
         if any(isinstance(s, ChatSource) for s in sources):
             template = formats.chat_template_for(tokenizer, data.chat_template, "data.train (chat)")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # Local files by name, size and mtime (hashing the edges of thousands of shards, as the cache key
         # does, would read gigabytes at every start); a hub id by its name (split and subset are in fields).
+        # The revision is compared on its own (check_revisions), so that pinning the recorded one resumes.
         signatures = [_stat_signature(w.files) if w.files else w.path for w in located]
-        fields = [s.model_dump() for s in sources]
+        fields = [s.model_dump(exclude={"revision"}) for s in sources]
         fingerprint = digest(
             "stream",
             CODE_VERSION,
@@ -131,6 +141,7 @@ class StreamSpec:
             window_rows,
             str(Path(data.cache_dir).expanduser() / "hf"),
             fingerprint,
+            revisions,
         )
 
     @property
@@ -182,6 +193,8 @@ class _SourceWindows:
                     where.path,
                     name=source.subset,
                     split=source.split,
+                    # The resolved commit, not the branch: what is read is what the checkpoint records.
+                    revision=spec.revisions[self.index] or getattr(source, "revision", None),
                     streaming=True,
                     cache_dir=spec.cache_dir,
                 )
@@ -324,6 +337,8 @@ def _keep(item: Any) -> Any:
 class _WindowSplit:
     """The PackedSplit interface build_rows reads (seq_len, packing, pad_id, parts[i].store, spans)."""
 
+    pairs = False  # preference pairs are never streamed (recipe.py refuses it)
+
     def __init__(self, spec: StreamSpec, packed: list[PackedWindow]) -> None:
         self.seq_len, self.packing, self.pad_id = spec.seq_len, spec.packing, spec.pad_id
         self.parts = packed
@@ -438,11 +453,13 @@ class StreamingBatches:
             "epoch": self.epoch,
             "sequences_per_epoch": None,
             "data_fingerprint": self.spec.fingerprint,
+            "data_revisions": list(self.spec.revisions),
             "seed": self.spec.seed,
             "window": copy.deepcopy(self._record),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any], allow_revision_change: bool = False) -> list[str]:
+        """Refuse a saved position this stream cannot continue (one line); the notices to print otherwise."""
         if state.get("version") != _STATE_VERSION or state.get("kind") != "stream" or "window" not in state:
             raise UserError(
                 "the checkpoint's data position is not a streaming one (or was written by another version of "
@@ -453,9 +470,42 @@ class StreamingBatches:
                 "the streamed training data, its mixture, packing or the seed differ from the checkpoint's; resuming "
                 "would repeat or skip samples: resume with the recipe's original data section, or start a new run"
             )
+        return check_revisions(self.spec, state.get("data_revisions"), allow_revision_change)
+
+    def load_state_dict(self, state: dict[str, Any], allow_revision_change: bool = False) -> None:
+        self.check_state(state, allow_revision_change)
         self.consumed = int(state["sequences_consumed"])
         self._record = copy.deepcopy(state["window"])
         self._items = None  # the next batch is re-packed from the saved window on
+
+
+def check_revisions(spec: StreamSpec, saved: list[str | None] | None, allow: bool) -> list[str]:
+    """Refuse (one line) a hub source that now resolves to another commit than the checkpoint read.
+
+    Its saved offsets would point at other rows. With `allow` (--allow-data-revision-change) the
+    change is a notice instead. A side that does not know its commit (offline, no cache; or a
+    checkpoint written before revisions were recorded) cannot be compared: also a notice.
+    """
+    notices = []
+    saved = saved if saved is not None else [None] * len(spec.revisions)
+    for i, (then, now) in enumerate(zip(saved, spec.revisions, strict=True)):
+        if then == now or spec.located[i].kind != "hub":
+            continue
+        where = f"data.train[{i}] ({spec.located[i].path})"
+        if then is None or now is None:
+            notices.append(
+                f"{where}: the checkpoint's dataset revision ({then or 'unknown'}) and this run's "
+                f"({now or 'unknown'}) cannot be compared; pin data.train[{i}].revision to be sure"
+            )
+        elif allow:
+            notices.append(f"{where}: dataset revision {then} -> {now} (--allow-data-revision-change)")
+        else:
+            raise UserError(
+                f"{where}: the checkpoint read dataset revision {then}, the hub now gives {now}; its saved "
+                f"stream offsets would point at other rows: pin the checkpoint's with "
+                f"data.train[{i}].revision={then}, or pass --allow-data-revision-change to resume on the new one"
+            )
+    return notices
 
 
 def _to_torch(rows: dict[str, Any], pin: bool) -> dict[str, Any]:

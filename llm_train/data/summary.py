@@ -1,7 +1,8 @@
 """What `llm-train data inspect` prints: per-source statistics and decoded samples.
 
 Trained-on text is shown between ⟦ and ⟧, so a user sees at a glance that a chat sample
-trains only on assistant turns, an instruction sample only on its response.
+trains only on assistant turns, an instruction sample only on its response, and a
+preference pair only on its two responses after their shared prompt.
 """
 
 from __future__ import annotations
@@ -21,11 +22,20 @@ def describe_split(split: PackedSplit) -> list[str]:
     for part, weight in zip(split.parts, split.weights, strict=True):
         lines += _describe_part(part, weight, part.stats["tokens"] * weight / total_weighted, split)
     tokens = sum(p.stats["tokens"] for p in split.parts)
-    sequences = split.n_sequences
+    samples = sum(p.stats["samples"] for p in split.parts)
+    if split.pairs:
+        rows, what = (
+            2 * split.n_sequences,
+            f"{samples:,} pairs, {tokens:,} tokens in {2 * split.n_sequences:,} rows",
+        )
+    else:
+        rows, what = (
+            split.n_sequences,
+            f"{samples:,} samples, {tokens:,} tokens in {split.n_sequences:,} sequences",
+        )
     lines.append(
-        f"{split.name} total: {sum(p.stats['samples'] for p in split.parts):,} samples, {tokens:,} tokens in "
-        f"{sequences:,} sequences of {split.seq_len} ({split.packing}); "
-        f"efficiency {tokens / max(1, sequences * split.seq_len):.1%}"
+        f"{split.name} total: {what} of {split.seq_len} ({split.packing}); "
+        f"efficiency {tokens / max(1, rows * split.seq_len):.1%}"
     )
     return lines
 
@@ -34,11 +44,13 @@ def _describe_part(part: PackedSource, weight: float, share: float, split: Packe
     s = part.stats
     lengths = s["row_lengths"]
     trained = s["trained_tokens"] / s["tokens"] if s["tokens"] else 0.0
+    samples = f"pairs {s['samples']:,} (two padded rows each)" if part.pairs else f"samples {s['samples']:,}"
+    length = "pair length (prompt + longer response)" if part.pairs else "row length"
     return [
         f"{part.label}{'' if split.name == 'train' else ' [eval]'}  weight {weight:g}",
-        f"  rows {s['rows']:,} (empty {s['empty']})  samples {s['samples']:,}  tokens {s['tokens']:,}  "
+        f"  rows {s['rows']:,} (empty {s['empty']})  {samples}  tokens {s['tokens']:,}  "
         f"trained on {s['trained_tokens']:,} ({trained:.1%})",
-        f"  row length (tokens) p50 {lengths['p50']}  p90 {lengths['p90']}  p99 {lengths['p99']}  max {lengths['max']}",
+        f"  {length} (tokens) p50 {lengths['p50']}  p90 {lengths['p90']}  p99 {lengths['p99']}  max {lengths['max']}",
         f"  over seq_len {split.seq_len} (overlong: {part.source.overlong}): truncated {s['truncated']}  "
         f"dropped {s['dropped']}  split {s['split']};  without trained-on tokens (dropped) {s['no_target']}",
         f"  sequences {s['sequences']:,}  packing efficiency {s['efficiency']:.1%}  "
@@ -58,7 +70,7 @@ def marked_text(tokenizer: Any, ids: np.ndarray, trained: np.ndarray) -> str:
 
 
 def sample_views(split: PackedSplit, tokenizer: Any, order: Any, n: int) -> list[str]:
-    """The first n samples training sees (epoch 0 order), decoded and marked."""
+    """The first n samples training sees (epoch 0 order), decoded and marked; a pair counts its two rows."""
     views: list[str] = []
     position = 0
     while len(views) < n and position < order.epoch_len:
@@ -73,8 +85,10 @@ def sample_views(split: PackedSplit, tokenizer: Any, order: Any, n: int) -> list
             ids, mask = part.store.tokens(start, length)
             trained = np.asarray(mask, dtype=bool).copy()
             trained[0] = False  # a sample's first token is never a target
+            what = f"pair {len(views) // 2 + 1} {('chosen', 'rejected')[k - lo]}" if part.pairs else "sample"
+            number = "" if part.pairs else f" {len(views) + 1}"
             views.append(
-                f"--- sample {len(views) + 1}: {part.label} row {row + 1}, {length} tokens, "
+                f"--- {what}{number}: {part.label} row {row + 1}, {length} tokens, "
                 f"{int(trained.sum())} trained on (sequence {position} of epoch 0)\n"
                 f"{marked_text(tokenizer, ids, trained)}"
             )

@@ -41,10 +41,14 @@ class DataVolume:
     sequences_per_step: int  # the global batch: micro_batch x grad_accum x dp
     sequences_per_epoch: int
     seq_len: int
+    unit: str = "sequences"  # "pairs" for preference data (two sequences each, counted as one)
 
     @classmethod
-    def of(cls, layout: Layout, sequences_per_epoch: int, max_steps: int, seq_len: int) -> DataVolume:
-        return cls(max_steps, layout.global_batch_size, sequences_per_epoch, seq_len)
+    def of(
+        cls, layout: Layout, sequences_per_epoch: int, max_steps: int, seq_len: int, pairs: bool = False
+    ) -> DataVolume:
+        unit = "pairs" if pairs else "sequences"
+        return cls(max_steps, layout.global_batch_size, sequences_per_epoch, seq_len, unit)
 
     @property
     def epochs(self) -> float:
@@ -56,8 +60,8 @@ class DataVolume:
 
     def describe(self) -> str:
         return (
-            f"{self.max_steps} steps x {self.sequences_per_step} sequences of {self.seq_len} tokens = "
-            f"{self.epochs:.2f} epochs of the {self.sequences_per_epoch} training sequences"
+            f"{self.max_steps} steps x {self.sequences_per_step} {self.unit} of {self.seq_len} tokens = "
+            f"{self.epochs:.2f} epochs of the {self.sequences_per_epoch} training {self.unit}"
         )
 
 
@@ -84,8 +88,8 @@ def check_volume(volume: DataVolume, max_epochs: float, requested_epochs: float 
     allowed = volume.steps_within(max_epochs)
     lower = f"lower optim.max_steps to {allowed} or fewer, " if allowed >= 1 else ""
     raise UserError(
-        f"data: optim.max_steps={volume.max_steps} x {volume.sequences_per_step} sequences per step is "
-        f"{volume.epochs:.1f} epochs of the {volume.sequences_per_epoch} training sequences of "
+        f"data: optim.max_steps={volume.max_steps} x {volume.sequences_per_step} {volume.unit} per step is "
+        f"{volume.epochs:.1f} epochs of the {volume.sequences_per_epoch} training {volume.unit} of "
         f"{volume.seq_len} tokens, more than data.max_epochs={max_epochs:g}; {lower}add training data, "
         f"or raise data.max_epochs to {math.ceil(volume.epochs * 10) / 10:g}"
     )
@@ -131,4 +135,5 @@ def planned_volume(
     max_steps = optim.max_steps or steps_for_epochs(
         requested or 1.0, per_epoch // (layout.micro_batch_size * layout.dp), layout.grad_accum
     )
-    return check_volume(DataVolume.of(layout, per_epoch, max_steps, data.seq_len), data.max_epochs, requested)
+    volume = DataVolume.of(layout, per_epoch, max_steps, data.seq_len, train.pairs)
+    return check_volume(volume, data.max_epochs, requested)

@@ -107,6 +107,8 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, Any], eta_s: flo
         parts.append(f"lr {metrics['lr']:.2e}")
     if metrics.get("grad_norm") is not None:
         parts.append(f"grad {metrics['grad_norm']:.3f}")
+    if "reward_accuracy" in metrics:  # a preference objective (DPO, SimPO)
+        parts.append(f"acc {metrics['reward_accuracy']:.2f} margin {metrics['reward_margin']:+.3f}")
     if "tokens_per_s" in metrics:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     if "mfu" in metrics:
@@ -118,6 +120,19 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, Any], eta_s: flo
     if eta_s is not None:
         parts.append(f"eta {duration(eta_s)}")
     return " | ".join(parts)
+
+
+def eval_line(step: int, metrics: dict[str, float]) -> str:
+    """`step 50: eval loss 2.3456 (ppl 10.4)`, or with a preference objective its reward accuracy and margin."""
+    line = f"step {step}: eval loss {metrics['eval_loss']:.4f}"
+    if "eval_reward_accuracy" in metrics:
+        return (
+            f"{line} (reward accuracy {metrics['eval_reward_accuracy']:.3f}, "
+            f"margin {metrics['eval_reward_margin']:+.4f})"
+        )
+    if "eval_ppl" in metrics:
+        return f"{line} (ppl {metrics['eval_ppl']:.1f})"
+    return line
 
 
 def startup_summary(

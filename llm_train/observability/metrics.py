@@ -226,7 +226,10 @@ class StepMeter:
         layout = run.layout
         cuda = torch.cuda.is_available()
         return cls(
-            tokens_per_step=layout.global_batch_size * run.recipe.data.seq_len,
+            # A preference pair trains two sequences (chosen and rejected).
+            tokens_per_step=layout.global_batch_size
+            * run.recipe.sequences_per_sample
+            * run.recipe.data.seq_len,
             samples_per_step=layout.global_batch_size,
             world_size=layout.world_size,
             flops=flops,

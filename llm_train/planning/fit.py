@@ -124,6 +124,8 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         offload_checkpoints=recipe.memory.offload_checkpoints,
         pin_memory=pinned,
         loader_forks=forked,
+        sequences_per_sample=recipe.sequences_per_sample,
+        reference=recipe.preference.reference if recipe.objective == "dpo" else "none",
     )
 
 

@@ -69,6 +69,15 @@ bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m a
 each instead of 4 (6 instead of 12 per parameter) and the host gradient partition is bf16 (2
 instead of 4): 8 bytes per offloaded parameter on the host instead of 16.
 
+Preference tuning (objective dpo / simpo). A micro-batch of m pairs is 2m rows of seq_len (chosen
+and rejected; shorter when the batch's pairs are, the estimate takes seq_len): activations, logits
+and masks are those of 2m sequences (`sequences_per_sample`). DPO's reference costs no memory when
+its log-probs are cached (one forward pass before training) or, under LoRA, when the base with the
+adapters disabled scores it live; a live frozen copy without LoRA adds its 16-bit weights, sharded
+like the policy's under ZeRO-3 (on the host with parameter offload) and whole on every GPU under
+stages 0-2 (TRL's prepare_deepspeed runs it at stage 0). It runs under no_grad before the policy's
+forward, so its activations and logits are freed before the policy's exist: no term.
+
 Export. At the end of a full fine-tune (runtime/zero_engine.py `export`) rank 0 holds the gathered
 16-bit model on the CPU (Accelerate's get_state_dict: ZeRO-3's consolidated 16-bit state dict, or a
 CPU clone of the module's); `save_hf_model` writes it without another copy (it clones only tensors
@@ -330,6 +339,7 @@ _API_MESSAGES = {
     "nvme_optimizer": "offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)",
 }
 STATE_DTYPES = ("fp32", "bf16")
+REFERENCES = ("none", "cached", "live")
 _STATE_DTYPE_MESSAGES = {
     "state_precision": "state_dtype 'bf16' needs precision 'bf16'",
     "state_pipeline": "state_dtype 'bf16' is not supported with pp > 1",
@@ -398,6 +408,11 @@ class MemoryInputs:
     """memory.tiled_loss: logits and loss over tiles; the full logits tensor never exists."""
     offload_checkpoints: bool = False
     """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
+    sequences_per_sample: int = 1
+    """Rows per sample: 2 for preference pairs (chosen and rejected), else 1 (micro_batch counts samples)."""
+    reference: str = "none"
+    """DPO's reference: "none" (lm, simpo), "cached" (log-probs computed before training) or "live" (scored
+    every step: a frozen copy of the model, or under LoRA the base with the adapters disabled)."""
 
     def __post_init__(self) -> None:
         buckets = zero_bucket_sizes(self.shape.hidden_size)
@@ -442,6 +457,11 @@ class MemoryInputs:
             raise MemoryInputError(_STATE_DTYPE_MESSAGES[broken])
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise MemoryInputError("offload_checkpoints needs activation_checkpointing")
+        if self.reference not in REFERENCES or self.sequences_per_sample not in (1, 2):
+            raise MemoryInputError(
+                f"reference must be one of {', '.join(REFERENCES)} and sequences_per_sample 1 or 2, got "
+                f"{self.reference!r}, {self.sequences_per_sample}"
+            )
         # The run's Ulysses rules (config.layout, config.parallel), so the planner never proposes what a run refuses.
         shape = self.shape
         broken = sequence_parallel_problem(self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
@@ -538,6 +558,16 @@ class MemoryInputs:
         return self.tiled_mlp and self.local_tokens > self.shape.hidden_size
 
     @property
+    def rows(self) -> int:
+        """Rows of seq_len tokens per micro-batch: micro_batch samples of sequences_per_sample rows each."""
+        return self.micro_batch * self.sequences_per_sample
+
+    @property
+    def reference_copy(self) -> bool:
+        """A frozen copy of the model is held for DPO's reference (live, without LoRA)."""
+        return self.reference == "live" and not self.lora_rank
+
+    @property
     def local_tokens(self) -> int:
         """Tokens of each sequence one rank holds: seq_len / sp."""
         return self.seq_len // self.sp
@@ -593,6 +623,8 @@ _LABELS = {
     "optimizer_swap_buffers": "optimizer NVMe swap buffers (pinned)",
     "offloaded_parameters": "offloaded parameters (pinned)",
     "offloaded_checkpoints": "offloaded activation checkpoints (pinned)",
+    "reference_model": "DPO reference model (frozen copy, 16-bit)",
+    "offloaded_reference_parameters": "offloaded DPO reference parameters",
     "param_swap_buffers": "parameter NVMe swap buffers (pinned)",
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
@@ -686,7 +718,7 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     # holds pp micro-batches in flight.
     layers_per_stage = math.ceil(shape.num_layers / inp.pp)
     in_flight = inp.pp
-    tokens, b = inp.local_tokens, inp.micro_batch
+    tokens, b = inp.local_tokens, inp.rows  # a preference pair is two rows
     per_layer = activation_bytes_per_layer(
         shape, inp.seq_len, b, inp.attn_impl, inp.tp, inp.sp, tiled_mlp=inp.mlp_is_tiled
     )
@@ -743,6 +775,17 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "logits_and_loss": logits,
         "deepspeed_buffers": buffers,
     }
+    reference_host = 0.0
+    if inp.reference_copy:
+        # The frozen reference: partitioned like the policy's weights under ZeRO-3, else a whole copy.
+        if stage == 3:
+            on_host = inp.offload_params != "none"
+            gpu_terms["reference_model"] = (
+                persistent + (0.0 if on_host else partitioned / dp)
+            ) * weight_bytes
+            reference_host = ranks * partitioned / dp * weight_bytes if on_host else 0.0
+        else:
+            gpu_terms["reference_model"] = base * weight_bytes
     if inp.quantize != "none":
         gpu_terms["dequantized_weight"] = dequantized_layer_bytes(shape, inp.quantize, weight_bytes, inp.tp)
     if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
@@ -814,6 +857,8 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     if offloaded_checkpoints:
         # Pinned, and kept by torch's pinned-memory cache once freed: a training-phase term to the end.
         host["offloaded_checkpoints"] = ranks * offloaded_checkpoints
+    if reference_host:
+        host["offloaded_reference_parameters"] = reference_host
     host["process_overhead"] = ranks * PROCESS_HOST_BYTES
     full_model = shape.num_params * weight_bytes
     if inp.zero_init or (inp.direct_load and inp.pp == 1):

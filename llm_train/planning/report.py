@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from llm_train.config.hardware import GPU_HEADROOM, Hardware, hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
+from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.fit import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
@@ -35,6 +36,7 @@ from llm_train.planning.search import (
     without_nvme,
 )
 from llm_train.planning.shapes import shape_from_config
+from llm_train.planning.speed import reference_pass_seconds
 
 # --- the report -------------------------------------------------------------------------------------
 
@@ -211,8 +213,15 @@ def config_line(inp: MemoryInputs, grad_accum: int) -> str:
         what = f"QLoRA ({inp.quantize} base) r={inp.lora_rank}"
     if inp.state_dtype == "bf16":
         offload += " (bf16 optimizer states)"
+    micro = (
+        f"{inp.micro_batch} pairs ({inp.rows} rows)"
+        if inp.sequences_per_sample == 2
+        else str(inp.micro_batch)
+    )
+    if inp.reference != "none":
+        what += f", DPO reference {inp.reference}"
     return (
-        f"{what}, ZeRO-{inp.zero_stage}, {offload}, {inp.precision}, micro {inp.micro_batch} x accum "
+        f"{what}, ZeRO-{inp.zero_stage}, {offload}, {inp.precision}, micro {micro} x accum "
         f"{grad_accum} x dp {inp.dp}, seq {inp.seq_len}, checkpointing "
         f"{'on' if inp.activation_checkpointing else 'off'}, {inp.attn_impl}{long_context_text(inp, prefix=', ')}"
     )
@@ -247,6 +256,7 @@ def plan_recipe(
     report = PlanReport(title, hw, config_line(base, run.layout.grad_accum), ev, nvme_bytes=nvme)
     if run.notice:
         report.notes.append(run.notice)
+    report.notes.extend(f"checkpoints: {line}" for line in checkpoint_lines(run))
     tight = hw.kind == "cuda" and ev.device_bytes > hw.gpu_limit_bytes
     if not ev.fits or tight:
         report.fixes = search_fixes(base, run.layout.grad_accum, hw, run.recipe, nvme_bytes=nvme)
@@ -259,12 +269,46 @@ def plan_recipe(
     saving = bf16_states_note(base, hw)
     if saving:
         report.notes.append(saving)
+    if run.recipe.objective != "lm":
+        report.notes.append(preference_note(ev, run.recipe.objective, run.layout.grad_accum, hw))
     if ev.estimate.nvme_bytes:
         report.notes.append(
             f"NVMe: before start, deepspeed.nvme_path is checked for {ev.estimate.nvme_bytes / 2**30:.1f} GiB "
             "free per node (and that it exists and is writable)"
         )
     return report
+
+
+def preference_note(ev: Evaluation, objective: str, grad_accum: int, hw: Hardware) -> str:
+    """What a preference run adds: two sequences per pair, and the reference's pass or memory."""
+    inp = ev.inputs
+    line = (
+        f"objective {objective}: each pair trains two sequences (chosen, rejected): micro {inp.micro_batch} "
+        f"pairs = {inp.rows} rows of up to {inp.seq_len} tokens, counted above"
+    )
+    if inp.reference == "none":
+        return f"{line}; reference-free: no reference model and no reference pass"
+    if inp.reference == "cached":
+        seconds = reference_pass_seconds(inp, grad_accum, hw.peak_tflops)
+        return (
+            f"{line}; reference log-probs cached: one forward pass over the pairs before step 1, ~{seconds:.2f}s "
+            f"per optimizer step's pairs (~{seconds / ev.time.total:.0%} of a training step) for every pair of "
+            "the data, then no reference memory or compute; a live reference scores only the pairs trained, "
+            "so under a fraction of an epoch it costs less"
+        )
+    if inp.reference_copy:
+        copy = ev.estimate.gpu_terms.get("reference_model", 0) + ev.estimate.host_terms.get(
+            "offloaded_reference_parameters", 0
+        )
+        return (
+            f"{line}; live reference: a frozen copy of the model ({copy / GiB:.2f} GiB per GPU or offloaded, "
+            "counted above) and one more forward per micro-batch (counted in the step time); "
+            "preference.reference=cached needs neither"
+        )
+    return (
+        f"{line}; live reference: the base with the LoRA adapters disabled (no second copy), one more forward "
+        "per micro-batch (counted in the step time)"
+    )
 
 
 def bf16_states_note(inp: MemoryInputs, hw: Hardware) -> str | None:

@@ -94,6 +94,25 @@ def flops_per_token(inp: MemoryInputs) -> float:
     return flops
 
 
+def reference_flops_per_token(inp: MemoryInputs) -> float:
+    """Forward FLOPs per token of the whole model (DPO's reference: no backward, no recompute)."""
+    shape = inp.shape
+    return (
+        training_flops_per_token(
+            shape.num_params, shape.num_layers, shape.num_heads, shape.head_dim, inp.seq_len
+        )
+        / 3.0
+    )
+
+
+def reference_pass_seconds(inp: MemoryInputs, grad_accum: int, peak_tflops: float) -> float:
+    """Seconds of DPO's cached-reference pass per optimizer step's worth of pairs (one forward of each)."""
+    tokens = grad_accum * inp.rows * inp.seq_len / (inp.tp * inp.pp * inp.sp)
+    rank_tokens = inp.rows * inp.seq_len / inp.sp
+    efficiency = PEAK_EFFICIENCY * rank_tokens / (rank_tokens + EFFICIENCY_HALF_TOKENS)
+    return tokens * reference_flops_per_token(inp) / (peak_tflops * 1e12 * efficiency)
+
+
 def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bool = False) -> StepTime:
     """Estimated seconds per optimizer step on each rank for `inp` with `grad_accum` micro-batches."""
     shape = inp.shape
@@ -104,11 +123,14 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
     trainable = (shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params) / shard
     # ZeRO partitions (and communicates) over the data- and sequence-parallel ranks together.
     dp, ranks, stage = inp.zero_partitions, inp.ranks_per_node, inp.zero_stage
-    tokens_micro = inp.micro_batch * inp.seq_len
+    tokens_micro = inp.rows * inp.seq_len  # a preference pair trains two rows
     tokens_rank = tokens_micro / inp.sp  # each of the sp ranks computes its slice of the sequence
 
     efficiency = PEAK_EFFICIENCY * tokens_rank / (tokens_rank + EFFICIENCY_HALF_TOKENS)
     flops_micro = flops_per_token(inp) * tokens_micro / (shard * inp.sp)
+    if inp.reference == "live":
+        # DPO's reference scores the same rows every micro-batch: one forward of the whole model.
+        flops_micro += reference_flops_per_token(inp) * tokens_micro / (shard * inp.sp)
     compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
     if stage == 3:
         compute *= 1 + ZERO3_COMPUTE_OVERHEAD
@@ -127,6 +149,8 @@ def step_time(inp: MemoryInputs, grad_accum: int, peak_tflops: float, nvlink: bo
             comm_bytes = (grad_accum * trainable + weights) * wbytes * ring
         else:
             comm_bytes = grad_accum * (passes * weights + trainable) * wbytes * ring
+            if inp.reference_copy:  # the sharded frozen reference is gathered for its forward
+                comm_bytes += grad_accum * weights * wbytes * ring
     if inp.num_nodes > 1:
         bandwidth = INTER_NODE_BYTES_PER_S
     else:

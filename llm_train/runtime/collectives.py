@@ -47,7 +47,7 @@ def rank() -> int:
     return dist.get_rank() if initialized() else 0
 
 
-def join_restarted_world() -> None:
+def join_restarted_world(timeout: timedelta) -> None:
     """After a torchrun restart (--max_restarts), join the new attempt's world under keys of its own.
 
     torchrun's agent keeps one key-value store for every attempt, and the workers of a
@@ -70,7 +70,11 @@ def join_restarted_world() -> None:
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"llm_train/attempt_{attempt}", store), rank=rank_, world_size=world
+        backend,
+        store=dist.PrefixStore(f"llm_train/attempt_{attempt}", store),
+        rank=rank_,
+        world_size=world,
+        timeout=timeout,
     )
 
 
@@ -114,6 +118,10 @@ class Collectives:
     def device(self) -> torch.device:
         return comm_device(self.group)
 
+    @property
+    def size(self) -> int:
+        return world_size_of(self.group)
+
     def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
         """All-reduce a copy of `tensor` on the communication device; the result stays there."""
         on_comm = tensor.detach().to(self.device, dtype=torch.float32).clone()
@@ -128,6 +136,15 @@ class Collectives:
     def mean(self, value: torch.Tensor) -> float:
         """The mean over ranks of a scalar tensor."""
         return float(self._all_reduce(value.reshape(1)).cpu()[0]) / world_size_of(self.group)
+
+    def means(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The mean over ranks of each named scalar, in one collective (every rank passes the same names)."""
+        if not values:
+            return {}
+        packed = self._all_reduce(
+            torch.stack([v.detach().float().reshape(()) for v in values.values()])
+        ).cpu()
+        return {k: float(v) / world_size_of(self.group) for k, v in zip(values, packed.tolist(), strict=True)}
 
     def mean_and_any(self, value: torch.Tensor, flags: list[float]) -> tuple[float, list[bool]]:
         """One collective for the step: the mean of a scalar over ranks, and which flags any rank raised.
@@ -186,6 +203,22 @@ class Collectives:
 
 def world_size_of(group: Any) -> int:
     return dist.get_world_size(group) if initialized() else 1
+
+
+def timeout_s() -> float | None:
+    """The timeout of the world's process group as its backend holds it (None if none or unreadable).
+
+    What Accelerate and DeepSpeed actually gave the backend, read back so that a run records it
+    (world.json) rather than what it asked for. torch 2.13 exposes it only on the backend's
+    options (`_timeout`, the field init_process_group sets); checked for gloo on CPU.
+    """
+    if not initialized():
+        return None
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(comm_device())
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 WORLD = Collectives()

@@ -6,14 +6,16 @@ interface; whatever an engine cannot do is refused when the run is resolved
 (parallel.check_parallel), never skipped here.
 
 Life of an engine: `start` joins the process group (the world exists from then on),
-`build` creates the model and the DeepSpeed engine, then `train_step` / `eval_loss` run,
+`build` creates the model and the DeepSpeed engine (and `objective`, what a forward is scored by:
+runtime/objectives.py), then `train_step` / `evaluate` run,
 `export` writes final/ (a collective), and `finish` tears the world down.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +29,11 @@ class NonFiniteLoss(UserError):
     exit_code = EXIT_NONFINITE
 
 
+def process_group_timeout(timeout_minutes: float) -> timedelta:
+    """deepspeed.timeout_minutes as the process group's timeout (every engine's `start` passes it on)."""
+    return timedelta(minutes=timeout_minutes)
+
+
 Batch = dict[str, Any]
 
 
@@ -38,6 +45,8 @@ class StepResult:
     """True when the engine already averaged the loss over data-parallel ranks (the pipeline engine)."""
     grad_norm: float | None = None
     """A norm the engine measured itself this step; None: ask DeepSpeed (`Engine.grad_norm`)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The objective's own metrics (e.g. DPO's reward accuracy), this rank's means over its micro-batches."""
 
 
 class Engine(Protocol):
@@ -45,6 +54,9 @@ class Engine(Protocol):
     """The DeepSpeed engine: checkpoints (save/load_checkpoint), LR, ZeRO stage, module."""
     skipped_microbatches: int
     """Micro-batches dropped so far for a non-finite loss (checkpoint.on_nonfinite=skip)."""
+    objective: Any
+    """What a forward is scored by (runtime/objectives.py); set by `build`. Its `prepare` runs before
+    a checkpoint is loaded (DPO's cached reference scores the initial model)."""
 
     def start(self) -> None:
         """Join the process group (and pin this rank's device)."""
@@ -67,8 +79,15 @@ class Engine(Protocol):
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last step, as DeepSpeed tracks it."""
 
-    def eval_loss(self, batches: list[Batch]) -> float:
-        """The mean loss over the eval batches and all data-parallel ranks."""
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        """`eval_loss` (the mean over the eval batches and all data-parallel ranks) and the objective's
+        own eval metrics (`eval_ppl`, or DPO's `eval_reward_accuracy`, ...)."""
+
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, logits) of the live model on the export check's fixed batch (every rank takes part).
+
+        Recorded with each checkpoint and next to final/: the reference the export checks compare with.
+        """
 
     def export(self, final: Path, tokenizer: Any) -> None:
         """Write a plain Hugging Face model directory (every rank takes part)."""

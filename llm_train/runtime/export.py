@@ -30,10 +30,9 @@ import torch
 
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError
-from llm_train.runtime.checkpoint import read_manifest, verify
+from llm_train.runtime.checkpoint import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
 from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
-from llm_train.runtime.run_state import DS_TAG
 from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
 
 REFERENCE_FILE = "export_reference.safetensors"
@@ -164,9 +163,13 @@ def reference_path(final: Path) -> Path:
 
 def write_reference(final: Path, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
     """Record the training process's logits next to final/ (rank 0, after the forward on every rank)."""
+    write_reference_file(reference_path(final), input_ids, logits)
+
+
+def write_reference_file(path: Path, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+    """input_ids and logits (stored as fp32) with the dtype the forward computed in."""
     from safetensors.torch import save_file
 
-    path = reference_path(final)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {
         "input_ids": input_ids.cpu().contiguous(),
@@ -176,9 +179,12 @@ def write_reference(final: Path, input_ids: torch.Tensor, logits: torch.Tensor) 
 
 
 def read_reference(final: Path) -> Reference | None:
+    return read_reference_file(reference_path(final))
+
+
+def read_reference_file(path: Path) -> Reference | None:
     from safetensors import safe_open
 
-    path = reference_path(final)
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as handle:
@@ -307,9 +313,10 @@ def _compare_logits(model_dir: Path, model: Any, reference: Reference, tensors: 
     diff = float((logits - reference.logits).abs().max())
     tolerance = logit_tolerance(reference.logits, reference.dtype, model.dtype)
     if not diff <= tolerance:
+        coarser = max((reference.dtype, model.dtype), key=lambda d: torch.finfo(d).eps)
         raise ExportError(
             f"export {model_dir}: logits on a fixed batch differ from the trained model's by {diff:.3g} "
-            f"(allowed {tolerance:.3g} for {str(model.dtype).removeprefix('torch.')}); the export is not the "
+            f"(allowed {tolerance:.3g} for {str(coarser).removeprefix('torch.')}); the export is not the "
             "model that was trained"
         )
     return ExportReport(tensors=tensors, max_logit_diff=diff, tolerance=tolerance)
@@ -376,8 +383,8 @@ def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
     """A plain HF model directory from a checkpoint, verified as a run's final/ is: keys and logits.
 
-    The reference logits are the checkpoint's fp32 weights on the fixed batch; the tolerance
-    covers the export dtype's rounding of weights and computation.
+    The reference logits are the ones the training engine recorded in the checkpoint when it was
+    saved; the tolerance covers the dtypes of that forward and of the export (`logit_tolerance`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -411,19 +418,35 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         )
     reference.eval()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    batch = reference_input_ids(tokenizer, config.vocab_size)
-    with torch.no_grad():
-        ref_logits = reference(batch).logits
+    # The check's reference: the logits the training engine itself computed at save time, from its
+    # live state, before any file existed (run_state.save_run_state). It shares no code with the
+    # merge above (zero_to_fp32, the universal format, a ZeRO-0 load), so a bad merge or a stale
+    # shard fails the check. A checkpoint without one (older llm_train) falls back to the merged
+    # weights' own fp32 logits, which checks the writing only, and the report says so.
+    recorded = read_reference_file(ckpt_dir / CHECKPOINT_REFERENCE)
+    if recorded is None:
+        batch = reference_input_ids(tokenizer, config.vocab_size)
+        with torch.no_grad():
+            recorded = Reference(batch, reference(batch).logits, torch.float32)
+        against = "the checkpoint's merged weights (it records no training-time logits)"
+    else:
+        against = "the logits the training engine recorded in the checkpoint"
     exported = reference.to(EXPORT_DTYPES[dtype])
     exported.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
     tokenizer.save_pretrained(out_dir)
     with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    report = verify_export(out_dir, Reference(batch, ref_logits, torch.float32))
+    report = verify_export(out_dir, recorded)
     write_check(out_dir, report)
     # Too large to load on this host: keys only, and `verified` says so (the diff is then NaN).
     diff = report.max_logit_diff if report.max_logit_diff is not None else float("nan")
-    return {"tensors": report.tensors, "max_logit_diff": diff, "verified": report.describe()}
+    verified = report.describe() + (f", compared with {against}" if report.max_logit_diff is not None else "")
+    return {
+        "tensors": report.tensors,
+        "max_logit_diff": diff,
+        "tolerance": report.tolerance,
+        "verified": verified,
+    }
 
 
 def _aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, set[str]]:

@@ -1,8 +1,9 @@
 """The step loop: step, log, evaluate, checkpoint, stop. Nothing else happens here.
 
-One loop for every engine (runtime/engine.py): the engine runs one optimizer step and
-reports its loss; the loop agrees with the other ranks on that loss and on the stop and
-checkpoint flags in one collective, meters, logs, evaluates and saves on schedule.
+One loop for every engine (runtime/engine.py) and every objective (runtime/objectives.py): the
+engine runs one optimizer step and reports its loss; the loop agrees with the other ranks on that
+loss and on the stop and checkpoint flags in one collective, meters, logs (with the objective's own
+metrics, averaged over ranks on logged steps only), evaluates and saves on schedule.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from llm_train.data.batches import SpanTally
-from llm_train.observability.console import progress_line
+from llm_train.observability.console import eval_line, progress_line
 from llm_train.observability.metrics import StepMeter
 from llm_train.observability.profiling import NullProfiler, StepProfiler
 from llm_train.observability.tracking import Trackers
@@ -74,6 +75,7 @@ def train_loop(
             grad_norm = result.grad_norm if result.grad_norm is not None else engine.grad_norm()
             metrics = {
                 "loss": loss_value,
+                **WORLD.means(result.metrics),  # e.g. DPO's reward accuracy and margin
                 "lr": engine.ds.get_lr()[0],
                 "grad_norm": grad_norm if grad_norm is not None else float("nan"),
                 **meter.flush(),  # throughput, MFU, memory
@@ -86,11 +88,10 @@ def train_loop(
             say(progress_line(step, cfg.max_steps, metrics, eta))
 
         if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
-            eval_loss = engine.eval_loss(eval_set)
-            ppl = math.exp(min(eval_loss, 50.0))
-            tracker.log({"eval_loss": eval_loss, "eval_ppl": ppl}, step)
-            say(f"step {step}: eval loss {eval_loss:.4f} (ppl {ppl:.1f})")
-            metrics["eval_loss"] = eval_loss
+            evaluated = engine.evaluate(eval_set)
+            tracker.log(evaluated, step)
+            say(eval_line(step, evaluated))
+            metrics["eval_loss"] = evaluated["eval_loss"]
 
         save_now, stop_now = control.decide(step, flags)
         if save_now and step < cfg.max_steps:  # the final checkpoint is the caller's

@@ -25,8 +25,9 @@ from llm_train.planning.flops import TokenFlops
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.engine import Batch, StepResult
+from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
 from llm_train.runtime.export import reference_input_ids, write_reference
+from llm_train.runtime.objectives import LanguageModeling
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
     LayerMap,
@@ -68,6 +69,7 @@ class PipelineEngine:
         self.ds: Any = None
         self.module: Any = None
         self.skipped_microbatches = 0  # never: on_nonfinite=skip is refused for pipelines
+        self.objective = LanguageModeling()  # preference objectives are refused for pipelines (parallel.py)
         self.config = hf_config(run)
         self.names = LayerMap(
             self.config.num_hidden_layers, bool(getattr(self.config, "tie_word_embeddings", False))
@@ -81,7 +83,10 @@ class PipelineEngine:
         if torch.cuda.is_available():
             get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # DeepSpeed picks gloo for its CPU accelerator and NCCL on GPUs.
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        deepspeed.init_distributed(
+            dist_backend=get_accelerator().communication_backend_name(),
+            timeout=process_group_timeout(self.run.recipe.deepspeed.timeout_minutes),
+        )
         if collectives.world_size() != self.run.layout.world_size:
             raise RuntimeError(
                 f"DeepSpeed sees a world of {collectives.world_size()}, the layout says {self.run.layout.world_size}"
@@ -148,19 +153,20 @@ class PipelineEngine:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else None
 
-    def eval_loss(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
         if not batches:
-            return float("nan")
+            return {"eval_loss": float("nan")}
         pairs = [as_pipeline_batch(b) for b in batches]
-        return float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
+        loss = float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
+        return self.objective.eval_summary({"loss": loss})
 
     def export(self, final: Path, tokenizer: Any) -> None:
-        reference = self._reference_forward(tokenizer)  # every stage takes part
+        reference = self.reference_logits(tokenizer)  # every stage takes part
         export_pipeline(self.ds, self.config, tokenizer, self.names, final)
         if collectives.rank() == 0:  # export_pipeline ended with a barrier: final/ is complete
             write_reference(final, *reference)
 
-    def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the trained pipeline on the export check's fixed batch, on every rank.
 
         One micro-batch through the engine's own inference schedule; the logits come out on the

@@ -9,8 +9,9 @@ pipeline degrees, ZeRO stage, offload, precision, batch). On resume the two are 
   loaded from there;
 - the global batch would change: the gradient accumulation is adjusted to keep it (one
   notice), or, with --allow-batch-change, the new batch is used on purpose;
-- what DeepSpeed cannot convert (pipeline stages; ZeRO-0 to or from a ZeRO stage; ZeRO-3 to
-  or from ZeRO-1/2) is refused in one line that says what changed and what is possible.
+- what DeepSpeed cannot convert (pipeline stages; ZeRO-0 to or from a ZeRO stage, or in another
+  precision; ZeRO-3 to or from ZeRO-1/2) and what is not verified (another sequence-parallel
+  degree) is refused in one line that says what changed and what is possible.
 
 The data position needs nothing: it counts sequences consumed by all ranks together
 (data/stream.py), so the new data-parallel ranks are dealt the rest of the epoch exactly once.
@@ -113,6 +114,14 @@ def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) ->
             "checkpoint does not re-stage pipelines; resume with the checkpoint's layout "
             "(its manifest.json), or export it (`llm-train export`) and fine-tune from the export"
         )
+    if saved["sp"] != now.sp:
+        # Not verified: the sequence-parallel groups re-shape the data-parallel ones (dp = world / (tp x sp))
+        # and with them ZeRO's partitioning and the batch; no test resumes across a change of sp.
+        raise UserError(
+            f"cannot resume with another sequence-parallel degree ({what}): resuming across a change of "
+            f"deepspeed.sequence_parallel is not supported; resume with deepspeed.sequence_parallel="
+            f"{saved['sp']}, or export the checkpoint (`llm-train export`) and fine-tune from it"
+        )
     stages = (saved["zero_stage"], now.zero_stage)
     resharded = any(key in saved and saved[key] != current[key] for key in _SHARDING)
     if resharded and 0 in stages and stages != (0, 0):
@@ -128,6 +137,14 @@ def plan_resume(saved: dict[str, Any], now: Layout, allow_batch_change: bool) ->
             f"cannot resume a ZeRO-{stages[0]} checkpoint under ZeRO-{stages[1]} ({what}): DeepSpeed's "
             "universal loader does not cross between ZeRO-3 and ZeRO-1/2; keep the stage (1 <-> 2 works, and "
             "the world size, TP degree and offload may change), or export the checkpoint and fine-tune from it"
+        )
+    if stages == (0, 0) and "precision" in saved and saved["precision"] != now.precision:
+        # ZeRO-0 loads its own files as they are (no universal conversion): under bf16 DeepSpeed saves its
+        # BF16_Optimizer's state, under fp32 the client optimizer's; crossing them is not supported.
+        raise UserError(
+            f"cannot change the precision of a ZeRO-0 checkpoint ({what}): ZeRO-0 reloads its own optimizer "
+            f"state as saved; resume with precision={saved['precision']}, or use a ZeRO-1/2/3 deepspeed.config "
+            "for runs that must resume in another precision"
         )
     if resharded and stages == (0, 0) and saved.get("tp", 1) != now.tp:
         raise UserError(

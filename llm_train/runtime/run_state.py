@@ -17,27 +17,31 @@ from llm_train.config.layout import Layout
 from llm_train.config.recipe import Recipe, recipe_to_yaml
 from llm_train.errors import UserError
 from llm_train.runtime.checkpoint import (
+    CHECKPOINT_REFERENCE,
     DS_TAG,
     Checkpointer,
     SaveMeta,
     committed,
     dir_size,
-    find_resumable,
     reseed,
+    resumable_candidates,
     rng_state,
     set_rng_state,
     trainer_state_path,
-    verify,
+    verify_shared,
 )
 from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.export import write_reference_file
+from llm_train.runtime.file_sync import FileSync
 from llm_train.runtime.resume_layout import ResumeLayout
-from llm_train.runtime.universal import universal_dir
+from llm_train.runtime.universal import ensure_universal, universal_dir
 
 
 def recipe_hash(recipe: Recipe) -> str:
     """What was trained, how: output location, checkpoint cadence and tracking do not count."""
     what = recipe.model_dump(mode="json", exclude={"output", "checkpoint", "tracking"})
     what["optim"].pop("grad_accum")  # the batch is compared on its own, through the layout (resume_layout.py)
+    what["deepspeed"].pop("timeout_minutes")  # how long ranks wait for each other: not what is trained
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -62,7 +66,10 @@ def save_run_state(
     layout: Layout,
     recipe: Recipe,
     extra: dict[str, Any],
+    reference: tuple[Any, Any] | None = None,
 ) -> Path:
+    """Commit a checkpoint; `reference`: (input ids, logits) of the live model on the export check's batch."""
+
     def write(tmp: Path) -> None:
         # LoRA: the frozen base is the one the run loads from model.name_or_path (seeded or
         # pretrained, identical at every start), so only the adapters and their optimizer are saved:
@@ -81,6 +88,8 @@ def save_run_state(
             engine.module.config.save_pretrained(tmp / "hf")
             tokenizer.save_pretrained(tmp / "hf")
             (tmp / "hf" / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+            if reference is not None:
+                write_reference_file(tmp / CHECKPOINT_REFERENCE, *reference)
 
     meta = SaveMeta(
         step, layout.world_size, recipe_hash(recipe), engine.zero_optimization_stage(), layout.as_dict()
@@ -99,34 +108,77 @@ def make_saver(
     recipe: Recipe,
     tracker: Any,
     say: Any,
+    reference: Any = None,
 ) -> Any:
-    """The `save(step)` the training loops call: commit a checkpoint, reset the time cadence, report."""
+    """The `save(step)` the training loops call: commit a checkpoint, reset the time cadence, report.
+
+    `reference()`, called on every rank before each save, gives the live model's logits on the
+    export check's batch (a forward of 16 tokens: the collective a ZeRO-3 forward is).
+    """
 
     def save(step: int) -> None:
         started = time.perf_counter()
         extra = {"tracker_run_id": tracker.run_id}  # W&B continues the same run after a resume
-        path = save_run_state(checkpointer, engine, step, stream, tokenizer, rank, layout, recipe, extra)
+        logits = reference() if reference is not None else None
+        path = save_run_state(
+            checkpointer, engine, step, stream, tokenizer, rank, layout, recipe, extra, logits
+        )
         control.saved()
         say(f"checkpoint {path.name} committed in {time.perf_counter() - started:.1f}s")
 
     return save
 
 
-def choose_checkpoint(spec: str, root: Path, rank: int, comm: Collectives, warn: Any) -> Path | None:
-    """Rank 0 picks and verifies; every rank gets the same answer (or the same error)."""
-    answer: tuple[str | None, str | None] = (None, None)
+def choose_checkpoint(
+    spec: str, root: Path, rank: int, comm: Collectives, warn: Any, patience_s: float = 1800.0
+) -> Path | None:
+    """The verified checkpoint to resume, the same on every rank (or the same error on every rank).
+
+    Rank 0 names the candidates (`latest` first, then older ones; for a path, that one); every
+    rank verifies its share of each candidate's files (checkpoint.verify_shared), so no rank
+    hashes the whole checkpoint while the others wait, and none waits inside a collective.
+    """
+    named = [str(c) for c in resumable_candidates(root)] if spec == "auto" else [spec]
+    candidates = comm.from_rank0(named if rank == 0 else None)
+    if not candidates:
+        return None
+    sync = FileSync.open(root, "resume", comm, rank, patience_s)
+    for i, candidate in enumerate(map(Path, candidates)):
+        reason = verify_shared(candidate, sync, f"verify{i}") if candidate.is_dir() else "not a directory"
+        if reason is None:
+            return candidate
+        if spec != "auto":
+            raise UserError(
+                f"--resume {spec}: {reason}; pass --resume auto to pick the newest complete checkpoint"
+            )
+        if rank == 0:
+            warn(f"warning: skipping checkpoint {candidate}: {reason}")
+    return None
+
+
+def convert_for_resume(
+    chosen: Path, root: Path, rank: int, comm: Collectives, patience_s: float, say: Any
+) -> None:
+    """Rank 0 converts `chosen` to the universal format (once); the other ranks wait for it through a file.
+
+    A 70B conversion takes about an hour (planning/checkpoint_cost.py): far beyond any
+    process-group timeout, so the others must not wait inside a collective (runtime/file_sync.py).
+    A copy already there is verified by all ranks, a share each.
+    """
+    sync = FileSync.open(root, "convert", comm, rank, patience_s)
+    existing = universal_dir(chosen)  # made by an earlier resume or `llm-train convert`
+    if existing.is_dir() and verify_shared(existing, sync, "verify") is None:
+        return  # verified in shares by every rank: nothing to convert
     if rank == 0:
-        if spec == "auto":
-            found = find_resumable(root, warn)
-            answer = (str(found) if found else None, None)
-        else:
-            path = Path(spec)
-            reason = verify(path) if path.is_dir() else "not a directory"
-            answer = (str(path), None) if reason is None else (None, f"--resume {spec}: {reason}")
-    path, error = comm.from_rank0(answer)
-    if error:
-        raise UserError(error + "; pass --resume auto to pick the newest complete checkpoint")
-    return Path(path) if path else None
+        error = None
+        with sync.working():
+            try:
+                ensure_universal(chosen, say)
+            except (UserError, OSError) as exc:
+                error = str(exc)
+        sync.post("outcome", error)
+    if error := sync.wait("outcome", [0], f"universal conversion of {chosen.name}")[0]:
+        raise UserError(error)
 
 
 def check_recipe(ckpt: Path, manifest: dict[str, Any], recipe: Recipe, warn: Any) -> None:
@@ -136,8 +188,19 @@ def check_recipe(ckpt: Path, manifest: dict[str, Any], recipe: Recipe, warn: Any
         )
 
 
+def read_data_state(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's data position: the global count of sequences consumed, the same in every rank's file."""
+    return json.loads(trainer_state_path(ckpt, 0).read_text())["data"]
+
+
 def restore_run_state(
-    engine: Any, ckpt: Path, stream: Any, rank: int, plan: ResumeLayout, seed: int
+    engine: Any,
+    ckpt: Path,
+    stream: Any,
+    rank: int,
+    plan: ResumeLayout,
+    seed: int,
+    allow_data_revision_change: bool = False,
 ) -> dict[str, Any]:
     """Load the engine state and the trainer state; returns the trainer state (step, data, tracker id).
 
@@ -159,7 +222,7 @@ def restore_run_state(
     )
     # The data position is the global count of sequences consumed, the same in every rank's file.
     state = json.loads(trainer_state_path(ckpt, rank if plan.same_layout else 0).read_text())
-    stream.load_state_dict(state["data"])
+    stream.load_state_dict(state["data"], allow_data_revision_change)
     if plan.same_layout:
         set_rng_state(state["rng"])
     else:

@@ -39,7 +39,7 @@ from llm_train.observability.tracking import open_trackers
 from llm_train.runtime import collectives, launcher
 from llm_train.runtime.checkpoint import Checkpointer, read_manifest
 from llm_train.runtime.control import RunControl
-from llm_train.runtime.engine import Engine
+from llm_train.runtime.engine import Engine, process_group_timeout
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
 from llm_train.runtime.loop import LoopConfig, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
@@ -54,12 +54,13 @@ from llm_train.runtime.resume_layout import (
 from llm_train.runtime.run_state import (
     check_recipe,
     choose_checkpoint,
+    convert_for_resume,
     make_saver,
+    read_data_state,
     restore_run_state,
     truncate_metrics,
 )
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
-from llm_train.runtime.universal import ensure_universal
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class RunOptions:
     output_dir: str | None = None
     resume: str | None = None
     allow_batch_change: bool = False
+    allow_data_revision_change: bool = False
     overwrite: bool = False
     verbose: bool = False
     profile: str | None = None
@@ -115,7 +117,7 @@ def build_data(run: Resolved, options: RunOptions, dp_rank: int, say: Callable[[
         recipe.optim.epochs or 1.0, stream.per_epoch, layout.grad_accum
     )
     # Before any model is loaded: a run that would loop over a small corpus thousands of times stops here.
-    volume = DataVolume.of(layout, stream.order.epoch_len, max_steps, recipe.data.seq_len)
+    volume = DataVolume.of(layout, stream.order.epoch_len, max_steps, recipe.data.seq_len, train_blocks.pairs)
     requested = recipe.optim.epochs if recipe.optim.max_steps is None else None
     say(check_volume(volume, recipe.data.max_epochs, requested))
     if recipe.optim.max_steps is None:
@@ -166,7 +168,8 @@ def prepare_resume(
 ) -> Path | None:
     """The verified checkpoint to resume (the same on every rank), converted when the layout changed."""
     comm = collectives.WORLD
-    chosen = choose_checkpoint(options.resume or "auto", root, rank, comm, say)
+    patience_s = run.recipe.deepspeed.timeout_minutes * 60
+    chosen = choose_checkpoint(options.resume or "auto", root, rank, comm, say, patience_s)
     if chosen is None:
         return None
     manifest = read_manifest(chosen)
@@ -174,15 +177,22 @@ def prepare_resume(
     verified = plan_resume(saved_layout(manifest), run.layout, options.allow_batch_change)
     check_same_plan(chosen, plan, verified)
     if plan.universal:
-        error = None
-        if rank == 0:
-            try:
-                ensure_universal(chosen, say)
-            except (UserError, OSError) as exc:
-                error = str(exc)
-        if error := comm.from_rank0(error):
-            raise UserError(error)
+        convert_for_resume(chosen, root, rank, comm, patience_s, say)
     return chosen
+
+
+def check_same_data(stream: Any, comm: collectives.Collectives) -> None:
+    """Every rank resolved its hub sources to the same commits (each asks the hub itself, at start-up)."""
+    revisions = getattr(getattr(stream, "spec", None), "revisions", None)
+    if revisions is None:
+        return
+    seen = comm.gather_objects(revisions)
+    if any(r != seen[0] for r in seen):
+        raise UserError(
+            f"the ranks read different revisions of the streamed hub data ({seen[0]} vs "
+            f"{next(r for r in seen if r != seen[0])}): it changed on the hub while the run started; pin "
+            "data.train[i].revision to one commit and relaunch"
+        )
 
 
 def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None]) -> int:
@@ -211,10 +221,18 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         run.ds_config, options.profile, options.flops_profiler, out
     )  # --flops-profiler: DeepSpeed reads the DS config
     engine = make_engine(run, say)
-    collectives.join_restarted_world()  # a no-op unless torchrun restarted this worker
+    collectives.join_restarted_world(
+        process_group_timeout(recipe.deepspeed.timeout_minutes)
+    )  # a no-op unless torchrun restarted it
     engine.start()
     clock.mark("distributed init")
-    me = {"rank": rank, "dp_rank": dp_rank, "world_size": collectives.world_size(), **engine.world_info()}
+    me = {
+        "rank": rank,
+        "dp_rank": dp_rank,
+        "world_size": collectives.world_size(),
+        "pg_timeout_s": collectives.timeout_s(),  # what the process group got (deepspeed.timeout_minutes)
+        **engine.world_info(),
+    }
     ranks = collectives.WORLD.gather_objects(me)
     if rank == 0:
         create_run_dir(out, run, options.overwrite and not options.resume)
@@ -224,11 +242,18 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     startup_summary(run, say, extra=engine.summary_rows(ranks))
 
     comm = collectives.WORLD
+    check_same_data(stream, comm)
     resume_from = (
         prepare_resume(options, out / "checkpoints", run, plan, rank, say) if options.resume else None
     )
+    if resume_from is not None:  # before the model is built: a data position that cannot continue is one line
+        for notice in stream.check_state(read_data_state(resume_from), options.allow_data_revision_change):
+            say(f"notice: {notice}")
 
     engine.build(max_steps, clock.mark)  # marks "model build" and "deepspeed init"
+    # DPO with a cached reference scores every pair now, while the engine still holds the initial
+    # model: before a checkpoint's weights are loaded into it (runtime/reference.py).
+    engine.objective.prepare([stream.split, eval_blocks], dp_rank, layout.dp, say)
     meter = StepMeter.for_run(run, engine.token_flops(), options.peak_tflops, clock)
 
     import torch
@@ -236,7 +261,9 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
     torch.manual_seed(recipe.optim.seed + rank)  # dropout differs per rank, reproducibly
     start_step, tracker_run_id = 0, None
     if resume_from is not None:
-        restored = restore_run_state(engine.ds, resume_from, stream, rank, plan, recipe.optim.seed)
+        restored = restore_run_state(
+            engine.ds, resume_from, stream, rank, plan, recipe.optim.seed, options.allow_data_revision_change
+        )
         start_step, tracker_run_id = restored["step"], restored.get("tracker_run_id")
         say(f"resumed from {resume_from} at step {start_step}")
     elif options.resume:
@@ -251,12 +278,30 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         "plan": layout.as_dict(),
     }
     tracker = open_trackers(recipe.tracking, out, config_for_tracker, rank == 0, tracker_run_id, start_step)
-    checkpointer = Checkpointer(out / "checkpoints", rank, recipe.checkpoint.keep_last_n, comm)
+    checkpointer = Checkpointer(
+        out / "checkpoints",
+        rank,
+        recipe.checkpoint.keep_last_n,
+        comm,
+        patience_s=recipe.deepspeed.timeout_minutes * 60,
+    )
     control = RunControl(
         recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, grace_s=recipe.checkpoint.grace_s
     )
     control.install_signal_handlers()
-    save = make_saver(checkpointer, control, engine.ds, stream, tokenizer, rank, layout, recipe, tracker, say)
+    save = make_saver(
+        checkpointer,
+        control,
+        engine.ds,
+        stream,
+        tokenizer,
+        rank,
+        layout,
+        recipe,
+        tracker,
+        say,
+        reference=lambda: engine.reference_logits(tokenizer),
+    )
     evals = eval_batches(eval_blocks, layout.micro_batch_size, dp_rank, layout.dp, recipe.eval.batches)
     cfg = LoopConfig(
         max_steps=max_steps,
@@ -264,7 +309,7 @@ def run_training(run: Resolved, options: RunOptions, say: Callable[[str], None])
         eval_every=recipe.eval.every,
         start_step=start_step,
     )
-    tokens_per_step = layout.global_batch_size * recipe.data.seq_len
+    tokens_per_step = layout.global_batch_size * recipe.sequences_per_sample * recipe.data.seq_len
     say(
         f"training {max_steps} steps, {tokens_per_step:,} tokens per step; "
         f"setup took {time.perf_counter() - started:.1f}s"

@@ -3,7 +3,9 @@
 Covers data parallelism with every ZeRO stage and offload, AutoTP tensor parallelism,
 Ulysses sequence parallelism (sequence_parallel.py) and LoRA. The DeepSpeed engine owns gradient accumulation: `backward` scales each micro-batch
 loss by 1/accumulation and reduces gradients at the boundary, `step` updates the weights
-(and the LR schedule) only at the boundary.
+(and the LR schedule) only at the boundary. What each micro-batch's loss is comes from the
+recipe's objective (objectives.py: the model's token loss, DPO or SimPO); DPO's reference is
+cached, the policy's own engine with its adapters disabled, or a frozen copy (reference.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from llm_train.errors import UserError
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
-from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, to_device
+from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
 from llm_train.runtime.export import (
     EXPORT_DTYPES,
     reference_input_ids,
@@ -31,8 +33,17 @@ from llm_train.runtime.export import (
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.lora import is_peft_model
 from llm_train.runtime.model import build_model
+from llm_train.runtime.objectives import (
+    LanguageModeling,
+    Objective,
+    Scored,
+    make_objective,
+    mean_scores,
+    reference_forward,
+)
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
 from llm_train.runtime.quantize import describe_quantized, quantized
+from llm_train.runtime.reference import CachedReference, frozen_reference
 from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
 from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
 
@@ -55,6 +66,8 @@ class ZeroEngine:
         self.ds: Any = None
         self.model: Any = None
         self.skipped_microbatches = 0
+        self.objective: Objective = LanguageModeling()  # the recipe's, once the engine exists (build)
+        self._reference: Any = None  # DPO with preference.reference=live and no LoRA: the frozen copy
         self._hf_ds_config: Any = None
         self._sequence: SequenceShard | None = None  # set when the run splits sequences (sp > 1)
 
@@ -82,8 +95,12 @@ class ZeroEngine:
             self._hf_ds_config = HfDeepSpeedConfig(run.ds_config)
         # Without a GPU, Accelerate must be told the backend or every rank believes it is rank 0
         # of a world of 1 while DeepSpeed runs a world of N (seen with 2 processes: every rank wrote the
-        # same files and the data was not sharded).
-        handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+        # same files and the data was not sharded). The timeout reaches DeepSpeed through
+        # Accelerate (its DeepSpeed path calls deepspeed.init_distributed with these kwargs; without
+        # them DeepSpeed's own default, 10 minutes, applies); world.json records what the group got.
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = process_group_timeout(run.recipe.deepspeed.timeout_minutes)
+        handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout)]
         self.accelerator = Accelerator(
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=run.ds_config),
             mixed_precision=_MIXED_PRECISION[run.layout.precision],
@@ -126,6 +143,7 @@ class ZeroEngine:
             self._sequence = SequenceShard(layout.sp, layout.sp_rank(int(os.environ["RANK"])), group)
         if notice := compile_notice(recipe.memory):
             self.say(notice)
+        self.objective = self._objective()  # a frozen reference is built here, inside zero.Init too
         mark("deepspeed init")
         self._hf_ds_config = None  # zero.Init is done with it
 
@@ -164,24 +182,43 @@ class ZeroEngine:
             engine.lr_scheduler = schedule(engine.basic_optimizer)  # the optimizer the engine steps
         return engine
 
+    def _objective(self) -> Objective:
+        """The recipe's objective; for DPO with the reference it asks for (see reference.py)."""
+        recipe = self.run.recipe
+        if recipe.objective != "dpo":
+            return make_objective(recipe)
+        unwrapped = self.accelerator.unwrap_model(self.ds)
+        # Under LoRA the reference is the base: the policy's own engine with the adapters switched off.
+        own = reference_forward(self.ds, unwrapped.disable_adapter if recipe.lora is not None else None)
+        if recipe.preference.reference == "cached":
+            scorer = CachedReference(
+                self.run, own, unwrapped.config, self.run.layout.micro_batch_size, self.ds.device
+            )
+            return make_objective(recipe, prepare=scorer)
+        if recipe.lora is not None:
+            return make_objective(recipe, live_reference=own)
+        self._reference = frozen_reference(self.run, self._load_device())
+        return make_objective(recipe, live_reference=reference_forward(self._reference))
+
     def token_flops(self) -> TokenFlops | None:
         return model_token_flops(self.model)
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        """The micro-batch's mean token loss (whole rows: evaluation, and training without SP)."""
-        return self.ds(**to_device(batch, self.ds.device)).loss
+    def _score(self, batch: Batch) -> Scored:
+        """The micro-batch scored by the objective (whole rows: evaluation, and training without SP)."""
+        return self.objective.score(self.ds, to_device(batch, self.ds.device))
 
-    def _train_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss to backpropagate, the micro-batch's loss to report)."""
+    def _train_loss(self, batch: Batch) -> tuple[torch.Tensor, Scored]:
+        """(the loss to backpropagate, the micro-batch's loss and metrics to report)."""
         if self._sequence is None:
-            loss = self._loss(batch)
-            return loss, loss.detach()
+            scored = self._score(batch)
+            return scored.loss, scored
+        # Preference objectives are refused under sequence parallelism (parallel.py): a token loss here.
         share = self.ds(**self._sequence.shard(to_device(batch, self.ds.device))).loss
-        return share, self._sequence.group_loss(share)
+        return share, Scored(self._sequence.group_loss(share))
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         skip = self.run.recipe.checkpoint.on_nonfinite == "skip"
-        losses, grad_norm = [], None
+        scores, grad_norm = [], None
         for _ in range(self.run.layout.grad_accum):
             loss, reported = self._train_loss(next(batches))
             # Skipping must be decided before backward, by all ranks together (one collective per
@@ -195,8 +232,9 @@ class ZeroEngine:
             if measure_grad_norm and self.ds.is_gradient_accumulation_boundary():
                 grad_norm = self._grad_norm_if_untracked()
             self.ds.step()
-            losses.append(reported)
-        return StepResult(torch.stack(losses).mean(), grad_norm=grad_norm)
+            scores.append(reported)
+        means = mean_scores(scores)
+        return StepResult(means.pop("loss"), grad_norm=grad_norm, metrics=means)
 
     def _grad_norm_if_untracked(self) -> float | None:
         """ZeRO-0 in fp32 clips without keeping the norm: measure it at the boundary, before the step.
@@ -230,32 +268,36 @@ class ZeroEngine:
         return float(tracked) if tracked is not None else None
 
     @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        if not batches:
+            return {"eval_loss": float("nan")}
         if self._sequence is not None:
             with evaluating(self.ds.module):
-                losses = [self._train_loss(b)[1] for b in batches]
+                scores = [self._train_loss(b)[1] for b in batches]
         else:
             self.ds.eval()
-            losses = [self._loss(b) for b in batches]
+            scores = [self._score(b) for b in batches]
             self.ds.train()
-        return WORLD.mean(torch.stack(losses).mean()) if losses else float("nan")
+        return self.objective.eval_summary(WORLD.means(mean_scores(scores)))
 
     def export(self, final: Path, tokenizer: Any) -> None:
         lora = self.run.recipe.lora
         # The reference for the export check: the trained model's logits on a fixed batch, from
         # the engine itself, before anything is written. A collective like the gather below:
         # under ZeRO-3 each layer's shards are gathered from every rank for the forward.
-        reference = self._reference_forward(tokenizer)
+        reference = self.reference_logits(tokenizer)
         release_moments(self.ds.optimizer)  # the run is over: room for the gathered copy below
         if lora is not None and is_peft_model(self.accelerator.unwrap_model(self.ds)):
             self._export_lora(final, tokenizer, reference)
             return
-        # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes.
+        # Every rank takes part in gathering ZeRO-3 shards; rank 0 writes, alone and with nobody
+        # waiting for it: at 70B that is ~140 GB of safetensors, far beyond a collective's timeout,
+        # and nothing the other ranks do next needs final/ (they tear the world down and exit; rank 0
+        # verifies final/ after that).
         state_dict = self.accelerator.get_state_dict(self.ds)
         if self.accelerator.is_main_process:
             save_hf_model(self.accelerator.unwrap_model(self.ds), state_dict, tokenizer, final)
             write_reference(final, *reference)
-        self.accelerator.wait_for_everyone()
 
     @torch.no_grad()
     def _export_lora(self, final: Path, tokenizer: Any, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -277,7 +319,9 @@ class ZeroEngine:
             # base plus this adapter must give when reloaded with PEFT (lora.verify_adapter_export
             # checks the files' shapes; reloading needs the user's base model).
             write_reference(final, *reference)
-        self.accelerator.wait_for_everyone()
+        # No barrier after the last shard, as for a full export: nothing the other ranks do next needs
+        # final/. Between ZeRO-3's per-module gathers rank 0 writes at most one shard (EXPORT_SHARD_BYTES)
+        # while the others wait in the next gather: seconds, far inside the process group's timeout.
 
     @staticmethod
     def _gather(params: list[torch.nn.Parameter]) -> Any:
@@ -286,7 +330,7 @@ class ZeroEngine:
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     @torch.no_grad()
-    def _reference_forward(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the model as it trained; eval mode, since the reload runs without dropout."""
         config = self.accelerator.unwrap_model(self.ds).config
         input_ids = reference_input_ids(tokenizer, config.vocab_size)

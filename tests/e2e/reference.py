@@ -10,6 +10,7 @@ from pathlib import Path
 
 STEPS = 6
 RESUME_FROM = 3  # the reference runs commit a checkpoint at this step (and at STEPS)
+TIMEOUT_MINUTES = 12
 VARIANTS = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 SHORT_RUN = [
     f"--max-steps={STEPS}",
@@ -35,4 +36,7 @@ def run_args(variant: str, run_dir: Path, pretrained: Path) -> list[str]:
         # Math-neutral (test_resume shows checkpointing changes no bit); test_resume_anywhere
         # resumes these step-3 checkpoints on other layouts.
         f"checkpoint.every_steps={RESUME_FROM}",
+        # Not DeepSpeed's default 10 nor the recipe default 30: test_zero_stages reads it back from the
+        # process group each rank joined (world.json), the proof that it reached Accelerate and DeepSpeed.
+        f"deepspeed.timeout_minutes={TIMEOUT_MINUTES}",
     ]

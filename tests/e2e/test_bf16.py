@@ -32,6 +32,10 @@ pytestmark = pytest.mark.e2e
 # offload); plain ZeRO-3 bf16 is the export-families test's gpt_neox run.
 BF16_VARIANTS = ["zero1", "zero2", "zero3_offload"]
 BF16 = ["precision=bf16"]
+# The reference runs commit at step 5 and (checkpoint.at_end) step 6, one optimizer step apart, for the
+# stale-export test below; checkpoints change no bit (test_resume). The kill test's own cadence
+# (CHECKPOINTING) comes later on its command line and wins.
+STEP_BEFORE_LAST = [f"checkpoint.every_steps={STEPS - 1}"]
 CHECKPOINTING = ["checkpoint.every_steps=2", "--resume", "auto"]
 # Measured (6 steps, fp32, zero2): first loss 8.352, mean of the last three 7.580, a drop of 0.77
 # (test_zero_stages asks fp32 for 0.3 from first to last). bf16 changes the losses by ~2e-3 here.
@@ -40,7 +44,6 @@ CHECKPOINTING = ["checkpoint.every_steps=2", "--resume", "auto"]
 MIN_DROP = 0.4
 
 
-# A known product bug, kept visible: strict, so the fix turns this into a failure that says to drop it.
 def _bf16_args(variant: str, run_dir: Path, pretrained: Path) -> list[str]:
     return run_args(variant, run_dir, pretrained) + BF16
 
@@ -53,7 +56,7 @@ def bf16_run(
     variant = request.param
     run_dir = tmp_path_factory.mktemp("bf16") / variant
     started = time.monotonic()
-    assert_ok(accelerate_launch(_bf16_args(variant, run_dir, pretrained)))
+    assert_ok(accelerate_launch(_bf16_args(variant, run_dir, pretrained) + STEP_BEFORE_LAST))
     print(f"{variant} bf16 reference run: {time.monotonic() - started:.1f}s")
     return variant, run_dir
 
@@ -122,3 +125,58 @@ def test_bf16_kill_9_after_a_checkpoint_then_resume_is_bit_identical(
     differing = [k for k in mine if not torch.equal(mine[k], theirs[k])]
     assert not differing, differing
     print(f"{variant} bf16: killed after step-{committed_step} ({killed_s:.1f}s), resumed ({resumed_s:.1f}s)")
+
+
+def _plant_stale_optimizer(fresh: Path, stale: Path, planted: Path) -> None:
+    """`fresh` with `stale`'s optimizer shards (the fp32 master weights export reads), re-manifested.
+
+    What a save that wrote an old partition would leave: a checkpoint that verifies, one step behind.
+    """
+    import shutil
+
+    from llm_train.runtime.checkpoint import MANIFEST, build_manifest, read_manifest, write_atomic
+
+    shutil.copytree(fresh, planted, ignore=shutil.ignore_patterns("universal"))
+    shards = sorted((stale / "state" / "ds").glob("*optim_states.pt"))
+    assert shards, list((stale / "state" / "ds").iterdir())
+    for shard in shards:
+        shutil.copy(shard, planted / "state" / "ds" / shard.name)
+    meta = {k: v for k, v in read_manifest(fresh).items() if k != "files"}
+    write_atomic(planted / MANIFEST, json.dumps(build_manifest(planted, meta)))
+
+
+def test_bf16_export_checks_the_recorded_logits_and_catches_one_step_stale_weights(
+    bf16_run: tuple[str, Path], tmp_path: Path
+) -> None:
+    """`llm-train export` compares with the logits the engine recorded at save, not with what it merged.
+
+    bf16's tolerance is 4 bf16 ulps of the largest logit (export.logit_tolerance, ~3%). One optimizer
+    step at tiny-cpu's lr (3e-3) moves these logits by more than that, so a checkpoint whose optimizer
+    shards are one step old, yet whose manifest verifies, must fail the export. (At fine-tuning learning
+    rates, ~1e-5, one step moves bf16 weights by less than their rounding: a one-step-stale bf16 export
+    is then within bf16's resolution of the right one, and no bf16 comparison can tell them apart.)
+    """
+    import re
+
+    from llm_train.errors import ExportError
+    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.export import export_checkpoint
+
+    variant, run_dir = bf16_run
+    fresh, stale = (run_dir / "checkpoints" / step_name(s) for s in (STEPS, STEPS - 1))
+    good = export_checkpoint(fresh, tmp_path / "fresh", "bf16")
+    assert "recorded in the checkpoint" in good["verified"], good
+    planted = tmp_path / "planted"
+    _plant_stale_optimizer(fresh, stale, planted)
+    with pytest.raises(ExportError) as caught:
+        export_checkpoint(planted, tmp_path / "stale", "bf16")
+    found = re.search(
+        r"differ from the trained model's by (\S+) \(allowed (\S+) for bfloat16\)", str(caught.value)
+    )
+    assert found, str(caught.value)
+    diff, allowed = float(found.group(1)), float(found.group(2))
+    print(
+        f"{variant} bf16 export: fresh step-{STEPS} within {good['max_logit_diff']:.3g}, one step stale "
+        f"differs by {diff:.3g}, tolerance {allowed:.3g} ({diff / allowed:.1f}x)"
+    )
+    assert good["max_logit_diff"] <= allowed < diff

@@ -1,8 +1,8 @@
 """bench/gpu_check.sh, the one command a GPU session runs once, works end to end before device time is spent.
 
 `--cpu-tiny` runs the same logic as on the H200 (SIGTERM -> exit 75 -> resume -> export for
-ZeRO-2/3/3+offload, the speed runs, the planner-vs-measured memory check) with the tiny model on
-CPU. Device time is about 15 minutes for all tries together, so a broken script there costs the
+ZeRO-2/3/3+offload, the speed runs, the planner-vs-measured memory check, each measured case's
+verdicts against the planner and its target) with the tiny model on CPU. Device time is about 15 minutes for all tries together, so a broken script there costs the
 whole measurement: this test is what makes the single GPU run likely to succeed.
 """
 
@@ -44,14 +44,34 @@ def read_lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
 
 
-def test_cpu_tiny_check_writes_every_result_line_and_every_one_passes(tmp_path: Path) -> None:
-    result = gpu_check(tmp_path, timeout=900)
+# The verdict hook: an estimate no run can meet, for one measurement only. Its line must fail on that
+# verdict alone, the exit code must say so, and every other line must still be written and pass.
+INJECTED_MISS = "c_zero0.step_time_s=1e-6"
+
+
+def test_cpu_tiny_check_writes_every_line_and_a_missed_estimate_fails_only_its_own(tmp_path: Path) -> None:
+    result = gpu_check(tmp_path, "--expect", INJECTED_MISS, timeout=900)
     output = (result.stdout + result.stderr)[-4000:]
-    assert result.returncode == 0, output
+    assert result.returncode == 1, output
     records = read_lines(tmp_path)
     assert [r["measurement"] for r in records] == EXPECTED, output
-    assert [r["measurement"] for r in records if r["passed"] is not True] == [], output
+    assert [r["measurement"] for r in records if r["passed"] is not True] == ["c_zero0"], output
     by_name = {r["measurement"]: r for r in records}
+
+    missed = by_name["c_zero0"]
+    assert missed["steps"] == missed["steady_steps"] + 3 and missed["step_time_s"] > 0, missed  # it ran fine
+    (judged,) = [v for v in missed["verdicts"] if v["judged"]]
+    assert judged["quantity"] == "step_time_s" and judged["estimate"] == 1e-6, judged
+    assert judged["within_estimate"] is False and not judged["passed"], judged
+    assert (
+        missed["error"] == judged["misses"][0]
+        and "off the planner's 1e-06 (allowed +-15%)" in missed["error"]
+    )
+    # Without the hook nothing is judged on CPU, but every comparison is recorded for the GPU run.
+    for name in ("b_mfu_zero2", "c_zero3", "c_zero3_over_zero0", "d_consumer_card"):
+        verdicts = by_name[name]["verdicts"]
+        assert verdicts and not any(v["judged"] for v in verdicts), (name, verdicts)
+        assert all(v.get("estimate") is not None or v.get("target") is not None for v in verdicts), verdicts
 
     for name in ("a_zero2", "a_zero3", "a_zero3_offload"):
         a = by_name[name]
@@ -60,7 +80,9 @@ def test_cpu_tiny_check_writes_every_result_line_and_every_one_passes(tmp_path: 
         assert a["checkpoint_step_at_stop"] <= a["steps_before"] < a["steps_after"] == a["steps"], a
         assert all(a["checks"].values()), a
     b = by_name["b_mfu_zero2"]
-    assert b["mfu"] > 0 and b["mfu_target"] == 0.45 and b["target_met"] is False, b  # CPU: far below
+    (mfu,) = [v for v in b["verdicts"] if v["quantity"] == "mfu"]
+    assert b["mfu"] > 0 and mfu["target"] == 0.45 and mfu["target_met"] is False, b  # CPU: far below
+    assert b["est_step_time_s"] > 0, b  # the planner was asked about the same configuration
     ratio = by_name["c_zero3_over_zero0"]
     assert ratio["ratio"] == pytest.approx(ratio["zero3_step_time_s"] / ratio["zero0_step_time_s"], rel=1e-3)
     d = by_name["d_consumer_card"]
@@ -75,7 +97,8 @@ def test_cpu_tiny_check_writes_every_result_line_and_every_one_passes(tmp_path: 
     )  # the wrapper ran
 
     summary = json.loads((tmp_path / "gpu_check_summary.json").read_text())
-    assert summary["passed"] is True and summary["lines"] == len(EXPECTED), summary
+    assert summary["passed"] is False and summary["failed"] == ["c_zero0"], summary
+    assert summary["lines"] == len(EXPECTED) and list(summary["verdicts_missed"]) == ["c_zero0"], summary
     # The device tool brings back at most 8 files from $OUT: the check writes three.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "gpu_check.jsonl",

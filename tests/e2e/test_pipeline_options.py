@@ -104,6 +104,25 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "lora.export=adapter",
         "lora is not supported with deepspeed.pipeline_stages=2",
     ),
+    # Preference objectives need pair data, which a text run does not have; with pairs the pipeline
+    # itself refuses them (tests/unit/test_preference.py: "is not supported with deepspeed.pipeline_stages").
+    "objective": ("refused", "objective=dpo", "but objective=dpo trains on pairs"),
+    "preference.beta": ("refused", "preference.beta=0.2", "preference.beta is set but objective is lm"),
+    "preference.label_smoothing": (
+        "refused",
+        "preference.label_smoothing=0.1",
+        "preference.label_smoothing is set but objective is lm",
+    ),
+    "preference.simpo_gamma": (
+        "refused",
+        "preference.simpo_gamma=1.0",
+        "preference.simpo_gamma is set but objective is lm",
+    ),
+    "preference.reference": (
+        "refused",
+        "preference.reference=live",
+        "preference.reference is set but objective is lm",
+    ),
     # A quantised base is loaded from a checkpoint; tiny-cpu-pp2 builds a random one, refused first.
     "lora.quantize": ("refused", "lora.quantize=int8", "lora.quantize=int8 quantises a pretrained base"),
     "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),

@@ -1,9 +1,12 @@
 """Ulysses sequence parallelism (deepspeed.sequence_parallel) against the same run without it.
 
 Splitting each sequence over sp ranks must not change the math: the per-step losses and the
-gradient norms DeepSpeed measures equal those of sp=1 on the same samples, within 1e-4 in
-fp32 (the all-to-all regroups the same products, summed in another order: the differences
-seen are ~1e-6). The rows are padded, one sample each: the second half of most rows is padding,
+gradient norms DeepSpeed measures equal those of sp=1 on the same samples, within 1e-5 in
+fp32 (the all-to-all regroups the same products, summed in another order: the largest
+differences seen were 9.5e-7 on a loss of ~8 and 3.1e-6 on a gradient norm, sp2 x dp2 under
+ZeRO-2; a gradient averaged over the sequence ranks, DeepSpeed's reduce-scatter bug under
+ZeRO-3, is off by a factor of sp). ZeRO-3 runs in the first test, ZeRO-2 in the second: the two
+gradient-reduction paths sequence parallelism goes through (ZeRO-0/1 are not run here). The rows are padded, one sample each: the second half of most rows is padding,
 so the two ranks of a group hold very different numbers of loss tokens, and only a
 token-weighted reduction over the group matches sp=1.
 
@@ -35,7 +38,7 @@ ALST = [
     "memory.tiled_loss=true",
     "memory.offload_checkpoints=true",
 ]
-TOL = 1e-4
+TOL = 1e-5
 RUN = [
     "--recipe",
     "tiny-cpu-sp2",
@@ -110,8 +113,13 @@ def test_sp2_with_alst_switches_matches_sp1_and_resumes_bit_exact(
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_sp2_by_dp2_matches_sp1_by_dp2(pretrained: Path, tmp_path: Path) -> None:
-    """Four processes: two sequence-parallel groups of two, each its own data-parallel rank."""
-    whole_dp2 = _run(tmp_path / "sp1dp2", pretrained, sp=1, nproc=2)
-    split_dp2 = _run(tmp_path / "sp2dp2", pretrained, sp=2, nproc=4)
+def test_sp2_by_dp2_under_zero2_matches_sp1_by_dp2(pretrained: Path, tmp_path: Path) -> None:
+    """Four processes: two sequence-parallel groups of two, each its own data-parallel rank, under ZeRO-2.
+
+    ZeRO-2 reduces gradients on its own path (stage_1_and_2.py, reduce-scatter on), not ZeRO-3's:
+    this is the run that shows it sums the sequence ranks' shares and averages only over dp.
+    """
+    zero2 = ["--ds-config", "zero2"]
+    whole_dp2 = _run(tmp_path / "sp1dp2", pretrained, 1, 2, *zero2)
+    split_dp2 = _run(tmp_path / "sp2dp2", pretrained, 2, 4, *zero2)
     _assert_same_math(split_dp2, whole_dp2)

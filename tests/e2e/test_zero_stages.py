@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.reference import STEPS, VARIANTS
+from tests.e2e.reference import STEPS, TIMEOUT_MINUTES, VARIANTS
 from tests.helpers import losses
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +30,8 @@ def test_loop_saw_the_true_world(runs: dict[str, Path], variant: str) -> None:
     assert sorted(r["rank"] for r in world["ranks"]) == [0, 1]
     assert all(r["world_size"] == 2 for r in world["ranks"])
     assert sorted(r["dp_rank"] for r in world["ranks"]) == [0, 1]
+    # deepspeed.timeout_minutes, as the gloo backend of each rank's process group holds it
+    assert [r["pg_timeout_s"] for r in world["ranks"]] == [TIMEOUT_MINUTES * 60.0] * 2
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,4 +1,4 @@
-"""Checks on the committed tiny-cpu assets (corpus, tokenizer, chat examples) and their build script."""
+"""Checks on the committed tiny-cpu assets (corpus, tokenizer, chat examples, preference pairs) and their build script."""
 
 from __future__ import annotations
 
@@ -114,11 +114,30 @@ def test_chat_jsonl() -> None:
     assert n_system > 0
 
 
+def test_preferences_jsonl() -> None:
+    # The shape of HuggingFaceH4/ultrafeedback_binarized train_prefs: a prompt, and two conversations
+    # that share its user turn and differ in the assistant's answer (same words, another order).
+    lines = (ASSETS / "preferences.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(lines) >= 150
+    for line in lines:
+        pair = json.loads(line)
+        chosen, rejected = pair["chosen"], pair["rejected"]
+        assert [m["role"] for m in chosen] == [m["role"] for m in rejected] == ["user", "assistant"]
+        assert chosen[0] == rejected[0] == {"role": "user", "content": pair["prompt"]}
+        assert chosen[1]["content"] != rejected[1]["content"]
+        # The same words on the same lines, in another order.
+        good, bad = chosen[1]["content"].split("\n"), rejected[1]["content"].split("\n")
+        assert len(good) == len(bad) and all(
+            sorted(g.split()) == sorted(b.split()) for g, b in zip(good, bad, strict=True)
+        )
+
+
 # What each committed file is built from besides build.py: pydoc_data.topics changes between Python
 # releases, and the saved tokenizer files depend on the library versions that wrote them.
 BUILT_FROM = {
     "corpus.txt": ("python_version",),
     "chat.jsonl": ("python_version",),
+    "preferences.jsonl": ("python_version",),
     "tokenizer/tokenizer.json": ("python_version", "tokenizers_version"),
     "tokenizer/tokenizer_config.json": ("python_version", "tokenizers_version", "transformers_version"),
     "tokenizer/chat_template.jinja": ("transformers_version",),

@@ -81,6 +81,7 @@ def nccl_world(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
 CALLS = {
     "sum": lambda c: c.sum(torch.ones(3)),
     "mean": lambda c: c.mean(torch.tensor(2.0)),
+    "means": lambda c: c.means({"loss": torch.tensor(2.0), "reward_accuracy": torch.tensor(0.5)}),
     "mean_and_any": lambda c: c.mean_and_any(torch.tensor(2.0), [0.0, 1.0]),
     "any": lambda c: c.any(True),
     "all_finite": lambda c: c.all_finite(torch.tensor(float("nan"))),
@@ -137,6 +138,8 @@ def test_a_world_of_one_runs_the_real_collectives() -> None:
         assert comm.device == torch.device("cpu")
         assert torch.equal(comm.sum(torch.tensor([1.0, 2.0])), torch.tensor([1.0, 2.0]))
         assert comm.mean(torch.tensor(4.0)) == 4.0
+        assert comm.means({"a": torch.tensor(4.0), "b": torch.tensor(0.25)}) == {"a": 4.0, "b": 0.25}
+        assert comm.means({}) == {}
         assert comm.mean_and_any(torch.tensor(3.0), [0.0, 1.0]) == (3.0, [False, True])
         assert comm.any(True) and not comm.any(False)
         assert comm.all_finite(torch.tensor(1.0)) and not comm.all_finite(torch.tensor(float("inf")))

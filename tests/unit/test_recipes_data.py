@@ -34,6 +34,12 @@ HUB_DATASETS: dict[str, tuple[set[str | None], set[str], set[str]]] = {
         {"prompt", "prompt_id", "messages"},
     ),
     "yahma/alpaca-cleaned": ({None, "default"}, {"train"}, {"instruction", "input", "output"}),
+    # UltraFeedback binarized (Zephyr's DPO data): chosen / rejected are whole conversations.
+    "HuggingFaceH4/ultrafeedback_binarized": (
+        {None, "default"},
+        {"train_prefs", "test_prefs", "train_sft", "test_sft", "train_gen", "test_gen"},
+        {"prompt", "prompt_id", "chosen", "rejected", "messages", "score_chosen", "score_rejected"},
+    ),
     # PG-19 books as Parquet (the long-context recipes): 28,602 / 50 / 100 books.
     "emozilla/pg19": (
         {None, "default"},
@@ -113,6 +119,8 @@ def test_pretraining_recipes_read_web_text_and_fine_tuning_ones_instructions_or_
     formats = {s.format for s in recipe.data.sources("train")}
     if recipe.description.startswith("Continued pre-training"):
         assert formats == {"text"}
+    elif recipe.objective != "lm":  # preference tuning reads pairs (recipe.py refuses anything else)
+        assert formats == {"preference"}
     else:
         assert formats <= {"instruction", "chat"} and formats, formats
 

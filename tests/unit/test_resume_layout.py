@@ -82,6 +82,11 @@ def test_a_precision_change_goes_through_universal() -> None:
         ({"zero_stage": 3}, {"zero_stage": 0}, "ZeRO-1/2/3 only"),
         ({"zero_stage": 2}, {"zero_stage": 3}, "between ZeRO-3 and ZeRO-1/2"),
         ({"zero_stage": 3}, {"zero_stage": 1}, "between ZeRO-3 and ZeRO-1/2"),
+        ({"zero_stage": 0, "precision": "fp32"}, {"zero_stage": 0, "precision": "bf16"}, "precision=fp32"),
+        ({"zero_stage": 0, "precision": "bf16"}, {"zero_stage": 0, "precision": "fp32"}, "precision=bf16"),
+        # the same world, split 2 x sp 1 before and 1 x sp 2 after (or more ranks with sp 2)
+        ({"zero_stage": 3, "sp": 2}, {"zero_stage": 3}, "deepspeed.sequence_parallel=2"),
+        ({"zero_stage": 3}, {"zero_stage": 3, "sp": 2}, "deepspeed.sequence_parallel=1"),
     ],
 )
 def test_changes_deepspeed_cannot_convert_are_refused_in_one_line(saved: dict, now: dict, says: str) -> None:
@@ -89,6 +94,11 @@ def test_changes_deepspeed_cannot_convert_are_refused_in_one_line(saved: dict, n
         plan_resume(_saved(**saved), _layout(**now), allow_batch_change=True)
     message = str(caught.value)
     assert says in message and "\n" not in message and "->" in message  # names what changed
+
+
+def test_the_same_sequence_parallel_degree_on_more_ranks_is_a_data_parallel_change() -> None:
+    plan = plan_resume(_saved(zero_stage=3, sp=2), _layout(zero_stage=3, sp=2, world_size=4), True)
+    assert plan.universal and plan.changes == ("world size 2 -> 4", "data-parallel size 1 -> 2")
 
 
 def test_a_global_batch_that_cannot_be_kept_is_refused_unless_allowed() -> None:

@@ -27,6 +27,8 @@ PUBLISHED_PARAMS = {
     "meta-llama/Meta-Llama-3-70B": 70_553_706_496,
     "meta-llama/Llama-3.1-8B": 8_030_261_248,
     "meta-llama/Llama-3.1-70B": 70_553_706_496,
+    # Llama-3.1-8B plus 8 added tokens in the (untied) embedding and output layer: 8.03B on the card.
+    "allenai/Llama-3.1-Tulu-3-8B-SFT": 8_030_261_248 + 2 * 8 * 4096,
     "meta-llama/Llama-3.2-1B": 1_235_814_400,
     "meta-llama/Llama-3.2-3B": 3_212_749_824,
     "mistralai/Mistral-7B-v0.1": 7_241_732_096,
