@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "llm_train" / "train.py"
-GiB = 1024**3
+GiB = 1024**3  # not llm_train.units: this wrapper runs before the repo is importable
 USAGE = "usage: python bench/capped_train.py --gpu-cap-gib GIB [train.py arguments ...]"
 
 

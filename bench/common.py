@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from llm_train.runtime.launcher import free_port  # noqa: F401 - each benchmark launch gets its own port
+from llm_train.units import GiB  # noqa: F401 - the benchmarks' unit
 
 REPO = Path(__file__).resolve().parent.parent
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -32,12 +34,6 @@ def proc_kib_field(path: str, field: str) -> int | None:
     except OSError:
         pass
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def accelerate_launch(script: str, *args: str, deepspeed: bool = False) -> list[str]:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO, versions  # bench/ is this script's folder
+from common import REPO, GiB, versions  # bench/ is this script's folder
 from gpu_check import (
     CAPPED_TRAIN,
     CORPUS,
@@ -67,7 +67,6 @@ from gpu_check import (
     round_floats,
 )
 
-GiB = 1024**3
 TOLERANCE = 0.15  # the planner's own claim for its memory estimate
 MIN_TIME_S = 30.0
 BASE_SHAPE = "meta-llama/Llama-3.1-8B"

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_check  # bench/ is this script's folder: its samplers, launcher and results file
-from common import REPO, judge, verdict, versions
+from common import REPO, GiB, judge, verdict, versions
 from gpu_check import (
     CAPPED_TRAIN,
     CORPUS,
@@ -71,7 +71,6 @@ from gpu_check import (
     round_floats,
 )
 
-GiB = 1024**3
 CAP_GIB = 24.0
 HOST_CEILING_GIB = 120.0  # the issue's bound for the 7B on the H200's 125.9 GiB
 LOSS_RTOL = 1e-3

@@ -69,6 +69,7 @@ from typing import Any
 from common import (
     OFFLINE_ENV,
     REPO,
+    GiB,
     judge,
     proc_kib_field,
     verdict,
@@ -79,7 +80,6 @@ TRAIN = REPO / "llm_train" / "train.py"
 CAPPED_TRAIN = REPO / "bench" / "capped_train.py"
 TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
 CORPUS = REPO / "llm_train" / "assets" / "tiny" / "corpus.txt"
-GiB = 1024**3
 EXIT_PREEMPTED = 75  # llm_train/runtime/control.py; a copy, so that this file imports no llm_train at start
 MFU_TARGET = 0.45
 CONSUMER_GPU_GIB = 24.0

@@ -41,7 +41,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-GiB = 1024**3
+from llm_train.units import GiB  # noqa: E402 - after the repo is on the path
+
 RECIPE = "7b-rtx4090"
 # The tiny stand-in: the tiny-cpu Llama shape (2M parameters), same DS JSON and knobs.
 TINY_MODEL_CONFIG = (

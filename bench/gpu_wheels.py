@@ -1,6 +1,6 @@
 """Proves, without a GPU and without the GPU machine, that a folder of wheels completes that machine.
 
-The GPU machine (DESIGN.md, "The GPU check") runs a fixed Python 3.12 image and reaches no package
+The GPU machine runs a fixed Python 3.12 image and reaches no package
 registry. `bench/gpu_wheels.sh` (`make gpu-wheels`) fills `.whl/` with what the image lacks; there they
 are installed with `pip install --no-index --no-deps --target DIR .whl/*.whl` and used with
 `PYTHONPATH=DIR`. `--no-deps` means no resolver runs there, so nothing would tell us there that a

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-wheels`: the wheels the GPU machine lacks, in .whl/, checked complete before they travel.
 #
-# The GPU machine (DESIGN.md, "The GPU check") runs a fixed Python 3.12 image with torch, accelerate,
+# The GPU machine runs a fixed Python 3.12 image with torch, accelerate,
 # transformers and friends (bench/gpu_machine_packages.txt) and reaches no package registry. It lacks
 # deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection,
 # bitsandbytes, wandb and liger-kernel, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or

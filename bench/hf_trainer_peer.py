@@ -28,9 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import free_port  # bench/ is this script's folder
-
-GiB = 1024**3
+from common import GiB, free_port  # bench/ is this script's folder
 
 
 class Rows(torch.utils.data.Dataset):

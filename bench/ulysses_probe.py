@@ -31,24 +31,19 @@ import argparse
 import datetime as dt
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from llm_train.runtime.launcher import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
 CORPUS = REPO / "llm_train" / "assets" / "tiny" / "corpus.txt"
 SEQ_LEN, MICRO_BATCH, GRAD_ACCUM, LR, SGD_LR = 64, 1, 2, 1e-3, 0.5
 MASKED_PREFIX = 24  # labels hidden on odd samples, like an SFT prompt
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def samples(count: int) -> list[dict]:
@@ -82,7 +77,8 @@ def worker(
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": GRAD_ACCUM,
-        # Explicit: DeepSpeed clips at 1.0 when it is absent (DESIGN fact 7). Off by default here,
+        # Explicit: DeepSpeed 0.19.8 clips at 1.0 when it is absent (GRADIENT_CLIPPING_DEFAULT in
+        # deepspeed/runtime/constants.py). Off by default here,
         # because clipping (and Adam) hide a gradient that is off by a constant factor from the losses.
         "gradient_clipping": clip,
         "zero_optimization": {"stage": zero, "reduce_scatter": reduce_scatter},
@@ -101,7 +97,9 @@ def worker(
     accelerator = Accelerator(
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config),
         parallelism_config=parallelism,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],  # DESIGN fact 2
+        # Without the backend Accelerate miscounts on CPU + DeepSpeed: every rank reported
+        # num_processes 1 and process_index 0 while DeepSpeed ran a world of 2 (checked, 2 processes).
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
     )
     rank = accelerator.process_index
     vocab = len(AutoTokenizer.from_pretrained(str(TOKENIZER)))
@@ -139,7 +137,8 @@ def worker(
     if sp > 1:
         from deepspeed.utils import groups
 
-        # Tensors go to the group's device (DESIGN.md fact 13): every collective through llm_train's module.
+        # Tensors go to the group's device (NCCL takes only CUDA tensors): every collective through
+        # llm_train's module.
         sp_comm = collectives.Collectives(groups._get_sequence_parallel_group())
     unwrapped = accelerator.unwrap_model(model)
 
@@ -199,7 +198,7 @@ def launch(sp: int, nproc: int, args: argparse.Namespace) -> tuple[int, str, flo
         str(nproc),
         "--use_deepspeed",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         __file__,
         "--worker",
         "--sp",

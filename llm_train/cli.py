@@ -4,10 +4,12 @@
                                             (processes from the recipe's hardware or --num-processes)
     llm-train recipes                       the shipped recipes, one line each
     llm-train show RECIPE [key=value ...]   the resolved recipe YAML and effective DeepSpeed JSON
+    llm-train show --schema                 every recipe key: type, default, description (docs/recipe.md)
     llm-train dry-run RECIPE [...]          same as train.py --dry-run
     llm-train convert RUN_DIR               a checkpoint's universal copy, ahead of a resume on a new layout
 
 Each subcommand lives in its own small function; errors a user can cause are one line, exit 2.
+Every subcommand takes its key.sub=value overrides anywhere among its options (`parse_command`).
 That includes an optional dependency a command needs and this installation lacks: the line names
 the pyproject extra that brings it.
 """
@@ -22,10 +24,12 @@ from importlib import metadata
 
 from llm_train.commands import convert, data, doctor, launch_train, plan, report
 from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
 from llm_train.observability.console import print_recipe_table
 from llm_train.runtime.export import export_checkpoint
+from llm_train.train import build_parser as train_parser
 from llm_train.train import main as train_main
 
 DISTRIBUTION = "llm_train"
@@ -39,6 +43,15 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
 
+    if args.schema:
+        if args.recipe or args.overrides:
+            raise UserError("show --schema: the reference of every recipe key takes no recipe or overrides")
+        print(recipe_reference(), end="")
+        return 0
+    if not args.recipe:
+        raise UserError(
+            "show: name a recipe (llm-train recipes lists them), or pass --schema for the reference"
+        )
     recipe = load_recipe(args.recipe, args.overrides)
     run = resolve_run(args.recipe, args.overrides, world_size=args.world_size or recipe.hardware.world_size)
     print(f"# recipe {run.recipe.name}\n{run.recipe_yaml()}")
@@ -55,21 +68,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+def cmd_dry_run(args: argparse.Namespace) -> int:
 
-    return launch_train.main(rest)
-
-
-def cmd_dry_run(args: argparse.Namespace, rest: list[str]) -> int:
-
-    return train_main(["--recipe", args.recipe, "--dry-run", *rest])
-
-
-# Subcommands that hand their remaining arguments to another parser.
-PASS_THROUGH: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
-    "train": cmd_train,
-    "dry-run": cmd_dry_run,
-}
+    args.dry_run = True
+    return train_main([], args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,11 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-processes, --num-machines, --max-restarts; see `llm-train train --help`).",
         add_help=False,
     )
-    dry = sub.add_parser("dry-run", help="Print the resolved recipe, DS JSON, plan and memory estimate.")
-    dry.add_argument("recipe")
+    sub.add_parser(
+        "dry-run",
+        parents=[train_parser(recipe_positional=True, add_help=False)],
+        help="Print the resolved recipe, DS JSON, plan and memory estimate (arguments as train.py's).",
+    ).set_defaults(func=cmd_dry_run)
     sub.add_parser("recipes", help="List the shipped recipes.").set_defaults(func=cmd_recipes)
-    show = sub.add_parser("show", help="Show a recipe resolved, with its effective DeepSpeed JSON.")
-    show.add_argument("recipe")
+    show = sub.add_parser(
+        "show",
+        help="Show a recipe resolved, with its effective DeepSpeed JSON (or --schema: every recipe key).",
+    )
+    show.add_argument("recipe", nargs="?")
+    show.add_argument(
+        "--schema", action="store_true", help=f"Print the recipe reference (docs/recipe.md: {REGENERATE})."
+    )
     show.add_argument(
         "--world-size", type=int, help="Resolve for this many processes (default: the recipe's)."
     )
@@ -124,12 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     try:
-        if argv and argv[0] in PASS_THROUGH:
-            known, rest = (
-                parser.parse_known_args(argv) if argv[0] == "dry-run" else (argparse.Namespace(), argv[1:])
-            )
-            return PASS_THROUGH[argv[0]](known, rest)
-        args = parser.parse_args(argv)
+        if argv and argv[0] == "train":
+            # Its own flags and train.py's: launch_train splits them and hands the rest on.
+            return launch_train.main(argv[1:])
+        args = parse_command(parser, argv)
         return args.func(args)
     except UserError as exc:
         print(f"llm-train: error: {exc}", file=sys.stderr)
@@ -140,6 +149,25 @@ def main(argv: list[str] | None = None) -> int:
             raise  # not a package this installation should have: a bug, keep its traceback
         print(f"llm-train {argv[0] if argv else ''}: needs {exc.name}; {fix}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, except that a subcommand's positionals may stand among its options.
+
+    argparse parses a subcommand with plain `parse_known_args`: a nargs="*" positional (the
+    key.sub=value overrides) takes only the first run of them, and any after the next option are
+    "unrecognized". `parse_intermixed_args` collects them all, in their order, but refuses a parser
+    that has subcommands: so the subcommand is picked here by its name and its own parser parses
+    the rest intermixed (nested subcommands, as in `data prepare`, the same way).
+    """
+    subparsers = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if subparsers is None:
+        return parser.parse_intermixed_args(argv)
+    if not argv or argv[0] not in subparsers.choices:
+        return parser.parse_args(argv)  # argparse's own answer: -h, a missing or unknown subcommand
+    args = parse_command(subparsers.choices[argv[0]], argv[1:])
+    setattr(args, subparsers.dest, argv[0])
+    return args
 
 
 def missing_dependency_fix(module: str) -> str | None:

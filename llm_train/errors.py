@@ -23,3 +23,16 @@ class UserError(Exception):
 
 class ExportError(UserError):
     """An exported model directory failed its check (missing, empty or mis-shaped tensors)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """`exc` as a short clause for a one-line message: the first line of its text (or of its cause's).
+
+    Library errors often carry a multi-line text (pydantic, datasets, torch); the first line says what
+    went wrong, and 300 characters keep the message one line. An empty text falls back to the
+    exception that caused it, then to the exception's type name.
+    """
+    for candidate in (exc, exc.__cause__, exc.__context__):
+        if candidate is not None and str(candidate).strip():
+            return str(candidate).strip().splitlines()[0][:300]
+    return type(exc).__name__

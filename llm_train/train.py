@@ -40,11 +40,16 @@ from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="llm_train/train.py", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--recipe", required=True, help="A name in recipes/ (see `llm-train recipes`) or a YAML path."
+def build_parser(recipe_positional: bool = False, add_help: bool = True) -> argparse.ArgumentParser:
+    """train.py's arguments; `llm-train dry-run` takes the same ones with the recipe as a positional."""
+    parser = argparse.ArgumentParser(
+        prog="llm_train/train.py", description=__doc__.splitlines()[0], add_help=add_help
     )
+    recipe_help = "A name in recipes/ (see `llm-train recipes`) or a YAML path."
+    if recipe_positional:
+        parser.add_argument("recipe", help=recipe_help)
+    else:
+        parser.add_argument("--recipe", required=True, help=recipe_help)
     parser.add_argument(
         "--ds-config", help="A DeepSpeed JSON to use instead of the recipe's deepspeed.config."
     )
@@ -83,7 +88,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides, e.g. optim.lr=1e-4."
     )
-    return parser.parse_intermixed_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    # Intermixed: overrides may stand before, between and after the options. Plain parse_args
+    # gives the nargs="*" positional only the first run of them and refuses the rest.
+    return build_parser().parse_intermixed_args(argv)
 
 
 def is_rank0() -> bool:
@@ -124,12 +135,13 @@ def print_dry_run(run: Resolved) -> None:
     print(f"  {line}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    """Run (or dry-run) what `argv` asks for; `args`: the same already parsed (`llm-train dry-run`)."""
     # First of all: the CUDA allocator reads its settings when CUDA initialises, and hardware
     # detection below initialises it.
     set_cuda_alloc_conf()
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    args = parse_args(argv) if args is None else args
     try:
         spawn = None
         if args.dry_run:

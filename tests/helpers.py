@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from llm_train.runtime.launcher import free_port  # noqa: F401 - the tests' port for each launch
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "llm_train" / "train.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
-# Nothing in the tests may wait on a network that is not there (DESIGN.md facts 9-11).
+# Nothing in the tests may wait on a network that is not there: the hubs are unreachable from CI, and
+# W&B runs offline (a local .wandb file, synced later if at all).
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "WANDB_MODE": "offline",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_cmd(cmd: list[str], timeout: float = 900, env: dict[str, str] | None = None, cwd: Path = REPO):

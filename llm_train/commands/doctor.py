@@ -37,10 +37,10 @@ from llm_train.config.ds_json import nvme_paths
 from llm_train.config.hardware import describe_pairs, find_gpu, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
-from llm_train.errors import UserError
+from llm_train.errors import UserError, first_line
 from llm_train.planning.guards import nvme_problems
+from llm_train.units import GiB
 
-GiB = 1024**3
 DEFAULT_BUILD_TIMEOUT_S = 300.0
 # A few GiB: past the drive's DRAM cache, short enough for a check (a PCIe 4.0 drive: ~1-2 s each way).
 DEFAULT_DRIVE_BYTES = 4 * GiB
@@ -270,7 +270,7 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
 
             report.add(section, "flash-attn", f"{flash} (imports)")
         except Exception as exc:  # an ABI mismatch with torch is the common failure
-            report.add(section, "flash-attn", f"{flash} (FAILS to import: {_first_line(exc)})")
+            report.add(section, "flash-attn", f"{flash} (FAILS to import: {first_line(exc)})")
             report.warn(
                 "flash-attn is installed but does not import (built against another torch/CUDA)",
                 "pip install --force-reinstall --no-build-isolation flash-attn, or use memory.attention=sdpa",
@@ -385,7 +385,7 @@ def async_io_status() -> tuple[bool, str]:
             return False, "libaio headers or library not found (DeepSpeed's io_submit link test failed)"
         return False, "DeepSpeed's op builder refuses it on this machine although libaio was found"
     except Exception as exc:  # a broken deepspeed install must not take the whole report down
-        return False, f"the check itself failed: {_first_line(exc)}"
+        return False, f"the check itself failed: {first_line(exc)}"
 
 
 def check_async_io(report: Report, uses_nvme: bool) -> None:
@@ -452,11 +452,6 @@ def check_nvme_recipe(
             f"llm-train plan --recipe {recipe_name} --nvme-read-gbs {speed.read_bytes_per_s / 1e9:.2f} "
             f"--nvme-write-gbs {speed.write_bytes_per_s / 1e9:.2f} --nvme-gib FREE",
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def collect(

@@ -3,7 +3,8 @@
 Why not just `accelerate launch llm_train/train.py`: that keeps working, but Accelerate turns any
 non-zero exit of the workers into its own traceback (its simple launcher's `CalledProcessError`
 on CPU, torchrun's per-rank `ChildFailedError` report on GPUs) printed under llm_train's one-line
-message (DESIGN.md fact 17). So this command
+message (seen with both launchers; validating in one process before the launcher starts is the only
+way to keep a bad input to one line). So this command
 
 1. resolves the recipe, overrides, DeepSpeed JSON and layout for the world size it will launch,
    and runs the start-up checks train.py runs (the same functions, `train.resolve` and

@@ -4,7 +4,8 @@ DeepSpeed's own "auto" resolution lives in the HF Trainer; outside it an "auto" 
 DeepSpeed unresolved. Here every value the recipe owns is filled in before DeepSpeed (or
 Accelerate) sees the config, so the config used and the one saved in the run directory
 are the same, with no "auto" left. DeepSpeed validates nested sections strictly but
-silently ignores unknown top-level keys, so those are checked here. The NVMe offload
+silently ignores unknown top-level keys, so those are checked here (keys that begin with "_" are
+comments); config/ds_validate.py runs DeepSpeed's own checks on the result. The NVMe offload
 directory belongs to the user's machine, not to a shipped file: the JSON says "auto" and the
 recipe's deepspeed.nvme_path fills it (planning/guards.check_nvme_path checks the directory itself).
 """
@@ -143,7 +144,9 @@ def load_ds_config(name_or_path: str) -> tuple[Path, dict[str, Any]]:
 
 def check_top_level_keys(config: dict[str, Any], source: str) -> None:
     for key in config:
-        if key not in KNOWN_TOP_LEVEL_KEYS:
+        # "_comment", "_note", ...: a comment, by a convention configs of other tools follow; DeepSpeed
+        # ignores it, and so does llm_train, without a word.
+        if key not in KNOWN_TOP_LEVEL_KEYS and not key.startswith("_"):
             close = difflib.get_close_matches(key, sorted(KNOWN_TOP_LEVEL_KEYS), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise UserError(

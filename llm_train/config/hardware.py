@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llm_train.errors import UserError
+from llm_train.units import GiB
 
 if TYPE_CHECKING:
     from llm_train.config.recipe import Recipe
@@ -102,7 +103,6 @@ def peak_tflops(name: str) -> float | None:
     return spec.peak_tflops if spec else None
 
 
-GiB = 1024**3
 # Keep 5% of GPU memory free beyond the estimate (which already counts allocator slack):
 # the estimate claims +-15%, and an OOM at step 900 costs more than a slower step.
 GPU_HEADROOM = 0.05

@@ -131,6 +131,8 @@ def choose_precision(requested: str, json_precision: str | None, device: Device)
             "set precision=fp16 or precision=auto"
         )
     if requested == "fp16" and device.kind == "cpu":
+        # The one home of this rule: it holds for the device that trains (a recipe's declared
+        # hardware in a dry run, the detected one at start), whatever the recipe or JSON asked for.
         raise UserError("precision=fp16 is not supported on CPU; set precision=fp32 or precision=bf16")
     return requested, None
 

@@ -683,8 +683,6 @@ class Recipe(Section):
                 f"memory.attention={self.memory.attention} cannot train on CPU (torch has no flex_attention "
                 "backward there); use sdpa or auto on hardware.device=cpu"
             )
-        if self.precision == "fp16" and self.hardware.device == "cpu":
-            raise ValueError("precision=fp16 is not supported on CPU; use fp32 or bf16")
         if self.lora is not None and self.lora.quantize != "none" and self.model.init == "random":
             # bitsandbytes quantises weights as transformers loads them from a checkpoint.
             raise ValueError(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from llm_train.config import ds_json
 from llm_train.config.attention import choose_attention
+from llm_train.config.ds_validate import check_with_deepspeed
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.layout import Layout, make_layout
@@ -27,7 +28,6 @@ from llm_train.errors import UserError
 if TYPE_CHECKING:
     pass
 
-GiB = 1024**3
 DS_PARAM_SWAP_BUFFER_DEFAULT = (
     100_000_000  # offload_param.buffer_size (deepspeed/runtime/zero/offload_config.py)
 )
@@ -159,6 +159,8 @@ def resolve_run(
         # betas (0.9, 0.999), and an LR schedule left driving the old optimizer, so the LR froze
         # after a resume.
         resolved["zero_force_ds_cpu_optimizer"] = False
+    # Last: DeepSpeed's own config classes see exactly the JSON the workers will hand it.
+    check_with_deepspeed(resolved, str(ds_path))
     return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice, attention.why)
 
 

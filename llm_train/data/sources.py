@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llm_train.data.fingerprint import files_signature
-from llm_train.errors import UserError
+from llm_train.errors import UserError, first_line
 
 # Suffix -> the `datasets` packaged builder that reads it.
 BUILDERS = {
@@ -130,7 +130,7 @@ def load_rows(located: Located, source: Any, key: str, cache_dir: Path) -> Any:
             )
         except Exception as exc:  # offline, unknown id, unknown split: one line, the library's own words
             raise UserError(
-                f"{key}: cannot load '{located.path}' as a local path or a hub dataset ({_first_line(exc)})"
+                f"{key}: cannot load '{located.path}' as a local path or a hub dataset ({first_line(exc)})"
             ) from None
         return _non_empty(loaded, located, key)
 
@@ -152,7 +152,7 @@ def load_rows(located: Located, source: Any, key: str, cache_dir: Path) -> Any:
         if located.builder == "json":
             for file in located.files:
                 find_bad_json(file)  # raises with file and line number
-        raise UserError(f"{key}: cannot read {located.describe()} ({_first_line(exc)})") from None
+        raise UserError(f"{key}: cannot read {located.describe()} ({first_line(exc)})") from None
     return _non_empty(loaded, located, key)
 
 
@@ -182,10 +182,3 @@ def find_bad_json(path: Path) -> None:
                 raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-
-
-def _first_line(exc: BaseException) -> str:
-    for candidate in (exc, exc.__cause__, exc.__context__):
-        if candidate is not None and str(candidate).strip():
-            return str(candidate).strip().splitlines()[0][:300]
-    return type(exc).__name__

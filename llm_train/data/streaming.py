@@ -54,7 +54,7 @@ from llm_train.data.rows import IDS, MASK, to_arrow
 from llm_train.data.sources import Located, check_revision, locate
 from llm_train.data.store import TokenStore
 from llm_train.data.workers import exit_with_parent
-from llm_train.errors import UserError
+from llm_train.errors import UserError, first_line
 
 _STATE_VERSION = 1
 # Rows per window: enough samples for best-fit decreasing to fill ~98% of slots on typical
@@ -215,7 +215,7 @@ class _SourceWindows:
                     **options,
                 )
         except Exception as exc:
-            raise UserError(f"{key}: cannot stream {where.describe()} ({_first_line(exc)})") from None
+            raise UserError(f"{key}: cannot stream {where.describe()} ({first_line(exc)})") from None
         dataset = dataset.with_format("arrow")
         if self.cursor["state"] is not None:
             dataset.load_state_dict(self.cursor["state"])
@@ -530,8 +530,3 @@ def _fork_context() -> Any:
 
 def _stat_signature(files: tuple[Path, ...]) -> str:
     return digest([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(files)])
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__

@@ -27,12 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from llm_train.config.hardware import peak_tflops
 from llm_train.planning.flops import TokenFlops, attention_span, token_flops
+from llm_train.units import GiB
 
 if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved
     from llm_train.planning.shapes import ModelShape
-
-GIB = 1024**3
 
 
 def shape_token_flops(shape: ModelShape) -> TokenFlops:
@@ -101,11 +100,11 @@ def host_rss_gib() -> float:
     try:
         import psutil
 
-        return psutil.Process().memory_info().rss / GIB
+        return psutil.Process().memory_info().rss / GiB
     except ImportError:  # psutil is a dependency, but a stripped environment should still train
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
 
 
 def gpu_memory_gib() -> dict[str, float]:
@@ -113,9 +112,9 @@ def gpu_memory_gib() -> dict[str, float]:
     import torch
 
     return {
-        "gpu_mem_allocated_gib": torch.cuda.memory_allocated() / GIB,
-        "gpu_mem_reserved_gib": torch.cuda.memory_reserved() / GIB,
-        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / GIB,
+        "gpu_mem_allocated_gib": torch.cuda.memory_allocated() / GiB,
+        "gpu_mem_reserved_gib": torch.cuda.memory_reserved() / GiB,
+        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / GiB,
     }
 
 

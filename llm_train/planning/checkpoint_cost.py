@@ -28,8 +28,8 @@ from typing import Any
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
 from llm_train.planning.shapes import ModelShape, shape_from_config
+from llm_train.units import GiB
 
-GiB = 1024**3
 # sha256 of 2 GiB in memory on this machine (2 cores shared with other work): 1.32 GiB per CPU-second.
 SHA256_GIB_S = 1.3
 # Measured here: ds_to_universal of a 91M-parameter ZeRO-2 checkpoint (1.02 GiB of optimizer state)

@@ -137,8 +137,7 @@ from llm_train.planning.host_offload import (
 )
 from llm_train.planning.quantized import QUANTIZE_MODES, base_weight_bytes, dequantized_layer_bytes
 from llm_train.planning.shapes import ModelShape
-
-GiB = 1024**3
+from llm_train.units import GiB
 
 # CUDA context (driver, cuBLAS/cuDNN handles, NCCL communicators) that `torch.cuda`
 # never reports as allocated: ~0.3-0.6 GiB on Hopper/Ada with recent CUDA.

@@ -200,9 +200,9 @@ def step_time(
         nvme_read += ranks * grad_accum * fetches * weights / dp * wbytes
         nvme_write += ranks * weights / dp * wbytes
     if inp.offload_optimizer == "nvme":
-        # Every swapped sub-group: master, m, v and the gradient read in at the step; the gradient written
-        # out at the accumulation boundary and master, m, v written back after the update
-        # (planning/host_offload.py, fact 5). The same bytes each way.
+        # Every swapped sub-group: master, m, v and its large tensors' gradients read in at the step; the
+        # gradients written out at the accumulation boundary and master, m, v written back after the
+        # update (planning/host_offload.py, its docstring on NVMe offload). The same bytes each way.
         swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
         nvme_read += swapped
         nvme_write += swapped

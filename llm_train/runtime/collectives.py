@@ -2,8 +2,10 @@
 
 Why one module: on GPUs Accelerate and DeepSpeed create an NCCL process group, and NCCL
 accepts only CUDA tensors. An all-reduce of a CPU tensor fails there with "No backend type
-associated with device type cpu", while the very same call passes on CPU/gloo (DESIGN.md
-fact 13), so the CPU test suite cannot see this class of bug. Hence:
+associated with device type cpu", while the very same call passes on CPU/gloo, so the CPU
+test suite cannot see this class of bug. It can be reproduced on CPU, though:
+`init_process_group("cuda:gloo")` binds gloo to the cuda device type only, and a CPU-tensor
+`all_reduce` then fails with that same message (checked with 2 processes). Hence:
 
 - no other module of the package imports `torch.distributed` (or `deepspeed.comm`):
   tests/unit/test_collectives.py fails if one does;
@@ -82,7 +84,7 @@ def device_for_backend(backend: str) -> torch.device:
     `backend` is what `dist.get_backend` reports: "nccl", "gloo", or a per-device map such
     as "cpu:gloo,cuda:nccl". A group with a CPU backend takes CPU tensors (the cheapest for
     the few bytes sent here); a group that only speaks NCCL (or binds gloo to cuda only, the
-    way fact 13 reproduces the NCCL failure on CPU) needs the current CUDA device.
+    way the tests reproduce the NCCL failure on CPU) needs the current CUDA device.
     """
     backend = backend.lower()
     if ":" in backend:

@@ -13,7 +13,7 @@ from typing import Any
 from llm_train.config.attention import choose_attention
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
-from llm_train.errors import UserError
+from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
 from llm_train.runtime.attention import NAME as SDPA_FLEX
 from llm_train.runtime.attention import register_sdpa_flex
@@ -34,7 +34,7 @@ def load_tokenizer(model: ModelSection) -> Any:
             source, revision=model.revision, trust_remote_code=model.trust_remote_code
         )
     except OSError as exc:
-        raise UserError(f"model.tokenizer: cannot load tokenizer '{source}' ({_first_line(exc)})") from None
+        raise UserError(f"model.tokenizer: cannot load tokenizer '{source}' ({first_line(exc)})") from None
     if tokenizer.pad_token is None:
         # Causal LMs often ship without a pad token; the eos token is the usual stand-in.
         tokenizer.pad_token = tokenizer.eos_token
@@ -54,7 +54,7 @@ def model_config(model: ModelSection) -> Any:
                 )
             except OSError as exc:
                 raise UserError(
-                    f"model.name_or_path: cannot load config of '{model.name_or_path}' ({_first_line(exc)})"
+                    f"model.name_or_path: cannot load config of '{model.name_or_path}' ({first_line(exc)})"
                 ) from None
         else:
             known = dict(to_hf_config(model.name_or_path))
@@ -116,7 +116,7 @@ def build_model(
             )
         except OSError as exc:
             raise UserError(
-                f"model.name_or_path: cannot load '{model.name_or_path}' ({_first_line(exc)})"
+                f"model.name_or_path: cannot load '{model.name_or_path}' ({first_line(exc)})"
             ) from None
     else:
         # Same seed, same initial weights on every rank and in every parity run.
@@ -152,8 +152,3 @@ def build_model(
 
 def _with_overrides(model: ModelSection) -> Any:
     return model_config(model)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -94,7 +94,8 @@ class ZeroEngine:
 
             self._hf_ds_config = HfDeepSpeedConfig(run.ds_config)
         # Without a GPU, Accelerate must be told the backend or every rank believes it is rank 0
-        # of a world of 1 while DeepSpeed runs a world of N. The timeout reaches DeepSpeed through
+        # of a world of 1 while DeepSpeed runs a world of N (seen with 2 processes: every rank wrote the
+        # same files and the data was not sharded). The timeout reaches DeepSpeed through
         # Accelerate (its DeepSpeed path calls deepspeed.init_distributed with these kwargs; without
         # them DeepSpeed's own default, 10 minutes, applies); world.json records what the group got.
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,7 +1,7 @@
 """bf16 mixed precision end to end: every GPU recipe trains in bf16, so the CPU tier must too.
 
 DeepSpeed's bf16 path (bf16 weights and gradients, fp32 master weights and Adam states in
-the optimizer, DESIGN.md fact 14) runs on CPU under gloo. For each ZeRO variant the GPU
+the optimizer) runs on CPU under gloo. For each ZeRO variant the GPU
 recipes use, one uninterrupted reference run (the fine-tuning runs of reference.py with
 `precision=bf16`) shows that the loss falls and that `final/` is a loadable HF model; one
 run killed with SIGKILL after a committed checkpoint, then relaunched with `--resume auto`,

@@ -1,8 +1,8 @@
 """Families beside Llama train, export, pass the export check and generate through transformers.
 
-Each run is the real entry point (`python llm_train/train.py`, one process, ZeRO-3 from the
-tiny-cpu recipe, so the export gathers partitioned weights) with the model swapped through
-`model.config` overrides: a random tiny model of that family (hidden 64, 2 layers, the bundled
+Each run is the real entry point (`python llm_train/train.py`: one process and no launcher, a world
+of one; ZeRO-3 from the tiny-cpu recipe, so the export gathers partitioned weights) with the model
+swapped through `model.config` overrides: a random tiny model of that family (hidden 64, 2 layers, the bundled
 tokenizer). The run verifies its own export (keys as `from_pretrained` reports them, logits
 against the training process's); the test then loads final/ the way a user would, through
 `transformers.pipeline("text-generation")`. Two steps of seq_len 32 are enough: the point is
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import accelerate_launch, assert_ok, run_cmd, train_py
+from tests.helpers import accelerate_launch, assert_ok, losses, run_cmd, train_py
 
 pytestmark = pytest.mark.e2e
 
@@ -71,6 +71,11 @@ def test_a_family_trains_exports_verified_and_generates(family: str, tmp_path: P
     assert "verified: loads with no missing, unexpected or mismatched keys; logits" in result.stdout
     check = json.loads((run_dir / "final" / "export_check.json").read_text())
     assert check["ok"] and check["max_logit_diff"] <= check["tolerance"]
+    # Plain `python llm_train/train.py` needs no launcher: a world of one that trains every step and
+    # prints the recipe's sample (this launch also stands for the plain-python case).
+    world = json.loads((run_dir / "world.json").read_text())
+    assert world["world_size"] == 1 and world["ranks"][0]["rank"] == 0
+    assert sorted(losses(run_dir)) == [1, 2] and "sample:" in result.stdout
 
     generate = pipeline("text-generation", model=str(run_dir / "final"), device="cpu")
     prompt = "The import statement"

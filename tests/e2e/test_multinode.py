@@ -1,4 +1,4 @@
-"""Two "machines" on one box (DESIGN.md fact 5), launched by the shipped SLURM script.
+"""Two "machines" on one box (one world over loopback, static rendezvous), launched by the shipped SLURM script.
 
 `launch/slurm.sh` runs under stand-ins for `srun` (one task per "node", SLURM_NODEID set)
 and `scontrol` (hostnames, requeue). Each task runs `accelerate launch --config_file

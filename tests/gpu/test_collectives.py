@@ -1,8 +1,8 @@
 """llm_train.runtime.collectives on a real CUDA device: a world of one under NCCL.
 
 The CPU suite (tests/unit/test_collectives.py) can only check where tensors are sent, with
-the meta device standing in for CUDA; NCCL itself is what refuses a CPU tensor (DESIGN.md fact
-13). Here the real thing runs: one NCCL rank on cuda:0 (NCCL refuses two ranks on one GPU, so a
+the meta device standing in for CUDA; NCCL itself is what refuses a CPU tensor ("No backend type
+associated with device type cpu"). Here the real thing runs: one NCCL rank on cuda:0 (NCCL refuses two ranks on one GPU, so a
 world of one is what a one-GPU machine can check), every Collectives operation called the way
 the loop and the checkpoint protocol call it, and its value checked. The last test shows the
 check can fail: NCCL rejects a CPU tensor that bypasses the module.
@@ -91,6 +91,6 @@ def test_operations_on_cuda_inputs_return_the_right_values(nccl_world_of_one: No
 
 
 def test_nccl_refuses_a_cpu_tensor_that_bypasses_the_module(nccl_world_of_one: None) -> None:
-    """The failure the module exists to prevent (fact 13), so the checks above can fail."""
+    """The failure the module exists to prevent (NCCL takes only CUDA tensors), so the checks above can fail."""
     with pytest.raises(RuntimeError):
         dist.all_reduce(torch.ones(1))

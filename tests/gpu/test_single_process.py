@@ -2,7 +2,7 @@
 
 The CPU tiers run the same code under gloo; on a GPU Accelerate and DeepSpeed make an NCCL
 world (of one, on one GPU) and the model, the optimizer states and every collective live on
-cuda:0, which is where the bugs the CPU cannot show would surface (DESIGN.md fact 13). The run
+cuda:0, which is where the bugs the CPU cannot show would surface (NCCL takes only CUDA tensors). The run
 is tiny-cpu moved to the GPU in bf16, with the CPU e2e tiers' checkpoint cadence and
 `--resume auto` on every launch: the first launch finds nothing to resume and trains 4 steps;
 a copy of its run directory is relaunched for 6 and must continue from the step-4 checkpoint.
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 GPU_BF16 = ["--recipe", "tiny-cpu", "hardware.device=cuda", "precision=bf16", "output.log_every=1"]
 CHECKPOINTING = ["checkpoint.every_steps=2", "--resume", "auto"]
 STEPS, MORE_STEPS = 4, 6
-# Without offload the fp32 master weights and Adam's two fp32 moments (DESIGN.md fact 14) are on
+# Without offload the fp32 master weights and Adam's two fp32 moments (DeepSpeed's bf16 path) are on
 # the GPU: at least 12 bytes per parameter. A run whose model stayed on the CPU allocates next to
 # nothing there (a few bytes per collective).
 MIN_GPU_BYTES_PER_PARAM = 12

@@ -1,6 +1,7 @@
 """llm_train's own collectives: one home, tensors on the group's device, the same calls in a world of one.
 
-NCCL accepts only CUDA tensors (DESIGN.md fact 13). No GPU is needed to check the rule:
+NCCL accepts only CUDA tensors (a CPU tensor fails with "No backend type associated with device type
+cpu"). No GPU is needed to check the rule:
 the backend is reported as NCCL, the "current CUDA device" is stood in for by the meta
 device (tensors can be placed there without a GPU), and each torch.distributed call records
 where its tensors are, then stops the call.
@@ -31,7 +32,8 @@ def test_device_follows_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     assert device_for_backend("gloo") == torch.device("cpu")
     assert device_for_backend("nccl") == torch.device("cuda", 3)
     assert device_for_backend("NCCL") == torch.device("cuda", 3)
-    # A group with a CPU backend takes CPU tensors; one bound to cuda only does not (fact 13's repro).
+    # A group with a CPU backend takes CPU tensors; one bound to cuda only does not (on CPU,
+    # init_process_group("cuda:gloo") then refuses a CPU-tensor all_reduce just as NCCL does).
     assert device_for_backend("cpu:gloo,cuda:nccl") == torch.device("cpu")
     assert device_for_backend("cuda:gloo") == torch.device("cuda", 3)
 

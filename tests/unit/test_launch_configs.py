@@ -1,4 +1,9 @@
-"""launch/: accelerate configs say only where (DESIGN.md fact 4); the SLURM script and hostfile are well-formed."""
+"""launch/: accelerate configs say only where; the SLURM script and hostfile are well-formed.
+
+An accelerate config that also says what (mixed_precision, gradient accumulation, zero_stage, ...)
+while a DeepSpeed config file is in use fails in Accelerate: "When using `deepspeed_config_file`,
+the following accelerate config variables will be ignored: [...]".
+"""
 
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ def test_pipeline_stages_load_only_their_share_of_the_model() -> None:
 
 
 def test_known_budget_7b_on_a_24gb_card() -> None:
-    """DESIGN: a 7-8B full fine-tune fits 24 GB only with offload; with the weights offloaded too,
+    """A 7-8B full fine-tune fits 24 GB only with offload; with the weights offloaded too,
     DeepSpeed's pinned buffers put an 8B at ~173 GiB of host RAM (planning/host_offload.py)."""
     shape = shape_of("meta-llama/Llama-3.1-8B")
     common = {"shape": shape, "world_size": 1, "activation_checkpointing": True}

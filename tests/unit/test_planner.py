@@ -44,8 +44,9 @@ def test_gpu_names_resolve(typed: str, expected: str) -> None:
     assert spec is not None and spec.name == expected
 
 
-def test_gpu_table_facts() -> None:
-    # Design facts: H100/H200 989, RTX 4090 165, RTX 3090 71 dense bf16 TFLOP/s; no bf16 before Ampere.
+def test_gpu_table_peaks() -> None:
+    # Dense bf16 peaks of the vendors' datasheets: H100/H200 989, RTX 4090 165, RTX 3090 71 TFLOP/s;
+    # no bf16 before Ampere.
     assert peak_tflops("H200") == peak_tflops("H100") == 989.0
     assert round(peak_tflops("RTX 4090") or 0) == 165 and peak_tflops("RTX 3090") == 71.0
     for spec in GPUS:

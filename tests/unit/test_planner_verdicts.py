@@ -30,8 +30,7 @@ from llm_train.planning.fit import evaluate
 from llm_train.planning.memory import MemoryInputs
 from llm_train.planning.report import plan_recipe, verdict_word
 from llm_train.planning.shapes import shape_of
-
-GiB = 2**30
+from llm_train.units import GiB
 
 # Llama-2-7B from its config (vocab 32000, hidden 4096, 32 layers, MLP 11008, untied head):
 # embedding + head 2*V*h, per layer 4h^2 (q, k, v, o) + 3*h*I (gate, up, down) + 2h (norms), final norm h.

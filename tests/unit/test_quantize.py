@@ -16,6 +16,7 @@ from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.export import logit_tolerance
 from llm_train.runtime.quantize import check_bitsandbytes, quantization_config
+from llm_train.units import GiB
 from tests.helpers import make_tiny_pretrained
 
 pytest.importorskip("peft")
@@ -196,8 +197,6 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
 
 
 # --- the planner's numbers, against arithmetic written out here ---------------------------------------------
-
-GiB = 1024**3
 
 
 def _llama31_8b_arithmetic() -> tuple[int, int]:
