@@ -34,9 +34,10 @@ number larger:
    parent later writes (copy-on-write): the pageable master weights CPU Adam rewrites every step
    (and, after a resume, m and v), the gradient buffers when they are pageable or mlocked
    (posix_memalign memory is private). torch's CUDA pinned blocks are shared mappings, not copied.
-5. Under NVMe offload (ZeRO-Infinity) the master, m, v and fp32 gradients of every sub-group of at
-   least max(1 MiB, aio block_size) live on the drive (swap_tensor/optimizer_utils.py
-   `is_swappable_tensor`); the host keeps the flat 16-bit gradient buffer and `buffer_count` swap
+5. Under NVMe offload (ZeRO-Infinity) the master, m and v of every sub-group of at least
+   max(1 MiB, aio block_size) live on the drive (swap_tensor/optimizer_utils.py
+   `is_swappable_tensor`), and so does the fp32 gradient of each of its tensors that is itself that
+   large (a smaller one waits in host RAM: `_swap_out_gradients`, `unswapped_gradients`); the host keeps the flat 16-bit gradient buffer and `buffer_count` swap
    buffers, each as large as the largest sub-group rounded up to the I/O alignment
    (optimizer_utils.py `_io_aligned_numel`, swap_tensor/utils.py `SwapBufferManager`). A sub-group
    in flight takes 4 of them (master, m, v and its gradient: partitioned_optimizer_swapper.py
