@@ -608,57 +608,156 @@ CONVENTION = (
 
 
 def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
-    """Estimate GPU (per GPU), host RAM and NVMe (per node) bytes for `inp`."""
+    """Estimate GPU (per GPU), host RAM and NVMe (per node) bytes for `inp`.
+
+    A composer: the model's split over the GPUs, then the GPU terms, the host terms and their peak
+    over the load, training and export phases, and the NVMe space (the module docstring has the
+    conventions of each).
+    """
+    split = model_split(inp)
+    activations, offloaded_checkpoints = activation_bytes(inp)
+    reference_gpu, reference_host = reference_model_bytes(inp, split)
+    gpu = gpu_terms(inp, split, activations, reference_gpu)
+    host, released, locked = host_terms(inp, split, offloaded_checkpoints, reference_host)
+    gpu_int = {k: int(v) for k, v in gpu.items()}
+    return MemoryEstimate(
+        gpu_terms=gpu_int,
+        host_terms={k: int(v) for k, v in host.items()},
+        nvme_bytes=int(nvme_space_bytes(inp, split)),
+        gpu_bytes=gpu_peak_bytes(inp, split, sum(gpu_int.values())),
+        host_bytes=int(host_peak_bytes(inp, host, released)),
+        convention=CONVENTION,
+        locked_per_rank=int(locked),
+    )
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    """How one GPU's share of the model divides: bytes per element, and elements after tp x pp.
+
+    tp and pp split the model between GPUs before ZeRO partitions it over dp x sp. Approximation: an
+    even split (embeddings and lm_head really sit on the first / last pipeline stage, and AutoTP
+    leaves norms and embeddings whole).
+    """
+
+    weight_bytes: int
+    """2 (16-bit) or 4 (fp32); the frozen LoRA base too: it is loaded in the training dtype."""
+    grad_bytes: int
+    """The gradients' bytes: those of the weights."""
+    optim_bytes: int
+    """fp32 master + m + v (12), just m + v when the weights are fp32 (8), or bf16 master + m + v (6)."""
+    base: float
+    """The base model's elements on this GPU's tp x pp share."""
+    weights: float
+    """Base and LoRA adapters."""
+    trainable: float
+    """What the optimizer updates: the adapters under LoRA, else the base."""
+    persistent: float
+    """ZeRO-3: tensors under the persistence threshold (norms, Qwen's q/k/v biases), whole on every GPU."""
+    partitioned: float
+    """weights - persistent: what ZeRO-3 partitions."""
+    on_gpu_weights: float
+    """The elements of weights this GPU holds during training."""
+    quantized_base: float
+    """Bytes of the base at its stored precision (4/8-bit under QLoRA, else weight_bytes each)."""
+
+
+def model_split(inp: MemoryInputs) -> ModelSplit:
+    """The model's elements on one GPU and their bytes per element (see ModelSplit)."""
     shape = inp.shape
-    h = shape.hidden_size
-    assert inp.reduce_bucket_size is not None and inp.prefetch_bucket_size is not None
     assert inp.param_persistence_threshold is not None
-    # ZeRO partitions over every rank of the data- and sequence-parallel groups (dp x sp).
-    stage, dp, ranks = inp.zero_stage, inp.zero_partitions, inp.ranks_per_node
     mixed = inp.precision != "fp32"
-    weight_bytes = 2 if mixed else 4  # the frozen LoRA base too: it is loaded in the training dtype
-    grad_bytes = weight_bytes
-    optim_bytes = 12 if mixed else 8  # fp32 master + m + v, or just m + v when weights are fp32
+    weight_bytes = 2 if mixed else 4
+    optim_bytes = 12 if mixed else 8
     if inp.state_dtype == "bf16":
         # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/host_offload.py).
         optim_bytes = 6
-
-    # tp and pp split the model between GPUs before ZeRO partitions it over dp.
-    # Approximation: an even split (embeddings and lm_head really sit on the first /
-    # last pipeline stage, and AutoTP leaves norms and embeddings whole).
     shard = inp.tp * inp.pp
     base = shape.num_params / shard
     adapters = shape.lora_params(inp.lora_rank) / shard if inp.lora_rank else 0.0
     weights = base + adapters
-    trainable = adapters if inp.lora_rank else base
-    # ZeRO-3 keeps tensors under the persistence threshold (norms, Qwen's q/k/v
-    # biases) whole on every GPU.
-    persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage == 3 else 0.0
+    stage3 = inp.zero_stage == 3
+    persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage3 else 0.0
     partitioned = weights - persistent
-    offload_opt = inp.offload_optimizer != "none"
-
-    # -- GPU: model states
-    if stage == 3:
-        on_gpu_weights = persistent + (0.0 if inp.offload_params != "none" else partitioned / dp)
+    if stage3:
+        on_gpu_weights = persistent + (
+            0.0 if inp.offload_params != "none" else partitioned / inp.zero_partitions
+        )
     else:
         on_gpu_weights = weights
-    params_gpu = on_gpu_weights * weight_bytes
-    quantized_base = base_weight_bytes(shape, inp.quantize, weight_bytes) / shard
+    return ModelSplit(
+        weight_bytes=weight_bytes,
+        grad_bytes=weight_bytes,
+        optim_bytes=optim_bytes,
+        base=base,
+        weights=weights,
+        trainable=adapters if inp.lora_rank else base,
+        persistent=persistent,
+        partitioned=partitioned,
+        on_gpu_weights=on_gpu_weights,
+        quantized_base=base_weight_bytes(shape, inp.quantize, weight_bytes) / shard,
+    )
+
+
+# --- GPU terms (per GPU: the busiest, the first pipeline stage) ----------------------------------------
+
+
+def gpu_terms(
+    inp: MemoryInputs, split: ModelSplit, activations: float, reference_gpu: float
+) -> dict[str, float]:
+    """Every GPU term, in the order the tables print them, with the CUDA context and allocator slack last."""
+    terms = {
+        **gpu_model_state_terms(inp, split),
+        "activations": activations,
+        "logits_and_loss": logits_and_loss_bytes(inp),
+        "deepspeed_buffers": deepspeed_buffer_bytes(inp, split),
+    }
+    if inp.reference_copy:
+        terms["reference_model"] = reference_gpu
+    if inp.quantize != "none":
+        terms["dequantized_weight"] = dequantized_layer_bytes(
+            inp.shape, inp.quantize, split.weight_bytes, inp.tp
+        )
+    if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
+        terms["attention_mask"] = attention_mask_bytes(inp)
+    if inp.sp > 1:
+        terms["sequence_parallel_buffers"] = sequence_parallel_buffer_bytes(
+            inp.shape, inp.local_tokens, inp.rows, split.weight_bytes
+        )
+    terms["cuda_context_and_slack"] = CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_FRACTION * sum(terms.values())
+    return terms
+
+
+def gpu_model_state_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, float]:
+    """The model states this GPU holds: its parameters, gradients and optimizer states (ZeRO's partitions)."""
+    stage, dp = inp.zero_stage, inp.zero_partitions
+    offload_opt = inp.offload_optimizer != "none"
+    params = split.on_gpu_weights * split.weight_bytes
     if inp.quantize != "none":
         # The base's share of what this GPU holds, at the quantised bytes (ZeRO-3 partitions the
         # packed storage like any weight); adapters stay in the training dtype.
-        base_on_gpu = on_gpu_weights * base / weights
-        params_gpu += base_on_gpu * (quantized_base / base - weight_bytes)
-
+        base_on_gpu = split.on_gpu_weights * split.base / split.weights
+        params += base_on_gpu * (split.quantized_base / split.base - split.weight_bytes)
     # Under ZeRO-2/3 offload, gradients stream through the reduce buckets to the host
     # optimizer. Stage 1 with offload is counted as keeping its full 16-bit gradients
     # until the step (conservative: DeepSpeed's estimator only covers stage 2).
-    grads_gpu = 0.0 if stage >= 2 and offload_opt else trainable * grad_bytes / (dp if stage >= 2 else 1)
-    optim_gpu = 0.0 if offload_opt else trainable * optim_bytes / (dp if stage >= 1 else 1)
+    trainable = split.trainable
+    grads = 0.0 if stage >= 2 and offload_opt else trainable * split.grad_bytes / (dp if stage >= 2 else 1)
+    optim = 0.0 if offload_opt else trainable * split.optim_bytes / (dp if stage >= 1 else 1)
+    return {"parameters": params, "gradients": grads, "optimizer_states": optim}
 
-    # -- GPU: activations of the rank's seq_len / sp tokens. Under 1F1B the first pipeline stage
-    # holds pp micro-batches in flight.
-    layers_per_stage = math.ceil(shape.num_layers / inp.pp)
+
+def layers_per_stage(inp: MemoryInputs) -> int:
+    """Decoder layers on the first pipeline stage."""
+    return math.ceil(inp.shape.num_layers / inp.pp)
+
+
+def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
+    """(GPU activations, checkpoints offloaded to the host) of the rank's seq_len / sp tokens.
+
+    Under 1F1B the first pipeline stage holds pp micro-batches in flight.
+    """
+    shape = inp.shape
     in_flight = inp.pp
     tokens, b = inp.local_tokens, inp.rows  # a preference pair is two rows
     per_layer = activation_bytes_per_layer(
@@ -673,81 +772,126 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         # Each layer keeps its 16-bit input (replicated across tp: AutoTP has no Megatron-style
         # sequence parallelism; Ulysses splits it, tokens = seq_len / sp); in backward one layer at
         # a time is recomputed with its full activations.
-        checkpointed = 2 * tokens * b * h
-        kept = layers_per_stage * in_flight * checkpointed
+        checkpointed = 2 * tokens * b * shape.hidden_size
+        kept = layers_per_stage(inp) * in_flight * checkpointed
         if inp.offload_checkpoints:
             # They wait in host RAM; the GPU holds the one being copied out or back.
             offloaded_checkpoints, kept = kept, checkpointed
         activations = kept + full_layer
     else:
-        activations = layers_per_stage * in_flight * per_layer + mlp_tile
+        activations = layers_per_stage(inp) * in_flight * per_layer + mlp_tile
     if inp.precision == "fp32":
         # The formulas above count 16-bit activations; an fp32 run (CPU) keeps every one in 4 bytes.
         activations *= 2
         offloaded_checkpoints *= 2
-    # Logits live on the last pipeline stage; adding them to the first stage's
-    # activations over-counts a little when pp > 1 (conservative).
-    if inp.tiled_loss:
-        logits = logits_bytes(shape, loss_tile_tokens(shape, tokens), b)
-    else:
-        logits = logits_bytes(shape, tokens, b)
+    return activations, offloaded_checkpoints
 
-    # -- GPU: DeepSpeed communication buffers (elements x bytes), capped by what they can cover.
+
+def logits_and_loss_bytes(inp: MemoryInputs) -> int:
+    """The fp32 logits and their gradient: all of the rank's tokens, or one tile under memory.tiled_loss.
+
+    Logits live on the last pipeline stage; adding them to the first stage's activations over-counts
+    a little when pp > 1 (conservative).
+    """
+    tokens = inp.local_tokens
+    if inp.tiled_loss:
+        return logits_bytes(inp.shape, loss_tile_tokens(inp.shape, tokens), inp.rows)
+    return logits_bytes(inp.shape, tokens, inp.rows)
+
+
+def deepspeed_buffer_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
+    """DeepSpeed's communication buffers (elements x bytes), each capped by what it can cover."""
+    assert inp.reduce_bucket_size is not None and inp.prefetch_bucket_size is not None
+    stage, dp = inp.zero_stage, inp.zero_partitions
+    trainable, weight_bytes = split.trainable, split.weight_bytes
     overlap = OVERLAP_COMM_FACTOR if inp.overlap_comm else 1.0
     if stage == 0:
         # The engine flattens up to allreduce_bucket_size gradients per all-reduce.
-        buffers = min(DS_ALLREDUCE_BUCKET_SIZE, trainable) * grad_bytes if dp > 1 else 0.0
-    elif stage in (1, 2):
+        return min(DS_ALLREDUCE_BUCKET_SIZE, trainable) * split.grad_bytes if dp > 1 else 0.0
+    if stage in (1, 2):
         # Stage 1/2 all-gather only the updated (trainable) partitions; frozen LoRA bases stay put.
         elems = min(inp.reduce_bucket_size, trainable) + min(inp.allgather_bucket_size, trainable)
-        buffers = elems * weight_bytes * overlap
-    else:
-        elems = min(inp.reduce_bucket_size, trainable) + min(inp.prefetch_bucket_size, weights)
-        buffers = elems * weight_bytes * overlap
-        if dp > 1 or inp.offload_params != "none" or offload_opt:
-            # The module being computed is gathered whole, and its full gradient exists
-            # before reduce-scatter: DeepSpeed's 4 * largest_layer_params at 16 bit.
-            buffers += 2 * weight_bytes * shape.largest_layer_params / inp.tp
+        return elems * weight_bytes * overlap
+    elems = min(inp.reduce_bucket_size, trainable) + min(inp.prefetch_bucket_size, split.weights)
+    buffers = elems * weight_bytes * overlap
+    if dp > 1 or inp.offload_params != "none" or inp.offload_optimizer != "none":
+        # The module being computed is gathered whole, and its full gradient exists
+        # before reduce-scatter: DeepSpeed's 4 * largest_layer_params at 16 bit.
+        buffers += 2 * weight_bytes * inp.shape.largest_layer_params / inp.tp
+    return buffers
 
-    gpu_terms: dict[str, float] = {
-        "parameters": params_gpu,
-        "gradients": grads_gpu,
-        "optimizer_states": optim_gpu,
-        "activations": activations,
-        "logits_and_loss": logits,
-        "deepspeed_buffers": buffers,
-    }
-    reference_host = 0.0
-    if inp.reference_copy:
-        # The frozen reference: partitioned like the policy's weights under ZeRO-3, else a whole copy.
-        if stage == 3:
-            on_host = inp.offload_params != "none"
-            gpu_terms["reference_model"] = (
-                persistent + (0.0 if on_host else partitioned / dp)
-            ) * weight_bytes
-            reference_host = ranks * partitioned / dp * weight_bytes if on_host else 0.0
-        else:
-            gpu_terms["reference_model"] = base * weight_bytes
-    if inp.quantize != "none":
-        gpu_terms["dequantized_weight"] = dequantized_layer_bytes(shape, inp.quantize, weight_bytes, inp.tp)
-    if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
-        # HF builds one bool [b, 1, s, s] mask per forward; torch's sdpa turns it into an additive
-        # mask of the compute dtype in each layer and keeps it for backward (measured on CPU at 8k:
-        # ~+1.1 GiB for 4 fp32 layers, bench/results/long-context-memory-*.txt). With checkpointing one
-        # layer's copy is alive at a time. Not yet measured on a GPU.
-        layers_alive = 1 if inp.activation_checkpointing else layers_per_stage
-        square = b * inp.seq_len * inp.seq_len
-        act_bytes = 4 if inp.precision == "fp32" else 2
-        gpu_terms["attention_mask"] = square * (1 + act_bytes * layers_alive)
-    if inp.sp > 1:
-        gpu_terms["sequence_parallel_buffers"] = sequence_parallel_buffer_bytes(
-            shape, tokens, b, weight_bytes
-        )
-    gpu_terms["cuda_context_and_slack"] = CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_FRACTION * sum(
-        gpu_terms.values()
-    )
 
-    # -- host (per node: `ranks` processes share it)
+def reference_model_bytes(inp: MemoryInputs, split: ModelSplit) -> tuple[float, float]:
+    """(per GPU, per node on the host) bytes of DPO's frozen reference copy; (0, 0) without one.
+
+    Partitioned like the policy's weights under ZeRO-3 (on the host with parameter offload), else a
+    whole copy on every GPU.
+    """
+    if not inp.reference_copy:
+        return 0.0, 0.0
+    if inp.zero_stage != 3:
+        return split.base * split.weight_bytes, 0.0
+    dp = inp.zero_partitions
+    on_host = inp.offload_params != "none"
+    gpu = (split.persistent + (0.0 if on_host else split.partitioned / dp)) * split.weight_bytes
+    host = inp.ranks_per_node * split.partitioned / dp * split.weight_bytes if on_host else 0.0
+    return gpu, host
+
+
+def attention_mask_bytes(inp: MemoryInputs) -> float:
+    """sdpa's dense s x s masks: HF's bool mask and the additive copies the layers keep for backward.
+
+    HF builds one bool [b, 1, s, s] mask per forward; torch's sdpa turns it into an additive mask of
+    the compute dtype in each layer and keeps it for backward (measured on CPU at 8k: ~+1.1 GiB for 4
+    fp32 layers, bench/results/long-context-memory-*.txt). With checkpointing one layer's copy is
+    alive at a time. Not yet measured on a GPU.
+    """
+    layers_alive = 1 if inp.activation_checkpointing else layers_per_stage(inp)
+    square = inp.rows * inp.seq_len * inp.seq_len
+    act_bytes = 4 if inp.precision == "fp32" else 2
+    return square * (1 + act_bytes * layers_alive)
+
+
+def gpu_peak_bytes(inp: MemoryInputs, split: ModelSplit, training: int) -> int:
+    """The GPU's peak: training, or the QLoRA load when it is larger.
+
+    transformers loads the quantised base whole onto each GPU (it skips zero.Init); the ZeRO-3 engine
+    then partitions it.
+    """
+    if inp.quantize != "none" and inp.zero_stage == 3 and inp.zero_partitions > 1:
+        return max(training, int(split.quantized_base + CUDA_CONTEXT_BYTES))
+    return training
+
+
+# --- host terms (per node: `ranks_per_node` processes share it) -------------------------------------------
+
+
+def host_terms(
+    inp: MemoryInputs, split: ModelSplit, offloaded_checkpoints: float, reference_host: float
+) -> tuple[dict[str, float], float, float]:
+    """(host bytes per node by term, the bytes freed before the export, bytes one rank mlocks)."""
+    ranks = inp.ranks_per_node
+    host, released, locked = offload_buffer_terms(inp)
+    if inp.offload_params == "nvme":
+        swap, flat = nvme_parameter_host_bytes(inp, split)
+        host["param_swap_buffers"] = ranks * swap
+        locked += swap
+        host["offloaded_parameters"] += ranks * flat
+        locked += flat if inp.param_pinning == "native" else 0.0
+    if offloaded_checkpoints:
+        host["offloaded_checkpoints"] = offloaded_checkpoint_host_bytes(inp, offloaded_checkpoints)
+    if reference_host:
+        host["offloaded_reference_parameters"] = reference_host
+    host["process_overhead"] = ranks * PROCESS_HOST_BYTES
+    host["model_load_peak"] = model_load_peak_bytes(inp, split)
+    host["export_peak"] = export_peak_bytes(inp)
+    return host, released, locked
+
+
+def offload_buffer_terms(inp: MemoryInputs) -> tuple[dict[str, float], float, float]:
+    """(host terms, bytes freed before the export, bytes one rank mlocks) of DeepSpeed's CPU and NVMe
+    offload: what it allocates, buffer by buffer, read from its source (planning/host_offload.py)."""
+    ranks = inp.ranks_per_node
     host: dict[str, float] = {
         "offloaded_optimizer_states": 0.0,
         "offloaded_fp32_gradients": 0.0,
@@ -755,9 +899,7 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "offloaded_parameters": 0.0,
         "param_swap_buffers": 0.0,
     }
-    nvme = 0.0
     rank = offload_rank(inp)
-    # What DeepSpeed allocates for CPU and NVMe offload, buffer by buffer, read from its source.
     buffers = host_buffers(inp)
     for buffer in buffers:
         host[buffer.term] = host.get(buffer.term, 0.0) + ranks * buffer.held(rank.pinning_of(buffer))
@@ -766,77 +908,79 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     # Adam's m and v on the host and the step's transients: gone before the export.
     released = ranks * sum(b.held(rank.pinning_of(b)) for b in buffers if b.released or b.step_only)
     locked = sum(b.locked(rank.pinning_of(b)) for b in buffers)
-    if inp.offload_optimizer == "nvme":
-        nvme += ranks * nvme_optimizer_bytes(rank)
-    if inp.offload_params == "nvme":
-        nvme += ranks * partitioned / dp * weight_bytes
-        # DeepSpeed requires buffer_size >= the largest parameter tensor, so the configured 1e8 grows
-        # to vocab*hidden for these models; the aio handle mlocks them (partitioned_param_swapper.py 131).
-        buffer_elems = max(DS_NVME_PARAM_BUFFER_SIZE, shape.largest_layer_params / inp.tp)
-        swap = DS_NVME_PARAM_BUFFER_COUNT * held_bytes(buffer_elems * weight_bytes, "native")
-        host["param_swap_buffers"] = ranks * swap
-        locked += swap
-        # stage3.py 888-907: up to offload_param.max_in_cpu elements of the partitions also stay in a
-        # flat host buffer (pinned as the section says), the first parameter groups first.
-        in_cpu = min(DS_NVME_PARAM_MAX_IN_CPU, partitioned / dp)
-        flat = held_bytes(in_cpu * weight_bytes, inp.param_pinning)
-        host["offloaded_parameters"] += ranks * flat
-        locked += flat if inp.param_pinning == "native" else 0.0
-    if offloaded_checkpoints:
-        # save_on_cpu(pin_memory=True) pins each checkpoint in torch's pinned allocator, rounded up to a
-        # power of two, and torch keeps the freed blocks cached for the next step's: a training-phase
-        # term to the end (runtime/tiling.py).
-        count = layers_per_stage * in_flight
-        host["offloaded_checkpoints"] = (
-            ranks * count * held_bytes(offloaded_checkpoints / count, inp.checkpoint_pinning)
-        )
-    if reference_host:
-        host["offloaded_reference_parameters"] = reference_host
-    host["process_overhead"] = ranks * PROCESS_HOST_BYTES
-    full_model = shape.num_params * weight_bytes
+    return host, released, locked
+
+
+def nvme_parameter_host_bytes(inp: MemoryInputs, split: ModelSplit) -> tuple[float, float]:
+    """(swap buffers, flat partition buffer) one rank holds in host RAM for parameters on NVMe."""
+    weight_bytes = split.weight_bytes
+    # DeepSpeed requires buffer_size >= the largest parameter tensor, so the configured 1e8 grows
+    # to vocab*hidden for these models; the aio handle mlocks them (partitioned_param_swapper.py 131).
+    buffer_elems = max(DS_NVME_PARAM_BUFFER_SIZE, inp.shape.largest_layer_params / inp.tp)
+    swap = DS_NVME_PARAM_BUFFER_COUNT * held_bytes(buffer_elems * weight_bytes, "native")
+    # stage3.py 888-907: up to offload_param.max_in_cpu elements of the partitions also stay in a
+    # flat host buffer (pinned as the section says), the first parameter groups first.
+    in_cpu = min(DS_NVME_PARAM_MAX_IN_CPU, split.partitioned / inp.zero_partitions)
+    flat = held_bytes(in_cpu * weight_bytes, inp.param_pinning)
+    return swap, flat
+
+
+def offloaded_checkpoint_host_bytes(inp: MemoryInputs, offloaded_checkpoints: float) -> float:
+    """Host bytes per node of memory.offload_checkpoints' checkpointed hidden states.
+
+    save_on_cpu(pin_memory=True) pins each checkpoint in torch's pinned allocator, rounded up to a
+    power of two, and torch keeps the freed blocks cached for the next step's: a training-phase term
+    to the end (runtime/tiling.py).
+    """
+    count = layers_per_stage(inp) * inp.pp
+    return inp.ranks_per_node * count * held_bytes(offloaded_checkpoints / count, inp.checkpoint_pinning)
+
+
+def model_load_peak_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
+    """Host bytes per node while the model loads (see the module docstring's Loading)."""
+    ranks, weight_bytes = inp.ranks_per_node, split.weight_bytes
+    full_model = inp.shape.num_params * weight_bytes
     if inp.zero_init or (inp.direct_load and inp.pp == 1):
         # zero.Init, or straight onto the GPU: no rank materialises the model on the host; each
         # reads one checkpoint shard at a time and keeps only its own tensors, on its device.
-        host["model_load_peak"] = ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
-    elif inp.pp > 1:
+        return ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
+    if inp.pp > 1:
         # A pipeline stage is built as its own module (~1/pp of the layers) and reads only its
         # tensors from the checkpoint, one at a time; the first and last stages also hold the
         # embedding or the head, hence one largest tensor on top. (init: random builds the whole
         # model once per rank instead; that path is for tiny test models.)
-        stage = full_model / inp.pp + shape.largest_layer_params * weight_bytes
-        host["model_load_peak"] = ranks * min(full_model, stage)
-    else:
-        # Without zero.Init every rank on the node loads the full 16-bit model on the
-        # CPU before DeepSpeed moves it to the GPU (the classic host-RAM OOM at load).
-        host["model_load_peak"] = ranks * full_model
+        stage = full_model / inp.pp + inp.shape.largest_layer_params * weight_bytes
+        return ranks * min(full_model, stage)
+    # Without zero.Init every rank on the node loads the full 16-bit model on the
+    # CPU before DeepSpeed moves it to the GPU (the classic host-RAM OOM at load).
+    return ranks * full_model
 
-    host["export_peak"] = export_peak_bytes(inp)
 
-    # Load and training phases do not overlap: without zero.Init the CPU copy is
-    # gone before the optimizer states are allocated; with it, offloaded parameter
-    # partitions already sit in host RAM while the shards stream in. The export comes
-    # at the end of training, with every training-phase buffer still allocated.
+def host_peak_bytes(inp: MemoryInputs, host: dict[str, float], released: float) -> float:
+    """The host's peak per node: the processes plus the largest of the load, training and export phases.
+
+    Load and training phases do not overlap: without zero.Init the CPU copy is gone before the
+    optimizer states are allocated; with it, offloaded parameter partitions already sit in host RAM
+    while the shards stream in. The export comes at the end of training, with every training-phase
+    buffer still allocated, less the Adam moments freed before it (`released`).
+    """
     load_phase = host["model_load_peak"] + (host["offloaded_parameters"] if inp.zero_init else 0.0)
     train_phase = sum(
         v for k, v in host.items() if k not in ("model_load_peak", "process_overhead", "export_peak")
     )
     export_phase = train_phase - released + host["export_peak"]
-    host_total = host["process_overhead"] + max(load_phase, train_phase, export_phase)
+    return host["process_overhead"] + max(load_phase, train_phase, export_phase)
 
-    gpu_int = {k: int(v) for k, v in gpu_terms.items()}
-    gpu_bytes = sum(gpu_int.values())
-    if inp.quantize != "none" and stage == 3 and dp > 1:
-        # transformers loads the quantised base whole onto each GPU; the engine then partitions it.
-        gpu_bytes = max(gpu_bytes, int(quantized_base + CUDA_CONTEXT_BYTES))
-    return MemoryEstimate(
-        gpu_terms=gpu_int,
-        host_terms={k: int(v) for k, v in host.items()},
-        nvme_bytes=int(nvme),
-        gpu_bytes=gpu_bytes,
-        host_bytes=int(host_total),
-        convention=CONVENTION,
-        locked_per_rank=int(locked),
-    )
+
+def nvme_space_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
+    """NVMe space per node: the swapped optimizer states and/or the parameter partitions."""
+    ranks = inp.ranks_per_node
+    nvme = 0.0
+    if inp.offload_optimizer == "nvme":
+        nvme += ranks * nvme_optimizer_bytes(offload_rank(inp))
+    if inp.offload_params == "nvme":
+        nvme += ranks * split.partitioned / inp.zero_partitions * split.weight_bytes
+    return nvme
 
 
 def offload_rank(inp: MemoryInputs) -> OffloadRank:
