@@ -33,11 +33,8 @@ from llm_train.planning.fit import (
     evaluate,
     shipped_settings,
 )
-from llm_train.planning.memory import (
-    GiB,
-    MemoryInputError,
-    MemoryInputs,
-)
+from llm_train.planning.memory import GiB
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.report import config_line, verdict
 from llm_train.planning.search import (
     LONG_CONTEXT_SWITCHES,

@@ -17,13 +17,12 @@ from llm_train.planning.memory import (
     CUDA_CONTEXT_BYTES,
     GiB,
     MemoryEstimate,
-    MemoryInputError,
-    MemoryInputs,
     activation_bytes_per_layer,
     estimate_memory,
     logits_bytes,
     mlp_intermediate_bytes_per_token,
 )
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.shapes import ModelShape, shape_of
 from tests.unit.planner_reference import (
     deepspeed_zero2_model_states,
