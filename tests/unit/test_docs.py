@@ -2,7 +2,7 @@
 
 The README is the front door: the set-up commands CI runs, one row per shipped recipe with the
 planner's verdict, a page index that lists every page of docs/, and a map of the code whose paths
-exist and which covers every package. Every relative link in the Markdown files, anchors included,
+exist and which covers every package; docs/development.md lists every module. Every relative link in the Markdown files, anchors included,
 lands on a file and a heading that exist.
 """
 
@@ -80,10 +80,13 @@ def section(text: str, heading: str) -> str:
 
 
 def table_rows(text: str) -> list[list[str]]:
-    """The body rows of the Markdown tables in text, as stripped cells (header and rule dropped)."""
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
-    return [r for i, r in enumerate(cells) if i > 0 and not set("".join(r)) <= set("-: ")]
+    """The body rows of every Markdown table in text, as stripped cells (each header and rule dropped)."""
+    rows: list[list[str]] = []
+    for table in re.findall(r"(?:^\|.*\n?)+", text, re.MULTILINE):
+        lines = table.splitlines()
+        assert set(lines[1]) <= set("|-: "), f"a table without a header rule: {lines[0]}"
+        rows += [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines[2:]]
+    return rows
 
 
 # --- links ------------------------------------------------------------------------------------------------
@@ -168,3 +171,11 @@ def test_the_code_map_covers_every_package_and_names_files_that_exist() -> None:
         assert folder.exists(), where
         for name in re.findall(r"`([\w/]+\.py)`", answer):
             assert (folder / name).is_file() if folder.is_dir() else name == folder.name, f"{where}: {name}"
+
+
+def test_the_module_map_lists_every_module_once() -> None:
+    page = (REPO / "docs" / "development.md").read_text()
+    listed = sorted(row[0].strip("`") for row in table_rows(section(page, "Every module")))
+    package = REPO / "llm_train"
+    modules = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if p.name != "__init__.py")
+    assert listed == modules, "docs/development.md's 'Every module' needs one line per module of llm_train/"
