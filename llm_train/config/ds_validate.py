@@ -53,6 +53,7 @@ def check_with_deepspeed(config: dict[str, Any], source: str) -> None:
         # layout's (already checked); without train_batch_size DeepSpeed derives it from the other two.
         probe = {key: value for key, value in copy.deepcopy(config).items() if key != "train_batch_size"}
         warned.clear()  # the import's own warnings ("Setting accelerator to CPU") are no concern here
+        refusal: str | None
         try:
             DeepSpeedConfig(probe)
         except ValidationError as exc:
@@ -242,7 +243,8 @@ def _accepted_keys(model_name: str, loc: tuple[Any, ...]) -> tuple[list[str], li
         model = _model_in(field.annotation) if field is not None else None
     if model is None:
         return [], []
-    accepted, every = [], []
+    accepted: list[str] = []
+    every: list[str] = []
     for name, field in model.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         every.extend({name, field.alias or name})

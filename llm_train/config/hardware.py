@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from llm_train.errors import UserError
 from llm_train.units import GiB
@@ -164,6 +164,13 @@ class Device:
 
 
 # --- hardware -------------------------------------------------------------------------------------
+
+
+class DriveSpeeds(TypedDict, total=False):
+    """Hardware's drive fields a command line sets (`dataclasses.replace(hw, **speeds)`)."""
+
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
 
 
 @dataclass(frozen=True)
@@ -325,7 +332,7 @@ def hardware_for(
     if host_ram_gib:
         host = int(host_ram_gib * GiB)
         sources.append("--host-ram")
-    elif from_recipe and declared.host_ram_gib:
+    elif from_recipe and declared is not None and declared.host_ram_gib:
         # Planning for the machine the recipe is written for, not this one.
         host = int(declared.host_ram_gib * GiB)
         sources[-1] = "GPU and host RAM as the recipe declares; --gpu/--gpu-mem/--host-ram for yours"

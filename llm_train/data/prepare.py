@@ -285,7 +285,7 @@ class _Job:
 
 def _chat_template_if_needed(data: DataSection, tokenizer: Any) -> str | None:
     for split in ("train", "eval"):
-        for source in data.sources(split):  # type: ignore[arg-type]
+        for source in data.sources(split):
             if isinstance(source, ChatSource):
                 return formats.chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
             if isinstance(source, PreferenceSource) and (data.chat_template or tokenizer.chat_template):

@@ -38,7 +38,7 @@ def to_arrow(values: list[bytes] | list[list[int]], dtype: np.dtype) -> Any:
 
     if values and isinstance(values[0], bytes):
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) // dtype.itemsize
-        flat = np.frombuffer(b"".join(values), dtype=dtype)  # type: ignore[arg-type]
+        flat = np.frombuffer(b"".join(values), dtype=dtype)
     else:
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         flat = np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=int(lengths.sum()))

@@ -75,7 +75,7 @@ def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Any:
     """
     import pyarrow as pa
 
-    dtypes = {"input_ids": IDS, "loss_mask": MASK}
+    dtypes: dict[str, np.dtype] = {"input_ids": IDS, "loss_mask": MASK}
 
     def apply(batch: Any, indices: list[int]) -> Any:
         out = tokenize(batch, indices)

@@ -146,7 +146,7 @@ class BatchStream:
         return DataLoader(
             _MicroBatches(self.split, self.order, self.micro),  # type: ignore[arg-type]
             batch_size=None,  # each item is already a whole micro-batch
-            sampler=positions,  # type: ignore[arg-type]
+            sampler=positions,
             num_workers=self.workers,
             pin_memory=self.pin_memory,
             **options,

@@ -396,7 +396,7 @@ class StreamingBatches:
                 "worker_init_fn": exit_with_parent,
             }
         loader = DataLoader(
-            _WindowDataset(self.spec, self._record),  # type: ignore[arg-type]
+            _WindowDataset(self.spec, self._record),
             batch_size=None,
             collate_fn=_keep,
             num_workers=self.workers,

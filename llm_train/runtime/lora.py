@@ -51,7 +51,8 @@ def peft_config(lora: LoraSection, base: str | None = None) -> Any:
 
     return LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        # PEFT annotates an int, but only ever divides by it (alpha / rank): the recipe's float is kept.
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         bias="none",

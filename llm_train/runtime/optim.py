@@ -31,7 +31,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     # No decay on biases and norm weights (1-D tensors), the usual LLM practice. Under ZeRO-3 every
     # parameter built in zero.Init is an empty 1-D placeholder; its real shape is `ds_shape` (without
     # it every matrix landed in the no-decay group: weight decay silently 0, one optimizer group).
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)

@@ -301,8 +301,9 @@ def load_stage_weights(module: nn.Module, run: Resolved, config: Any, names: Lay
             found.add(pipe_name)
 
     if run.recipe.model.init == "random":
-        for hf_name, tensor in _full_random_state(run, config).items():
-            take(hf_name, lambda t=tensor: t)
+        state = _full_random_state(run, config)
+        for hf_name in state:
+            take(hf_name, partial(state.__getitem__, hf_name))
     else:
         from safetensors import safe_open
 

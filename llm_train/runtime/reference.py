@@ -34,6 +34,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ class CachedReference:
             part = split.parts[i]
             if logps is None:
                 logps = self._score(split, i, dp_rank, dp_size)
-                cached(entry, lambda out, v=logps, p=part: _write(out, v, p.label, self.identity))
+                cached(entry, partial(_write, logps=logps, label=part.label, identity=self.identity))
                 computed += part.n_sequences
             part.reference = logps
         total = sum(s.parts[i].n_sequences for s, i in parts)

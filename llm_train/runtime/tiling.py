@@ -226,7 +226,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
     """sum over tiles of CE_sum(head(hidden_tile), labels_tile) / denominator, recomputed per tile in backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         labels: torch.Tensor,
@@ -306,9 +306,12 @@ def enable_checkpoint_offload(lm: Any, pin_memory: bool) -> int:
             "set memory.activation_checkpointing=true"
         )
     for layer in layers:
-        checkpoint = layer._gradient_checkpointing_func
+        # transformers sets this attribute undeclared (set_gradient_checkpointing's setattr); read and
+        # written the same way here, since Module's typed attributes are only tensors and submodules.
+        checkpoint = getattr(layer, "_gradient_checkpointing_func")  # noqa: B009 - see above
         if not (isinstance(checkpoint, functools.partial) and checkpoint.func is _offloaded):
-            layer._gradient_checkpointing_func = functools.partial(_offloaded, checkpoint, pin_memory)
+            offloaded = functools.partial(_offloaded, checkpoint, pin_memory)
+            setattr(layer, "_gradient_checkpointing_func", offloaded)  # noqa: B010 - see above
     return len(layers)
 
 
