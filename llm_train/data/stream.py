@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -77,6 +77,39 @@ class EpochOrder:
         return part, gid - int(self.base[part])
 
 
+class Batches(Iterator[dict[str, Any]], Protocol):
+    """Endless training micro-batches for one data-parallel rank, and the position to resume them from.
+
+    What a training session needs of its stream, whichever kind it is: BatchStream (tokenised up
+    front) and streaming.StreamingBatches (tokenised on the fly) both subclass it, so mypy checks
+    that each provides all of it.
+    """
+
+    consumed: int
+    """Sequences served to all ranks together: the position, valid on any number of ranks."""
+    per_epoch: int | None
+    """Micro-batches per epoch on this rank; None when the data has no known length (a stream)."""
+    workers: int
+    """DataLoader worker processes building the next batches (0: built in the training process)."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to (for a stream: passes completed by every source)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position, the same on every rank, plus what it is valid for."""
+        ...
+
+    def check_state(self, state: dict[str, Any], allow_revision_change: bool = False) -> list[str]:
+        """Refuse (UserError, one line) a saved position this data cannot continue; else the notices to print."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any], allow_revision_change: bool = False) -> None:
+        """Continue from `state` (checked as check_state does): the next batch is the one after it."""
+        ...
+
+
 class _MicroBatches:
     """Map-style dataset for a DataLoader: index = first global position of this rank's micro-batch."""
 
@@ -87,7 +120,7 @@ class _MicroBatches:
         return build_rows(self.split, [self.order.at(position + j) for j in range(self.micro)])
 
 
-class BatchStream:
+class BatchStream(Batches):
     """Endless micro-batches for one data-parallel rank; resumable with state_dict / load_state_dict."""
 
     def __init__(
@@ -106,7 +139,7 @@ class BatchStream:
         self.split, self.micro, self.rank, self.size, self.seed = split, micro_batch, dp_rank, dp_size, seed
         self.order = EpochOrder([p.n_sequences for p in split.parts], split.weights, seed)
         self.global_micro = micro_batch * dp_size
-        self.per_epoch = self.order.epoch_len // self.global_micro  # micro-batches per epoch, this rank
+        self.per_epoch: int = self.order.epoch_len // self.global_micro  # micro-batches per epoch, this rank
         if self.per_epoch == 0:
             raise UserError(
                 f"data: {self.order.epoch_len} training sequences per epoch are fewer than one global micro-step "

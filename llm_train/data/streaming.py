@@ -53,6 +53,7 @@ from llm_train.data.revision import resolve_revision
 from llm_train.data.rows import IDS, MASK, to_arrow
 from llm_train.data.sources import Located, check_revision, locate
 from llm_train.data.store import TokenStore
+from llm_train.data.stream import Batches
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError, first_line
 
@@ -350,11 +351,11 @@ class _WindowSplit:
         return lay.spans.start[lo:hi], lay.spans.length[lo:hi]
 
 
-class StreamingBatches:
+class StreamingBatches(Batches):
     """Endless micro-batches of a streamed training split for one data-parallel rank.
 
-    The same interface as BatchStream: iterate for batches; state_dict / load_state_dict;
-    `consumed` (sequences served to all ranks together), `epoch`, `per_epoch` (None: unknown).
+    The same interface as BatchStream (the Batches protocol); `per_epoch` is None: a stream's
+    length is unknown.
     """
 
     per_epoch: int | None = None
