@@ -7,15 +7,18 @@ Arrow (and from there into input_ids.npy) without converting twelve million ints
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 IDS = np.dtype(np.int32)  # input_ids.npy
 MASK = np.dtype(np.uint8)  # loss_mask.npy
 
 
-def as_row(ids: Any) -> bytes:
+def as_row(ids: npt.ArrayLike) -> bytes:
     """Token ids (a list or array) as an int32 row."""
     return np.asarray(ids, dtype=IDS).tobytes()
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llm_train.data.formats import TokenizeFn
 from llm_train.data.rows import IDS, MASK, to_arrow
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 # Below this much source per worker, starting workers costs more than it saves (measured: a
 # 10 MB source took as long with 2 workers as with 1 on 2 cores; a 50 MB one 1.5x less).
@@ -87,7 +90,7 @@ def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Any:
 
 def build_store(
     out: Path,
-    rows: Any,
+    rows: Dataset,
     tokenize: TokenizeFn,
     columns: list[str],
     with_mask: bool,

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -57,6 +57,9 @@ from llm_train.data.stream import Batches
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError, first_line
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 _STATE_VERSION = 1
 # Rows per window: enough samples for best-fit decreasing to fill ~98% of slots on typical
 # spreads, few enough that a resume re-packs little and the first batch comes quickly.
@@ -74,7 +77,7 @@ class StreamSpec:
 
     sources: list[Source]
     located: list[Located]
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     chat_template: str | None
     seq_len: int
     packing: str
@@ -88,7 +91,7 @@ class StreamSpec:
 
     @classmethod
     def build(
-        cls, data: DataSection, tokenizer: Any, seed: int, window_rows: int = WINDOW_ROWS
+        cls, data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, window_rows: int = WINDOW_ROWS
     ) -> StreamSpec:
         if tokenizer.eos_token_id is None:
             raise UserError(
@@ -150,7 +153,9 @@ class StreamSpec:
         return [s.weight for s in self.sources]
 
 
-def eval_split(data: DataSection, tokenizer: Any, seed: int, say: Any = None) -> PackedSplit | None:
+def eval_split(
+    data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, say: Any = None
+) -> PackedSplit | None:
     """The eval split of a streamed run: data.eval's sources, tokenised up front and cached (never streamed)."""
     if not data.eval:
         return None  # recipe.py refuses eval_fraction > 0 here: nothing is carved from a stream

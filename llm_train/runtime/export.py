@@ -36,7 +36,7 @@ from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # p
 from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 REFERENCE_FILE = "export_reference.safetensors"
 # Any fixed text will do: it only has to be the same batch in the training process and after
@@ -90,7 +90,9 @@ class ExportReport:
         )
 
 
-def save_hf_model(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: Path) -> None:
+def save_hf_model(
+    model: Any, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase, out_dir: Path
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share storage (views into one gathered buffer, tied weights):
     # those are cloned. The others are written as they are, so the host holds one copy of the
@@ -153,7 +155,7 @@ def saved_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 # ------------------------------------------------------------ the reference forward
 
 
-def reference_input_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
+def reference_input_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> torch.Tensor:
     """The fixed batch (1, REFERENCE_TOKENS) both sides of the logit check run."""
     ids = list(tokenizer(REFERENCE_TEXT, add_special_tokens=False)["input_ids"])[:REFERENCE_TOKENS]
     ids += list(range(3, 3 + REFERENCE_TOKENS - len(ids)))  # a tokenizer that makes few tokens: pad
@@ -346,9 +348,8 @@ def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
         out = model.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
-    text = tokenizer.decode(out[0], skip_special_tokens=True)
-    assert isinstance(text, str)  # one sequence decodes to one string (a batch would give a list)
-    return text
+    # One sequence decodes to one str (the annotation also covers a batch's list).
+    return cast(str, tokenizer.decode(out[0], skip_special_tokens=True))
 
 
 # ------------------------------------------------------------ export from a checkpoint

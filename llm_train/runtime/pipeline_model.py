@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.runtime import collectives
 from llm_train.runtime.model import model_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -331,7 +334,9 @@ def stage_hf_state(module: nn.Module, names: LayerMap, first_stage: bool) -> dic
     return out
 
 
-def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, out_dir: Path) -> None:
+def export_pipeline(
+    engine: Any, config: Any, tokenizer: PreTrainedTokenizerBase, names: LayerMap, out_dir: Path
+) -> None:
     """A plain HF directory: one safetensors shard per stage, the index, config and tokenizer.
 
     Called on every rank; the data-parallel rank 0 of each stage writes its shard (the run

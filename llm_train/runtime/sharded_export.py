@@ -23,12 +23,15 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llm_train.planning.memory import EXPORT_SHARD_BYTES
 from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # 2 GiB: large enough that an 8B model is 8 files, small enough for a 16 GiB desktop's budget
 # (the planner counts the same constant as the export's host peak).
@@ -155,7 +158,7 @@ def plain_config(config: Any) -> Any:
 def write_merged(
     peft_model: Any,
     out_dir: Path,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     gather: Gather,
     dtype: torch.dtype,
     write: bool,
@@ -192,7 +195,9 @@ def adapter_state(peft_model: Any, gather: Gather) -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu", copy=True) for n, p in named}
 
 
-def write_adapter(peft_model: Any, out_dir: Path, tokenizer: Any, gather: Gather, write: bool) -> None:
+def write_adapter(
+    peft_model: Any, out_dir: Path, tokenizer: PreTrainedTokenizerBase, gather: Gather, write: bool
+) -> None:
     """final/ as PEFT's adapter files (adapter_config.json, adapter_model.safetensors) and the tokenizer."""
     state = adapter_state(peft_model, gather)
     if write:
