@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe import ChatSource, DataSection, PreferenceSource, Source
-from llm_train.data import formats
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import (

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe import ChatSource, DataSection, Source
-from llm_train.data import formats
 from llm_train.data.batches import build_rows
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
