@@ -91,7 +91,10 @@ class ExportReport:
 
 
 def save_hf_model(
-    model: Any, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase, out_dir: Path
+    model: PreTrainedModel,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
 ) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share storage (views into one gathered buffer, tied weights):

@@ -146,7 +146,7 @@ def build_model(
         # PEFT draws the adapters' A matrices from torch's global RNG: seeded here, a pretrained base
         # gets the same adapters in every run, like a random one gets the same weights.
         torch.manual_seed(seed)
-        lm = apply_lora(lm, lora)
+        return apply_lora(lm, lora)
     return lm
 
 

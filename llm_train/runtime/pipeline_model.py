@@ -37,7 +37,7 @@ from llm_train.runtime import collectives
 from llm_train.runtime.model import model_config
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -61,7 +61,7 @@ def _hf_classes(model_type: str) -> tuple[type, type, type]:
 class EmbeddingPipe(nn.Module):
     """Token embedding; passes the position ids (which mark packed samples) on to every layer."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
@@ -102,7 +102,7 @@ def attention_mask(
 class DecoderPipe(nn.Module):
     """One HF decoder layer with its own rotary embedding (RoPE holds no weights, so each stage can)."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         decoder_cls, rotary_cls, _ = _hf_classes(config.model_type)
         self.layer = decoder_cls(config, layer_idx)
@@ -126,7 +126,7 @@ class DecoderPipe(nn.Module):
 
 
 class NormPipe(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         _, _, norm_cls = _hf_classes(config.model_type)
         self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
@@ -136,7 +136,7 @@ class NormPipe(nn.Module):
 
 
 class HeadPipe(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -144,7 +144,7 @@ class HeadPipe(nn.Module):
         return self.lm_head(hidden)
 
 
-def _sliding_window(config: Any, layer_idx: int) -> int | None:
+def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
@@ -205,7 +205,7 @@ class LayerMap:
         return rest  # lm_head.weight
 
 
-def layer_specs(config: Any) -> list[Any]:
+def layer_specs(config: PretrainedConfig) -> list[Any]:
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -225,7 +225,7 @@ def layer_specs(config: Any) -> list[Any]:
     return [embed, *decoders, LayerSpec(NormPipe, config), head]
 
 
-def build_pipeline_module(config: Any, stages: int, checkpoint_interval: int) -> Any:
+def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_interval: int) -> Any:
     from deepspeed.pipe import PipelineModule
 
     class HFPipelineModule(PipelineModule):
@@ -281,7 +281,7 @@ def _weight_files(run: Resolved) -> list[Path]:
     return files
 
 
-def _full_random_state(run: Resolved, config: Any) -> dict[str, torch.Tensor]:
+def _full_random_state(run: Resolved, config: PretrainedConfig) -> dict[str, torch.Tensor]:
     # init=random builds the whole model once with the recipe's seed, exactly as the other
     # paths do, so a pipeline run starts from the same weights as a single-process run.
     from transformers import AutoModelForCausalLM
@@ -290,7 +290,7 @@ def _full_random_state(run: Resolved, config: Any) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
 
 
-def load_stage_weights(module: nn.Module, run: Resolved, config: Any, names: LayerMap) -> int:
+def load_stage_weights(module: nn.Module, run: Resolved, config: PretrainedConfig, names: LayerMap) -> int:
     """Copy this stage's HF weights into its layers; every local parameter must be found."""
     wanted = {name for name, _ in module.named_parameters()}
     local = module.state_dict()
@@ -335,7 +335,7 @@ def stage_hf_state(module: nn.Module, names: LayerMap, first_stage: bool) -> dic
 
 
 def export_pipeline(
-    engine: Any, config: Any, tokenizer: PreTrainedTokenizerBase, names: LayerMap, out_dir: Path
+    engine: Any, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, names: LayerMap, out_dir: Path
 ) -> None:
     """A plain HF directory: one safetensors shard per stage, the index, config and tokenizer.
 

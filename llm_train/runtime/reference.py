@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,10 +53,13 @@ from llm_train.runtime.engine import to_device
 from llm_train.runtime.model import build_model
 from llm_train.runtime.objectives import Forward, iter_pairs, sequence_logps
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def model_identity(run: Resolved, config: Any) -> dict[str, Any]:
+def model_identity(run: Resolved, config: PretrainedConfig) -> dict[str, Any]:
     """What the reference model's log-probs depend on, besides the data (see the module docstring)."""
     import transformers
 
@@ -106,7 +109,12 @@ class CachedReference:
     """The `prepare` of a DPO objective with a cached reference (runtime/objectives.Preference)."""
 
     def __init__(
-        self, run: Resolved, forward: Forward, config: Any, micro_batch: int, device: torch.device
+        self,
+        run: Resolved,
+        forward: Forward,
+        config: PretrainedConfig,
+        micro_batch: int,
+        device: torch.device,
     ) -> None:
         self.run, self.forward, self.micro, self.device = run, forward, micro_batch, device
         self.identity = model_identity(run, config)
@@ -200,7 +208,7 @@ def inference_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def frozen_reference(run: Resolved, device: str | None) -> Any:
+def frozen_reference(run: Resolved, device: str | None) -> torch.nn.Module:
     """A frozen copy of the initial model in a DeepSpeed inference engine (call while zero.Init's
     config is registered, as for the policy, so that under ZeRO-3 it is built partitioned; `device`:
     where pretrained weights load, as for the policy, see model.build_model)."""
