@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from llm_train.errors import UserError
 from llm_train.units import GiB
@@ -280,7 +280,7 @@ def hardware_for(
     gpu: str | None = None,
     gpu_mem_gib: float | None = None,
     host_ram_gib: float | None = None,
-    recipe: Any = None,
+    recipe: Recipe | None = None,
     detect: bool = True,
 ) -> Hardware:
     """Hardware from flags, else this machine's GPUs, else what the recipe declares, else this CPU."""

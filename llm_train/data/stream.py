@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,11 @@ from llm_train.data.packing import require_packing_support
 from llm_train.data.prepare import PackedSplit
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+    from torch.utils.data import DataLoader
 
 _STATE_VERSION = 1
 
@@ -162,9 +167,7 @@ class BatchStream(Batches):
         self.consumed += self.global_micro
         return batch
 
-    def _loader(self) -> Any:
-        import multiprocessing
-
+    def _loader(self) -> DataLoader[dict[str, Any]]:
         from torch.utils.data import DataLoader
 
         positions = itertools.count(self.consumed + self.rank * self.micro, self.global_micro)
@@ -173,7 +176,7 @@ class BatchStream(Batches):
             # Workers build the next micro-batches while the model computes; fork shares the memory maps.
             options = {
                 "prefetch_factor": 4,
-                "multiprocessing_context": _fork_context(multiprocessing),
+                "multiprocessing_context": _fork_context(),
                 "worker_init_fn": exit_with_parent,  # train.py ends with os._exit: no loader shutdown
             }
         return DataLoader(
@@ -230,7 +233,10 @@ class BatchStream(Batches):
         self._batches = None  # the next batch is built from the restored position
 
 
-def _fork_context(multiprocessing: Any) -> Any:
+def _fork_context() -> BaseContext:
+    """fork where the platform has it (workers then share the memory maps), else its default."""
+    import multiprocessing
+
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
 

@@ -35,7 +35,7 @@ import copy
 import itertools
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,11 +53,12 @@ from llm_train.data.revision import resolve_revision
 from llm_train.data.rows import IDS, MASK, to_arrow
 from llm_train.data.sources import Located, check_revision, locate
 from llm_train.data.store import TokenStore
-from llm_train.data.stream import Batches
+from llm_train.data.stream import Batches, _fork_context
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError, first_line
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from transformers import PreTrainedTokenizerBase
 
 _STATE_VERSION = 1
@@ -154,7 +155,7 @@ class StreamSpec:
 
 
 def eval_split(
-    data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, say: Any = None
+    data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, say: Callable[[str], None] | None = None
 ) -> PackedSplit | None:
     """The eval split of a streamed run: data.eval's sources, tokenised up front and cached (never streamed)."""
     if not data.eval:
@@ -275,7 +276,7 @@ def tokenize_fns(spec: StreamSpec) -> list[formats.TokenizeFn]:
 
 
 def pack_window(
-    spec: StreamSpec, index: int, table: Any, cursor: dict[str, Any], tokenize: formats.TokenizeFn
+    spec: StreamSpec, index: int, table: pa.Table, cursor: dict[str, Any], tokenize: formats.TokenizeFn
 ) -> PackedWindow:
     """Tokenise one window of rows and pack it with the tokenise-first path's rules."""
     source = spec.sources[index]
@@ -525,13 +526,6 @@ def _to_torch(rows: dict[str, Any], pin: bool) -> dict[str, Any]:
         else:
             out[k] = v
     return out
-
-
-def _fork_context() -> Any:
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
 
 
 def _stat_signature(files: tuple[Path, ...]) -> str:

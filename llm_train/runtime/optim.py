@@ -62,11 +62,13 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSection, max_steps: int) -> Any:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimSection, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))
 
 
-def release_moments(optimizer: Any) -> int:
+def release_moments(optimizer: torch.optim.Optimizer) -> int:
     """Drop the Adam moments of an optimizer whose run is over; returns the bytes freed (this rank).
 
     At the end of a run the final checkpoint is already committed and only the export is

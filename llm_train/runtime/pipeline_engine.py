@@ -38,6 +38,7 @@ from llm_train.runtime.pipeline_model import (
 )
 
 if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine as DeepSpeedPipelineEngine
     from transformers import PreTrainedTokenizerBase
 
 Pair = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -210,7 +211,7 @@ def _restore_rope_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> 
         setattr(target, leaf, value.to(getattr(target, leaf).device))
 
 
-def _clip_fp32_across_stages(engine: Any) -> None:
+def _clip_fp32_across_stages(engine: DeepSpeedPipelineEngine) -> None:
     """ZeRO-0 in fp32: clip on the norm over every stage, and keep that norm for the metrics.
 
     DeepSpeed 0.19 clips these gradients with `clip_grad_norm_(mpu=grid)`, which keeps only

@@ -37,6 +37,7 @@ from llm_train.runtime import collectives
 from llm_train.runtime.model import model_config
 
 if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
@@ -335,7 +336,11 @@ def stage_hf_state(module: nn.Module, names: LayerMap, first_stage: bool) -> dic
 
 
 def export_pipeline(
-    engine: Any, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, names: LayerMap, out_dir: Path
+    engine: PipelineEngine,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    names: LayerMap,
+    out_dir: Path,
 ) -> None:
     """A plain HF directory: one safetensors shard per stage, the index, config and tokenizer.
 

@@ -48,6 +48,8 @@ from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, paral
 from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from transformers import PreTrainedTokenizerBase
 
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
@@ -329,7 +331,7 @@ class ZeroEngine:
         # while the others wait in the next gather: seconds, far inside the process group's timeout.
 
     @staticmethod
-    def _gather(params: list[torch.nn.Parameter]) -> Any:
+    def _gather(params: list[torch.nn.Parameter]) -> AbstractContextManager[Any]:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
