@@ -7,12 +7,13 @@ Arrow (and from there into input_ids.npy) without converting twelve million ints
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
     import numpy.typing as npt
+    import pyarrow as pa
 
 IDS = np.dtype(np.int32)  # input_ids.npy
 MASK = np.dtype(np.uint8)  # loss_mask.npy
@@ -33,7 +34,7 @@ def width(row: bytes) -> int:
     return len(row) // IDS.itemsize
 
 
-def to_arrow(values: list[bytes] | list[list[int]], dtype: np.dtype) -> Any:
+def to_arrow(values: list[bytes] | list[list[int]], dtype: np.dtype) -> pa.ListArray:
     """One batch's rows (bytes rows, or lists of ints from the list-building formats) as an Arrow list array."""
     import itertools
 

@@ -37,6 +37,7 @@ from llm_train.runtime import collectives
 from llm_train.runtime.model import model_config
 
 if TYPE_CHECKING:
+    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -226,7 +227,7 @@ def layer_specs(config: PretrainedConfig) -> list[Any]:
     return [embed, *decoders, LayerSpec(NormPipe, config), head]
 
 
-def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_interval: int) -> Any:
+def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_interval: int) -> PipelineModule:
     from deepspeed.pipe import PipelineModule
 
     class HFPipelineModule(PipelineModule):
@@ -253,7 +254,7 @@ def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_inte
 # ---------------------------------------------------------------- weights in and out
 
 
-def hf_config(run: Resolved) -> Any:
+def hf_config(run: Resolved) -> PretrainedConfig:
     config = model_config(run.recipe.model)
     config._attn_implementation = run.recipe.memory.attention
     config.use_cache = False

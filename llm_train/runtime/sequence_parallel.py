@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,10 +39,13 @@ from llm_train.config.layout import Layout
 from llm_train.errors import UserError
 from llm_train.runtime.collectives import Collectives
 
+if TYPE_CHECKING:
+    from accelerate.utils import ParallelismConfig
+
 IGNORE = -100
 
 
-def parallelism_config(layout: Layout, seq_len: int, attention: str) -> Any:
+def parallelism_config(layout: Layout, seq_len: int, attention: str) -> ParallelismConfig | None:
     """What Accelerate needs to wire Ulysses into `prepare`; None without sequence parallelism."""
     if layout.sp == 1:
         return None
