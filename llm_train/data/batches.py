@@ -80,7 +80,7 @@ def build_pair_rows(split: PackedSplit, pairs: list[tuple[int, int]]) -> dict[st
             labels[row, :length] = np.where(mask != 0, ids, IGNORE)
             labels[row, 0] = IGNORE
             attention[row, :length] = 1
-        if with_reference:
+        if with_reference:  # then every part's reference is set (mypy sees Optional)
             reference[[r, r + m]] = source.reference[pair]  # type: ignore[index]
     batch: dict[str, np.ndarray | bool] = {
         "input_ids": input_ids,

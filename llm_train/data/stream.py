@@ -87,7 +87,7 @@ class Batches(Iterator[dict[str, Any]], Protocol):
 
     What a training session needs of its stream, whichever kind it is: BatchStream (tokenised up
     front) and streaming.StreamingBatches (tokenised on the fly) both subclass it, so mypy checks
-    that each provides all of it.
+    their members' types against it and refuses to construct one that lacks a method.
     """
 
     consumed: int
@@ -179,6 +179,7 @@ class BatchStream(Batches):
                 "multiprocessing_context": _fork_context(),
                 "worker_init_fn": exit_with_parent,  # train.py ends with os._exit: no loader shutdown
             }
+        # _MicroBatches is map-style by duck typing: torch's Dataset base would import torch with this module.
         return DataLoader(
             _MicroBatches(self.split, self.order, self.micro),  # type: ignore[arg-type]
             batch_size=None,  # each item is already a whole micro-batch

@@ -237,6 +237,7 @@ class _SourceWindows:
                 fresh_pass = self.cursor["state"] is None
                 self._open()
             here = copy.deepcopy(self.cursor)  # after a pass wrap: the new pass's start
+            # _open() has just set it; mypy keeps the narrowing to None from the test above.
             table = next(self._rows, None)  # type: ignore[arg-type]
             if table is not None and len(table):
                 self.cursor = {
@@ -441,6 +442,7 @@ class StreamingBatches(Batches):
             while windows_held[part].n_sequences <= position - starts[part]:  # skip empty windows
                 part += 1
             sequences.append((part, position - starts[part]))
+        # _WindowSplit has the PackedSplit attributes build_rows reads, over the windows held.
         rows = build_rows(_WindowSplit(self.spec, windows_held), sequences)  # type: ignore[arg-type]
         self._record = self._buffer[0][0]
         self.consumed += self.global_micro
