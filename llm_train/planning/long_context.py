@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware, hardware_for
 from llm_train.planning.fit import SHIPPED_DS_CONFIGS, Evaluation, evaluate
-from llm_train.planning.memory import GiB, MemoryInputs
+from llm_train.planning.memory import GiB
+from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.search import long_context_text, sequence_parallel_degrees
 from llm_train.planning.shapes import ModelShape, shape_of
 

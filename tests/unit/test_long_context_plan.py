@@ -17,13 +17,12 @@ from llm_train.planning.long_context import SEQ_STEP, best_fit, long_context_tab
 from llm_train.planning.memory import (
     LOSS_TILE_LOGITS_BYTES,
     GiB,
-    MemoryInputError,
-    MemoryInputs,
     estimate_memory,
     logits_bytes,
     mlp_intermediate_bytes_per_token,
     mlp_tile_bytes,
 )
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.report import plan_recipe
 from llm_train.planning.shapes import shape_of
 from llm_train.planning.speed import step_time
