@@ -33,6 +33,7 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check llm_train tests bench
 	$(VENV)/bin/ruff format --check llm_train tests bench
+	$(VENV)/bin/mypy llm_train
 
 # Wheels for the GPU machine, which reaches no registry: what its image lacks, into .whl/, checked
 # complete for its Python 3.12 before they travel (bench/gpu_wheels.sh says how they are used there).

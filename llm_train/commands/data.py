@@ -20,7 +20,7 @@ from llm_train.data.summary import describe_split, sample_views
 from llm_train.runtime.model import load_tokenizer
 
 
-def register_cli(subparsers: Any) -> None:
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="Prepare (tokenise + pack, cached) or inspect a recipe's data.")
     commands = data.add_subparsers(dest="data_command", required=True)
     prepare = commands.add_parser("prepare", help="Tokenise and pack the recipe's data into the cache.")

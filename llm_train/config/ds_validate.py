@@ -28,9 +28,13 @@ import re
 import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_train.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+    from pydantic_core import ErrorDetails
 
 # Keys DeepSpeed once read in a dict-read section and now reads under another name (a did-you-mean
 # that difflib cannot find). aio.thread_count: DeepSpeed 0.19.8's aio_config.py reads
@@ -53,6 +57,7 @@ def check_with_deepspeed(config: dict[str, Any], source: str) -> None:
         # layout's (already checked); without train_batch_size DeepSpeed derives it from the other two.
         probe = {key: value for key, value in copy.deepcopy(config).items() if key != "train_batch_size"}
         warned.clear()  # the import's own warnings ("Setting accelerator to CPU") are no concern here
+        refusal: str | None
         try:
             DeepSpeedConfig(probe)
         except ValidationError as exc:
@@ -174,7 +179,7 @@ def _unknown_key(
     )
 
 
-def _pydantic_message(exc: Any, config: dict[str, Any], source: str, version: str) -> str:
+def _pydantic_message(exc: ValidationError, config: dict[str, Any], source: str, version: str) -> str:
     errors = exc.errors()
     error = errors[0]
     loc = tuple(error["loc"])
@@ -207,7 +212,7 @@ def _walk(node: Any, path: tuple[Any, ...]) -> Any:
     return node
 
 
-def _locate(config: dict[str, Any], loc: tuple[Any, ...], error: dict[str, Any]) -> tuple[Any, ...] | None:
+def _locate(config: dict[str, Any], loc: tuple[Any, ...], error: ErrorDetails) -> tuple[Any, ...] | None:
     """The path in `config` of the value a section model refused (its `loc` is relative to the section).
 
     DeepSpeed hands each model its section (`zero_optimization`, `bf16`, `timers.throughput`, ...),
@@ -242,7 +247,8 @@ def _accepted_keys(model_name: str, loc: tuple[Any, ...]) -> tuple[list[str], li
         model = _model_in(field.annotation) if field is not None else None
     if model is None:
         return [], []
-    accepted, every = [], []
+    accepted: list[str] = []
+    every: list[str] = []
     for name, field in model.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         every.extend({name, field.alias or name})

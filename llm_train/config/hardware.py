@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from llm_train.errors import UserError
 from llm_train.units import GiB
@@ -166,6 +166,13 @@ class Device:
 # --- hardware -------------------------------------------------------------------------------------
 
 
+class DriveSpeeds(TypedDict, total=False):
+    """Hardware's drive fields a command line sets (`dataclasses.replace(hw, **speeds)`)."""
+
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+
+
 @dataclass(frozen=True)
 class Hardware:
     """What the run will have: devices (per GPU) and the host (per node)."""
@@ -273,7 +280,7 @@ def hardware_for(
     gpu: str | None = None,
     gpu_mem_gib: float | None = None,
     host_ram_gib: float | None = None,
-    recipe: Any = None,
+    recipe: Recipe | None = None,
     detect: bool = True,
 ) -> Hardware:
     """Hardware from flags, else this machine's GPUs, else what the recipe declares, else this CPU."""
@@ -325,7 +332,7 @@ def hardware_for(
     if host_ram_gib:
         host = int(host_ram_gib * GiB)
         sources.append("--host-ram")
-    elif from_recipe and declared.host_ram_gib:
+    elif from_recipe and declared is not None and declared.host_ram_gib:
         # Planning for the machine the recipe is written for, not this one.
         host = int(declared.host_ram_gib * GiB)
         sources[-1] = "GPU and host RAM as the recipe declares; --gpu/--gpu-mem/--host-ram for yours"

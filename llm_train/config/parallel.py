@@ -234,7 +234,7 @@ def _check_tensor_parallel(
         )
     heads = fields.get("num_attention_heads")
     kv_heads = fields.get("num_key_value_heads") or heads
-    if heads is not None and (int(heads) % tp or int(kv_heads) % tp):
+    if heads is not None and kv_heads is not None and (int(heads) % tp or int(kv_heads) % tp):
         raise UserError(
             f"{degrees}: tensor_parallel.autotp_size={tp} must divide the attention heads, the model has "
             f"num_attention_heads={heads} and num_key_value_heads={kv_heads}; pick a tp that divides both"

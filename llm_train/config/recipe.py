@@ -928,7 +928,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
     _anchor_paths(data, path.parent)
     for text in overrides or []:
         parts, value = parse_override(text)
-        single = {parts[0]: {}} if len(parts) > 1 else {}
+        single: dict[str, Any] = {parts[0]: {}} if len(parts) > 1 else {}
         _apply_override(single, parts, value, text)
         _anchor_paths(single, Path.cwd())
         _apply_override(data, parts, _dig(single, parts), text)

@@ -102,6 +102,7 @@ def _type(annotation: Any) -> str:
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
+    # The schema's factories take no arguments (pydantic also allows one that takes the validated data).
     value = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
     if value is None or value is PydanticUndefined:
         return "-"

@@ -19,13 +19,27 @@ Names are imported lazily so `llm-train --help` does not pay for numpy, torch or
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real types for the checker (`X as X`: a re-export); at run time the lazy __getattr__
+    from llm_train.data.prepare import PackedSplit as PackedSplit
+    from llm_train.data.prepare import PreparedData as PreparedData
+    from llm_train.data.prepare import load_blocks as load_blocks
+    from llm_train.data.prepare import prepare_data as prepare_data
+    from llm_train.data.stream import Batches as Batches
+    from llm_train.data.stream import BatchStream as BatchStream
+    from llm_train.data.stream import eval_batches as eval_batches
+    from llm_train.data.streaming import StreamingBatches as StreamingBatches
+    from llm_train.data.streaming import StreamSpec as StreamSpec
+    from llm_train.data.streaming import eval_split as eval_split
+    from llm_train.data.streaming import is_streaming as is_streaming
 
 _EXPORTS = {
     "prepare_data": "llm_train.data.prepare",
     "load_blocks": "llm_train.data.prepare",
     "PackedSplit": "llm_train.data.prepare",
     "PreparedData": "llm_train.data.prepare",
+    "Batches": "llm_train.data.stream",
     "BatchStream": "llm_train.data.stream",
     "eval_batches": "llm_train.data.stream",
     "StreamingBatches": "llm_train.data.streaming",

@@ -80,7 +80,7 @@ def build_pair_rows(split: PackedSplit, pairs: list[tuple[int, int]]) -> dict[st
             labels[row, :length] = np.where(mask != 0, ids, IGNORE)
             labels[row, 0] = IGNORE
             attention[row, :length] = 1
-        if with_reference:
+        if with_reference:  # then every part's reference is set (mypy sees Optional)
             reference[[r, r + m]] = source.reference[pair]  # type: ignore[index]
     batch: dict[str, np.ndarray | bool] = {
         "input_ids": input_ids,
@@ -121,7 +121,7 @@ def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:
 class SpanTally:
     """Passes micro-batches through unchanged and sums their `span_sums` until `take` (one per logged window)."""
 
-    def __init__(self, batches: Iterator[Any]) -> None:
+    def __init__(self, batches: Iterator[dict[str, Any]]) -> None:
         self.batches = batches
         self.squared = 0
         self.tokens = 0
@@ -129,7 +129,7 @@ class SpanTally:
     def __iter__(self) -> SpanTally:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> dict[str, Any]:
         batch = next(self.batches)
         squared, tokens = span_sums(batch)
         self.squared += squared

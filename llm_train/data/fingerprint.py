@@ -12,7 +12,10 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Bump when tokenisation or packing output changes for the same inputs (invalidates old caches).
 CODE_VERSION = 1
@@ -40,7 +43,7 @@ def files_signature(files: Iterable[Path]) -> str:
     return digest(rows)
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     # A slow tokenizer has no serialised model: its vocabulary stands in.
     model = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))

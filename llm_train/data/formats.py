@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from llm_train.config.recipe import (
     ChatSource,
@@ -30,6 +30,9 @@ from llm_train.config.recipe import (
 from llm_train.data.rows import as_row, mask_row, width
 from llm_train.data.tokenize_memo import TokenizeMemo
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 Batch = dict[str, list[Any]]
 TokenizeFn = Callable[[Batch, list[int]], Batch]
@@ -99,7 +102,7 @@ def check_fields(columns: list[str], source: Source, key: str, where: str) -> No
 Encode = Callable[[list[str], bool], list[bytes]]
 
 
-def make_encoder(tokenizer: Any) -> Encode:
+def make_encoder(tokenizer: PreTrainedTokenizerBase) -> Encode:
     """`encode(texts, add_special_tokens)`: each text's ids as a row (int32 bytes, see `as_row`).
 
     Byte-level BPE tokenizers get a per-word memo (tokenize_memo.py); other fast tokenizers their
@@ -117,7 +120,9 @@ def make_encoder(tokenizer: Any) -> Encode:
     return lambda texts, special: [as_row(e.ids) for e in batch_encode(texts, add_special_tokens=special)]
 
 
-def make_tokenize_fn(source: Source, tokenizer: Any, chat_template: str | None, key: str) -> TokenizeFn:
+def make_tokenize_fn(
+    source: Source, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
+) -> TokenizeFn:
     if isinstance(source, TextSource):
         return _text_fn(source, tokenizer)
     if isinstance(source, InstructionSource):
@@ -137,7 +142,7 @@ def _as_text(value: Any) -> str:
     return value if isinstance(value, str) else ("" if value is None else str(value))
 
 
-def _text_fn(source: TextSource, tokenizer: Any) -> TokenizeFn:
+def _text_fn(source: TextSource, tokenizer: PreTrainedTokenizerBase) -> TokenizeFn:
     field, eos = source.text_field or "text", as_row([tokenizer.eos_token_id])
     encode = make_encoder(tokenizer)
 
@@ -153,7 +158,7 @@ def _text_fn(source: TextSource, tokenizer: Any) -> TokenizeFn:
     return tokenize
 
 
-def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
+def _instruction_fn(source: InstructionSource, tokenizer: PreTrainedTokenizerBase) -> TokenizeFn:
     eos = as_row([tokenizer.eos_token_id])
     encode = make_encoder(tokenizer)
 
@@ -182,7 +187,7 @@ def _instruction_fn(source: InstructionSource, tokenizer: Any) -> TokenizeFn:
     return tokenize
 
 
-def chat_template_for(tokenizer: Any, override: str | None, key: str) -> str:
+def chat_template_for(tokenizer: PreTrainedTokenizerBase, override: str | None, key: str) -> str:
     """The Jinja template chat sources use: data.chat_template (text or a .jinja path), else the tokenizer's."""
     if override:
         from pathlib import Path
@@ -220,18 +225,24 @@ def _clean_messages(conversation: Any, row: int, key: str) -> list[dict[str, Any
     return messages
 
 
-def _chat_fn(source: ChatSource, tokenizer: Any, chat_template: str | None, key: str) -> TokenizeFn:
+def _chat_fn(
+    source: ChatSource, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
+) -> TokenizeFn:
     template = chat_template_for(tokenizer, chat_template, key)
     marked = bool(_GENERATION_BLOCK.search(template))
 
     def render(conversations: list[list[dict[str, Any]]]) -> tuple[list[list[int]], list[list[int]]]:
         if marked:
-            out = tokenizer.apply_chat_template(
-                conversations,
-                chat_template=template,
-                tokenize=True,
-                return_dict=True,
-                return_assistant_tokens_mask=True,
+            # return_dict=True: a BatchEncoding (the annotation is the union over every option).
+            out = cast(
+                "BatchEncoding",
+                tokenizer.apply_chat_template(
+                    conversations,
+                    chat_template=template,
+                    tokenize=True,
+                    return_dict=True,
+                    return_assistant_tokens_mask=True,
+                ),
             )
             return [list(x) for x in out["input_ids"]], [list(m) for m in out["assistant_masks"]]
         pairs = [_mask_by_prefixes(tokenizer, template, conv) for conv in conversations]
@@ -258,7 +269,7 @@ def _chat_fn(source: ChatSource, tokenizer: Any, chat_template: str | None, key:
 
 
 def _mask_by_prefixes(
-    tokenizer: Any, template: str, conversation: list[dict[str, Any]]
+    tokenizer: PreTrainedTokenizerBase, template: str, conversation: list[dict[str, Any]]
 ) -> tuple[list[int], list[int]]:
     """Assistant-token mask for templates without a {% generation %} block.
 
@@ -269,9 +280,10 @@ def _mask_by_prefixes(
     """
 
     def text(messages: list[dict[str, Any]], prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=prompt
         )
+        return cast(str, rendered)  # tokenize=False: the text (the annotation is the union over every option)
 
     full = text(conversation)
     spans = []
@@ -290,7 +302,7 @@ def _mask_by_prefixes(
     return list(enc["input_ids"]), mask
 
 
-def _tokenized_fn(source: TokenizedSource, tokenizer: Any, key: str) -> TokenizeFn:
+def _tokenized_fn(source: TokenizedSource, tokenizer: PreTrainedTokenizerBase, key: str) -> TokenizeFn:
     import numpy as np
 
     vocab = len(tokenizer)
@@ -327,7 +339,7 @@ def _tokenized_fn(source: TokenizedSource, tokenizer: Any, key: str) -> Tokenize
 
 
 def _preference_fn(
-    source: PreferenceSource, tokenizer: Any, chat_template: str | None, key: str
+    source: PreferenceSource, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
 ) -> TokenizeFn:
     """Two rows per pair (chosen, rejected): the shared prompt's tokens, then the response's, trained on.
 
@@ -346,9 +358,10 @@ def _preference_fn(
         nonlocal template
         if template is None:  # raises the one-line "no chat template" error of chat sources
             template = chat_template_for(tokenizer, None, key)
-        return tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=prompt
         )
+        return cast(str, rendered)  # tokenize=False: the text (the annotation is the union over every option)
 
     def field(batch: Batch, name: str, n: int) -> Any:
         column = batch.get(name)

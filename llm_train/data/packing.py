@@ -13,7 +13,7 @@ data-parallel rank and one micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 
@@ -188,14 +188,14 @@ class Placement:
     def n_sequences(self) -> int:
         return len(self.bin_offsets) - 1
 
-    def save(self, out: Any) -> None:
+    def save(self, out: Path) -> None:
         np.save(out / "span_start.npy", self.spans.start)
         np.save(out / "span_length.npy", self.spans.length)
         np.save(out / "span_row.npy", self.spans.row)
         np.save(out / "bin_offsets.npy", self.bin_offsets)
 
     @classmethod
-    def load(cls, path: Any) -> Placement:
+    def load(cls, path: Path) -> Placement:
         spans = Spans(
             np.load(path / "span_start.npy", mmap_mode="r"),
             np.load(path / "span_length.npy", mmap_mode="r"),

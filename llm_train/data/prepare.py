@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe import ChatSource, DataSection, PreferenceSource, Source
-from llm_train.data import formats
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import (
@@ -42,6 +42,9 @@ from llm_train.data.packing import (
 from llm_train.data.sources import check_revision, load_rows, locate
 from llm_train.data.store import TokenStore, auto_num_proc, build_store
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Say = Callable[[str], None]
 
@@ -118,7 +121,9 @@ class PreparedData:
     eval: PackedSplit | None
 
 
-def prepare_data(data: DataSection, tokenizer: Any, seed: int, say: Say | None = None) -> PreparedData:
+def prepare_data(
+    data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, say: Say | None = None
+) -> PreparedData:
     """Tokenise (or read from the cache) and pack every source of the recipe's data section."""
     if tokenizer.eos_token_id is None:
         raise UserError(
@@ -147,7 +152,7 @@ def prepare_data(data: DataSection, tokenizer: Any, seed: int, say: Say | None =
 
 
 def load_blocks(
-    data: DataSection, tokenizer: Any, seed: int, say: Say | None = None
+    data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, say: Say | None = None
 ) -> tuple[PackedSplit, PackedSplit | None]:
     """(train, eval): the names the training session has used since the first, text-only pipeline."""
     prepared = prepare_data(data, tokenizer, seed, say)
@@ -185,7 +190,7 @@ class _Tokens:
 class _Job:
     """What every source of one prepare_data call shares: settings, tokenizer, cache, output."""
 
-    def __init__(self, data: DataSection, tokenizer: Any, seed: int, say: Say) -> None:
+    def __init__(self, data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, say: Say) -> None:
         self.data, self.tokenizer, self.seed, self.say = data, tokenizer, seed, say
         self.cache_dir = Path(data.cache_dir).expanduser()
         self.template = _chat_template_if_needed(data, tokenizer)
@@ -283,9 +288,9 @@ class _Job:
         return PackedSource(tokens.label, source, store, Placement.load(entry), stats, cache, key)
 
 
-def _chat_template_if_needed(data: DataSection, tokenizer: Any) -> str | None:
+def _chat_template_if_needed(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> str | None:
     for split in ("train", "eval"):
-        for source in data.sources(split):  # type: ignore[arg-type]
+        for source in data.sources(split):
             if isinstance(source, ChatSource):
                 return formats.chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
             if isinstance(source, PreferenceSource) and (data.chat_template or tokenizer.chat_template):

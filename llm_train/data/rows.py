@@ -7,15 +7,19 @@ Arrow (and from there into input_ids.npy) without converting twelve million ints
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    import pyarrow as pa
 
 IDS = np.dtype(np.int32)  # input_ids.npy
 MASK = np.dtype(np.uint8)  # loss_mask.npy
 
 
-def as_row(ids: Any) -> bytes:
+def as_row(ids: npt.ArrayLike) -> bytes:
     """Token ids (a list or array) as an int32 row."""
     return np.asarray(ids, dtype=IDS).tobytes()
 
@@ -30,7 +34,7 @@ def width(row: bytes) -> int:
     return len(row) // IDS.itemsize
 
 
-def to_arrow(values: list[bytes] | list[list[int]], dtype: np.dtype) -> Any:
+def to_arrow(values: list[bytes] | list[list[int]], dtype: np.dtype) -> pa.ListArray:
     """One batch's rows (bytes rows, or lists of ints from the list-building formats) as an Arrow list array."""
     import itertools
 
@@ -38,7 +42,7 @@ def to_arrow(values: list[bytes] | list[list[int]], dtype: np.dtype) -> Any:
 
     if values and isinstance(values[0], bytes):
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) // dtype.itemsize
-        flat = np.frombuffer(b"".join(values), dtype=dtype)  # type: ignore[arg-type]
+        flat = np.frombuffer(b"".join(values), dtype=dtype)
     else:
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         flat = np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=int(lengths.sum()))

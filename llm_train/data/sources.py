@@ -12,10 +12,15 @@ import glob
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from llm_train.data.fingerprint import files_signature
 from llm_train.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from llm_train.config.recipe import Source
 
 # Suffix -> the `datasets` packaged builder that reads it.
 BUILDERS = {
@@ -76,7 +81,7 @@ def locate(path: str, key: str) -> Located:
     return Located("hub", path)
 
 
-def check_revision(located: Located, source: Any, key: str) -> None:
+def check_revision(located: Located, source: Source, key: str) -> None:
     """`revision` names a commit of a hub dataset; on a local source it would be silently meaningless."""
     if getattr(source, "revision", None) is not None and located.kind != "hub":
         raise UserError(
@@ -104,7 +109,7 @@ def _builder_of(files: list[Path], key: str) -> str:
     return builders.pop()
 
 
-def load_rows(located: Located, source: Any, key: str, cache_dir: Path) -> Any:
+def load_rows(located: Located, source: Source, key: str, cache_dir: Path) -> Dataset:
     """The source's rows as a `datasets.Dataset` (Arrow, memory-mapped)."""
     import datasets
 
@@ -156,7 +161,7 @@ def load_rows(located: Located, source: Any, key: str, cache_dir: Path) -> Any:
     return _non_empty(loaded, located, key)
 
 
-def _non_empty(rows: Any, located: Located, key: str) -> Any:
+def _non_empty(rows: Dataset, located: Located, key: str) -> Dataset:
     if len(rows) == 0:
         raise UserError(f"{key}: {located.describe()} has no rows")
     return rows

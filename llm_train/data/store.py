@@ -15,12 +15,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llm_train.data.formats import TokenizeFn
+from llm_train.data.formats import Batch, TokenizeFn
 from llm_train.data.rows import IDS, MASK, to_arrow
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import pyarrow as pa
+    from datasets import Dataset
 
 # Below this much source per worker, starting workers costs more than it saves (measured: a
 # 10 MB source took as long with 2 workers as with 1 on 2 cores; a 50 MB one 1.5x less).
@@ -67,7 +73,7 @@ def auto_num_proc(rows: int, nbytes: int, requested: int | None) -> int:
     return max(1, min(8, os.cpu_count() or 1, nbytes // _BYTES_PER_WORKER, rows // _MIN_ROWS_PER_WORKER))
 
 
-def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Any:
+def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Callable[[Batch, list[int]], pa.Table]:
     """`tokenize`, building its output Arrow arrays directly.
 
     datasets' generic conversion of nested Python lists cost as much as tokenising itself;
@@ -75,9 +81,9 @@ def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Any:
     """
     import pyarrow as pa
 
-    dtypes = {"input_ids": IDS, "loss_mask": MASK}
+    dtypes: dict[str, np.dtype] = {"input_ids": IDS, "loss_mask": MASK}
 
-    def apply(batch: Any, indices: list[int]) -> Any:
+    def apply(batch: Batch, indices: list[int]) -> pa.Table:
         out = tokenize(batch, indices)
         names = ["input_ids"] + (["loss_mask"] if with_mask else [])
         return pa.table({name: to_arrow(out[name], dtypes[name]) for name in names})
@@ -87,7 +93,7 @@ def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Any:
 
 def build_store(
     out: Path,
-    rows: Any,
+    rows: Dataset,
     tokenize: TokenizeFn,
     columns: list[str],
     with_mask: bool,

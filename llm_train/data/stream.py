@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,11 @@ from llm_train.data.packing import require_packing_support
 from llm_train.data.prepare import PackedSplit
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+    from torch.utils.data import DataLoader
 
 _STATE_VERSION = 1
 
@@ -77,6 +82,39 @@ class EpochOrder:
         return part, gid - int(self.base[part])
 
 
+class Batches(Iterator[dict[str, Any]], Protocol):
+    """Endless training micro-batches for one data-parallel rank, and the position to resume them from.
+
+    What a training session needs of its stream, whichever kind it is: BatchStream (tokenised up
+    front) and streaming.StreamingBatches (tokenised on the fly) both subclass it, so mypy checks
+    their members' types against it and refuses to construct one that lacks a method.
+    """
+
+    consumed: int
+    """Sequences served to all ranks together: the position, valid on any number of ranks."""
+    per_epoch: int | None
+    """Micro-batches per epoch on this rank; None when the data has no known length (a stream)."""
+    workers: int
+    """DataLoader worker processes building the next batches (0: built in the training process)."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to (for a stream: passes completed by every source)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position, the same on every rank, plus what it is valid for."""
+        ...
+
+    def check_state(self, state: dict[str, Any], allow_revision_change: bool = False) -> list[str]:
+        """Refuse (UserError, one line) a saved position this data cannot continue; else the notices to print."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any], allow_revision_change: bool = False) -> None:
+        """Continue from `state` (checked as check_state does): the next batch is the one after it."""
+        ...
+
+
 class _MicroBatches:
     """Map-style dataset for a DataLoader: index = first global position of this rank's micro-batch."""
 
@@ -87,7 +125,7 @@ class _MicroBatches:
         return build_rows(self.split, [self.order.at(position + j) for j in range(self.micro)])
 
 
-class BatchStream:
+class BatchStream(Batches):
     """Endless micro-batches for one data-parallel rank; resumable with state_dict / load_state_dict."""
 
     def __init__(
@@ -106,7 +144,7 @@ class BatchStream:
         self.split, self.micro, self.rank, self.size, self.seed = split, micro_batch, dp_rank, dp_size, seed
         self.order = EpochOrder([p.n_sequences for p in split.parts], split.weights, seed)
         self.global_micro = micro_batch * dp_size
-        self.per_epoch = self.order.epoch_len // self.global_micro  # micro-batches per epoch, this rank
+        self.per_epoch: int = self.order.epoch_len // self.global_micro  # micro-batches per epoch, this rank
         if self.per_epoch == 0:
             raise UserError(
                 f"data: {self.order.epoch_len} training sequences per epoch are fewer than one global micro-step "
@@ -129,9 +167,7 @@ class BatchStream:
         self.consumed += self.global_micro
         return batch
 
-    def _loader(self) -> Any:
-        import multiprocessing
-
+    def _loader(self) -> DataLoader[dict[str, Any]]:
         from torch.utils.data import DataLoader
 
         positions = itertools.count(self.consumed + self.rank * self.micro, self.global_micro)
@@ -140,13 +176,14 @@ class BatchStream:
             # Workers build the next micro-batches while the model computes; fork shares the memory maps.
             options = {
                 "prefetch_factor": 4,
-                "multiprocessing_context": _fork_context(multiprocessing),
+                "multiprocessing_context": _fork_context(),
                 "worker_init_fn": exit_with_parent,  # train.py ends with os._exit: no loader shutdown
             }
+        # _MicroBatches is map-style by duck typing: torch's Dataset base would import torch with this module.
         return DataLoader(
             _MicroBatches(self.split, self.order, self.micro),  # type: ignore[arg-type]
             batch_size=None,  # each item is already a whole micro-batch
-            sampler=positions,  # type: ignore[arg-type]
+            sampler=positions,
             num_workers=self.workers,
             pin_memory=self.pin_memory,
             **options,
@@ -197,7 +234,10 @@ class BatchStream:
         self._batches = None  # the next batch is built from the restored position
 
 
-def _fork_context(multiprocessing: Any) -> Any:
+def _fork_context() -> BaseContext:
+    """fork where the platform has it (workers then share the memory maps), else its default."""
+    import multiprocessing
+
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
 

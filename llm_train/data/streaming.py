@@ -35,16 +35,16 @@ import copy
 import itertools
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe import ChatSource, DataSection, Source
-from llm_train.data import formats
 from llm_train.data.batches import build_rows
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
@@ -53,8 +53,13 @@ from llm_train.data.revision import resolve_revision
 from llm_train.data.rows import IDS, MASK, to_arrow
 from llm_train.data.sources import Located, check_revision, locate
 from llm_train.data.store import TokenStore
+from llm_train.data.stream import Batches, _fork_context
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from transformers import PreTrainedTokenizerBase
 
 _STATE_VERSION = 1
 # Rows per window: enough samples for best-fit decreasing to fill ~98% of slots on typical
@@ -73,7 +78,7 @@ class StreamSpec:
 
     sources: list[Source]
     located: list[Located]
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     chat_template: str | None
     seq_len: int
     packing: str
@@ -87,7 +92,7 @@ class StreamSpec:
 
     @classmethod
     def build(
-        cls, data: DataSection, tokenizer: Any, seed: int, window_rows: int = WINDOW_ROWS
+        cls, data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, window_rows: int = WINDOW_ROWS
     ) -> StreamSpec:
         if tokenizer.eos_token_id is None:
             raise UserError(
@@ -149,7 +154,9 @@ class StreamSpec:
         return [s.weight for s in self.sources]
 
 
-def eval_split(data: DataSection, tokenizer: Any, seed: int, say: Any = None) -> PackedSplit | None:
+def eval_split(
+    data: DataSection, tokenizer: PreTrainedTokenizerBase, seed: int, say: Callable[[str], None] | None = None
+) -> PackedSplit | None:
     """The eval split of a streamed run: data.eval's sources, tokenised up front and cached (never streamed)."""
     if not data.eval:
         return None  # recipe.py refuses eval_fraction > 0 here: nothing is carved from a stream
@@ -230,6 +237,7 @@ class _SourceWindows:
                 fresh_pass = self.cursor["state"] is None
                 self._open()
             here = copy.deepcopy(self.cursor)  # after a pass wrap: the new pass's start
+            # _open() has just set it; mypy keeps the narrowing to None from the test above.
             table = next(self._rows, None)  # type: ignore[arg-type]
             if table is not None and len(table):
                 self.cursor = {
@@ -269,7 +277,7 @@ def tokenize_fns(spec: StreamSpec) -> list[formats.TokenizeFn]:
 
 
 def pack_window(
-    spec: StreamSpec, index: int, table: Any, cursor: dict[str, Any], tokenize: formats.TokenizeFn
+    spec: StreamSpec, index: int, table: pa.Table, cursor: dict[str, Any], tokenize: formats.TokenizeFn
 ) -> PackedWindow:
     """Tokenise one window of rows and pack it with the tokenise-first path's rules."""
     source = spec.sources[index]
@@ -350,11 +358,11 @@ class _WindowSplit:
         return lay.spans.start[lo:hi], lay.spans.length[lo:hi]
 
 
-class StreamingBatches:
+class StreamingBatches(Batches):
     """Endless micro-batches of a streamed training split for one data-parallel rank.
 
-    The same interface as BatchStream: iterate for batches; state_dict / load_state_dict;
-    `consumed` (sequences served to all ranks together), `epoch`, `per_epoch` (None: unknown).
+    The same interface as BatchStream (the Batches protocol); `per_epoch` is None: a stream's
+    length is unknown.
     """
 
     per_epoch: int | None = None
@@ -396,7 +404,7 @@ class StreamingBatches:
                 "worker_init_fn": exit_with_parent,
             }
         loader = DataLoader(
-            _WindowDataset(self.spec, self._record),  # type: ignore[arg-type]
+            _WindowDataset(self.spec, self._record),
             batch_size=None,
             collate_fn=_keep,
             num_workers=self.workers,
@@ -434,6 +442,7 @@ class StreamingBatches:
             while windows_held[part].n_sequences <= position - starts[part]:  # skip empty windows
                 part += 1
             sequences.append((part, position - starts[part]))
+        # _WindowSplit has the PackedSplit attributes build_rows reads, over the windows held.
         rows = build_rows(_WindowSplit(self.spec, windows_held), sequences)  # type: ignore[arg-type]
         self._record = self._buffer[0][0]
         self.consumed += self.global_micro
@@ -519,13 +528,6 @@ def _to_torch(rows: dict[str, Any], pin: bool) -> dict[str, Any]:
         else:
             out[k] = v
     return out
-
-
-def _fork_context() -> Any:
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
 
 
 def _stat_signature(files: tuple[Path, ...]) -> str:

@@ -7,11 +7,16 @@ preference pair only on its two responses after their shared prompt.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from llm_train.data.prepare import PackedSource, PackedSplit
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from llm_train.data.stream import EpochOrder
 
 OPEN, CLOSE = "⟦", "⟧"
 
@@ -58,18 +63,21 @@ def _describe_part(part: PackedSource, weight: float, share: float, split: Packe
     ]
 
 
-def marked_text(tokenizer: Any, ids: np.ndarray, trained: np.ndarray) -> str:
+def marked_text(tokenizer: PreTrainedTokenizerBase, ids: np.ndarray, trained: np.ndarray) -> str:
     """Decoded tokens with each trained-on run between ⟦ and ⟧."""
     out, start = [], 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or trained[i] != trained[start]:
-            text = tokenizer.decode([int(t) for t in ids[start:i]], skip_special_tokens=False)
+            # One sequence decodes to one str (the annotation also covers a batch's list).
+            text = cast(str, tokenizer.decode([int(t) for t in ids[start:i]], skip_special_tokens=False))
             out.append(f"{OPEN}{text}{CLOSE}" if trained[start] else text)
             start = i
     return "".join(out)
 
 
-def sample_views(split: PackedSplit, tokenizer: Any, order: Any, n: int) -> list[str]:
+def sample_views(
+    split: PackedSplit, tokenizer: PreTrainedTokenizerBase, order: EpochOrder, n: int
+) -> list[str]:
     """The first n samples training sees (epoch 0 order), decoded and marked; a pair counts its two rows."""
     views: list[str] = []
     position = 0

@@ -34,9 +34,13 @@ from __future__ import annotations
 import json
 import re
 from itertools import chain, islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_train.data.rows import as_row
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 _GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _LLAMA3 = (
@@ -105,7 +109,7 @@ def _pre_token_pattern(pre_tokenizer: dict[str, Any] | None) -> str | None:
     return (split.get("pattern") or {}).get("Regex")
 
 
-def _post_affixes(backend: Any) -> tuple[bytes, bytes] | None:
+def _post_affixes(backend: Tokenizer) -> tuple[bytes, bytes] | None:
     """(prefix, suffix): the ids the post-processor puts around every single text, or None if they vary."""
     found = set()
     for probe in ("a", "Hello world", " 12 !"):
@@ -141,7 +145,7 @@ class TokenizeMemo:
     memory copy, and the rows go into the cache's arrays without passing through Python ints.
     """
 
-    def __init__(self, backend: Any, pattern: str, added: list[str], affixes: tuple[bytes, bytes]):
+    def __init__(self, backend: Tokenizer, pattern: str, added: list[str], affixes: tuple[bytes, bytes]):
         self._backend = backend
         self._cut_again = _CUTS[pattern]
         self._ascii_pre_tokens = _ASCII_PRE_TOKENS[pattern]
@@ -156,7 +160,7 @@ class TokenizeMemo:
         self._pieces: dict[str, bytes] = {}  # what _cut_again makes of learnt units -> their rows
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> TokenizeMemo | None:
+    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> TokenizeMemo | None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or backend.truncation is not None or backend.padding is not None:
             return None

@@ -23,13 +23,16 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llm_train.config.hardware import peak_tflops
 from llm_train.planning.flops import TokenFlops, attention_span, token_flops
 from llm_train.units import GiB
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
     from llm_train.config.resolution import Resolved
     from llm_train.planning.shapes import ModelShape
 
@@ -45,12 +48,12 @@ def shape_flops_per_token(shape: ModelShape, seq_len: float) -> float:
     return shape_token_flops(shape).at(seq_len)
 
 
-def _numel(param: Any) -> int:
+def _numel(param: torch.nn.Parameter) -> int:
     # Under ZeRO-3 the local tensor is an empty shard; DeepSpeed keeps the full size in ds_numel.
     return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
-def model_token_flops(model: Any) -> TokenFlops | None:
+def model_token_flops(model: PreTrainedModel) -> TokenFlops | None:
     """FLOPs per token of a Hugging Face causal LM as a function of the span, or None when its config lacks the shape."""
     config = getattr(model, "config", None)
     layers = getattr(config, "num_hidden_layers", None)
@@ -78,7 +81,7 @@ def model_token_flops(model: Any) -> TokenFlops | None:
     return token_flops(trainable, int(layers), int(heads), int(head_dim), frozen=frozen)
 
 
-def model_flops_per_token(model: Any, seq_len: float) -> float | None:
+def model_flops_per_token(model: PreTrainedModel, seq_len: float) -> float | None:
     """FLOPs per token of a Hugging Face causal LM trained on spans of `seq_len`, or None without a shape."""
     flops = model_token_flops(model)
     return flops.at(seq_len) if flops is not None else None

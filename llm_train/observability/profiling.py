@@ -68,7 +68,7 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         trace = tensorboard_trace_handler(str(out_dir), worker_name=f"rank{rank}")
 
-        def on_ready(prof: Any) -> None:
+        def on_ready(prof: profile) -> None:
             trace(prof)
             sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=sort, row_limit=25)

@@ -12,9 +12,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 PLOTS = ("loss", "lr", "throughput", "memory")
 
@@ -94,7 +98,7 @@ def plot_runs(runs: list[RunMetrics], out: Path) -> list[Path]:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     written = []
 
-    def save(fig: Any, ax: Any, name: str, ylabel: str) -> None:
+    def save(fig: Figure, ax: Axes, name: str, ylabel: str) -> None:
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -80,6 +80,8 @@ def _argv_redacted() -> Iterator[None]:
 
 
 class Tracker(Protocol):
+    run_id: str | None  # the W&B run's id; None for every other tracker
+
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
     def close(self) -> None: ...
 
@@ -202,7 +204,7 @@ class Trackers:
     @property
     def run_id(self) -> str | None:
         """The W&B run id (None without W&B): store it in checkpoints, pass it back on resume."""
-        return next((t.run_id for t in self.trackers if getattr(t, "run_id", None)), None)
+        return next((t.run_id for t in self.trackers if t.run_id), None)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         for tracker in self.trackers:

@@ -20,13 +20,21 @@ signatures are the same in transformers 5.17 and 5.24 (compared). The dense [b, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
 
 NAME = "sdpa_flex"
 
 
 def _needs_only_causality(
-    allow_is_causal_skip: bool, attention_mask: Any, q_length: int, kv_length: int, q_offset: Any
+    allow_is_causal_skip: bool,
+    attention_mask: torch.Tensor | None,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor,
 ) -> bool:
     """What sdpa's is_causal computes equals the mask: no boundary, no padding, no cache offset.
 
@@ -45,12 +53,12 @@ def document_mask(
     batch_size: int,
     q_length: int,
     kv_length: int,
-    q_offset: Any = 0,
+    q_offset: int | torch.Tensor = 0,
     kv_offset: int = 0,
-    attention_mask: Any = None,
+    attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True,
     **kwargs: Any,
-) -> Any:
+) -> BlockMask | None:
     """None (sdpa, is_causal) when causality is the whole mask, else transformers' flex BlockMask."""
     from transformers.masking_utils import flex_attention_mask
 
@@ -60,7 +68,8 @@ def document_mask(
         batch_size=batch_size,
         q_length=q_length,
         kv_length=kv_length,
-        q_offset=q_offset,
+        # Annotated int there, yet transformers hands static caches' tensor offsets on (masking_utils).
+        q_offset=q_offset,  # type: ignore[arg-type]
         kv_offset=kv_offset,
         attention_mask=attention_mask,
         **kwargs,
@@ -68,8 +77,13 @@ def document_mask(
 
 
 def document_attention(
-    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
-) -> Any:
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | BlockMask | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """flex_attention for a BlockMask, sdpa (is_causal when the mask is None) for anything else."""
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.flex_attention import flex_attention_forward

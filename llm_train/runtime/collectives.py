@@ -26,11 +26,16 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn  # the autograd-aware collectives
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+T = TypeVar("T")
 
 CPU = torch.device("cpu")
 
@@ -97,7 +102,7 @@ def _current_cuda() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def comm_device(group: Any = None) -> torch.device:
+def comm_device(group: ProcessGroup | None = None) -> torch.device:
     """Where tensors must be for a collective on `group` (None: the world)."""
     if not initialized():
         return CPU
@@ -111,7 +116,7 @@ class Collectives:
     instance, and tests a fake one.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: ProcessGroup | None = None) -> None:
         self.group = group
 
     @property
@@ -122,7 +127,7 @@ class Collectives:
     def size(self) -> int:
         return world_size_of(self.group)
 
-    def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType | None = None) -> torch.Tensor:
         """All-reduce a copy of `tensor` on the communication device; the result stays there."""
         on_comm = tensor.detach().to(self.device, dtype=torch.float32).clone()
         if initialized():
@@ -184,7 +189,7 @@ class Collectives:
         gathered = dist_nn.all_gather(tensor.to(self.device), group=self.group)
         return [t.to(tensor.device) for t in gathered]
 
-    def gather_objects(self, obj: Any) -> list[Any]:
+    def gather_objects(self, obj: T) -> list[T]:
         """Every rank's `obj`, in rank order, on every rank."""
         if not initialized():
             return [obj]
@@ -201,7 +206,7 @@ class Collectives:
         return box[0]
 
 
-def world_size_of(group: Any) -> int:
+def world_size_of(group: ProcessGroup | None) -> int:
     return dist.get_world_size(group) if initialized() else 1
 
 

@@ -17,12 +17,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from llm_train.errors import EXIT_NONFINITE, UserError
 from llm_train.planning.flops import TokenFlops
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from llm_train.runtime.objectives import Objective
 
 
 class NonFiniteLoss(UserError):
@@ -50,11 +56,11 @@ class StepResult:
 
 
 class Engine(Protocol):
-    ds: Any
+    ds: DeepSpeedEngine
     """The DeepSpeed engine: checkpoints (save/load_checkpoint), LR, ZeRO stage, module."""
     skipped_microbatches: int
     """Micro-batches dropped so far for a non-finite loss (checkpoint.on_nonfinite=skip)."""
-    objective: Any
+    objective: Objective
     """What a forward is scored by (runtime/objectives.py); set by `build`. Its `prepare` runs before
     a checkpoint is loaded (DPO's cached reference scores the initial model)."""
 
@@ -83,13 +89,13 @@ class Engine(Protocol):
         """`eval_loss` (the mean over the eval batches and all data-parallel ranks) and the objective's
         own eval metrics (`eval_ppl`, or DPO's `eval_reward_accuracy`, ...)."""
 
-    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the live model on the export check's fixed batch (every rank takes part).
 
         Recorded with each checkpoint and next to final/: the reference the export checks compare with.
         """
 
-    def export(self, final: Path, tokenizer: Any) -> None:
+    def export(self, final: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         """Write a plain Hugging Face model directory (every rank takes part)."""
 
     def finish(self) -> None:

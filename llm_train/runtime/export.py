@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 import torch
@@ -34,6 +34,9 @@ from llm_train.runtime.checkpoint import CHECKPOINT_REFERENCE, DS_TAG, read_mani
 from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
 from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 REFERENCE_FILE = "export_reference.safetensors"
 # Any fixed text will do: it only has to be the same batch in the training process and after
@@ -87,7 +90,12 @@ class ExportReport:
         )
 
 
-def save_hf_model(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: Path) -> None:
+def save_hf_model(
+    model: PreTrainedModel,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share storage (views into one gathered buffer, tied weights):
     # those are cloned. The others are written as they are, so the host holds one copy of the
@@ -150,7 +158,7 @@ def saved_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 # ------------------------------------------------------------ the reference forward
 
 
-def reference_input_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
+def reference_input_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> torch.Tensor:
     """The fixed batch (1, REFERENCE_TOKENS) both sides of the logit check run."""
     ids = list(tokenizer(REFERENCE_TEXT, add_special_tokens=False)["input_ids"])[:REFERENCE_TOKENS]
     ids += list(range(3, 3 + REFERENCE_TOKENS - len(ids)))  # a tokenizer that makes few tokens: pad
@@ -215,17 +223,21 @@ def _transformers_quiet() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def _load(model_dir: Path, on_meta: bool) -> tuple[Any, dict[str, Any]]:
+def _load(model_dir: Path, on_meta: bool) -> tuple[PreTrainedModel, dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
     try:
         with _transformers_quiet():
-            return AutoModelForCausalLM.from_pretrained(
-                model_dir,
-                dtype="auto",  # the dtype it was saved in, as a user gets it
-                output_loading_info=True,
-                ignore_mismatched_sizes=True,  # reported in the loading info, turned into one line below
-                **({"device_map": "meta"} if on_meta else {}),
+            # output_loading_info=True makes it a (model, info) pair, which its annotation does not say.
+            return cast(
+                "tuple[PreTrainedModel, dict[str, Any]]",
+                AutoModelForCausalLM.from_pretrained(
+                    model_dir,
+                    dtype="auto",  # the dtype it was saved in, as a user gets it
+                    output_loading_info=True,
+                    ignore_mismatched_sizes=True,  # reported in the loading info, turned into one line below
+                    **({"device_map": "meta"} if on_meta else {}),
+                ),
             )
     except (OSError, ValueError, RuntimeError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -294,12 +306,14 @@ def write_check(model_dir: Path, report: ExportReport) -> None:
     Written by the producer of the export (the run, `llm-train export`) rather than by every
     call of verify_export, so a later keys-only re-check does not overwrite the logit result.
     """
-    result = {"tensors": report.tensors, "ok": True, "max_logit_diff": report.max_logit_diff}
+    result: dict[str, Any] = {"tensors": report.tensors, "ok": True, "max_logit_diff": report.max_logit_diff}
     result |= {"tolerance": report.tolerance, "logits_not_compared": report.why_no_logits}
     (Path(model_dir) / "export_check.json").write_text(json.dumps(result))
 
 
-def _compare_logits(model_dir: Path, model: Any, reference: Reference, tensors: int) -> ExportReport:
+def _compare_logits(
+    model_dir: Path, model: PreTrainedModel, reference: Reference, tensors: int
+) -> ExportReport:
     model.eval()  # dropout off: the reference forward ran in eval mode too
     with torch.no_grad():
         logits = model(input_ids=reference.input_ids).logits.float()
@@ -337,7 +351,8 @@ def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
         out = model.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
-    return tokenizer.decode(out[0], skip_special_tokens=True)
+    # One sequence decodes to one str (the annotation also covers a batch's list).
+    return cast(str, tokenizer.decode(out[0], skip_special_tokens=True))
 
 
 # ------------------------------------------------------------ export from a checkpoint
@@ -453,5 +468,7 @@ def _aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, set[str]]:
     """For each tied tensor's name, the other names of the same storage."""
     groups: dict[tuple[int, int], set[str]] = {}
     for name, tensor in state_dict.items():
-        groups.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), set()).add(name)
+        groups.setdefault((tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())), set()).add(
+            name
+        )
     return {name: names - {name} for names in groups.values() if len(names) > 1 for name in names}

@@ -10,11 +10,14 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    from accelerate.utils import TorchDynamoPlugin
 
 ALLOC_CONF = "expandable_segments:True"
 
@@ -121,7 +124,7 @@ def apply_liger(memory: MemorySection, model_type: str | None, zero_stage: int) 
     return "Liger kernels on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)"
 
 
-def dynamo_plugin(memory: MemorySection) -> Any:
+def dynamo_plugin(memory: MemorySection) -> TorchDynamoPlugin:
     """Accelerate's TorchDynamoPlugin for memory.torch_compile; `prepare` compiles the DeepSpeed engine's module.
 
     'layers' is Accelerate's regional compilation for DeepSpeed (accelerate.utils.compile_regions_deepspeed):

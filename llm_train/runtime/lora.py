@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_train.config.recipe import LoraSection
 from llm_train.errors import ExportError, UserError
 
+if TYPE_CHECKING:
+    import torch
+    from peft import LoraConfig, PeftModel
 
-def apply_lora(model: Any, lora: LoraSection) -> Any:
+
+def apply_lora(model: torch.nn.Module, lora: LoraSection) -> PeftModel:
     """The model wrapped by PEFT with adapters on `lora.target_modules`; only adapters train."""
     try:
         from peft import get_peft_model
@@ -45,13 +49,14 @@ def apply_lora(model: Any, lora: LoraSection) -> Any:
     return get_peft_model(model, peft_config(lora))
 
 
-def peft_config(lora: LoraSection, base: str | None = None) -> Any:
+def peft_config(lora: LoraSection, base: str | None = None) -> LoraConfig:
     """PEFT's LoraConfig for the recipe's lora section (base: the model the adapter applies to)."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        # PEFT annotates an int, but only ever divides by it (alpha / rank): the recipe's float is kept.
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         bias="none",
@@ -60,7 +65,7 @@ def peft_config(lora: LoraSection, base: str | None = None) -> Any:
     )
 
 
-def is_peft_model(model: Any) -> bool:
+def is_peft_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -125,6 +130,6 @@ def export_adapter_checkpoint(
     if not tensors:
         raise ExportError(f"checkpoint {ckpt_dir}: a LoRA run's checkpoint without adapter tensors")
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_config(lora, base).save_pretrained(out_dir)
+    peft_config(lora, base).save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return verify_adapter_export(out_dir)

@@ -8,7 +8,7 @@ This module knows nothing of DeepSpeed. Under ZeRO-3 the caller registers an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_train.config.attention import choose_attention
 from llm_train.config.known_models import KNOWN_CONFIGS
@@ -21,10 +21,14 @@ from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.quantize import keep_training_layout, quantization_config, quantized
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def load_tokenizer(model: ModelSection) -> Any:
+def load_tokenizer(model: ModelSection) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     source = model.tokenizer or model.name_or_path
@@ -41,7 +45,7 @@ def load_tokenizer(model: ModelSection) -> Any:
     return tokenizer
 
 
-def model_config(model: ModelSection) -> Any:
+def model_config(model: ModelSection) -> PretrainedConfig:
     """The HF config of the model to build: from name_or_path (local dir, hub, or the offline table) + overrides."""
     from transformers import AutoConfig
 
@@ -77,7 +81,7 @@ def build_model(
     seed: int,
     lora: LoraSection | None = None,
     device: str | None = None,
-) -> Any:
+) -> torch.nn.Module:
     """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set.
 
     `device` (e.g. "cuda:0"): pretrained weights are read from the checkpoint straight onto it,
@@ -146,9 +150,9 @@ def build_model(
         # PEFT draws the adapters' A matrices from torch's global RNG: seeded here, a pretrained base
         # gets the same adapters in every run, like a random one gets the same weights.
         torch.manual_seed(seed)
-        lm = apply_lora(lm, lora)
+        return apply_lora(lm, lora)
     return lm
 
 
-def _with_overrides(model: ModelSection) -> Any:
+def _with_overrides(model: ModelSection) -> PretrainedConfig:
     return model_config(model)

@@ -20,12 +20,15 @@ sub-group's size, whose storage the next swap-in replaces with the file's conten
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
-def restore_swapped_state(engine: Any, load_dir: str, tag: str) -> bool:
+
+def restore_swapped_state(engine: DeepSpeedEngine, load_dir: str, tag: str) -> bool:
     """After `engine.load_checkpoint` of an NVMe-offload run: load what it skipped (module docstring).
 
     Returns whether there was anything to do (False without NVMe optimizer offload).

@@ -31,12 +31,15 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from llm_train.config.recipe import PreferenceSection, Recipe
+
+if TYPE_CHECKING:
+    from llm_train.data.prepare import PackedSplit
 
 Batch = dict[str, Any]
 # Names of the per-step preference metrics (metrics.jsonl, W&B, TensorBoard; eval_ + name at evaluation).
@@ -71,10 +74,12 @@ class LanguageModeling:
 
     name = "lm"
 
-    def score(self, model: Any, batch: Batch) -> Scored:
+    def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
         return Scored(model(**batch).loss)
 
-    def prepare(self, splits: list[Any], dp_rank: int, dp_size: int, say: Callable[[str], None]) -> None:
+    def prepare(
+        self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
+    ) -> None:
         """Nothing to compute before training."""
 
     def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
@@ -140,6 +145,9 @@ def pair_metrics(
 
 # A model forward that returns logits for a batch without labels (input_ids, attention_mask).
 Forward = Callable[[Batch], torch.Tensor]
+# Scores what the objective needs before training (DPO's cached reference log-probs):
+# (the train and eval splits, either possibly absent; dp rank; dp size; say).
+PrepareReference = Callable[[list["PackedSplit | None"], int, int, Callable[[str], None]], None]
 
 
 class Preference:
@@ -151,18 +159,20 @@ class Preference:
         name: str,
         settings: PreferenceSection,
         live_reference: Forward | None = None,
-        prepare_reference: Callable[..., None] | None = None,
+        prepare_reference: PrepareReference | None = None,
     ) -> None:
         assert settings.beta is not None  # recipe.py fills the objective's default in
         self.name, self.settings, self.beta = name, settings, settings.beta
         self.live_reference, self._prepare = live_reference, prepare_reference
 
-    def prepare(self, splits: list[Any], dp_rank: int, dp_size: int, say: Callable[[str], None]) -> None:
+    def prepare(
+        self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
+    ) -> None:
         """DPO with a cached reference: its log-probs of every pair, before any checkpoint is loaded."""
         if self._prepare is not None:
             self._prepare(splits, dp_rank, dp_size, say)
 
-    def score(self, model: Any, batch: Batch) -> Scored:
+    def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
         inputs = {k: v for k, v in batch.items() if k not in ("labels", "reference_logps")}
         labels = batch["labels"]
         sums, counts = sequence_logps(model(**inputs, use_cache=False).logits, labels)
@@ -191,7 +201,9 @@ class Preference:
 Objective = LanguageModeling | Preference
 
 
-def reference_forward(model: Any, switch: Callable[[], AbstractContextManager[Any]] | None = None) -> Forward:
+def reference_forward(
+    model: torch.nn.Module, switch: Callable[[], AbstractContextManager[Any]] | None = None
+) -> Forward:
     """A no-grad, eval-mode forward of `model` (e.g. the policy's engine under `switch`, PEFT's
     disable_adapter), back in its previous mode afterwards: the reference has no dropout."""
 
@@ -209,7 +221,9 @@ def reference_forward(model: Any, switch: Callable[[], AbstractContextManager[An
     return forward
 
 
-def make_objective(recipe: Recipe, live_reference: Forward | None = None, prepare: Any = None) -> Objective:
+def make_objective(
+    recipe: Recipe, live_reference: Forward | None = None, prepare: PrepareReference | None = None
+) -> Objective:
     if recipe.objective == "lm":
         return LanguageModeling()
     return Preference(recipe.objective, recipe.preference, live_reference, prepare)

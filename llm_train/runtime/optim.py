@@ -31,7 +31,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     # No decay on biases and norm weights (1-D tensors), the usual LLM practice. Under ZeRO-3 every
     # parameter built in zero.Init is an empty 1-D placeholder; its real shape is `ds_shape` (without
     # it every matrix landed in the no-decay group: weight decay silently 0, one optimizer group).
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
@@ -61,11 +62,13 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSection, max_steps: int) -> Any:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimSection, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))
 
 
-def release_moments(optimizer: Any) -> int:
+def release_moments(optimizer: torch.optim.Optimizer) -> int:
     """Drop the Adam moments of an optimizer whose run is over; returns the bytes freed (this rank).
 
     At the end of a run the final checkpoint is already committed and only the export is

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
 from llm_train.runtime.export import reference_input_ids, write_reference
-from llm_train.runtime.objectives import LanguageModeling
+from llm_train.runtime.objectives import LanguageModeling, Objective
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
     LayerMap,
@@ -36,6 +36,10 @@ from llm_train.runtime.pipeline_model import (
     hf_config,
     load_stage_weights,
 )
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine as DeepSpeedPipelineEngine
+    from transformers import PreTrainedTokenizerBase
 
 Pair = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,12 +68,14 @@ class _Pairs:
 
 
 class PipelineEngine:
-    def __init__(self, run: Resolved, say: Any) -> None:
+    def __init__(self, run: Resolved, say: Callable[[str], None]) -> None:
         self.run, self.say = run, say
         self.ds: Any = None
         self.module: Any = None
         self.skipped_microbatches = 0  # never: on_nonfinite=skip is refused for pipelines
-        self.objective = LanguageModeling()  # preference objectives are refused for pipelines (parallel.py)
+        self.objective: Objective = (
+            LanguageModeling()
+        )  # preference objectives are refused for pipelines (parallel.py)
         self.config = hf_config(run)
         self.names = LayerMap(
             self.config.num_hidden_layers, bool(getattr(self.config, "tie_word_embeddings", False))
@@ -160,13 +166,13 @@ class PipelineEngine:
         loss = float(self.ds.eval_batch(iter(pairs), num_micro_batches=len(pairs)))
         return self.objective.eval_summary({"loss": loss})
 
-    def export(self, final: Path, tokenizer: Any) -> None:
+    def export(self, final: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         reference = self.reference_logits(tokenizer)  # every stage takes part
         export_pipeline(self.ds, self.config, tokenizer, self.names, final)
         if collectives.rank() == 0:  # export_pipeline ended with a barrier: final/ is complete
             write_reference(final, *reference)
 
-    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the trained pipeline on the export check's fixed batch, on every rank.
 
         One micro-batch through the engine's own inference schedule; the logits come out on the
@@ -205,7 +211,7 @@ def _restore_rope_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> 
         setattr(target, leaf, value.to(getattr(target, leaf).device))
 
 
-def _clip_fp32_across_stages(engine: Any) -> None:
+def _clip_fp32_across_stages(engine: DeepSpeedPipelineEngine) -> None:
     """ZeRO-0 in fp32: clip on the norm over every stage, and keep that norm for the metrics.
 
     DeepSpeed 0.19 clips these gradients with `clip_grad_norm_(mpu=grid)`, which keeps only

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,11 @@ from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.runtime import collectives
 from llm_train.runtime.model import model_config
+
+if TYPE_CHECKING:
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -58,7 +63,7 @@ def _hf_classes(model_type: str) -> tuple[type, type, type]:
 class EmbeddingPipe(nn.Module):
     """Token embedding; passes the position ids (which mark packed samples) on to every layer."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
@@ -99,7 +104,7 @@ def attention_mask(
 class DecoderPipe(nn.Module):
     """One HF decoder layer with its own rotary embedding (RoPE holds no weights, so each stage can)."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         decoder_cls, rotary_cls, _ = _hf_classes(config.model_type)
         self.layer = decoder_cls(config, layer_idx)
@@ -123,7 +128,7 @@ class DecoderPipe(nn.Module):
 
 
 class NormPipe(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         _, _, norm_cls = _hf_classes(config.model_type)
         self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
@@ -133,7 +138,7 @@ class NormPipe(nn.Module):
 
 
 class HeadPipe(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -141,7 +146,7 @@ class HeadPipe(nn.Module):
         return self.lm_head(hidden)
 
 
-def _sliding_window(config: Any, layer_idx: int) -> int | None:
+def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
@@ -202,7 +207,7 @@ class LayerMap:
         return rest  # lm_head.weight
 
 
-def layer_specs(config: Any) -> list[Any]:
+def layer_specs(config: PretrainedConfig) -> list[Any]:
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -222,7 +227,7 @@ def layer_specs(config: Any) -> list[Any]:
     return [embed, *decoders, LayerSpec(NormPipe, config), head]
 
 
-def build_pipeline_module(config: Any, stages: int, checkpoint_interval: int) -> Any:
+def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_interval: int) -> PipelineModule:
     from deepspeed.pipe import PipelineModule
 
     class HFPipelineModule(PipelineModule):
@@ -249,7 +254,7 @@ def build_pipeline_module(config: Any, stages: int, checkpoint_interval: int) ->
 # ---------------------------------------------------------------- weights in and out
 
 
-def hf_config(run: Resolved) -> Any:
+def hf_config(run: Resolved) -> PretrainedConfig:
     config = model_config(run.recipe.model)
     config._attn_implementation = run.recipe.memory.attention
     config.use_cache = False
@@ -278,7 +283,7 @@ def _weight_files(run: Resolved) -> list[Path]:
     return files
 
 
-def _full_random_state(run: Resolved, config: Any) -> dict[str, torch.Tensor]:
+def _full_random_state(run: Resolved, config: PretrainedConfig) -> dict[str, torch.Tensor]:
     # init=random builds the whole model once with the recipe's seed, exactly as the other
     # paths do, so a pipeline run starts from the same weights as a single-process run.
     from transformers import AutoModelForCausalLM
@@ -287,7 +292,7 @@ def _full_random_state(run: Resolved, config: Any) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
 
 
-def load_stage_weights(module: nn.Module, run: Resolved, config: Any, names: LayerMap) -> int:
+def load_stage_weights(module: nn.Module, run: Resolved, config: PretrainedConfig, names: LayerMap) -> int:
     """Copy this stage's HF weights into its layers; every local parameter must be found."""
     wanted = {name for name, _ in module.named_parameters()}
     local = module.state_dict()
@@ -301,8 +306,9 @@ def load_stage_weights(module: nn.Module, run: Resolved, config: Any, names: Lay
             found.add(pipe_name)
 
     if run.recipe.model.init == "random":
-        for hf_name, tensor in _full_random_state(run, config).items():
-            take(hf_name, lambda t=tensor: t)
+        state = _full_random_state(run, config)
+        for hf_name in state:
+            take(hf_name, partial(state.__getitem__, hf_name))
     else:
         from safetensors import safe_open
 
@@ -330,7 +336,13 @@ def stage_hf_state(module: nn.Module, names: LayerMap, first_stage: bool) -> dic
     return out
 
 
-def export_pipeline(engine: Any, config: Any, tokenizer: Any, names: LayerMap, out_dir: Path) -> None:
+def export_pipeline(
+    engine: PipelineEngine,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    names: LayerMap,
+    out_dir: Path,
+) -> None:
     """A plain HF directory: one safetensors shard per stage, the index, config and tokenizer.
 
     Called on every rank; the data-parallel rank 0 of each stage writes its shard (the run

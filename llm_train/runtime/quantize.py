@@ -24,10 +24,15 @@ bitsandbytes 0.50 also runs on CPU (its wheel ships a CPU backend), which is wha
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 from llm_train.config.recipe import LoraSection
 from llm_train.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from bitsandbytes.nn import Linear4bit, Linear8bitLt
+    from transformers import BitsAndBytesConfig
 
 INSTALL_HINT = "pip install 'llm_train[qlora]' (or pip install bitsandbytes)"
 
@@ -50,7 +55,7 @@ def check_bitsandbytes(lora: LoraSection | None) -> None:
         ) from None
 
 
-def quantization_config(lora: LoraSection, dtype: Any) -> Any:
+def quantization_config(lora: LoraSection, dtype: torch.dtype) -> BitsAndBytesConfig:
     """transformers' BitsAndBytesConfig for `lora.quantize`, computing (and storing) in `dtype`."""
     check_bitsandbytes(lora)
     from transformers import BitsAndBytesConfig
@@ -66,7 +71,7 @@ def quantization_config(lora: LoraSection, dtype: Any) -> Any:
     )
 
 
-def keep_training_layout(model: Any) -> None:
+def keep_training_layout(model: torch.nn.Module) -> None:
     """Stop bitsandbytes' CPU backend from repacking 4-bit weights in place for inference.
 
     On CPUs with AVX512-BF16, `Linear4bit.forward` in eval mode without gradients converts its
@@ -82,7 +87,7 @@ def keep_training_layout(model: Any) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def is_quantized_linear(module: Any) -> bool:
+def is_quantized_linear(module: torch.nn.Module) -> TypeGuard[Linear4bit | Linear8bitLt]:
     """A bitsandbytes 4-bit or 8-bit linear layer (the base layer under a PEFT adapter, not PEFT's wrapper,
     which shares the class name)."""
     try:
@@ -92,18 +97,20 @@ def is_quantized_linear(module: Any) -> bool:
     return isinstance(module, (Linear4bit, Linear8bitLt))
 
 
-def dequantized_weight(module: Any, dtype: Any) -> Any:
+def dequantized_weight(module: Linear4bit | Linear8bitLt, dtype: torch.dtype) -> torch.Tensor:
     """The full-precision weight of a bitsandbytes linear layer, in `dtype`, on the layer's device.
 
     PEFT's own helper (the one its merge uses) does the bitsandbytes calls for both layer kinds.
     """
     from peft.utils.integrations import dequantize_bnb_weight
 
-    weight = module.weight
+    weight = cast(
+        "torch.nn.Parameter", module.weight
+    )  # bitsandbytes' Params4bit / Int8Params (Linear says Tensor)
     return dequantize_bnb_weight(weight, state=getattr(module, "state", None)).to(dtype)
 
 
-def describe_quantized(model: Any, lora: LoraSection) -> str:
+def describe_quantized(model: torch.nn.Module, lora: LoraSection) -> str:
     """One line for the start-up log: how much of the base is quantised, and what the adapters train."""
     layers = [m for m in model.modules() if is_quantized_linear(m)]
     packed = sum(m.weight.numel() * m.weight.element_size() for m in layers)

@@ -34,8 +34,9 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -52,10 +53,13 @@ from llm_train.runtime.engine import to_device
 from llm_train.runtime.model import build_model
 from llm_train.runtime.objectives import Forward, iter_pairs, sequence_logps
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def model_identity(run: Resolved, config: Any) -> dict[str, Any]:
+def model_identity(run: Resolved, config: PretrainedConfig) -> dict[str, Any]:
     """What the reference model's log-probs depend on, besides the data (see the module docstring)."""
     import transformers
 
@@ -105,7 +109,12 @@ class CachedReference:
     """The `prepare` of a DPO objective with a cached reference (runtime/objectives.Preference)."""
 
     def __init__(
-        self, run: Resolved, forward: Forward, config: Any, micro_batch: int, device: torch.device
+        self,
+        run: Resolved,
+        forward: Forward,
+        config: PretrainedConfig,
+        micro_batch: int,
+        device: torch.device,
     ) -> None:
         self.run, self.forward, self.micro, self.device = run, forward, micro_batch, device
         self.identity = model_identity(run, config)
@@ -125,7 +134,7 @@ class CachedReference:
             part = split.parts[i]
             if logps is None:
                 logps = self._score(split, i, dp_rank, dp_size)
-                cached(entry, lambda out, v=logps, p=part: _write(out, v, p.label, self.identity))
+                cached(entry, partial(_write, logps=logps, label=part.label, identity=self.identity))
                 computed += part.n_sequences
             part.reference = logps
         total = sum(s.parts[i].n_sequences for s, i in parts)
@@ -199,7 +208,7 @@ def inference_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def frozen_reference(run: Resolved, device: str | None) -> Any:
+def frozen_reference(run: Resolved, device: str | None) -> torch.nn.Module:
     """A frozen copy of the initial model in a DeepSpeed inference engine (call while zero.Init's
     config is registered, as for the policy, so that under ZeRO-3 it is built partitioned; `device`:
     where pretrained weights load, as for the policy, see model.build_model)."""

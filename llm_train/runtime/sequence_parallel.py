@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,10 +39,13 @@ from llm_train.config.layout import Layout
 from llm_train.errors import UserError
 from llm_train.runtime.collectives import Collectives
 
+if TYPE_CHECKING:
+    from accelerate.utils import ParallelismConfig
+
 IGNORE = -100
 
 
-def parallelism_config(layout: Layout, seq_len: int, attention: str) -> Any:
+def parallelism_config(layout: Layout, seq_len: int, attention: str) -> ParallelismConfig | None:
     """What Accelerate needs to wire Ulysses into `prepare`; None without sequence parallelism."""
     if layout.sp == 1:
         return None
@@ -108,20 +111,22 @@ class SequenceShard:
 def evaluating(model: torch.nn.Module) -> Iterator[None]:
     """No gradients and no dropout, with the modules left in training mode so Ulysses stays on."""
     dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.training]
-    attention = [
-        (m, m.attention_dropout)
+    # A float attribute, not a submodule: Module's typed __setattr__ takes only tensors and modules,
+    # hence setattr below.
+    attention: list[tuple[torch.nn.Module, float]] = [
+        (m, rate)
         for m in model.modules()
-        if isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0
+        if isinstance(rate := getattr(m, "attention_dropout", None), float) and rate > 0
     ]
     try:
-        for module in dropouts:
-            module.eval()
+        for dropout in dropouts:
+            dropout.eval()
         for module, _ in attention:
-            module.attention_dropout = 0.0
+            setattr(module, "attention_dropout", 0.0)  # noqa: B010 - see above
         with torch.no_grad():
             yield
     finally:
-        for module in dropouts:
-            module.train()
+        for dropout in dropouts:
+            dropout.train()
         for module, rate in attention:
-            module.attention_dropout = rate
+            setattr(module, "attention_dropout", rate)  # noqa: B010 - see above

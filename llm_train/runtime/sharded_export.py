@@ -23,12 +23,16 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from llm_train.planning.memory import EXPORT_SHARD_BYTES
 from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 # 2 GiB: large enough that an 8B model is 8 files, small enough for a 16 GiB desktop's budget
 # (the planner counts the same constant as the export's host peak).
@@ -43,7 +47,7 @@ def no_gather(params: list[torch.nn.Parameter]) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
-def _is_lora_layer(module: Any) -> bool:
+def _is_lora_layer(module: torch.nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 
     return isinstance(module, LoraLayer)
@@ -58,7 +62,9 @@ def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, buffer
 
 
-def merged_tensors(peft_model: Any, gather: Gather, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(
+    peft_model: PeftModel, gather: Gather, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name as the plain model calls it, tensor on the compute device) for every tensor of the merged model.
 
     Every rank runs this generator to the end (the gathers are collectives); the tensors it yields
@@ -143,7 +149,7 @@ class ShardedWriter:
         return final
 
 
-def plain_config(config: Any) -> Any:
+def plain_config(config: PretrainedConfig) -> PretrainedConfig:
     """The model's config as a 16-bit export needs it: no quantisation section, no pre-quantisation dtype."""
     clean = copy.deepcopy(config)
     for key in ("quantization_config", "_pre_quantization_dtype"):
@@ -153,9 +159,9 @@ def plain_config(config: Any) -> Any:
 
 
 def write_merged(
-    peft_model: Any,
+    peft_model: PeftModel,
     out_dir: Path,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     gather: Gather,
     dtype: torch.dtype,
     write: bool,
@@ -175,7 +181,9 @@ def write_merged(
     if writer is None:
         return 0
     writer.close()
-    base = peft_model.get_base_model()
+    base = cast(
+        "PreTrainedModel", peft_model.get_base_model()
+    )  # PEFT annotates a Module; ours wraps transformers'
     config = plain_config(base.config)
     config.dtype = dtype  # what the files hold (the base may have been loaded in another dtype)
     config.save_pretrained(out_dir)
@@ -185,16 +193,18 @@ def write_merged(
     return writer.peak_pending_bytes
 
 
-def adapter_state(peft_model: Any, gather: Gather) -> dict[str, torch.Tensor]:
+def adapter_state(peft_model: PeftModel, gather: Gather) -> dict[str, torch.Tensor]:
     """The trainable (adapter) tensors, whole and on the host, under the PEFT model's own names."""
     named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
     with gather([p for _, p in named]):
         return {n: p.detach().to("cpu", copy=True) for n, p in named}
 
 
-def write_adapter(peft_model: Any, out_dir: Path, tokenizer: Any, gather: Gather, write: bool) -> None:
+def write_adapter(
+    peft_model: PeftModel, out_dir: Path, tokenizer: PreTrainedTokenizerBase, gather: Gather, write: bool
+) -> None:
     """final/ as PEFT's adapter files (adapter_config.json, adapter_model.safetensors) and the tokenizer."""
     state = adapter_state(peft_model, gather)
     if write:
-        peft_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        peft_model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)

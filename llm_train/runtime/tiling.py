@@ -36,12 +36,15 @@ import math
 import types
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llm_train.errors import UserError
 from llm_train.planning.memory import LOSS_TILE_LOGITS_BYTES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IGNORE_INDEX = -100
 # Configs whose causal LM transforms the logits before the loss (Gemma 2/3 soft-capping, Cohere's
@@ -53,7 +56,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 # Tiled MLP
 
 
-def enable_tiled_mlp(lm: Any) -> int:
+def enable_tiled_mlp(lm: PreTrainedModel) -> int:
     """Make every dense decoder MLP (a submodule named `mlp`) run in sequence tiles; how many were patched."""
     mlps = [
         module
@@ -131,7 +134,7 @@ def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch
 # Tiled loss
 
 
-def enable_tiled_loss(lm: Any, tile_bytes: int = LOSS_TILE_LOGITS_BYTES) -> None:
+def enable_tiled_loss(lm: PreTrainedModel, tile_bytes: int = LOSS_TILE_LOGITS_BYTES) -> None:
     """Make `lm(..., labels=...)` / `lm(..., shift_labels=...)` compute its loss without whole-sequence logits.
 
     With labels (HF style, shifted inside) or shift_labels (already shifted, -100 = ignored; the
@@ -156,11 +159,12 @@ def enable_tiled_loss(lm: Any, tile_bytes: int = LOSS_TILE_LOGITS_BYTES) -> None
         raise UserError(
             f"memory.tiled_loss: {name} is not a plain causal LM loss; set memory.tiled_loss=false"
         )
-    lm._tiled_loss_tile_bytes = tile_bytes
+    # An int attribute of this instance (Module's typed __setattr__ takes only tensors and modules).
+    setattr(lm, "_tiled_loss_tile_bytes", tile_bytes)  # noqa: B010 - see above
     lm.forward = types.MethodType(_tiled_loss_forward, lm)
 
 
-def _tiled_loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _tiled_loss_forward(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
     if kwargs.get("labels") is None and kwargs.get("shift_labels") is None:
         return forward(self, *args, **kwargs)
@@ -201,7 +205,9 @@ def _tiled_loss_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     )
 
 
-def _named_arguments(forward: Callable[..., Any], self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _named_arguments(
+    forward: Callable[..., Any], self: PreTrainedModel, args: tuple, kwargs: dict
+) -> dict[str, Any]:
     """The call's arguments by name (positional ones too), the **kwargs folded in."""
     signature = inspect.signature(forward)
     bound = signature.bind(self, *args, **kwargs)
@@ -226,7 +232,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
     """sum over tiles of CE_sum(head(hidden_tile), labels_tile) / denominator, recomputed per tile in backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         labels: torch.Tensor,
@@ -280,7 +286,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
 # Checkpoint offload
 
 
-def enable_checkpoint_offload(lm: Any, pin_memory: bool) -> int:
+def enable_checkpoint_offload(lm: PreTrainedModel, pin_memory: bool) -> int:
     """Keep each checkpointed layer's input in host RAM between forward and backward; how many layers.
 
     Needs activation checkpointing already on (transformers' `gradient_checkpointing_enable`).
@@ -306,9 +312,12 @@ def enable_checkpoint_offload(lm: Any, pin_memory: bool) -> int:
             "set memory.activation_checkpointing=true"
         )
     for layer in layers:
-        checkpoint = layer._gradient_checkpointing_func
+        # transformers sets this attribute undeclared (set_gradient_checkpointing's setattr); read and
+        # written the same way here, since Module's typed attributes are only tensors and submodules.
+        checkpoint = getattr(layer, "_gradient_checkpointing_func")  # noqa: B009 - see above
         if not (isinstance(checkpoint, functools.partial) and checkpoint.func is _offloaded):
-            layer._gradient_checkpointing_func = functools.partial(_offloaded, checkpoint, pin_memory)
+            offloaded = functools.partial(_offloaded, checkpoint, pin_memory)
+            setattr(layer, "_gradient_checkpointing_func", offloaded)  # noqa: B010 - see above
     return len(layers)
 
 

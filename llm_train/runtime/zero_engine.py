@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,11 @@ from llm_train.runtime.reference import CachedReference, frozen_reference
 from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
 from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
 
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from transformers import PreTrainedTokenizerBase
+
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
 _MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
@@ -60,7 +65,7 @@ _WHERE_FIELDS = {
 
 
 class ZeroEngine:
-    def __init__(self, run: Resolved, say: Any) -> None:
+    def __init__(self, run: Resolved, say: Callable[[str], None]) -> None:
         self.run, self.say = run, say
         self.accelerator: Any = None
         self.ds: Any = None
@@ -280,7 +285,7 @@ class ZeroEngine:
             self.ds.train()
         return self.objective.eval_summary(WORLD.means(mean_scores(scores)))
 
-    def export(self, final: Path, tokenizer: Any) -> None:
+    def export(self, final: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         lora = self.run.recipe.lora
         # The reference for the export check: the trained model's logits on a fixed batch, from
         # the engine itself, before anything is written. A collective like the gather below:
@@ -300,7 +305,9 @@ class ZeroEngine:
             write_reference(final, *reference)
 
     @torch.no_grad()
-    def _export_lora(self, final: Path, tokenizer: Any, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _export_lora(
+        self, final: Path, tokenizer: PreTrainedTokenizerBase, reference: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
         """LoRA / QLoRA: merged weights written shard by shard from the GPU, or the adapter alone."""
         model = self.accelerator.unwrap_model(self.ds)
         gather = self._gather if self.run.layout.zero_stage == 3 else no_gather
@@ -324,13 +331,13 @@ class ZeroEngine:
         # while the others wait in the next gather: seconds, far inside the process group's timeout.
 
     @staticmethod
-    def _gather(params: list[torch.nn.Parameter]) -> Any:
+    def _gather(params: list[torch.nn.Parameter]) -> AbstractContextManager[Any]:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     @torch.no_grad()
-    def reference_logits(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logits(self, tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the model as it trained; eval mode, since the reload runs without dropout."""
         config = self.accelerator.unwrap_model(self.ds).config
         input_ids = reference_input_ids(tokenizer, config.vocab_size)
