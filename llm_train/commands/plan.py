@@ -125,8 +125,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.gpu_mem,
             args.host_ram,
             nvme_gib=args.nvme_gib,
-            # plan_recipe still annotates a plain dict; typed as DriveSpeeds once planning/ is typed.
-            drive=speeds,  # type: ignore[arg-type]
+            drive=speeds,
         )
         print(render(report))
         return 0

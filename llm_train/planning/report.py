@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from llm_train.config.hardware import GPU_HEADROOM, Hardware, hardware_for
+from llm_train.config.hardware import GPU_HEADROOM, DriveSpeeds, Hardware, hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.planning.checkpoint_cost import checkpoint_lines
@@ -127,14 +127,14 @@ def render(report: PlanReport) -> str:
         lines.append(f"  {key:<44} {value:>11}")
     t = ev.time
     parts = [f"compute {t.compute:.2f}s"]
-    for label, value in (
+    for label, seconds in (
         ("ZeRO comm", t.communication),
         ("PCIe", t.pcie),
         ("CPU Adam", t.cpu_optimizer),
         ("NVMe", t.nvme),
     ):
-        if value:
-            parts.append(f"{label} {value:.2f}s")
+        if seconds:
+            parts.append(f"{label} {seconds:.2f}s")
     if t.nvme:
         parts[-1] += (
             f": read {t.nvme_read_bytes / 1e9:.0f} GB at {hw.nvme_read_bytes_per_s / 1e9:g} GB/s, write "
@@ -286,7 +286,7 @@ def plan_recipe(
     host_ram_gib: float | None = None,
     detect: bool = True,
     nvme_gib: float | None = None,
-    drive: dict[str, float] | None = None,
+    drive: DriveSpeeds | None = None,
 ) -> PlanReport:
     """The plan for a recipe on the given (or detected, or declared) hardware.
 

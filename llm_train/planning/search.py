@@ -280,7 +280,7 @@ def long_context_options(inp: MemoryInputs, saving_only: bool = True) -> list[tu
             for name, _ in LONG_CONTEXT_SWITCHES
         ]
     options = [(sp, *flags) for sp in degrees for flags in itertools.product(*switches)]
-    return [own] + [o for o in options if o != own]  # type: ignore[misc]
+    return [own] + [o for o in options if o != own]
 
 
 def _states(start: MemoryInputs) -> list[str]:
