@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -76,7 +76,7 @@ class Resolved:
         *,
         max_steps: int | None = None,
         grad_accum: int | None = None,
-        pinning: Literal["torch", "native", "off"] | None = None,
+        pinning: str | None = None,
         load_universal: bool | None = None,
         flops_profiler: dict[str, Any] | None = None,
         notice: str | None = None,
