@@ -1,4 +1,4 @@
-"""The README's "Long context" table: the longest sequence the planner fits per GPU count, without and
+"""docs/long-context.md's table: the longest sequence the planner fits per GPU count, without and
 with DeepSpeed ALST (Ulysses sequence parallelism, tiled MLP, tiled loss, checkpoint offload).
 
 Pure planner arithmetic (llm_train/planning/long_context.py states the assumptions): no GPU, no

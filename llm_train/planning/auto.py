@@ -33,11 +33,8 @@ from llm_train.planning.fit import (
     evaluate,
     shipped_settings,
 )
-from llm_train.planning.memory import (
-    GiB,
-    MemoryInputError,
-    MemoryInputs,
-)
+from llm_train.planning.memory import GiB
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.report import config_line, verdict
 from llm_train.planning.search import (
     LONG_CONTEXT_SWITCHES,
@@ -89,116 +86,199 @@ def choose_auto(
 
     lora: "fallback" = LoRA only when no full fine-tune fits, or the one that fits is impractical;
     "never"; "always". nvme_gib: NVMe space per node (--nvme-gib); without it no NVMe offload.
+    A composer: the request, the candidates of each kind evaluated, the pick, then why.
     """
-    nvme_bytes = int((nvme_gib or 0) * GiB)
-
-    shape = shape_of(model)
-    seq = seq_len or min(2048, shape.max_position_embeddings)
-    precision = default_precision(hw.kind, hw.bf16)
-    dp = hw.gpus
-    micro_options = [m for m in AUTO_MICRO_BATCHES if global_batch % (m * dp) == 0]
-    if not micro_options:
-        raise UserError(
-            f"--global-batch {global_batch} is not a multiple of --gpus {dp}; pick a multiple of {dp}"
-        )
-    modes = [k for k in SHIPPED_DS_CONFIGS if hw.kind == "cuda" or k[1:] == ("none", "none")]
-    plain = (1, False, False, False)
-
-    def all_evaluations(
-        lora_rank: int | None, long_context: list[tuple[int, bool, bool, bool]], quantize: str = "none"
-    ) -> list[Evaluation]:
-        out = []
-        states = ("fp32",)  # never bf16 states: see the module docstring
-        for mode, micro, ckpt, state, (sp, tiled_mlp, tiled_loss, offload_ckpt) in itertools.product(
-            modes, AUTO_MICRO_BATCHES, (False, True), states, long_context
-        ):
-            ranks = dp // sp  # data-parallel ranks: sp of the GPUs share each sequence
-            if global_batch % (micro * ranks):
-                continue
-            try:
-                candidate = MemoryInputs.of(
-                    shape=shape,
-                    world_size=dp,
-                    zero_stage=mode[0],
-                    offload_optimizer=mode[1],
-                    offload_params=mode[2],
-                    precision=precision,
-                    micro_batch=micro,
-                    grad_accum=global_batch // (micro * ranks),
-                    sp=sp,
-                    gpus_per_node=hw.gpus_per_node,
-                    seq_len=seq,
-                    activation_checkpointing=ckpt,
-                    lora_rank=lora_rank,
-                    quantize=quantize,
-                    overlap_comm=True,
-                    state_dtype=state,
-                    tiled_mlp=tiled_mlp,
-                    tiled_loss=tiled_loss,
-                    offload_checkpoints=offload_ckpt,
-                    # The generated recipe asks for deepspeed.pinning=auto: exact-size buffers.
-                    pinning="native" if mode[1] != "none" else "torch",
-                    param_pinning="native" if mode[2] != "none" else "torch",
-                    **shipped_settings(mode),
-                )
-            except MemoryInputError:
-                continue  # a combination the layout (or sequence-parallel) rules refuse
-            out.append(evaluate(candidate, hw, nvme_bytes))
-        return out
-
-    def evaluations(lora_rank: int | None, quantize: str = "none") -> list[Evaluation]:
-        """Without ALST; with it too when nothing fits without (only a long sequence needs it)."""
-        out = all_evaluations(lora_rank, [plain], quantize)
-        if not any(e.fits for e in out):
-            probe = MemoryInputs.of(shape=shape, world_size=dp, gpus_per_node=hw.gpus_per_node, seq_len=seq)
-            out += all_evaluations(lora_rank, long_context_options(probe)[1:], quantize)
-        return out
-
-    reasons: list[str] = []
-    full_tried = [] if lora == "always" else evaluations(None)
-    lora_all = evaluations(SUGGESTED_LORA_RANK)
-    if not any(e.fits for e in lora_all) and hw.kind == "cuda":
-        # QLoRA: the same adapters on a 4-bit base (bitsandbytes), when the 16-bit base does not fit.
-        lora_all += evaluations(SUGGESTED_LORA_RANK, "nf4")
+    ask = auto_request(model, hw, seq_len, global_batch, nvme_gib)
+    full_tried = [] if lora == "always" else fitting_search(ask, None)
+    lora_all = lora_search(ask)
     lora_tried = [] if lora == "never" else lora_all
-    full_fitting = [e for e in full_tried if e.fits]
-    lora_fitting = [e for e in lora_tried if e.fits]
     tried = full_tried + lora_tried
     # A verdict judges the configuration against everything this hardware could run instead, LoRA
     # included even under --no-lora: the flag says what to choose, not how fast the choice is.
     alternatives = full_tried + lora_all
-    full = min(full_fitting, key=_auto_key) if full_fitting else None
+    chosen, fitting, reasons = pick(ask, full_tried, lora_tried, alternatives, lora)
+    practicality = judge(chosen, alternatives)
+    reasons.append(f"the fastest of {len(fitting)} fitting configurations (of {len(tried)} estimated)")
+    reasons += lighter_misses(ask, chosen, tried)
+    reasons += technique_reasons(ask, chosen, tried, lora)
+    return AutoChoice(
+        chosen, hw, model, ask.shape, ask.seq_len, global_batch, reasons, practicality, ask.nvme_bytes
+    )
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """What `--recipe auto` is asked: a model on hardware, at a sequence length and global batch."""
+
+    model: str
+    shape: ModelShape
+    hw: Hardware
+    seq_len: int
+    global_batch: int
+    nvme_bytes: int
+    """NVMe space per node the user declared (--nvme-gib); 0: NVMe offload never fits."""
+
+    @property
+    def precision(self) -> str:
+        return default_precision(self.hw.kind, self.hw.bf16)
+
+    @property
+    def modes(self) -> list[tuple[int, str, str]]:
+        """The shipped DS JSONs' (stage, optimizer offload, parameter offload); offload only on CUDA."""
+        return [k for k in SHIPPED_DS_CONFIGS if self.hw.kind == "cuda" or k[1:] == ("none", "none")]
+
+
+def auto_request(
+    model: str, hw: Hardware, seq_len: int | None, global_batch: int, nvme_gib: float | None
+) -> AutoRequest:
+    """The request with its defaults filled (seq_len: min(2048, the model's maximum)), or UserError
+    when no micro-batch divides the global batch over the GPUs."""
+    nvme_bytes = int((nvme_gib or 0) * GiB)
+    shape = shape_of(model)
+    seq = seq_len or min(2048, shape.max_position_embeddings)
+    dp = hw.gpus
+    if not any(global_batch % (m * dp) == 0 for m in AUTO_MICRO_BATCHES):
+        raise UserError(
+            f"--global-batch {global_batch} is not a multiple of --gpus {dp}; pick a multiple of {dp}"
+        )
+    return AutoRequest(model, shape, hw, seq, global_batch, nvme_bytes)
+
+
+# (sp, tiled_mlp, tiled_loss, offload_checkpoints) without any DeepSpeed ALST technique.
+NO_ALST = (1, False, False, False)
+
+
+def candidates(
+    ask: AutoRequest, lora_rank: int | None, long_context: list[tuple[int, bool, bool, bool]], quantize: str
+) -> list[MemoryInputs]:
+    """Every shipped DS JSON x micro-batch x checkpointing x long-context option that the layout (and
+    sequence-parallel) rules accept and whose micro-batch divides the global batch."""
+    hw, dp = ask.hw, ask.hw.gpus
+    out = []
+    states = ("fp32",)  # never bf16 states: see the module docstring
+    for mode, micro, ckpt, state, (sp, tiled_mlp, tiled_loss, offload_ckpt) in itertools.product(
+        ask.modes, AUTO_MICRO_BATCHES, (False, True), states, long_context
+    ):
+        ranks = dp // sp  # data-parallel ranks: sp of the GPUs share each sequence
+        if ask.global_batch % (micro * ranks):
+            continue
+        try:
+            candidate = MemoryInputs.of(
+                shape=ask.shape,
+                world_size=dp,
+                zero_stage=mode[0],
+                offload_optimizer=mode[1],
+                offload_params=mode[2],
+                precision=ask.precision,
+                micro_batch=micro,
+                grad_accum=ask.global_batch // (micro * ranks),
+                sp=sp,
+                gpus_per_node=hw.gpus_per_node,
+                seq_len=ask.seq_len,
+                activation_checkpointing=ckpt,
+                lora_rank=lora_rank,
+                quantize=quantize,
+                overlap_comm=True,
+                state_dtype=state,
+                tiled_mlp=tiled_mlp,
+                tiled_loss=tiled_loss,
+                offload_checkpoints=offload_ckpt,
+                # The generated recipe asks for deepspeed.pinning=auto: exact-size buffers.
+                pinning="native" if mode[1] != "none" else "torch",
+                param_pinning="native" if mode[2] != "none" else "torch",
+                **shipped_settings(mode),
+            )
+        except MemoryInputError:
+            continue  # a combination the layout (or sequence-parallel) rules refuse
+        out.append(candidate)
+    return out
+
+
+def fitting_search(ask: AutoRequest, lora_rank: int | None, quantize: str = "none") -> list[Evaluation]:
+    """The candidates of one kind evaluated: without ALST; with it too when nothing fits without
+    (only a long sequence needs it)."""
+    out = [evaluate(c, ask.hw, ask.nvme_bytes) for c in candidates(ask, lora_rank, [NO_ALST], quantize)]
+    if not any(e.fits for e in out):
+        probe = MemoryInputs.of(
+            shape=ask.shape, world_size=ask.hw.gpus, gpus_per_node=ask.hw.gpus_per_node, seq_len=ask.seq_len
+        )
+        options = long_context_options(probe)[1:]
+        out += [evaluate(c, ask.hw, ask.nvme_bytes) for c in candidates(ask, lora_rank, options, quantize)]
+    return out
+
+
+def lora_search(ask: AutoRequest) -> list[Evaluation]:
+    """LoRA candidates evaluated, and QLoRA's (the same adapters on a 4-bit base, bitsandbytes) on CUDA
+    when no 16-bit base fits."""
+    lora_all = fitting_search(ask, SUGGESTED_LORA_RANK)
+    if not any(e.fits for e in lora_all) and ask.hw.kind == "cuda":
+        lora_all += fitting_search(ask, SUGGESTED_LORA_RANK, "nf4")
+    return lora_all
+
+
+def fastest_fitting(tried: list[Evaluation]) -> tuple[Evaluation | None, list[Evaluation]]:
+    """(the first by `_auto_key` of those that fit, or None; all that fit)."""
+    fitting = [e for e in tried if e.fits]
+    return (min(fitting, key=_auto_key) if fitting else None), fitting
+
+
+def pick(
+    ask: AutoRequest,
+    full_tried: list[Evaluation],
+    lora_tried: list[Evaluation],
+    alternatives: list[Evaluation],
+    lora: str,
+) -> tuple[Evaluation, list[Evaluation], list[str]]:
+    """(the choice, the fitting configurations of its kind, why LoRA when it is LoRA).
+
+    The fastest full fine-tune that fits, unless it is impractical and a practical LoRA fits; else the
+    fastest LoRA that fits; else UserError with the closest miss.
+    """
+    full, full_fitting = fastest_fitting(full_tried)
+    best_lora, lora_fitting = fastest_fitting(lora_tried)
     full_verdict = judge(full, alternatives) if full is not None else None
-    best_lora = min(lora_fitting, key=_auto_key) if lora_fitting else None
     # LoRA replaces an impractical full fine-tune only when it is practical itself.
     lora_helps = best_lora is not None and judge(best_lora, alternatives).practical
     if full is not None and full_verdict is not None and (full_verdict.practical or not lora_helps):
-        chosen, fitting = full, full_fitting
-    elif best_lora is not None:
-        chosen, fitting = best_lora, lora_fitting
-        if full is not None and full_verdict is not None:
-            reasons.append(
-                f"a full fine-tune fits ({short_config(full.inputs)}) but is impractical: "
-                f"{'; '.join(full_verdict.reasons)}; so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) "
-                "on the frozen model (--no-lora for the full fine-tune)"
-            )
-        elif lora == "fallback":
-            nvme = "" if nvme_bytes else " (NVMe offload is considered only with --nvme-gib N)"
-            reasons.append(
-                "no full fine-tune fits, even with ZeRO-3 and CPU offload"
-                f"{nvme}, so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) on the frozen model"
-            )
-        if best_lora.inputs.quantize != "none":
-            reasons.append(
-                "16-bit LoRA does not fit either, so the frozen base loads in 4 bits (QLoRA, lora.quantize=nf4; "
-                "pip install 'llm_train[qlora]')"
-            )
-    else:
-        raise UserError(_nowhere(model, hw, tried, lora, nvme_bytes))
-    practicality = judge(chosen, alternatives)
-    reasons.append(f"the fastest of {len(fitting)} fitting configurations (of {len(tried)} estimated)")
-    # The evidence for the level of partitioning/offload: the lighter modes that do not fit
-    # even at their smallest (micro-batch 1, checkpointing), closest to fitting first.
+        return full, full_fitting, []
+    if best_lora is None:
+        raise UserError(_nowhere(ask.model, ask.hw, full_tried + lora_tried, lora, ask.nvme_bytes))
+    return best_lora, lora_fitting, lora_reasons(ask, full, full_verdict, best_lora, lora)
+
+
+def lora_reasons(
+    ask: AutoRequest,
+    full: Evaluation | None,
+    full_verdict: Practicality | None,
+    best_lora: Evaluation,
+    lora: str,
+) -> list[str]:
+    """Why the choice trains LoRA (or QLoRA) adapters: the full fine-tune is impractical or fits nowhere."""
+    reasons = []
+    if full is not None and full_verdict is not None:
+        reasons.append(
+            f"a full fine-tune fits ({short_config(full.inputs)}) but is impractical: "
+            f"{'; '.join(full_verdict.reasons)}; so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) "
+            "on the frozen model (--no-lora for the full fine-tune)"
+        )
+    elif lora == "fallback":
+        nvme = "" if ask.nvme_bytes else " (NVMe offload is considered only with --nvme-gib N)"
+        reasons.append(
+            "no full fine-tune fits, even with ZeRO-3 and CPU offload"
+            f"{nvme}, so this trains LoRA adapters (rank {SUGGESTED_LORA_RANK}) on the frozen model"
+        )
+    if best_lora.inputs.quantize != "none":
+        reasons.append(
+            "16-bit LoRA does not fit either, so the frozen base loads in 4 bits (QLoRA, lora.quantize=nf4; "
+            "pip install 'llm_train[qlora]')"
+        )
+    return reasons
+
+
+def lighter_misses(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluation]) -> list[str]:
+    """The evidence for the level of partitioning/offload: the lighter (faster) modes of the chosen kind
+    that do not fit even at their smallest (micro-batch 1, checkpointing), closest to fitting first."""
+    hw = ask.hw
     by_mode: dict[tuple[int, str, str], list[Evaluation]] = {}
     for e in tried:
         if bool(e.inputs.lora_rank) == bool(chosen.inputs.lora_rank):
@@ -208,33 +288,47 @@ def choose_auto(
         for evs in by_mode.values()
         if not any(e.fits for e in evs)
         and min(e.time.total for e in evs) < chosen.time.total
-        and (nvme_bytes or not evs[0].inputs.uses_nvme)  # NVMe is no option without --nvme-gib
+        and (ask.nvme_bytes or not evs[0].inputs.uses_nvme)  # NVMe is no option without --nvme-gib
     ]
-    for e in sorted(misses, key=lambda e: _overflow(e, hw))[:3]:
-        reasons.append(f"not {_mode_text(e.inputs)}: even at its smallest it needs {_needs_text(e, hw)}")
-    if chosen.inputs.activation_checkpointing:
+    return [
+        f"not {_mode_text(e.inputs)}: even at its smallest it needs {_needs_text(e, hw)}"
+        for e in sorted(misses, key=lambda e: _overflow(e, hw))[:3]
+    ]
+
+
+def technique_reasons(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluation], lora: str) -> list[str]:
+    """Why the choice turns on what costs speed: activation checkpointing, DeepSpeed ALST, NVMe offload."""
+    c = chosen.inputs
+    reasons = []
+    if c.activation_checkpointing:
         reasons.append("activation checkpointing is on because the faster splits without it do not fit")
-    if chosen.inputs.uses_long_context:
-        same_kind = [
-            e
-            for e in tried
-            if not e.inputs.uses_long_context and bool(e.inputs.lora_rank) == bool(chosen.inputs.lora_rank)
-        ]
-        closest = min(same_kind, key=lambda e: _overflow(e, hw)) if same_kind else None
-        evidence = (
-            f": the closest without, {short_config(closest.inputs)}, needs {_needs_text(closest, hw)}"
-            if closest
-            else ""
-        )
-        reasons.append(
-            f"--seq-len {seq} needs DeepSpeed ALST ({long_context_text(chosen.inputs)}; exact, the same "
-            f"training){evidence}"
-        )
-    if chosen.inputs.uses_nvme and not chosen.inputs.lora_rank and lora != "never":
+    if c.uses_long_context:
+        reasons.append(_long_context_reason(ask, chosen, tried))
+    if c.uses_nvme and not c.lora_rank and lora != "never":
         reasons.append(
             "NVMe offload is slow; --lora trains LoRA adapters instead, without NVMe and much faster"
         )
-    return AutoChoice(chosen, hw, model, shape, seq, global_batch, reasons, practicality, nvme_bytes)
+    return reasons
+
+
+def _long_context_reason(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluation]) -> str:
+    """ALST is on because the sequence needs it: the closest configuration of the same kind without it."""
+    hw = ask.hw
+    same_kind = [
+        e
+        for e in tried
+        if not e.inputs.uses_long_context and bool(e.inputs.lora_rank) == bool(chosen.inputs.lora_rank)
+    ]
+    closest = min(same_kind, key=lambda e: _overflow(e, hw)) if same_kind else None
+    evidence = (
+        f": the closest without, {short_config(closest.inputs)}, needs {_needs_text(closest, hw)}"
+        if closest
+        else ""
+    )
+    return (
+        f"--seq-len {ask.seq_len} needs DeepSpeed ALST ({long_context_text(chosen.inputs)}; exact, the same "
+        f"training){evidence}"
+    )
 
 
 def _mode_text(c: MemoryInputs) -> str:

@@ -22,14 +22,12 @@ from llm_train.config.layout import workers_for
 from llm_train.planning.host_offload import SwapSettings
 from llm_train.planning.memory import (
     ALLOCATOR_SLACK_FRACTION,
-    DS_ALLGATHER_BUCKET_SIZE,
-    DS_SUB_GROUP_SIZE,
     PROCESS_HOST_BYTES,
     GiB,
     MemoryEstimate,
-    MemoryInputs,
     estimate_memory,
 )
+from llm_train.planning.memory_inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GROUP_SIZE, MemoryInputs
 from llm_train.planning.shapes import ModelShape
 from llm_train.planning.speed import StepTime, step_time
 

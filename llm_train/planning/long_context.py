@@ -2,7 +2,7 @@
 
 `longest_sequence` bisects data.seq_len (in steps of SEQ_STEP tokens) for the largest length at which
 one configuration of a fixed family fits the hardware (planning.fit.evaluate: GPU memory within its
-headroom, host RAM within its reserve). The family, the assumptions the README's table states:
+headroom, host RAM within its reserve). The family, the assumptions docs/long-context.md's table states:
 
 - a full fine-tune in bf16, micro-batch 1 (one sequence per step and data-parallel rank), activation
   checkpointing on, flash-attention-class kernels (sdpa / flash_attention_2: no s x s matrix);
@@ -15,7 +15,7 @@ headroom, host RAM within its reserve). The family, the assumptions the README's
 
 The memory of a configuration grows with the sequence in every term, so fitting is monotone in
 seq_len and bisection finds the boundary. `bench/long_context_table.py` prints `long_context_table()`,
-the table in the README's "Long context" section.
+the table in docs/long-context.md ("The longest sequence per GPU count").
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware, hardware_for
 from llm_train.planning.fit import SHIPPED_DS_CONFIGS, Evaluation, evaluate
-from llm_train.planning.memory import GiB, MemoryInputs
+from llm_train.planning.memory import GiB
+from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.search import long_context_text, sequence_parallel_degrees
 from llm_train.planning.shapes import ModelShape, shape_of
 
@@ -36,7 +37,7 @@ SEQ_STEP = 1024
 MAX_SEQ = 1 << 24
 ZERO3_MODES = ((3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"))
 
-# The README's rows: (GPUs, GPU model, host RAM GiB per node). H100 rows get a share of an 8-GPU
+# The table's rows: (GPUs, GPU model, host RAM GiB per node). H100 rows get a share of an 8-GPU
 # node's 2 TiB (DGX H100, AWS p5.48xlarge: 256 GiB per GPU); the 24 GB card a 192 GiB desktop (a full
 # 8B fine-tune keeps ~120 GiB of fp32 optimizer states on the host).
 TABLE_ROWS: tuple[tuple[int, str, float], ...] = (
@@ -132,7 +133,7 @@ def _how(fit: LongestFit) -> str:
 
 
 def render_table(model: str, table: list[tuple[LongestFit, LongestFit]]) -> str:
-    """The Markdown table of the README: the longest sequence per hardware row, without and with ALST."""
+    """docs/long-context.md's Markdown table: the longest sequence per hardware row, without and with ALST."""
     lines = [
         f"| GPUs ({model}) | host RAM | longest without ALST | longest with ALST | with ALST: configuration, memory |",
         "|---|---|---|---|---|",

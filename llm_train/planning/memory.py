@@ -2,7 +2,8 @@
 
 Used by `llm-train plan` and `--dry-run` to say, before any weights load, whether a
 recipe fits the user's GPUs and host RAM. Pure arithmetic: no torch or deepspeed
-import, so it answers in milliseconds.
+import, so it answers in milliseconds. Its input, one configuration (`MemoryInputs`), and
+the rules that refuse impossible ones are in planning/memory_inputs.py.
 
 Conventions (read this before comparing numbers with other tools)
 -----------------------------------------------------------------
@@ -10,8 +11,8 @@ Model states. We count mixed-precision Adam at **16 bytes per parameter**:
 2 (16-bit weights) + 2 (16-bit gradients) + 12 (fp32 master weights, Adam m and v).
 That is the accounting of the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", section 3.1: "2Psi + 2Psi +
-K*Psi with K = 12"), and `zero_paper_model_states` reproduces its worked example
-(7.5B parameters, 64 GPUs: 120 / 31.4 / 16.6 / 1.9 GB for stages 0-3). Pure fp32
+K*Psi with K = 12"); tests/unit/planner_reference.py's `zero_paper_model_states` reproduces its
+worked example (7.5B parameters, 64 GPUs: 120 / 31.4 / 16.6 / 1.9 GB for stages 0-3). Pure fp32
 training is 4 + 4 + 8 = 16 bytes too, split differently (no separate master copy).
 
 DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
@@ -22,8 +23,8 @@ next to the optimizer state on the host). On the GPU without offload that fp32
 partition is transient (allocated for the step, then freed), so we leave it out of
 the steady-state GPU terms and let the allocator slack cover it; on the host, under
 offload, it is persistent and we do count it (`offloaded_fp32_gradients`).
-`deepspeed_zero2_model_states` / `deepspeed_zero3_model_states` reproduce DeepSpeed's
-functions exactly for anyone who wants that convention.
+The tests check the estimator against both conventions: tests/unit/planner_reference.py
+reproduces DeepSpeed's two functions exactly.
 
 Host RAM under CPU and NVMe offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
 allocates, read from its source in planning/host_offload.py, under the run's pinning choice
@@ -108,26 +109,12 @@ busiest one: first pipeline stage); host terms and NVMe are per node.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from llm_train.config.attention import FLEX_KERNELS, KERNELS
-from llm_train.config.ds_json import zero_bucket_sizes
-from llm_train.config.layout import (
-    Layout,
-    LayoutError,
-    sequence_parallel_message,
-    sequence_parallel_problem,
-    state_dtype_problem,
-)
-from llm_train.errors import UserError
 from llm_train.planning.host_offload import (
-    PINNINGS,
     HostBuffer,
     OffloadRank,
-    SwapSettings,
     cpu_optimizer_buffers,
     cpu_parameter_buffers,
     held_bytes,
@@ -135,7 +122,8 @@ from llm_train.planning.host_offload import (
     nvme_optimizer_buffers,
     nvme_optimizer_bytes,
 )
-from llm_train.planning.quantized import QUANTIZE_MODES, base_weight_bytes, dequantized_layer_bytes
+from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError, MemoryInputs
+from llm_train.planning.quantized import base_weight_bytes, dequantized_layer_bytes
 from llm_train.planning.shapes import ModelShape
 from llm_train.units import GiB
 
@@ -160,112 +148,15 @@ EXPORT_SHARD_BYTES = 2 * GiB
 OVERLAP_COMM_FACTOR = 4.5
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py, offload_config.py, engine).
 DS_ALLREDUCE_BUCKET_SIZE = 500_000_000  # stage 0 gradient all-reduce bucket (elements)
-DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
-DS_SUB_GROUP_SIZE = 1_000_000_000
 DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
 
-# memory.attention's kernels (config/attention.py). Only sdpa (and eager) receive the dense s x s mask
-# for packed or padded rows; flex_attention's block mask is (b x s/128 x s/128) int32 tensors, a few
-# hundred KiB at 32k tokens, and sdpa_flex never builds the dense one.
-ATTN_IMPLS = KERNELS
 # Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
 # runtime/tiling.py cuts its tiles by this same constant).
 LOSS_TILE_LOGITS_BYTES = GiB
 # The all-to-all of Ulysses attention regroups q, k, v and the attention output of one layer.
 SP_ALL_TO_ALL_TENSORS = 4
-
-
-class MemoryInputError(UserError, ValueError):
-    """An impossible or unsupported combination of memory-plan inputs."""
-
-
-# --- the ZeRO paper and DeepSpeed conventions, for reference and cross-checks ----------------------
-
-
-def zero_paper_model_states(params: float, dp: int, stage: int) -> float:
-    """Bytes of model states per GPU, ZeRO paper Figure 1 convention (16 bytes/param, K = 12).
-
-    Stage 0: 16 P; 1 (P_os): 4 P + 12 P/dp; 2 (P_os+g): 2 P + 14 P/dp; 3 (P_os+g+p): 16 P/dp.
-    """
-    k = 12
-    if stage == 0:
-        return (2 + 2 + k) * params
-    if stage == 1:
-        return (2 + 2) * params + k * params / dp
-    if stage == 2:
-        return 2 * params + (2 + k) * params / dp
-    if stage == 3:
-        return (2 + 2 + k) * params / dp
-    raise MemoryInputError(f"zero stage must be 0, 1, 2 or 3, got {stage}")
-
-
-def deepspeed_zero2_model_states(
-    total_params: int,
-    num_gpus_per_node: int = 1,
-    num_nodes: int = 1,
-    cpu_offload: bool = True,
-    additional_buffer_factor: float = 1.5,
-) -> tuple[int, int]:
-    """(cpu_bytes, gpu_bytes): exactly `deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs`.
-
-    Same expressions in the same order so float rounding matches bit for bit.
-    cpu_bytes is per node; gpu_bytes per GPU. Counts 18 bytes/param (see module doc).
-    """
-    total_gpus = num_nodes * num_gpus_per_node
-    if cpu_offload:
-        gpu_mem = 2 * total_params
-        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
-    else:
-        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
-        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-    return int(cpu_mem), int(gpu_mem)
-
-
-def deepspeed_zero3_model_states(
-    total_params: int,
-    largest_layer_params: int,
-    num_gpus_per_node: int = 1,
-    num_nodes: int = 1,
-    cpu_offload: bool = True,
-    cpu_offload_params: bool = True,
-    zero_init: bool = True,
-    additional_buffer_factor: float = 1.5,
-) -> tuple[int, int, int]:
-    """(cpu_bytes, gpu_bytes, largest_layer_bytes): exactly DeepSpeed's `estimate_zero3_model_states_mem_needs`.
-
-    Mirrors deepspeed/runtime/zero/stage3.py expression by expression, including its
-    third return value (4 bytes per parameter of the largest layer, gathered on GPU).
-    """
-    total_gpus = num_nodes * num_gpus_per_node
-    gpus_factor = 1 / num_nodes
-    largest_layer_memory = 4 * largest_layer_params
-
-    if cpu_offload:
-        if cpu_offload_params:
-            gpu_mem = largest_layer_memory
-            if zero_init:
-                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = (
-                    total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
-                )
-        else:
-            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
-            if zero_init:
-                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = (
-                    total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
-                )
-    else:
-        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
-        if zero_init:
-            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
-        else:
-            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-    return int(cpu_mem), int(gpu_mem), largest_layer_memory
 
 
 # --- activations --------------------------------------------------------------------------------
@@ -341,296 +232,6 @@ def sequence_parallel_buffer_bytes(
 # --- the estimator ------------------------------------------------------------------------------
 
 
-# Layout rules broken through MemoryInputs.of, told in its argument names (keyed by LayoutError.rule).
-_API_MESSAGES = {
-    "degrees": "world_size {world_size} is not divisible by tp*pp = {tp}*{pp}; world_size = dp * tp * pp",
-    "degrees_sp": (
-        "world_size {world_size} is not divisible by tp*pp*sp = {tp}*{pp}*{sp}; world_size = dp * tp * pp * sp"
-    ),
-    "sp_combination": "sp > 1 cannot be combined with tp or pp (got sp={sp}, tp={tp}, pp={pp})",
-    "params": "offload_params needs zero_stage 3 (only ZeRO-3 partitions parameters)",
-    "optimizer": "offload_optimizer needs zero_stage 1, 2 or 3",
-    "nvme_optimizer": "offload_optimizer 'nvme' needs zero_stage 3 (use 'cpu' with stage 1/2)",
-}
-STATE_DTYPES = ("fp32", "bf16")
-REFERENCES = ("none", "cached", "live")
-_STATE_DTYPE_MESSAGES = {
-    "state_precision": "state_dtype 'bf16' needs precision 'bf16'",
-    "state_pipeline": "state_dtype 'bf16' is not supported with pp > 1",
-    "state_offload": "state_dtype 'bf16' needs offload_optimizer 'cpu' (DeepSpeed's CPU Adam keeps them)",
-    "state_nvme": "state_dtype 'bf16' needs offload_optimizer 'cpu', not 'nvme'",
-}
-_LAYOUT_FIELDS = {
-    "zero_stage",
-    "offload_optimizer",
-    "offload_params",
-    "precision",
-    "micro_batch_size",
-    "grad_accum",
-    "sp",
-}
-
-
-@dataclass(frozen=True)
-class MemoryInputs:
-    """One training configuration, as far as memory is concerned."""
-
-    shape: ModelShape
-    layout: Layout
-    """World, degrees, ZeRO stage, offload, precision and batch (config.layout checks their rules)."""
-    gpus_per_node: int | None = None
-    """GPUs (ranks) per node; None = min(world_size, 8)."""
-    seq_len: int = 2048
-    activation_checkpointing: bool = False
-    attn_impl: str = "sdpa"
-    dense_mask: bool = False
-    """The rows carry an attention mask (packed rows: block-diagonal; padded rows), which sdpa receives
-    as [micro x 1 x s x s] without sequence parallelism (Ulysses drops it); flash-attention-2,
-    flex_attention and sdpa_flex build none."""
-    lora_rank: int | None = None
-    """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
-    quantize: str = "none"
-    """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
-    direct_load: bool = True
-    """Pretrained weights read tensor by tensor onto the GPU or into zero.Init's partitions (False: a
-    randomly initialised model, built whole on the host first)."""
-    reduce_bucket_size: int | None = None
-    """Elements; None = hidden*hidden (HF's "auto")."""
-    prefetch_bucket_size: int | None = None
-    """ZeRO-3 elements; None = int(0.9*hidden*hidden) (HF's "auto")."""
-    overlap_comm: bool = True
-    allgather_bucket_size: int = DS_ALLGATHER_BUCKET_SIZE
-    """ZeRO-1/2 elements; DeepSpeed's default, HF's "auto" does not set it."""
-    param_persistence_threshold: int | None = None
-    """ZeRO-3: tensors below this many elements stay whole on every GPU; None = 10*hidden."""
-    sub_group_size: int = DS_SUB_GROUP_SIZE
-    zero_init: bool | None = None
-    """Model built under deepspeed.zero.Init; None = (zero_stage == 3)."""
-    state_dtype: str = "fp32"
-    """Offloaded master weights, gradients and Adam states: "fp32", or "bf16" (optim.state_dtype)."""
-    export_adapter_only: bool = False
-    """LoRA runs that export only the adapter (lora.export=adapter): no merged copy of the model."""
-    pinning: str = "torch"
-    """How the offload_optimizer buffers are pinned (host_offload.PINNINGS): "torch" (DeepSpeed 0.19.8's
-    default: torch rounds each pinned buffer up to a power of two), "native" (exact-size mlock,
-    DS_PIN_MEMORY_BACKEND=native) or "off" (the DS JSON's pin_memory false: pageable, exact)."""
-    param_pinning: str = "torch"
-    """The same for the offload_param buffers (the DS JSON's offload_param.pin_memory)."""
-    checkpoint_pinning: str = "torch"
-    """memory.offload_checkpoints: "torch" on CUDA (save_on_cpu(pin_memory=True): torch's pinned
-    allocator, rounded up to a power of two per checkpoint) or "off" (CPU: plain host tensors)."""
-    swap: SwapSettings = SwapSettings()
-    """The NVMe swap settings of offload_optimizer (buffer count, pipelining, aio alignment)."""
-    loader_forks: bool = False
-    """DataLoader workers are forked after DeepSpeed's set-up (data.loader_workers > 0; 2 by default on
-    CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/host_offload.py)."""
-    tiled_mlp: bool = False
-    """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
-    tiled_loss: bool = False
-    """memory.tiled_loss: logits and loss over tiles; the full logits tensor never exists."""
-    offload_checkpoints: bool = False
-    """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
-    sequences_per_sample: int = 1
-    """Rows per sample: 2 for preference pairs (chosen and rejected), else 1 (micro_batch counts samples)."""
-    reference: str = "none"
-    """DPO's reference: "none" (lm, simpo), "cached" (log-probs computed before training) or "live" (scored
-    every step: a frozen copy of the model, or under LoRA the base with the adapters disabled)."""
-
-    def __post_init__(self) -> None:
-        buckets = zero_bucket_sizes(self.shape.hidden_size)
-        # Resolve the "auto" defaults once, so every reader sees concrete numbers.
-        if self.gpus_per_node is None:
-            object.__setattr__(self, "gpus_per_node", min(self.world_size, 8))
-        if self.reduce_bucket_size is None:
-            object.__setattr__(self, "reduce_bucket_size", buckets["reduce_bucket_size"])
-        if self.prefetch_bucket_size is None:
-            object.__setattr__(self, "prefetch_bucket_size", buckets["stage3_prefetch_bucket_size"])
-        if self.param_persistence_threshold is None:
-            object.__setattr__(
-                self, "param_persistence_threshold", buckets["stage3_param_persistence_threshold"]
-            )
-        if self.zero_init is None:
-            object.__setattr__(self, "zero_init", self.zero_stage == 3)
-        self._validate()
-
-    def _validate(self) -> None:
-        for name in ("seq_len", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise MemoryInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise MemoryInputError(
-                f"attn_impl must be one of {', '.join(ATTN_IMPLS)}, got '{self.attn_impl}'"
-            )
-        for name in ("pinning", "param_pinning", "checkpoint_pinning"):
-            if getattr(self, name) not in PINNINGS:
-                raise MemoryInputError(
-                    f"{name} must be one of {', '.join(PINNINGS)}, got '{getattr(self, name)}'"
-                )
-        if self.lora_rank is not None and self.lora_rank < 1:
-            raise MemoryInputError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
-        if self.quantize not in QUANTIZE_MODES:
-            raise MemoryInputError(
-                f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got '{self.quantize}'"
-            )
-        if self.quantize != "none" and self.lora_rank is None:
-            raise MemoryInputError("quantize needs lora_rank: a quantised base trains adapters only (QLoRA)")
-        if self.state_dtype not in STATE_DTYPES:
-            raise MemoryInputError(
-                f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got '{self.state_dtype}'"
-            )
-        # The recipe's own rule (config.layout), so the planner never proposes what a run refuses.
-        broken = state_dtype_problem(self.state_dtype, self.precision, self.offload_optimizer, self.pp)
-        if broken is not None:
-            raise MemoryInputError(_STATE_DTYPE_MESSAGES[broken])
-        if self.offload_checkpoints and not self.activation_checkpointing:
-            raise MemoryInputError("offload_checkpoints needs activation_checkpointing")
-        if self.reference not in REFERENCES or self.sequences_per_sample not in (1, 2):
-            raise MemoryInputError(
-                f"reference must be one of {', '.join(REFERENCES)} and sequences_per_sample 1 or 2, got "
-                f"{self.reference!r}, {self.sequences_per_sample}"
-            )
-        # The run's Ulysses rules (config.layout, config.parallel), so the planner never proposes what a run refuses.
-        shape = self.shape
-        broken = sequence_parallel_problem(self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
-        if broken is not None:
-            raise MemoryInputError(
-                sequence_parallel_message(broken, self.sp, self.seq_len, shape.num_heads, shape.num_kv_heads)
-            )
-        if self.sp > 1 and self.attn_impl not in ("sdpa", "flash_attention_2"):
-            raise MemoryInputError(
-                f"sp > 1 needs attn_impl 'sdpa' or 'flash_attention_2' (the run refuses {self.attn_impl})"
-            )
-        if self.attn_impl in FLEX_KERNELS and (self.tp > 1 or self.pp > 1):
-            raise MemoryInputError(f"attn_impl '{self.attn_impl}' needs tp = pp = 1 (the run refuses it)")
-
-    @classmethod
-    def of(
-        cls,
-        shape: ModelShape,
-        world_size: int,
-        tp: int = 1,
-        pp: int = 1,
-        zero_stage: int = 0,
-        offload_optimizer: str = "none",
-        offload_params: str = "none",
-        precision: str = "bf16",
-        micro_batch: int = 1,
-        grad_accum: int = 1,
-        sp: int = 1,
-        **rest: Any,
-    ) -> MemoryInputs:
-        """Inputs from the layout's fields spelled out (the planner's API and its tests)."""
-        try:
-            layout = Layout(
-                world_size=world_size,
-                tp=tp,
-                pp=pp,
-                zero_stage=zero_stage,
-                offload_optimizer=offload_optimizer,
-                offload_params=offload_params,
-                precision=precision,
-                micro_batch_size=micro_batch,
-                grad_accum=grad_accum,
-                sp=sp,
-            )
-        except LayoutError as exc:
-            rule = "degrees_sp" if exc.rule == "degrees" and sp > 1 else exc.rule
-            raise MemoryInputError(_API_MESSAGES.get(rule, str(exc)).format(**locals())) from None
-        return cls(shape=shape, layout=layout, **rest)
-
-    def vary(self, **changes: Any) -> MemoryInputs:
-        """These inputs with layout fields and/or memory techniques changed (the planner's candidates)."""
-        layout_changes = {k: changes.pop(k) for k in list(changes) if k in _LAYOUT_FIELDS}
-        layout = self.layout
-        if layout_changes:
-            try:
-                layout = layout.vary(**layout_changes)
-            except LayoutError as exc:
-                raise MemoryInputError(str(exc)) from None
-        return dataclasses.replace(self, layout=layout, **changes)
-
-    @property
-    def ds_key(self) -> tuple[int, str, str]:
-        """(ZeRO stage, optimizer offload, parameter offload): which shipped DS JSON it needs."""
-        return (self.zero_stage, self.offload_optimizer, self.offload_params)
-
-    @property
-    def knobs(self) -> tuple[Any, ...]:
-        """What the planner turns: the DS JSON, micro-batch and accumulation, checkpointing, LoRA, state
-        dtype, and the long-context ones (sequence parallelism and the ALST memory switches)."""
-        return (
-            self.ds_key,
-            self.micro_batch,
-            self.grad_accum,
-            self.activation_checkpointing,
-            self.lora_rank,
-            self.quantize,
-            self.state_dtype,
-            self.long_context,
-        )
-
-    @property
-    def long_context(self) -> tuple[int, bool, bool, bool]:
-        """(sp, tiled_mlp, tiled_loss, offload_checkpoints): the DeepSpeed ALST techniques in use."""
-        return (self.sp, self.tiled_mlp, self.tiled_loss, self.offload_checkpoints)
-
-    @property
-    def uses_long_context(self) -> bool:
-        """Sequence parallelism or any ALST memory switch is on (exact: the same training, more memory)."""
-        return self.long_context != (1, False, False, False)
-
-    @property
-    def mlp_is_tiled(self) -> bool:
-        """memory.tiled_mlp and more than one tile: a row of at most hidden_size tokens runs untiled."""
-        return self.tiled_mlp and self.local_tokens > self.shape.hidden_size
-
-    @property
-    def rows(self) -> int:
-        """Rows of seq_len tokens per micro-batch: micro_batch samples of sequences_per_sample rows each."""
-        return self.micro_batch * self.sequences_per_sample
-
-    @property
-    def reference_copy(self) -> bool:
-        """A frozen copy of the model is held for DPO's reference (live, without LoRA)."""
-        return self.reference == "live" and not self.lora_rank
-
-    @property
-    def local_tokens(self) -> int:
-        """Tokens of each sequence one rank holds: seq_len / sp."""
-        return self.seq_len // self.sp
-
-    @property
-    def zero_partitions(self) -> int:
-        """Ranks ZeRO partitions over: dp x sp (DeepSpeed's sequence-data-parallel group)."""
-        return self.dp * self.sp
-
-    @property
-    def uses_nvme(self) -> bool:
-        return "nvme" in (self.offload_optimizer, self.offload_params)
-
-    # The layout's fields, read as the estimator reads them.
-    world_size = property(lambda self: self.layout.world_size)
-    tp = property(lambda self: self.layout.tp)
-    pp = property(lambda self: self.layout.pp)
-    dp = property(lambda self: self.layout.dp)
-    zero_stage = property(lambda self: self.layout.zero_stage)
-    offload_optimizer = property(lambda self: self.layout.offload_optimizer)
-    offload_params = property(lambda self: self.layout.offload_params)
-    precision = property(lambda self: self.layout.precision)
-    micro_batch = property(lambda self: self.layout.micro_batch_size)
-    grad_accum = property(lambda self: self.layout.grad_accum)
-    sp = property(lambda self: self.layout.sp)
-
-    @property
-    def ranks_per_node(self) -> int:
-        assert self.gpus_per_node is not None
-        return min(self.gpus_per_node, self.world_size)
-
-    @property
-    def num_nodes(self) -> int:
-        return math.ceil(self.world_size / self.ranks_per_node)
-
-
 _LABELS = {
     "parameters": "parameters",
     "dequantized_weight": "dequantised 4/8-bit weight (transient)",
@@ -695,57 +296,156 @@ CONVENTION = (
 
 
 def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
-    """Estimate GPU (per GPU), host RAM and NVMe (per node) bytes for `inp`."""
+    """Estimate GPU (per GPU), host RAM and NVMe (per node) bytes for `inp`.
+
+    A composer: the model's split over the GPUs, then the GPU terms, the host terms and their peak
+    over the load, training and export phases, and the NVMe space (the module docstring has the
+    conventions of each).
+    """
+    split = model_split(inp)
+    activations, offloaded_checkpoints = activation_bytes(inp)
+    reference_gpu, reference_host = reference_model_bytes(inp, split)
+    gpu = gpu_terms(inp, split, activations, reference_gpu)
+    host, released, locked = host_terms(inp, split, offloaded_checkpoints, reference_host)
+    gpu_int = {k: int(v) for k, v in gpu.items()}
+    return MemoryEstimate(
+        gpu_terms=gpu_int,
+        host_terms={k: int(v) for k, v in host.items()},
+        nvme_bytes=int(nvme_space_bytes(inp, split)),
+        gpu_bytes=gpu_peak_bytes(inp, split, sum(gpu_int.values())),
+        host_bytes=int(host_peak_bytes(inp, host, released)),
+        convention=CONVENTION,
+        locked_per_rank=int(locked),
+    )
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    """How one GPU's share of the model divides: bytes per element, and elements after tp x pp.
+
+    tp and pp split the model between GPUs before ZeRO partitions it over dp x sp. Approximation: an
+    even split (embeddings and lm_head really sit on the first / last pipeline stage, and AutoTP
+    leaves norms and embeddings whole).
+    """
+
+    weight_bytes: int
+    """2 (16-bit) or 4 (fp32); the frozen LoRA base too: it is loaded in the training dtype."""
+    grad_bytes: int
+    """The gradients' bytes: those of the weights."""
+    optim_bytes: int
+    """fp32 master + m + v (12), just m + v when the weights are fp32 (8), or bf16 master + m + v (6)."""
+    base: float
+    """The base model's elements on this GPU's tp x pp share."""
+    weights: float
+    """Base and LoRA adapters."""
+    trainable: float
+    """What the optimizer updates: the adapters under LoRA, else the base."""
+    persistent: float
+    """ZeRO-3: tensors under the persistence threshold (norms, Qwen's q/k/v biases), whole on every GPU."""
+    partitioned: float
+    """weights - persistent: what ZeRO-3 partitions."""
+    on_gpu_weights: float
+    """The elements of weights this GPU holds during training."""
+    quantized_base: float
+    """Bytes of the base at its stored precision (4/8-bit under QLoRA, else weight_bytes each)."""
+
+
+def model_split(inp: MemoryInputs) -> ModelSplit:
+    """The model's elements on one GPU and their bytes per element (see ModelSplit)."""
     shape = inp.shape
-    h = shape.hidden_size
-    assert inp.reduce_bucket_size is not None and inp.prefetch_bucket_size is not None
     assert inp.param_persistence_threshold is not None
-    # ZeRO partitions over every rank of the data- and sequence-parallel groups (dp x sp).
-    stage, dp, ranks = inp.zero_stage, inp.zero_partitions, inp.ranks_per_node
     mixed = inp.precision != "fp32"
-    weight_bytes = 2 if mixed else 4  # the frozen LoRA base too: it is loaded in the training dtype
-    grad_bytes = weight_bytes
-    optim_bytes = 12 if mixed else 8  # fp32 master + m + v, or just m + v when weights are fp32
+    weight_bytes = 2 if mixed else 4
+    optim_bytes = 12 if mixed else 8
     if inp.state_dtype == "bf16":
         # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/host_offload.py).
         optim_bytes = 6
-
-    # tp and pp split the model between GPUs before ZeRO partitions it over dp.
-    # Approximation: an even split (embeddings and lm_head really sit on the first /
-    # last pipeline stage, and AutoTP leaves norms and embeddings whole).
     shard = inp.tp * inp.pp
     base = shape.num_params / shard
     adapters = shape.lora_params(inp.lora_rank) / shard if inp.lora_rank else 0.0
     weights = base + adapters
-    trainable = adapters if inp.lora_rank else base
-    # ZeRO-3 keeps tensors under the persistence threshold (norms, Qwen's q/k/v
-    # biases) whole on every GPU.
-    persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage == 3 else 0.0
+    stage3 = inp.zero_stage == 3
+    persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage3 else 0.0
     partitioned = weights - persistent
-    offload_opt = inp.offload_optimizer != "none"
-
-    # -- GPU: model states
-    if stage == 3:
-        on_gpu_weights = persistent + (0.0 if inp.offload_params != "none" else partitioned / dp)
+    if stage3:
+        on_gpu_weights = persistent + (
+            0.0 if inp.offload_params != "none" else partitioned / inp.zero_partitions
+        )
     else:
         on_gpu_weights = weights
-    params_gpu = on_gpu_weights * weight_bytes
-    quantized_base = base_weight_bytes(shape, inp.quantize, weight_bytes) / shard
+    return ModelSplit(
+        weight_bytes=weight_bytes,
+        grad_bytes=weight_bytes,
+        optim_bytes=optim_bytes,
+        base=base,
+        weights=weights,
+        trainable=adapters if inp.lora_rank else base,
+        persistent=persistent,
+        partitioned=partitioned,
+        on_gpu_weights=on_gpu_weights,
+        quantized_base=base_weight_bytes(shape, inp.quantize, weight_bytes) / shard,
+    )
+
+
+# --- GPU terms (per GPU: the busiest, the first pipeline stage) ----------------------------------------
+
+
+def gpu_terms(
+    inp: MemoryInputs, split: ModelSplit, activations: float, reference_gpu: float
+) -> dict[str, float]:
+    """Every GPU term, in the order the tables print them, with the CUDA context and allocator slack last."""
+    terms = {
+        **gpu_model_state_terms(inp, split),
+        "activations": activations,
+        "logits_and_loss": logits_and_loss_bytes(inp),
+        "deepspeed_buffers": deepspeed_buffer_bytes(inp, split),
+    }
+    if inp.reference_copy:
+        terms["reference_model"] = reference_gpu
+    if inp.quantize != "none":
+        terms["dequantized_weight"] = dequantized_layer_bytes(
+            inp.shape, inp.quantize, split.weight_bytes, inp.tp
+        )
+    if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
+        terms["attention_mask"] = attention_mask_bytes(inp)
+    if inp.sp > 1:
+        terms["sequence_parallel_buffers"] = sequence_parallel_buffer_bytes(
+            inp.shape, inp.local_tokens, inp.rows, split.weight_bytes
+        )
+    terms["cuda_context_and_slack"] = CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_FRACTION * sum(terms.values())
+    return terms
+
+
+def gpu_model_state_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, float]:
+    """The model states this GPU holds: its parameters, gradients and optimizer states (ZeRO's partitions)."""
+    stage, dp = inp.zero_stage, inp.zero_partitions
+    offload_opt = inp.offload_optimizer != "none"
+    params = split.on_gpu_weights * split.weight_bytes
     if inp.quantize != "none":
         # The base's share of what this GPU holds, at the quantised bytes (ZeRO-3 partitions the
         # packed storage like any weight); adapters stay in the training dtype.
-        base_on_gpu = on_gpu_weights * base / weights
-        params_gpu += base_on_gpu * (quantized_base / base - weight_bytes)
-
+        base_on_gpu = split.on_gpu_weights * split.base / split.weights
+        params += base_on_gpu * (split.quantized_base / split.base - split.weight_bytes)
     # Under ZeRO-2/3 offload, gradients stream through the reduce buckets to the host
     # optimizer. Stage 1 with offload is counted as keeping its full 16-bit gradients
     # until the step (conservative: DeepSpeed's estimator only covers stage 2).
-    grads_gpu = 0.0 if stage >= 2 and offload_opt else trainable * grad_bytes / (dp if stage >= 2 else 1)
-    optim_gpu = 0.0 if offload_opt else trainable * optim_bytes / (dp if stage >= 1 else 1)
+    trainable = split.trainable
+    grads = 0.0 if stage >= 2 and offload_opt else trainable * split.grad_bytes / (dp if stage >= 2 else 1)
+    optim = 0.0 if offload_opt else trainable * split.optim_bytes / (dp if stage >= 1 else 1)
+    return {"parameters": params, "gradients": grads, "optimizer_states": optim}
 
-    # -- GPU: activations of the rank's seq_len / sp tokens. Under 1F1B the first pipeline stage
-    # holds pp micro-batches in flight.
-    layers_per_stage = math.ceil(shape.num_layers / inp.pp)
+
+def layers_per_stage(inp: MemoryInputs) -> int:
+    """Decoder layers on the first pipeline stage."""
+    return math.ceil(inp.shape.num_layers / inp.pp)
+
+
+def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
+    """(GPU activations, checkpoints offloaded to the host) of the rank's seq_len / sp tokens.
+
+    Under 1F1B the first pipeline stage holds pp micro-batches in flight.
+    """
+    shape = inp.shape
     in_flight = inp.pp
     tokens, b = inp.local_tokens, inp.rows  # a preference pair is two rows
     per_layer = activation_bytes_per_layer(
@@ -760,81 +460,126 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         # Each layer keeps its 16-bit input (replicated across tp: AutoTP has no Megatron-style
         # sequence parallelism; Ulysses splits it, tokens = seq_len / sp); in backward one layer at
         # a time is recomputed with its full activations.
-        checkpointed = 2 * tokens * b * h
-        kept = layers_per_stage * in_flight * checkpointed
+        checkpointed = 2 * tokens * b * shape.hidden_size
+        kept = layers_per_stage(inp) * in_flight * checkpointed
         if inp.offload_checkpoints:
             # They wait in host RAM; the GPU holds the one being copied out or back.
             offloaded_checkpoints, kept = kept, checkpointed
         activations = kept + full_layer
     else:
-        activations = layers_per_stage * in_flight * per_layer + mlp_tile
+        activations = layers_per_stage(inp) * in_flight * per_layer + mlp_tile
     if inp.precision == "fp32":
         # The formulas above count 16-bit activations; an fp32 run (CPU) keeps every one in 4 bytes.
         activations *= 2
         offloaded_checkpoints *= 2
-    # Logits live on the last pipeline stage; adding them to the first stage's
-    # activations over-counts a little when pp > 1 (conservative).
-    if inp.tiled_loss:
-        logits = logits_bytes(shape, loss_tile_tokens(shape, tokens), b)
-    else:
-        logits = logits_bytes(shape, tokens, b)
+    return activations, offloaded_checkpoints
 
-    # -- GPU: DeepSpeed communication buffers (elements x bytes), capped by what they can cover.
+
+def logits_and_loss_bytes(inp: MemoryInputs) -> int:
+    """The fp32 logits and their gradient: all of the rank's tokens, or one tile under memory.tiled_loss.
+
+    Logits live on the last pipeline stage; adding them to the first stage's activations over-counts
+    a little when pp > 1 (conservative).
+    """
+    tokens = inp.local_tokens
+    if inp.tiled_loss:
+        return logits_bytes(inp.shape, loss_tile_tokens(inp.shape, tokens), inp.rows)
+    return logits_bytes(inp.shape, tokens, inp.rows)
+
+
+def deepspeed_buffer_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
+    """DeepSpeed's communication buffers (elements x bytes), each capped by what it can cover."""
+    assert inp.reduce_bucket_size is not None and inp.prefetch_bucket_size is not None
+    stage, dp = inp.zero_stage, inp.zero_partitions
+    trainable, weight_bytes = split.trainable, split.weight_bytes
     overlap = OVERLAP_COMM_FACTOR if inp.overlap_comm else 1.0
     if stage == 0:
         # The engine flattens up to allreduce_bucket_size gradients per all-reduce.
-        buffers = min(DS_ALLREDUCE_BUCKET_SIZE, trainable) * grad_bytes if dp > 1 else 0.0
-    elif stage in (1, 2):
+        return min(DS_ALLREDUCE_BUCKET_SIZE, trainable) * split.grad_bytes if dp > 1 else 0.0
+    if stage in (1, 2):
         # Stage 1/2 all-gather only the updated (trainable) partitions; frozen LoRA bases stay put.
         elems = min(inp.reduce_bucket_size, trainable) + min(inp.allgather_bucket_size, trainable)
-        buffers = elems * weight_bytes * overlap
-    else:
-        elems = min(inp.reduce_bucket_size, trainable) + min(inp.prefetch_bucket_size, weights)
-        buffers = elems * weight_bytes * overlap
-        if dp > 1 or inp.offload_params != "none" or offload_opt:
-            # The module being computed is gathered whole, and its full gradient exists
-            # before reduce-scatter: DeepSpeed's 4 * largest_layer_params at 16 bit.
-            buffers += 2 * weight_bytes * shape.largest_layer_params / inp.tp
+        return elems * weight_bytes * overlap
+    elems = min(inp.reduce_bucket_size, trainable) + min(inp.prefetch_bucket_size, split.weights)
+    buffers = elems * weight_bytes * overlap
+    if dp > 1 or inp.offload_params != "none" or inp.offload_optimizer != "none":
+        # The module being computed is gathered whole, and its full gradient exists
+        # before reduce-scatter: DeepSpeed's 4 * largest_layer_params at 16 bit.
+        buffers += 2 * weight_bytes * inp.shape.largest_layer_params / inp.tp
+    return buffers
 
-    gpu_terms: dict[str, float] = {
-        "parameters": params_gpu,
-        "gradients": grads_gpu,
-        "optimizer_states": optim_gpu,
-        "activations": activations,
-        "logits_and_loss": logits,
-        "deepspeed_buffers": buffers,
-    }
-    reference_host = 0.0
-    if inp.reference_copy:
-        # The frozen reference: partitioned like the policy's weights under ZeRO-3, else a whole copy.
-        if stage == 3:
-            on_host = inp.offload_params != "none"
-            gpu_terms["reference_model"] = (
-                persistent + (0.0 if on_host else partitioned / dp)
-            ) * weight_bytes
-            reference_host = ranks * partitioned / dp * weight_bytes if on_host else 0.0
-        else:
-            gpu_terms["reference_model"] = base * weight_bytes
-    if inp.quantize != "none":
-        gpu_terms["dequantized_weight"] = dequantized_layer_bytes(shape, inp.quantize, weight_bytes, inp.tp)
-    if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
-        # HF builds one bool [b, 1, s, s] mask per forward; torch's sdpa turns it into an additive
-        # mask of the compute dtype in each layer and keeps it for backward (measured on CPU at 8k:
-        # ~+1.1 GiB for 4 fp32 layers, bench/results/long-context-memory-*.txt). With checkpointing one
-        # layer's copy is alive at a time. Not yet measured on a GPU.
-        layers_alive = 1 if inp.activation_checkpointing else layers_per_stage
-        square = b * inp.seq_len * inp.seq_len
-        act_bytes = 4 if inp.precision == "fp32" else 2
-        gpu_terms["attention_mask"] = square * (1 + act_bytes * layers_alive)
-    if inp.sp > 1:
-        gpu_terms["sequence_parallel_buffers"] = sequence_parallel_buffer_bytes(
-            shape, tokens, b, weight_bytes
-        )
-    gpu_terms["cuda_context_and_slack"] = CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_FRACTION * sum(
-        gpu_terms.values()
-    )
 
-    # -- host (per node: `ranks` processes share it)
+def reference_model_bytes(inp: MemoryInputs, split: ModelSplit) -> tuple[float, float]:
+    """(per GPU, per node on the host) bytes of DPO's frozen reference copy; (0, 0) without one.
+
+    Partitioned like the policy's weights under ZeRO-3 (on the host with parameter offload), else a
+    whole copy on every GPU.
+    """
+    if not inp.reference_copy:
+        return 0.0, 0.0
+    if inp.zero_stage != 3:
+        return split.base * split.weight_bytes, 0.0
+    dp = inp.zero_partitions
+    on_host = inp.offload_params != "none"
+    gpu = (split.persistent + (0.0 if on_host else split.partitioned / dp)) * split.weight_bytes
+    host = inp.ranks_per_node * split.partitioned / dp * split.weight_bytes if on_host else 0.0
+    return gpu, host
+
+
+def attention_mask_bytes(inp: MemoryInputs) -> float:
+    """sdpa's dense s x s masks: HF's bool mask and the additive copies the layers keep for backward.
+
+    HF builds one bool [b, 1, s, s] mask per forward; torch's sdpa turns it into an additive mask of
+    the compute dtype in each layer and keeps it for backward (measured on CPU at 8k: ~+1.1 GiB for 4
+    fp32 layers, bench/results/long-context-memory-*.txt). With checkpointing one layer's copy is
+    alive at a time. Not yet measured on a GPU.
+    """
+    layers_alive = 1 if inp.activation_checkpointing else layers_per_stage(inp)
+    square = inp.rows * inp.seq_len * inp.seq_len
+    act_bytes = 4 if inp.precision == "fp32" else 2
+    return square * (1 + act_bytes * layers_alive)
+
+
+def gpu_peak_bytes(inp: MemoryInputs, split: ModelSplit, training: int) -> int:
+    """The GPU's peak: training, or the QLoRA load when it is larger.
+
+    transformers loads the quantised base whole onto each GPU (it skips zero.Init); the ZeRO-3 engine
+    then partitions it.
+    """
+    if inp.quantize != "none" and inp.zero_stage == 3 and inp.zero_partitions > 1:
+        return max(training, int(split.quantized_base + CUDA_CONTEXT_BYTES))
+    return training
+
+
+# --- host terms (per node: `ranks_per_node` processes share it) -------------------------------------------
+
+
+def host_terms(
+    inp: MemoryInputs, split: ModelSplit, offloaded_checkpoints: float, reference_host: float
+) -> tuple[dict[str, float], float, float]:
+    """(host bytes per node by term, the bytes freed before the export, bytes one rank mlocks)."""
+    ranks = inp.ranks_per_node
+    host, released, locked = offload_buffer_terms(inp)
+    if inp.offload_params == "nvme":
+        swap, flat = nvme_parameter_host_bytes(inp, split)
+        host["param_swap_buffers"] = ranks * swap
+        locked += swap
+        host["offloaded_parameters"] += ranks * flat
+        locked += flat if inp.param_pinning == "native" else 0.0
+    if offloaded_checkpoints:
+        host["offloaded_checkpoints"] = offloaded_checkpoint_host_bytes(inp, offloaded_checkpoints)
+    if reference_host:
+        host["offloaded_reference_parameters"] = reference_host
+    host["process_overhead"] = ranks * PROCESS_HOST_BYTES
+    host["model_load_peak"] = model_load_peak_bytes(inp, split)
+    host["export_peak"] = export_peak_bytes(inp)
+    return host, released, locked
+
+
+def offload_buffer_terms(inp: MemoryInputs) -> tuple[dict[str, float], float, float]:
+    """(host terms, bytes freed before the export, bytes one rank mlocks) of DeepSpeed's CPU and NVMe
+    offload: what it allocates, buffer by buffer, read from its source (planning/host_offload.py)."""
+    ranks = inp.ranks_per_node
     host: dict[str, float] = {
         "offloaded_optimizer_states": 0.0,
         "offloaded_fp32_gradients": 0.0,
@@ -842,9 +587,7 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
         "offloaded_parameters": 0.0,
         "param_swap_buffers": 0.0,
     }
-    nvme = 0.0
     rank = offload_rank(inp)
-    # What DeepSpeed allocates for CPU and NVMe offload, buffer by buffer, read from its source.
     buffers = host_buffers(inp)
     for buffer in buffers:
         host[buffer.term] = host.get(buffer.term, 0.0) + ranks * buffer.held(rank.pinning_of(buffer))
@@ -853,77 +596,79 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     # Adam's m and v on the host and the step's transients: gone before the export.
     released = ranks * sum(b.held(rank.pinning_of(b)) for b in buffers if b.released or b.step_only)
     locked = sum(b.locked(rank.pinning_of(b)) for b in buffers)
-    if inp.offload_optimizer == "nvme":
-        nvme += ranks * nvme_optimizer_bytes(rank)
-    if inp.offload_params == "nvme":
-        nvme += ranks * partitioned / dp * weight_bytes
-        # DeepSpeed requires buffer_size >= the largest parameter tensor, so the configured 1e8 grows
-        # to vocab*hidden for these models; the aio handle mlocks them (partitioned_param_swapper.py 131).
-        buffer_elems = max(DS_NVME_PARAM_BUFFER_SIZE, shape.largest_layer_params / inp.tp)
-        swap = DS_NVME_PARAM_BUFFER_COUNT * held_bytes(buffer_elems * weight_bytes, "native")
-        host["param_swap_buffers"] = ranks * swap
-        locked += swap
-        # stage3.py 888-907: up to offload_param.max_in_cpu elements of the partitions also stay in a
-        # flat host buffer (pinned as the section says), the first parameter groups first.
-        in_cpu = min(DS_NVME_PARAM_MAX_IN_CPU, partitioned / dp)
-        flat = held_bytes(in_cpu * weight_bytes, inp.param_pinning)
-        host["offloaded_parameters"] += ranks * flat
-        locked += flat if inp.param_pinning == "native" else 0.0
-    if offloaded_checkpoints:
-        # save_on_cpu(pin_memory=True) pins each checkpoint in torch's pinned allocator, rounded up to a
-        # power of two, and torch keeps the freed blocks cached for the next step's: a training-phase
-        # term to the end (runtime/tiling.py).
-        count = layers_per_stage * in_flight
-        host["offloaded_checkpoints"] = (
-            ranks * count * held_bytes(offloaded_checkpoints / count, inp.checkpoint_pinning)
-        )
-    if reference_host:
-        host["offloaded_reference_parameters"] = reference_host
-    host["process_overhead"] = ranks * PROCESS_HOST_BYTES
-    full_model = shape.num_params * weight_bytes
+    return host, released, locked
+
+
+def nvme_parameter_host_bytes(inp: MemoryInputs, split: ModelSplit) -> tuple[float, float]:
+    """(swap buffers, flat partition buffer) one rank holds in host RAM for parameters on NVMe."""
+    weight_bytes = split.weight_bytes
+    # DeepSpeed requires buffer_size >= the largest parameter tensor, so the configured 1e8 grows
+    # to vocab*hidden for these models; the aio handle mlocks them (partitioned_param_swapper.py 131).
+    buffer_elems = max(DS_NVME_PARAM_BUFFER_SIZE, inp.shape.largest_layer_params / inp.tp)
+    swap = DS_NVME_PARAM_BUFFER_COUNT * held_bytes(buffer_elems * weight_bytes, "native")
+    # stage3.py 888-907: up to offload_param.max_in_cpu elements of the partitions also stay in a
+    # flat host buffer (pinned as the section says), the first parameter groups first.
+    in_cpu = min(DS_NVME_PARAM_MAX_IN_CPU, split.partitioned / inp.zero_partitions)
+    flat = held_bytes(in_cpu * weight_bytes, inp.param_pinning)
+    return swap, flat
+
+
+def offloaded_checkpoint_host_bytes(inp: MemoryInputs, offloaded_checkpoints: float) -> float:
+    """Host bytes per node of memory.offload_checkpoints' checkpointed hidden states.
+
+    save_on_cpu(pin_memory=True) pins each checkpoint in torch's pinned allocator, rounded up to a
+    power of two, and torch keeps the freed blocks cached for the next step's: a training-phase term
+    to the end (runtime/tiling.py).
+    """
+    count = layers_per_stage(inp) * inp.pp
+    return inp.ranks_per_node * count * held_bytes(offloaded_checkpoints / count, inp.checkpoint_pinning)
+
+
+def model_load_peak_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
+    """Host bytes per node while the model loads (see the module docstring's Loading)."""
+    ranks, weight_bytes = inp.ranks_per_node, split.weight_bytes
+    full_model = inp.shape.num_params * weight_bytes
     if inp.zero_init or (inp.direct_load and inp.pp == 1):
         # zero.Init, or straight onto the GPU: no rank materialises the model on the host; each
         # reads one checkpoint shard at a time and keeps only its own tensors, on its device.
-        host["model_load_peak"] = ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
-    elif inp.pp > 1:
+        return ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
+    if inp.pp > 1:
         # A pipeline stage is built as its own module (~1/pp of the layers) and reads only its
         # tensors from the checkpoint, one at a time; the first and last stages also hold the
         # embedding or the head, hence one largest tensor on top. (init: random builds the whole
         # model once per rank instead; that path is for tiny test models.)
-        stage = full_model / inp.pp + shape.largest_layer_params * weight_bytes
-        host["model_load_peak"] = ranks * min(full_model, stage)
-    else:
-        # Without zero.Init every rank on the node loads the full 16-bit model on the
-        # CPU before DeepSpeed moves it to the GPU (the classic host-RAM OOM at load).
-        host["model_load_peak"] = ranks * full_model
+        stage = full_model / inp.pp + inp.shape.largest_layer_params * weight_bytes
+        return ranks * min(full_model, stage)
+    # Without zero.Init every rank on the node loads the full 16-bit model on the
+    # CPU before DeepSpeed moves it to the GPU (the classic host-RAM OOM at load).
+    return ranks * full_model
 
-    host["export_peak"] = export_peak_bytes(inp)
 
-    # Load and training phases do not overlap: without zero.Init the CPU copy is
-    # gone before the optimizer states are allocated; with it, offloaded parameter
-    # partitions already sit in host RAM while the shards stream in. The export comes
-    # at the end of training, with every training-phase buffer still allocated.
+def host_peak_bytes(inp: MemoryInputs, host: dict[str, float], released: float) -> float:
+    """The host's peak per node: the processes plus the largest of the load, training and export phases.
+
+    Load and training phases do not overlap: without zero.Init the CPU copy is gone before the
+    optimizer states are allocated; with it, offloaded parameter partitions already sit in host RAM
+    while the shards stream in. The export comes at the end of training, with every training-phase
+    buffer still allocated, less the Adam moments freed before it (`released`).
+    """
     load_phase = host["model_load_peak"] + (host["offloaded_parameters"] if inp.zero_init else 0.0)
     train_phase = sum(
         v for k, v in host.items() if k not in ("model_load_peak", "process_overhead", "export_peak")
     )
     export_phase = train_phase - released + host["export_peak"]
-    host_total = host["process_overhead"] + max(load_phase, train_phase, export_phase)
+    return host["process_overhead"] + max(load_phase, train_phase, export_phase)
 
-    gpu_int = {k: int(v) for k, v in gpu_terms.items()}
-    gpu_bytes = sum(gpu_int.values())
-    if inp.quantize != "none" and stage == 3 and dp > 1:
-        # transformers loads the quantised base whole onto each GPU; the engine then partitions it.
-        gpu_bytes = max(gpu_bytes, int(quantized_base + CUDA_CONTEXT_BYTES))
-    return MemoryEstimate(
-        gpu_terms=gpu_int,
-        host_terms={k: int(v) for k, v in host.items()},
-        nvme_bytes=int(nvme),
-        gpu_bytes=gpu_bytes,
-        host_bytes=int(host_total),
-        convention=CONVENTION,
-        locked_per_rank=int(locked),
-    )
+
+def nvme_space_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
+    """NVMe space per node: the swapped optimizer states and/or the parameter partitions."""
+    ranks = inp.ranks_per_node
+    nvme = 0.0
+    if inp.offload_optimizer == "nvme":
+        nvme += ranks * nvme_optimizer_bytes(offload_rank(inp))
+    if inp.offload_params == "nvme":
+        nvme += ranks * split.partitioned / inp.zero_partitions * split.weight_bytes
+    return nvme
 
 
 def offload_rank(inp: MemoryInputs) -> OffloadRank:

@@ -25,15 +25,8 @@ from llm_train.planning.fit import (
 from llm_train.planning.host_budget import choose_host_settings
 from llm_train.planning.host_budget import describe as describe_host_settings
 from llm_train.planning.host_offload import PINNINGS
-from llm_train.planning.memory import (
-    _LABELS,
-    GiB,
-    MemoryInputError,
-    MemoryInputs,
-    estimate_memory,
-    host_buffers,
-    offload_rank,
-)
+from llm_train.planning.memory import _LABELS, GiB, estimate_memory, host_buffers, offload_rank
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.search import (
     Fix,
     Practicality,

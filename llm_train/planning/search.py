@@ -39,10 +39,7 @@ from llm_train.planning.fit import (
     evaluate,
     shipped_settings,
 )
-from llm_train.planning.memory import (
-    MemoryInputError,
-    MemoryInputs,
-)
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.speed import step_time
 
 # A configuration this many times slower per step than the fastest that fits without NVMe, or

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from llm_train.config.hardware import NVME_READ_BYTES_PER_S, NVME_WRITE_BYTES_PER_S
 from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.host_offload import nvme_optimizer_bytes
-from llm_train.planning.memory import MemoryInputs, offload_rank
+from llm_train.planning.memory import offload_rank
+from llm_train.planning.memory_inputs import MemoryInputs
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.

@@ -12,7 +12,8 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.planning.fit import memory_inputs
 from llm_train.planning.host_budget import SUB_GROUP_CANDIDATES, choose_host_settings
-from llm_train.planning.memory import GiB, MemoryInputs, estimate_memory
+from llm_train.planning.memory import GiB, estimate_memory
+from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_from_config, shape_of
 
 CONSUMER_FULL_FINETUNES = ["7b-rtx4090", "8b-rtx4090", "8b-rtx4090-nvme", "13b-rtx4090-offload"]

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from llm_train.planning.host_offload import held_bytes, trainable_tensors, zero3_sub_groups
-from llm_train.planning.memory import GiB, MemoryInputs, estimate_memory
+from llm_train.planning.memory import GiB, estimate_memory
+from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_of
 
 LLAMA2_7B = shape_of("meta-llama/Llama-2-7b-hf")

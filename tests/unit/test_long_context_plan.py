@@ -1,5 +1,5 @@
 """Long context in the planner: Ulysses sequence parallelism and the ALST memory switches in the memory
-estimate, in `llm-train plan` and `--recipe auto`, and the README's longest-sequence table."""
+estimate, in `llm-train plan` and `--recipe auto`, and docs/long-context.md's longest-sequence table."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from llm_train.planning.long_context import SEQ_STEP, best_fit, long_context_tab
 from llm_train.planning.memory import (
     LOSS_TILE_LOGITS_BYTES,
     GiB,
-    MemoryInputError,
-    MemoryInputs,
     estimate_memory,
     logits_bytes,
     mlp_intermediate_bytes_per_token,
     mlp_tile_bytes,
 )
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.report import plan_recipe
 from llm_train.planning.shapes import shape_of
 from llm_train.planning.speed import step_time
@@ -238,7 +237,7 @@ def test_a_switch_that_changes_nothing_at_this_length_is_not_counted() -> None:
     )
 
 
-# --- the README's table -----------------------------------------------------------------------------------
+# --- docs/long-context.md's table -------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -265,9 +264,9 @@ def test_each_longest_sequence_is_the_boundary(table: list) -> None:  # type: ig
             assert best_fit(shape, hw, fit.seq_len + SEQ_STEP, fit.alst) is None
 
 
-def test_the_readme_shows_the_table_the_code_prints(table: list) -> None:  # type: ignore[type-arg]
-    readme = (RECIPES_DIR.parent / "README.md").read_text()
-    assert render_table("meta-llama/Llama-3.1-8B", table) in readme
+def test_the_long_context_page_shows_the_table_the_code_prints(table: list) -> None:  # type: ignore[type-arg]
+    page = (RECIPES_DIR.parent / "docs" / "long-context.md").read_text()
+    assert render_table("meta-llama/Llama-3.1-8B", table) in page
 
 
 # --- the recipes ------------------------------------------------------------------------------------------

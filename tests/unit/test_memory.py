@@ -1,4 +1,5 @@
-"""Memory estimator: DeepSpeed's estimators reproduced exactly, the ZeRO paper, hand arithmetic."""
+"""Memory estimator: DeepSpeed's estimators reproduced exactly (tests/unit/planner_reference.py), the ZeRO
+paper, hand arithmetic."""
 
 from __future__ import annotations
 
@@ -16,17 +17,18 @@ from llm_train.planning.memory import (
     CUDA_CONTEXT_BYTES,
     GiB,
     MemoryEstimate,
-    MemoryInputError,
-    MemoryInputs,
     activation_bytes_per_layer,
-    deepspeed_zero2_model_states,
-    deepspeed_zero3_model_states,
     estimate_memory,
     logits_bytes,
     mlp_intermediate_bytes_per_token,
+)
+from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.shapes import ModelShape, shape_of
+from tests.unit.planner_reference import (
+    deepspeed_zero2_model_states,
+    deepspeed_zero3_model_states,
     zero_paper_model_states,
 )
-from llm_train.planning.shapes import ModelShape, shape_of
 
 LLAMA2_7B = shape_of("meta-llama/Llama-2-7b-hf")  # h=4096, a=32, L=32, V=32000
 GRID_PARAMS = [int(1e8), int(1.3e9), int(7e9), int(7e10)]

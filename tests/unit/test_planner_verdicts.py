@@ -27,7 +27,7 @@ from llm_train.config.hardware import hardware_for
 from llm_train.errors import UserError
 from llm_train.planning.auto import choose_auto, render_auto
 from llm_train.planning.fit import evaluate
-from llm_train.planning.memory import MemoryInputs
+from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.report import plan_recipe, verdict_word
 from llm_train.planning.shapes import shape_of
 from llm_train.units import GiB
