@@ -7,7 +7,6 @@ parse -> resolve (recipe, DeepSpeed JSON, plan) -> build (world, data, model, en
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from llm_train.config.hardware import Device, gpus_without_p2p
-from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
@@ -35,7 +33,7 @@ from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.quantize import check_bitsandbytes
-from llm_train.runtime.resume_layout import check_resume_early
+from llm_train.runtime.resume import ResumePlan, plan_resume
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
@@ -167,16 +165,12 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             print_dry_run(run)
             return 0
 
-        check_before_start(run, args, spawn.nproc_per_node if spawn is not None else None)
+        plan = check_before_start(run, args, spawn.nproc_per_node if spawn is not None else None)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
 
         options = RunOptions(
-            recipe=args.recipe,
-            overrides=tuple(args.overrides),
-            ds_config=args.ds_config,
-            output_dir=args.output_dir,
             resume=args.resume,
             allow_batch_change=args.allow_batch_change,
             allow_data_revision_change=args.allow_data_revision_change,
@@ -186,7 +180,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             flops_profiler=args.flops_profiler,
             peak_tflops=args.peak_tflops,
         )
-        return run_training(run, options, say)
+        return run_training(run, options, plan, say)
     except UserError as exc:
         if is_rank0():
             print(f"llm-train: error: {exc}", file=sys.stderr, flush=True)
@@ -199,26 +193,20 @@ def resolve(args: argparse.Namespace, world_size: int | None, device: Device | N
 
     `llm-train train` calls this too, before it starts any launcher, so that a bad input is one line.
     """
-    run = (
-        resolve_run(
-            args.recipe,
-            args.overrides,
-            world_size=world_size,
-            device=device,
-            ds_config_path=args.ds_config,
-            max_steps=args.max_steps,
-            output_dir=args.output_dir,
-        )
-        if world_size
-        else _resolve_declared(args)
+    run = resolve_run(
+        args.recipe,
+        args.overrides,
+        world_size=world_size or None,
+        device=device,
+        ds_config_path=args.ds_config,
+        max_steps=args.max_steps,
+        output_dir=args.output_dir,
     )
     if run.recipe.deepspeed.pinning == "auto":
-        # Decided once, here, and carried as an override so that every later resolution (workers,
-        # resume, the run directory's recipe.yaml) sees the same allocator.
+        # Decided once, here: the run (its DS JSON, the run directory's recipe.yaml, the checkpoints'
+        # recipe hash) carries the allocator it decided on from now on.
         pinning, notice = auto_pinning(run)
-        args.overrides = [*args.overrides, f"deepspeed.pinning={pinning}"]
-        run = resolve(args, world_size, device)
-        return dataclasses.replace(run, notice="; ".join(n for n in (run.notice, notice) if n))
+        run = run.refine(pinning=pinning, notice=notice)
     backend = os.environ.get(PIN_BACKEND_ENV)
     if backend and backend != ("native" if run.recipe.deepspeed.pinning == "native" else "torch"):
         say(
@@ -233,33 +221,29 @@ def resolve(args: argparse.Namespace, world_size: int | None, device: Device | N
     return run
 
 
-def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: int | None) -> None:
-    """What a dry run cannot know but a start can: the run directory, kernels, host RAM, the NVMe path."""
+def check_before_start(
+    run: Resolved, args: argparse.Namespace, nproc_per_node: int | None
+) -> ResumePlan | None:
+    """What a dry run cannot know but a start can: the run directory, kernels, host RAM, the NVMe path.
+
+    Returns the resume plan (None without --resume): a layout change a resume cannot bridge is
+    refused here, before any worker starts, and a worker trains with the plan it made here.
+    """
+    plan = None
     if not args.resume:
         check_output_dir(run.recipe.output_dir, args.overwrite)
     else:
         root = run.recipe.output_dir / "checkpoints"
-        check_resume_early(args.resume, root, run.layout, args.allow_batch_change)
+        plan = plan_resume(
+            args.resume, root, run.layout, args.allow_batch_change, args.allow_data_revision_change
+        )
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)
     check_memlock(run, nproc_per_node)
-
-
-def _resolve_declared(args: argparse.Namespace) -> Resolved:
-    """Dry run without --world-size: the hardware the recipe declares."""
-
-    recipe = load_recipe(args.recipe, args.overrides)
-    return resolve_run(
-        args.recipe,
-        args.overrides,
-        world_size=recipe.hardware.world_size,
-        ds_config_path=args.ds_config,
-        max_steps=args.max_steps,
-        output_dir=args.output_dir,
-    )
+    return plan
 
 
 if __name__ == "__main__":

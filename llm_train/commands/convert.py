@@ -16,7 +16,7 @@ from pathlib import Path
 
 from llm_train.errors import UserError
 from llm_train.runtime.checkpoint import dir_size, find_resumable, read_manifest, verify
-from llm_train.runtime.resume_layout import saved_layout
+from llm_train.runtime.resume import saved_layout
 from llm_train.runtime.universal import ensure_universal
 
 

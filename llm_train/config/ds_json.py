@@ -1,4 +1,4 @@
-"""DeepSpeed JSON configs: load, check, and resolve every "auto" from the recipe.
+"""DeepSpeed JSON configs: load, check, and make the effective one from the recipe (`effective_config`).
 
 DeepSpeed's own "auto" resolution lives in the HF Trainer; outside it an "auto" reaches
 DeepSpeed unresolved. Here every value the recipe owns is filled in before DeepSpeed (or
@@ -16,6 +16,7 @@ import copy
 import difflib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,7 @@ KNOWN_TOP_LEVEL_KEYS = frozenset(
 
 @dataclass(frozen=True)
 class RecipeValues:
-    """The recipe's slice that DeepSpeed "auto" values are resolved from."""
+    """The recipe's slice, as the layout settles it, that the effective DeepSpeed JSON is made from."""
 
     micro_batch_size: int
     grad_accum: int
@@ -110,6 +111,12 @@ class RecipeValues:
     nvme_path: str | None = None  # deepspeed.nvme_path: fills every nvme offload's "nvme_path"
     state_dtype: str = "fp32"  # optim.state_dtype: bf16 = DeepSpeed bf16 master weights + Adam states
     largest_weight: int = 0  # elements of the model's largest weight: offload_param.buffer_size "auto" (NVMe)
+    # The layout's rules and what this launch adds (effective_config), after the "auto" filling:
+    pinning: str = "torch"  # deepspeed.pinning, decided ("auto" is never left): "off" unpins every offload
+    tp: int = 1  # the layout's tensor-parallel degree (AutoTP)
+    sp: int = 1  # the layout's sequence-parallel degree (Ulysses)
+    load_universal: bool = False  # a resume on another layout loads DeepSpeed's universal checkpoint
+    flops_profiler: Mapping[str, Any] | None = None  # --flops-profiler: DeepSpeed's flops_profiler section
 
 
 def find_ds_config(name_or_path: str) -> Path:
@@ -376,6 +383,58 @@ def fill_autos(config: dict[str, Any], values: RecipeValues, source: str) -> dic
             f'DeepSpeed config {source}: "auto" at {leftover[0]} is not a value llm_train resolves; '
             "give it a concrete value"
         )
+    return resolved
+
+
+def effective_config(config: dict[str, Any], values: RecipeValues, source: str) -> dict[str, Any]:
+    """The JSON DeepSpeed gets, made from the file's `config` (never edited) and `values`, in one place.
+
+    Every "auto" filled and every recipe-owned key checked (`fill_autos`), then the keys the
+    layout imposes, then what this launch adds (universal loading, the flops profiler). A run
+    whose values change later (config/resolution.py `Resolved.refine`) is made again from the
+    same file content and its new values, never edited in place.
+    """
+    resolved = fill_autos(config, values, source)
+    if values.pinning == "off":
+        # The recipe's switch, not a contradiction: every offload section's buffers become pageable.
+        for section in OFFLOAD_SECTIONS:
+            offload = resolved.get("zero_optimization", {}).get(section)
+            if isinstance(offload, dict) and offload.get("device", "none") != "none":
+                offload["pin_memory"] = False
+    if values.tp > 1:
+        # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
+        # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.
+        resolved["train_batch_size"] = values.global_batch_size * values.tp
+        # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
+        resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    if values.sp > 1:
+        # zero.Init builds its DeepSpeed config without the sequence-parallel groups and would count
+        # every rank as data parallel (train_batch = micro x accum x world); this key is how
+        # DeepSpeed's config divides the world by sp in that case (deepspeed/runtime/config.py).
+        resolved["sequence_parallel_size"] = values.sp
+    if values.sp > 1 and zero_stage(resolved) == 3:
+        # Each rank of a sequence-parallel group backpropagates its share of the group's loss, so
+        # the group's gradients must be summed and only the data-parallel ranks averaged. DeepSpeed
+        # 0.19's ZeRO-3 does that only on its contiguous all-reduce path: its reduce-scatter path
+        # averages over every rank (gradients 1/sp of sp=1's: bench/results/ulysses-probe-20261130.txt,
+        # stage3.py __avg_scatter_grads), and it takes that path for reduce_scatter=true and for any
+        # bucket larger than reduce_bucket_size, i.e. for every weight bigger than the bucket.
+        zero = resolved.setdefault("zero_optimization", {})
+        zero["reduce_scatter"] = False
+        zero["contiguous_gradients"] = True
+        zero["reduce_bucket_size"] = max(int(zero.get("reduce_bucket_size") or 0), values.largest_weight)
+    if offload_device(resolved, "optimizer") != "none" and "optimizer" not in resolved:
+        # llm_train builds DeepSpeed's CPU Adam itself, with the recipe's betas, eps and AdamW's
+        # decoupled weight decay. Left at its default (true), this switch makes Accelerate swap it
+        # for a new CPU Adam that keeps only lr and weight_decay: Adam with L2 instead of AdamW,
+        # betas (0.9, 0.999), and an LR schedule left driving the old optimizer, so the LR froze
+        # after a resume.
+        resolved["zero_force_ds_cpu_optimizer"] = False
+    if values.load_universal:
+        resolved["checkpoint"] = {**resolved.get("checkpoint", {}), "load_universal": True}
+    if values.flops_profiler is not None:
+        # DeepSpeed's flops profiler lives inside the engine and is configured only through this section.
+        resolved["flops_profiler"] = dict(values.flops_profiler)
     return resolved
 
 

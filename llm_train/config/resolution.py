@@ -5,15 +5,25 @@ the same function serves the dry run, the parent of a local multi-process launch
 validates before starting workers) and every worker. What depends on the machine that
 trains (the NVMe offload directory: exists, writable, free space) is checked separately, by
 `check_nvme_path`, so a dry run or a plan made elsewhere still resolves.
+
+A run is resolved once per process, from the recipe's name and the command line's strings
+(`resolve_run`). What is known only later (the number of steps from optim.epochs, the
+accumulation that keeps a checkpoint's global batch, universal-checkpoint loading, the
+flops profiler, deepspeed.pinning=auto) changes it by value through `Resolved.refine`, which
+derives a new run from the same loaded recipe and DS JSON: the layout rules, the attention
+choice and the effective DS JSON (config/ds_json.py `effective_config`) are made again, in
+the one function that made them the first time (`_derive`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from pydantic import ValidationError
 
 from llm_train.config import ds_json
 from llm_train.config.attention import choose_attention
@@ -25,16 +35,25 @@ from llm_train.config.parallel import check_parallel
 from llm_train.config.recipe import Recipe, load_recipe, recipe_to_yaml
 from llm_train.errors import UserError
 
-if TYPE_CHECKING:
-    pass
 
-DS_PARAM_SWAP_BUFFER_DEFAULT = (
-    100_000_000  # offload_param.buffer_size (deepspeed/runtime/zero/offload_config.py)
-)
+@dataclass(frozen=True)
+class RunBasis:
+    """What a run is resolved from: `Resolved.refine` derives a new run from a changed copy of it."""
+
+    recipe: Recipe  # as loaded (file, overrides, command-line options); memory.attention may still be "auto"
+    ds_path: Path
+    ds_raw: dict[str, Any]  # the DS JSON file's content, "auto" and all: never edited
+    world_size: int
+    device: Device
+    load_universal: bool = False
+    flops_profiler: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()  # notices decided outside the rules (deepspeed.pinning=auto): kept by refine
 
 
 @dataclass(frozen=True)
 class Resolved:
+    """One run, fully resolved: made by `resolve_run`, changed only by `refine` (a new value)."""
+
     recipe: Recipe
     ds_path: Path
     ds_config: dict[str, Any]  # no "auto" left
@@ -42,14 +61,69 @@ class Resolved:
     hidden_size: int
     model_fields: dict[str, Any]  # the HF config fields the shape came from
     notice: str | None
-    attention: str = ""
+    attention: str
     """How memory.attention was decided (recipe.memory.attention holds the kernel itself, never "auto")."""
+    basis: RunBasis
 
     def recipe_yaml(self) -> str:
         return recipe_to_yaml(self.recipe)
 
     def ds_json(self) -> str:
         return json.dumps(self.ds_config, indent=2)
+
+    def refine(
+        self,
+        *,
+        max_steps: int | None = None,
+        grad_accum: int | None = None,
+        pinning: str | None = None,
+        load_universal: bool | None = None,
+        flops_profiler: dict[str, Any] | None = None,
+        notice: str | None = None,
+    ) -> Resolved:
+        """This run with values known only after resolution; every rule and "auto" derived again from them.
+
+        max_steps: optim.max_steps (counted from optim.epochs once the data is known);
+        grad_accum: optim.grad_accum (a resume that keeps the checkpoint's global batch);
+        pinning: what deepspeed.pinning=auto decided; load_universal: DeepSpeed loads the
+        universal checkpoint (a resume on another layout); flops_profiler: DeepSpeed's section
+        for --flops-profiler; notice: one more notice for the start-up summary. None keeps a value.
+        """
+        changes: dict[str, int | str] = {
+            key: value
+            for key, value in (
+                ("optim.max_steps", max_steps),
+                ("optim.grad_accum", grad_accum),
+                ("deepspeed.pinning", pinning),
+            )
+            if value is not None
+        }
+        basis = self.basis
+        basis = replace(
+            basis,
+            recipe=_with_values(basis.recipe, changes),
+            load_universal=basis.load_universal if load_universal is None else load_universal,
+            flops_profiler=basis.flops_profiler if flops_profiler is None else flops_profiler,
+            notes=(*basis.notes, notice) if notice else basis.notes,
+        )
+        return _derive(basis)
+
+
+def _with_values(recipe: Recipe, changes: dict[str, int | str]) -> Recipe:
+    """`recipe` with `changes` ({"section.key": value}) set and every validator run again."""
+    if not changes:
+        return recipe
+    data = recipe.model_dump()
+    for key, value in changes.items():
+        section, name = key.split(".")
+        data[section][name] = value
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        given = ", ".join(f"{key}={value}" for key, value in changes.items())
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise UserError(f"recipe {recipe.name} with {given}: {where}: {error['msg']}") from None
 
 
 def model_fields(recipe: Recipe) -> dict[str, Any]:
@@ -74,12 +148,16 @@ def model_fields(recipe: Recipe) -> dict[str, Any]:
 def resolve_run(
     recipe_name: str,
     overrides: list[str],
-    world_size: int,
+    world_size: int | None,
     device: Device | None = None,
     ds_config_path: str | None = None,
     max_steps: int | None = None,
     output_dir: str | None = None,
 ) -> Resolved:
+    """The run a recipe name, its overrides and the command line's options ask for.
+
+    world_size None: the hardware the recipe declares; device None: the recipe's declared device.
+    """
     extra = list(overrides)
     if max_steps is not None:
         extra.append(f"optim.max_steps={max_steps}")
@@ -92,7 +170,14 @@ def resolve_run(
     recipe = load_recipe(recipe_name, extra)
     device = device or Device.declared(recipe)
     ds_path, raw = ds_json.load_ds_config(recipe.deepspeed.config)
-    layout, notice = make_layout(recipe, raw, world_size, device, str(ds_path))
+    world = recipe.hardware.world_size if world_size is None else world_size
+    return _derive(RunBasis(recipe, ds_path, raw, world, device))
+
+
+def _derive(basis: RunBasis) -> Resolved:
+    """The one place a run is derived from its basis: layout, attention, model shape, effective DS JSON."""
+    recipe, ds_path, raw, device = basis.recipe, basis.ds_path, basis.ds_raw, basis.device
+    layout, notice = make_layout(recipe, raw, basis.world_size, device, str(ds_path))
     # Before the parallel checks, which judge the kernel itself (Ulysses and packed rows need flash-attention).
     attention = choose_attention(recipe.memory.attention, device.kind, layout.tp, layout.pp, layout.sp)
     recipe = recipe.model_copy(
@@ -120,48 +205,17 @@ def resolve_run(
         nvme_path=recipe.deepspeed.nvme_path,
         state_dtype=recipe.optim.state_dtype,
         largest_weight=largest_weight(fields, hidden),
+        pinning=recipe.deepspeed.pinning,
+        tp=layout.tp,
+        sp=layout.sp,
+        load_universal=basis.load_universal,
+        flops_profiler=basis.flops_profiler,
     )
-    resolved = ds_json.fill_autos(raw, values, str(ds_path))
-    if recipe.deepspeed.pinning == "off":
-        # The recipe's switch, not a contradiction: every offload section's buffers become pageable.
-        for section in ("offload_optimizer", "offload_param"):
-            offload = resolved.get("zero_optimization", {}).get(section)
-            if isinstance(offload, dict) and offload.get("device", "none") != "none":
-                offload["pin_memory"] = False
-    if layout.tp > 1:
-        # Under AutoTP DeepSpeed asserts train_batch = micro x accum x *all* ranks (it is given no
-        # mpu, so TP replicas count); the recipe's global batch counts distinct sequences.
-        resolved["train_batch_size"] = layout.global_batch_size * layout.tp
-        # Export gathers the TP shards through this switch (accelerate.get_state_dict refuses without it).
-        resolved.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
-    if layout.sp > 1:
-        # zero.Init builds its DeepSpeed config without the sequence-parallel groups and would count
-        # every rank as data parallel (train_batch = micro x accum x world); this key is how
-        # DeepSpeed's config divides the world by sp in that case (deepspeed/runtime/config.py).
-        resolved["sequence_parallel_size"] = layout.sp
-    if layout.sp > 1 and layout.zero_stage == 3:
-        # Each rank of a sequence-parallel group backpropagates its share of the group's loss, so
-        # the group's gradients must be summed and only the data-parallel ranks averaged. DeepSpeed
-        # 0.19's ZeRO-3 does that only on its contiguous all-reduce path: its reduce-scatter path
-        # averages over every rank (gradients 1/sp of sp=1's: bench/results/ulysses-probe-20261130.txt,
-        # stage3.py __avg_scatter_grads), and it takes that path for reduce_scatter=true and for any
-        # bucket larger than reduce_bucket_size, i.e. for every weight bigger than the bucket.
-        zero = resolved.setdefault("zero_optimization", {})
-        zero["reduce_scatter"] = False
-        zero["contiguous_gradients"] = True
-        zero["reduce_bucket_size"] = max(
-            int(zero.get("reduce_bucket_size") or 0), largest_weight(fields, hidden)
-        )
-    if layout.offload_optimizer != "none" and "optimizer" not in resolved:
-        # llm_train builds DeepSpeed's CPU Adam itself, with the recipe's betas, eps and AdamW's
-        # decoupled weight decay. Left at its default (true), this switch makes Accelerate swap it
-        # for a new CPU Adam that keeps only lr and weight_decay: Adam with L2 instead of AdamW,
-        # betas (0.9, 0.999), and an LR schedule left driving the old optimizer, so the LR froze
-        # after a resume.
-        resolved["zero_force_ds_cpu_optimizer"] = False
+    effective = ds_json.effective_config(raw, values, str(ds_path))
     # Last: DeepSpeed's own config classes see exactly the JSON the workers will hand it.
-    check_with_deepspeed(resolved, str(ds_path))
-    return Resolved(recipe, ds_path, resolved, layout, hidden, fields, notice, attention.why)
+    check_with_deepspeed(effective, str(ds_path))
+    notices = "; ".join(n for n in (notice, *basis.notes) if n) or None
+    return Resolved(recipe, ds_path, effective, layout, hidden, fields, notices, attention.why, basis)
 
 
 def largest_weight(fields: dict[str, Any], hidden: int) -> int:

@@ -7,7 +7,8 @@ profiled as warm-up and discarded, so the profiler's own start-up cost is not in
 trace. A summary table of the most expensive operators goes next to it.
 
 DeepSpeed's flops profiler is configured through the DS config (it lives inside the
-engine): it prints per-module FLOPs, latency and parameters for one step, on rank 0.
+engine): it prints per-module FLOPs, latency and parameters for one step, on rank 0. Its
+section (`flops_profiler_config`) reaches the DS config through `Resolved.refine`.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def flops_profiler_config(spec: str | None, run_dir: Path) -> dict[str, Any]:
     """The DS config section that runs DeepSpeed's flops profiler on one step (first of --profile, else 2).
 
     DeepSpeed compares `profile_step` with its count of finished optimizer steps, so step k is k-1.
+    The session gives it to the run before the engine is built (`Resolved.refine(flops_profiler=...)`).
     """
     step = parse_range(spec)[0] if spec else 2
     return {
@@ -148,12 +150,3 @@ def flops_profiler_config(spec: str | None, run_dir: Path) -> dict[str, Any]:
         "detailed": True,
         "output_file": str(run_dir / PROFILE_DIR / FLOPS_PROFILE_FILE),
     }
-
-
-def enable_flops_profiler(
-    ds_config: dict[str, Any], spec: str | None, flops_profiler: bool, run_dir: Path
-) -> None:
-    """With --flops-profiler, add the flops profiler to the DS config before the engine is built."""
-    if not flops_profiler:
-        return
-    ds_config["flops_profiler"] = flops_profiler_config(spec, run_dir)

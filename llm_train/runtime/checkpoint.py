@@ -1,10 +1,12 @@
 """Checkpoints that survive anything: atomic commit, verified load, retention.
 
+This module is the commit protocol only: what a checkpoint holds and how a run resumes from
+one is runtime/resume.py's (it hands `Checkpointer.save` a function that writes the files).
 Layout under the run directory:
 
     checkpoints/step-00000100/      one committed checkpoint
         state/                      DeepSpeed's engine.save_checkpoint (model, optimizer, LR schedule)
-        trainer/rank00000.json      per-rank trainer state: step, data position, RNG states
+        trainer/rank00000.json      per-rank trainer state: step, data position, RNG states (resume.py)
         hf/                         the HF config and tokenizer (so `llm-train export` needs nothing else)
         reference.safetensors       the training engine's logits on a fixed batch (export's reference)
         manifest.json               written last: files, sizes, sha256, step, world size, recipe hash
@@ -44,7 +46,7 @@ if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does n
     from llm_train.runtime.collectives import Collectives
 
 MANIFEST = "manifest.json"
-# The training engine's logits on the export check's fixed batch at the saved step (run_state.py):
+# The training engine's logits on the export check's fixed batch at the saved step (resume.py):
 # `llm-train export` verifies against them, independently of how the shards are merged.
 CHECKPOINT_REFERENCE = "reference.safetensors"
 DS_TAG = "ds"  # the tag DeepSpeed saves each checkpoint's engine state under (state/ds/)
@@ -331,58 +333,3 @@ class Checkpointer:
         for old in committed(self.root)[self.keep :]:
             if old.name != latest:
                 shutil.rmtree(old, ignore_errors=True)
-
-
-# ------------------------------------------------------------ per-rank trainer state
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and CUDA) RNG states as JSON (loaded without pickle)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available():
-        # This rank's device only: get_rng_state_all() would create a CUDA context on every GPU
-        # of the node from every rank (hundreds of MiB each, on GPUs other ranks are filling).
-        state["cuda_device"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda_device" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda_device"], dtype=torch.uint8))
-
-
-def reseed(seed: int, step: int, rank: int) -> None:
-    """Python, NumPy and torch RNGs from (seed, step, rank): a resumed rank with no saved state of its own."""
-    import random
-
-    import numpy as np
-    import torch
-
-    mixed = int(np.random.SeedSequence([seed & 0xFFFF_FFFF, step, rank]).generate_state(1)[0])
-    random.seed(mixed)
-    np.random.seed(mixed)
-    torch.manual_seed(mixed)  # seeds the CUDA generators too
-
-
-def trainer_state_path(ckpt_dir: Path, rank: int) -> Path:
-    return ckpt_dir / "trainer" / f"rank{rank:05d}.json"

@@ -11,6 +11,11 @@ checkpoint, then a manifest (sizes and sha256 of every file), then one rename to
 `universal/`. A conversion killed half way leaves only the temporary directory, which the
 next attempt deletes and redoes; `universal/` is used only when its manifest verifies.
 It runs in a child process so a crash in it (or its memory peak) cannot take the rank with it.
+
+A module of its own, not part of runtime/resume.py: converting is a job apart from resuming. It
+makes a verified derived copy of a checkpoint, with its own manifest, for three users: a resume
+on another layout (resume.py), `llm-train convert` ahead of time, and the export of a checkpoint
+(export.py reads the merged weights through `universal_state_dict`).
 """
 
 from __future__ import annotations

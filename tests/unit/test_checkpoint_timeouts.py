@@ -34,7 +34,7 @@ WORKER = textwrap.dedent(
 
     sys.path.insert(0, {repo!r})
     import llm_train.runtime.checkpoint as checkpoint
-    from llm_train.runtime import run_state
+    from llm_train.runtime import resume
     from llm_train.runtime.collectives import WORLD
 
     rank, timeout_s, slow_s = int(os.environ["RANK"]), float(sys.argv[2]), float(sys.argv[3])
@@ -56,7 +56,7 @@ WORKER = textwrap.dedent(
         for name in MINE[rank]:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(os.urandom(1 << 16))
-        trainer = checkpoint.trainer_state_path(tmp, rank)
+        trainer = resume.trainer_state_path(tmp, rank)
         trainer.parent.mkdir(parents=True, exist_ok=True)
         trainer.write_text(json.dumps({{"step": 2}}))
 
@@ -75,18 +75,18 @@ WORKER = textwrap.dedent(
         assert checkpoint.verify(path) is None
 
     started = time.monotonic()
-    chosen = run_state.choose_checkpoint("auto", root, rank, WORLD, print)
+    chosen = resume.choose_checkpoint("auto", root, rank, WORLD, print)
     print(f"rank {{rank}}: choice took {{time.monotonic() - started:.1f}}s", flush=True)
     assert chosen == path, chosen
     healthy("choice")
 
-    convert = getattr(run_state, "convert_for_resume", None)
+    convert = getattr(resume, "convert_for_resume", None)
     if convert is not None:  # the conversion handshake (rank 0 converts; the others wait)
         def slow_conversion(ckpt_dir, say):
             time.sleep(3 * timeout_s)
             return ckpt_dir / "universal"
 
-        run_state.ensure_universal = slow_conversion
+        resume.ensure_universal = slow_conversion
         convert(chosen, root, rank, WORLD, timeout_s, print)
         healthy("conversion")
     dist.destroy_process_group()

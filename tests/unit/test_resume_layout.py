@@ -9,9 +9,9 @@ import pytest
 
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
-from llm_train.runtime.resume_layout import (
+from llm_train.runtime.resume import (
     ResumeLayout,
-    check_resume_early,
+    bridge,
     check_same_plan,
     peek_manifest,
     plan_resume,
@@ -29,12 +29,12 @@ def _saved(**fields: object) -> dict[str, object]:
 
 
 def test_the_same_layout_loads_the_checkpoint_as_it_is() -> None:
-    plan = plan_resume(_saved(), _layout(), allow_batch_change=False)
+    plan = bridge(_saved(), _layout(), allow_batch_change=False)
     assert plan == ResumeLayout() and plan.same_layout and not plan.universal
 
 
 def test_fewer_processes_convert_to_universal_and_keep_the_global_batch() -> None:
-    plan = plan_resume(_saved(world_size=2), _layout(world_size=1), allow_batch_change=False)
+    plan = bridge(_saved(world_size=2), _layout(world_size=1), allow_batch_change=False)
     assert plan.universal and plan.grad_accum == 2  # 8 x 1 x dp 2 = 16 = 8 x 2 x dp 1
     assert "data-parallel size 2 -> 1" in plan.changes
     assert any("gradient accumulation 1 -> 2" in n for n in plan.notices)
@@ -53,19 +53,19 @@ def test_fewer_processes_convert_to_universal_and_keep_the_global_batch() -> Non
     ],
 )
 def test_a_resharded_optimizer_state_goes_through_universal(saved: dict, now: dict) -> None:
-    plan = plan_resume(_saved(**saved), _layout(**now), allow_batch_change=True)
+    plan = bridge(_saved(**saved), _layout(**now), allow_batch_change=True)
     assert plan.universal
 
 
 def test_zero0_on_another_data_parallel_size_loads_directly() -> None:
     # ZeRO-0 saves the whole optimizer state: nothing to re-partition.
-    plan = plan_resume(_saved(zero_stage=0), _layout(zero_stage=0, world_size=1), allow_batch_change=False)
+    plan = bridge(_saved(zero_stage=0), _layout(zero_stage=0, world_size=1), allow_batch_change=False)
     assert not plan.universal and plan.grad_accum == 2
 
 
 def test_a_precision_change_goes_through_universal() -> None:
     # The universal loader rebuilds the 16-bit weights from the saved fp32 master weights.
-    plan = plan_resume(_saved(precision="fp32"), _layout(precision="bf16"), allow_batch_change=False)
+    plan = bridge(_saved(precision="fp32"), _layout(precision="bf16"), allow_batch_change=False)
     assert plan.changes == ("precision fp32 -> bf16",) and plan.universal
 
 
@@ -103,28 +103,28 @@ def test_a_precision_change_goes_through_universal() -> None:
 )
 def test_changes_deepspeed_cannot_convert_are_refused_in_one_line(saved: dict, now: dict, says: str) -> None:
     with pytest.raises(UserError) as caught:
-        plan_resume(_saved(**saved), _layout(**now), allow_batch_change=True)
+        bridge(_saved(**saved), _layout(**now), allow_batch_change=True)
     message = str(caught.value)
     assert says in message and "\n" not in message and "->" in message  # names what changed
 
 
 def test_the_same_sequence_parallel_degree_on_more_ranks_is_a_data_parallel_change() -> None:
-    plan = plan_resume(_saved(zero_stage=3, sp=2), _layout(zero_stage=3, sp=2, world_size=4), True)
+    plan = bridge(_saved(zero_stage=3, sp=2), _layout(zero_stage=3, sp=2, world_size=4), True)
     assert plan.universal and plan.changes == ("world size 2 -> 4", "data-parallel size 1 -> 2")
 
 
 def test_a_global_batch_that_cannot_be_kept_is_refused_unless_allowed() -> None:
     saved, now = _saved(world_size=2), _layout(world_size=3)  # 16 is not a multiple of 8 x 3
     with pytest.raises(UserError, match="--allow-batch-change"):
-        plan_resume(saved, now, allow_batch_change=False)
-    plan = plan_resume(saved, now, allow_batch_change=True)
+        bridge(saved, now, allow_batch_change=False)
+    plan = bridge(saved, now, allow_batch_change=True)
     assert plan.grad_accum is None and any("16 -> 24" in n for n in plan.notices)
 
 
 def test_older_manifests_without_a_layout_compare_world_and_stage() -> None:
     saved = saved_layout({"world_size": 2, "zero_stage": 3})
-    assert plan_resume(saved, _layout(world_size=2, zero_stage=3), False).same_layout
-    assert plan_resume(saved, _layout(world_size=1, zero_stage=3), False).universal
+    assert bridge(saved, _layout(world_size=2, zero_stage=3), False).same_layout
+    assert bridge(saved, _layout(world_size=1, zero_stage=3), False).universal
 
 
 def test_peek_reads_the_manifest_latest_names(tmp_path: Path) -> None:
@@ -148,12 +148,10 @@ def test_a_fallback_checkpoint_needing_another_bridge_is_refused(tmp_path: Path)
 
 def test_a_resume_that_cannot_work_fails_before_any_worker_starts(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not a directory"):
-        check_resume_early(str(tmp_path / "nope"), tmp_path, _layout(), allow_batch_change=False)
+        plan_resume(str(tmp_path / "nope"), tmp_path, _layout(), allow_batch_change=False)
     ckpt = tmp_path / "step-00000002"
     ckpt.mkdir()
     (ckpt / "manifest.json").write_text(json.dumps({"layout": _saved(world_size=4, pp=2, zero_stage=1)}))
     with pytest.raises(UserError, match="pipeline"):
-        check_resume_early("auto", tmp_path, _layout(zero_stage=1), allow_batch_change=False)
-    check_resume_early(
-        "auto", tmp_path / "no-checkpoints-yet", _layout(), allow_batch_change=False
-    )  # first start
+        plan_resume("auto", tmp_path, _layout(zero_stage=1), allow_batch_change=False)
+    plan_resume("auto", tmp_path / "no-checkpoints-yet", _layout(), allow_batch_change=False)  # first start
