@@ -96,7 +96,9 @@ def rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    np_state = np.random.get_state()
+    # The legacy tuple form (numpy types get_state() as that tuple or a dict, by its `legacy` flag).
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)
     state: dict[str, Any] = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
