@@ -296,7 +296,7 @@ _TUNABLE = {
     ("zero_optimization", "stage3_param_persistence_threshold"),
 }
 
-_RECIPE_KEY_FOR = {
+_RECIPE_KEY_FOR: dict[tuple[str, ...], str] = {
     ("train_micro_batch_size_per_gpu",): "optim.micro_batch_size",
     ("gradient_accumulation_steps",): "optim.grad_accum",
     ("train_batch_size",): "optim.global_batch_size",

@@ -6,7 +6,7 @@ ZeRO-2 and ZeRO-3, and a 91M-parameter fp32 ZeRO-2 one):
   one file per data-parallel rank holding its partition (ZeRO-1/2/3; ZeRO-0: one file);
 - the model file: ZeRO-0/1/2 also write the whole module once, from data-parallel rank 0, in the
   training precision (2 bytes per parameter in bf16/fp16, 4 in fp32; a LoRA run leaves its frozen
-  base out, run_state.save_run_state); ZeRO-3's per-rank model files are a few kB (its weights
+  base out, resume.save_run_state); ZeRO-3's per-rank model files are a few kB (its weights
   are the fp32 partitions).
 
 Times, at the rates below (each says whether it was measured or assumed):
@@ -49,7 +49,7 @@ class CheckpointCost:
     verify_s: float
     convert_s: (
         float | None
-    )  # None: a resume on another layout is refused (resume_layout.py), nothing converts
+    )  # None: a resume on another layout is refused (runtime/resume.py), nothing converts
 
     def line(self, timeout_minutes: float) -> str:
         """One line for `plan` and --dry-run."""

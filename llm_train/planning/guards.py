@@ -11,7 +11,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from llm_train.config import ds_json
 from llm_train.config.hardware import host_ram_bytes
@@ -32,7 +31,7 @@ from llm_train.planning.shapes import shape_from_config
 SKIP_RAM_CHECK_FLAG = "--skip-ram-check"
 
 
-def check_host_ram(run: Any, available: int | None = None) -> None:
+def check_host_ram(run: Resolved, available: int | None = None) -> None:
     """Refuse to start when the planner says this node's host RAM cannot hold the run.
 
     Better one line now than the OS killing a rank mid-load (offload paths keep optimizer
