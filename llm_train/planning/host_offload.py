@@ -240,6 +240,28 @@ class OffloadRank:
         return out
 
 
+def _sub_group_optimizer_buffers(
+    state: int, subs: list[int], master: str, moments: str, gradient: str
+) -> list[HostBuffer]:
+    """What CPU Adam keeps in host RAM for these ZeRO-3 sub-groups (elements each), under these labels.
+
+    stage3.py 1157-1160 (`_create_fp32_partitions`): the master of each sub-group, a pageable copy in
+    the master dtype; cpu_adam.py 161-164: m and v, pageable, at the first step; stage3.py 1337-1342:
+    each sub-group's gradient in the master dtype, pinned on its own.
+    """
+    return [
+        HostBuffer("offloaded_optimizer_states", master, tuple(state * s for s in subs), how="pageable"),
+        HostBuffer(
+            "offloaded_optimizer_states",
+            moments,
+            tuple(state * s for s in subs for _ in (0, 1)),
+            how="pageable",
+            released=True,
+        ),
+        HostBuffer("offloaded_fp32_gradients", gradient, tuple(state * s for s in subs)),
+    ]
+
+
 def _step_transient(rank: OffloadRank, largest: int) -> list[HostBuffer]:
     # stage3.py 2860 (`_reassign_or_swap_out_partitioned_parameters`) copies the updated master of a
     # sub-group into the 16-bit partition on the GPU; a blocking copy that changes dtype converts on
@@ -266,26 +288,12 @@ def cpu_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
         subs = rank.sub_groups()
         elements = sum(subs)
         return [
-            # stage3.py 1157-1160 (`_create_fp32_partitions`): the master of each sub-group, a pageable
-            # copy in the master dtype; cpu_adam.py 161-164: m and v, pageable, at the first step.
-            HostBuffer(
-                "offloaded_optimizer_states",
+            *_sub_group_optimizer_buffers(
+                state,
+                subs,
                 "master weights (stage3.py 1157)",
-                tuple(state * s for s in subs),
-                how="pageable",
-            ),
-            HostBuffer(
-                "offloaded_optimizer_states",
                 "Adam m and v (cpu_adam.py 161)",
-                tuple(state * s for s in subs for _ in (0, 1)),
-                how="pageable",
-                released=True,
-            ),
-            # stage3.py 1337-1342: each sub-group's gradient in the master dtype, pinned on its own.
-            HostBuffer(
-                "offloaded_fp32_gradients",
                 "master-dtype gradient per sub-group (stage3.py 1337)",
-                tuple(state * s for s in subs),
             ),
             # stage3.py 791-795: one flat buffer of every partition's 16-bit gradient, pinned.
             HostBuffer(
@@ -373,24 +381,13 @@ def nvme_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
         )
     if kept:
         # Sub-groups too small to swap stay in host RAM like CPU offload's (stage3.py 1160, 1337).
-        buffers += [
-            HostBuffer(
-                "offloaded_optimizer_states",
-                "master of unswapped sub-groups",
-                tuple(state * s for s in kept),
-                how="pageable",
-            ),
-            HostBuffer(
-                "offloaded_optimizer_states",
-                "Adam m and v of unswapped sub-groups",
-                tuple(state * s for s in kept for _ in (0, 1)),
-                how="pageable",
-                released=True,
-            ),
-            HostBuffer(
-                "offloaded_fp32_gradients", "gradient of unswapped sub-groups", tuple(state * s for s in kept)
-            ),
-        ]
+        buffers += _sub_group_optimizer_buffers(
+            state,
+            kept,
+            "master of unswapped sub-groups",
+            "Adam m and v of unswapped sub-groups",
+            "gradient of unswapped sub-groups",
+        )
     return [*buffers, *_step_transient(rank, max(subs))]
 
 
