@@ -7,6 +7,7 @@ Imported as `common` (bench/ is the script's folder when a benchmark runs).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -146,3 +147,29 @@ def judge(record: dict[str, Any], verdicts: list[dict[str, Any]]) -> dict[str, A
         record["passed"] = False
         record["error"] = "; ".join([*([record["error"]] if record.get("error") else []), *missed])
     return record
+
+
+def check_arguments(
+    description: str, names: list[str], only_help: str, budget_help: str
+) -> argparse.ArgumentParser:
+    """The options every prepared GPU check takes: --cpu-tiny, --out, --only NAME..., --budget-s."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--cpu-tiny", action="store_true", help="Tiny model on CPU: checks the script, not a GPU."
+    )
+    parser.add_argument("--out", type=Path, help="Output folder (default: $OUT, else bench/results/).")
+    parser.add_argument("--only", nargs="+", choices=names, help=only_help)
+    parser.add_argument("--budget-s", type=float, help=budget_help)
+    return parser
+
+
+def require_cuda(script: str, cpu_tiny: bool) -> None:
+    """Stop a GPU check on a machine without CUDA, saying how to check the script on CPU instead."""
+    if cpu_tiny:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit(
+            f"{script}: no CUDA device; run on a GPU machine, or pass --cpu-tiny to check the script on CPU"
+        )

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO, GiB, versions  # bench/ is this script's folder
+from common import REPO, GiB, check_arguments, require_cuda, versions  # bench/ is this script's folder
 from gpu_check import (
     CAPPED_TRAIN,
     CORPUS,
@@ -242,14 +242,11 @@ def run_case(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--cpu-tiny", action="store_true", help="Tiny model on CPU: checks the script, not a GPU."
-    )
-    parser.add_argument("--out", type=Path, help="Output folder (default: $OUT, else bench/results/).")
-    parser.add_argument("--only", nargs="+", choices=[c.name for c in CASES], help="Run only these cases.")
-    parser.add_argument(
-        "--budget-s", type=float, help="Deadline for the whole check (default 470 GPU, 1200 CPU)."
+    parser = check_arguments(
+        __doc__.splitlines()[0],
+        [c.name for c in CASES],
+        "Run only these cases.",
+        "Deadline for the whole check (default 470 GPU, 1200 CPU).",
     )
     parser.add_argument("--make-base", type=Path, help=argparse.SUPPRESS)  # the first process's job
     args = parser.parse_args()
@@ -257,13 +254,7 @@ def main() -> None:
     if args.make_base is not None:
         make_base(args.make_base, gpu)
         return
-    if gpu:
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit(
-                "consumer_check: no CUDA device; run on a GPU machine, or pass --cpu-tiny to check the script"
-            )
+    require_cuda("consumer_check", args.cpu_tiny)
     sys.path.insert(0, str(REPO))
     signal.signal(signal.SIGTERM, _on_stop_signal)
     signal.signal(signal.SIGINT, _on_stop_signal)

@@ -40,7 +40,6 @@ the planner's exactly (native pinning, whole pages: nothing else locks memory th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -55,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_check  # bench/ is this script's folder: its samplers, launcher and results file
-from common import REPO, GiB, judge, verdict, versions
+from common import REPO, GiB, check_arguments, judge, require_cuda, verdict, versions
 from gpu_check import (
     CAPPED_TRAIN,
     CORPUS,
@@ -459,16 +458,11 @@ def run_all(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--cpu-tiny", action="store_true", help="Tiny model on CPU: checks the script, not a GPU."
-    )
-    parser.add_argument("--out", type=Path, help="Output folder (default: $OUT, else bench/results/).")
-    parser.add_argument(
-        "--only", nargs="+", choices=NAMES, help="Run only these cases (default: all, in order)."
-    )
-    parser.add_argument(
-        "--budget-s", type=float, help="Deadline for the whole check (default 270 GPU, 1500 CPU)."
+    parser = check_arguments(
+        __doc__.splitlines()[0],
+        NAMES,
+        "Run only these cases (default: all, in order).",
+        "Deadline for the whole check (default 270 GPU, 1500 CPU).",
     )
     parser.add_argument(
         "--nvme-dir",
@@ -477,13 +471,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     sizes = CPU_SIZES if args.cpu_tiny else GPU_SIZES
-    if not args.cpu_tiny:
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit(
-                "full_ft_check: no CUDA device; run on a GPU machine, or pass --cpu-tiny to check the script"
-            )
+    require_cuda("full_ft_check", args.cpu_tiny)
     signal.signal(signal.SIGTERM, gpu_check._on_stop_signal)
     signal.signal(signal.SIGINT, gpu_check._on_stop_signal)
     started = time.time()

@@ -49,7 +49,6 @@ to end where no GPU is; its numbers say nothing about a GPU.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -70,8 +69,10 @@ from common import (
     OFFLINE_ENV,
     REPO,
     GiB,
+    check_arguments,
     judge,
     proc_kib_field,
+    require_cuda,
     verdict,
     versions,
 )  # bench/ is this script's folder
@@ -946,16 +947,11 @@ NAMES = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--cpu-tiny", action="store_true", help="Tiny model on CPU: checks the script, not a GPU."
-    )
-    parser.add_argument("--out", type=Path, help="Output folder (default: $OUT, else bench/results/).")
-    parser.add_argument(
-        "--only", nargs="+", choices=NAMES, help="Run only these (default: all but zero2_ac, in order)."
-    )
-    parser.add_argument(
-        "--budget-s", type=float, help="Deadline for the whole check (default 510 GPU, 900 CPU)."
+    parser = check_arguments(
+        __doc__.splitlines()[0],
+        NAMES,
+        "Run only these (default: all but zero2_ac, in order).",
+        "Deadline for the whole check (default 510 GPU, 900 CPU).",
     )
     parser.add_argument(
         "--expect",
@@ -974,13 +970,7 @@ def main() -> None:
         except ValueError:
             parser.error(f"--expect {item}: give NAME.QUANTITY=NUMBER")
     sizes = CPU_SIZES if args.cpu_tiny else GPU_SIZES
-    if not args.cpu_tiny:
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit(
-                "gpu_check: no CUDA device; run on a GPU machine, or pass --cpu-tiny to check the script on CPU"
-            )
+    require_cuda("gpu_check", args.cpu_tiny)
     signal.signal(signal.SIGTERM, _on_stop_signal)
     signal.signal(signal.SIGINT, _on_stop_signal)
     started = time.time()

@@ -52,7 +52,6 @@ nothing about a GPU, and its MFU target line fails by construction.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -65,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import REPO, versions  # bench/ is this script's folder
+from common import REPO, check_arguments, require_cuda, versions  # bench/ is this script's folder
 from gpu_check import (
     RUNNING,
     Budget,
@@ -582,26 +581,15 @@ def target_lines(ctx: Context) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--cpu-tiny", action="store_true", help="Tiny model on CPU: checks the script, not a GPU."
-    )
-    parser.add_argument("--out", type=Path, help="Output folder (default: $OUT, else bench/results/).")
-    parser.add_argument(
-        "--only", nargs="+", choices=[v.name for v in VARIANTS], help="Run only these, in order."
-    )
-    parser.add_argument(
-        "--budget-s", type=float, help="Deadline for the whole matrix (default 480 GPU, 1200 CPU)."
+    parser = check_arguments(
+        __doc__.splitlines()[0],
+        [v.name for v in VARIANTS],
+        "Run only these, in order.",
+        "Deadline for the whole matrix (default 480 GPU, 1200 CPU).",
     )
     args = parser.parse_args()
     sizes = CPU_SIZES if args.cpu_tiny else GPU_SIZES
-    if not args.cpu_tiny:
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit(
-                "mfu_matrix: no CUDA device; run on a GPU machine, or pass --cpu-tiny to check the script on CPU"
-            )
+    require_cuda("mfu_matrix", args.cpu_tiny)
     signal.signal(signal.SIGTERM, _on_stop_signal)
     signal.signal(signal.SIGINT, _on_stop_signal)
     started = time.time()
