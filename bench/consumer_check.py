@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
 import subprocess
@@ -260,16 +259,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, _on_stop_signal)
     started = time.time()
     budget = Budget(args.budget_s or (470.0 if gpu else 1200.0))
-    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     suffix = "" if gpu else "_cpu_tiny"
-    stem = (
-        out_dir / "consumer_check"
-        if out_dir is not None
-        else REPO / "bench" / "results" / f"consumer_check{suffix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-    results = Results(
-        jsonl=Path(f"{stem}.jsonl"), log=Path(f"{stem}.log"), summary=Path(f"{stem}_summary.json")
-    )
+    results = Results.for_check("consumer_check", args.out, args.cpu_tiny)
     cases = [c for c in CASES if not args.only or c.name in args.only]
     with tempfile.TemporaryDirectory(prefix="llm_train_consumer_check_") as tmp:
         work = Path(tmp)

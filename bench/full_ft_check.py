@@ -41,7 +41,6 @@ the planner's exactly (native pinning, whole pages: nothing else locks memory th
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -476,16 +475,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, gpu_check._on_stop_signal)
     started = time.time()
     budget = Budget(args.budget_s or sizes.budget_s)
-    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     suffix = "_cpu_tiny" if args.cpu_tiny else ""
-    stem = (
-        out_dir / "full_ft_check"
-        if out_dir
-        else REPO / "bench" / "results" / f"full_ft_check{suffix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-    results = Results(
-        jsonl=Path(f"{stem}.jsonl"), log=Path(f"{stem}.log"), summary=Path(f"{stem}_summary.json")
-    )
+    results = Results.for_check("full_ft_check", args.out, args.cpu_tiny)
     nvme_dir = args.nvme_dir or Path(tempfile.mkdtemp(prefix=".full_ft_check_nvme_", dir=REPO))
     try:
         with tempfile.TemporaryDirectory(prefix="llm_train_full_ft_") as tmp:

@@ -493,6 +493,18 @@ class Results:
     summary: Path
     records: list[dict[str, Any]] = field(default_factory=list)
 
+    @classmethod
+    def for_check(cls, name: str, out: Path | None, cpu_tiny: bool) -> Results:
+        """NAME.jsonl, NAME.log and NAME_summary.json in --out or $OUT (the device tool brings back $OUT's
+        files: fixed names), else dated in bench/results (which keeps every run)."""
+        out = out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+        if out is not None:
+            stem = out / name
+        else:
+            suffix = "_cpu_tiny" if cpu_tiny else ""
+            stem = REPO / "bench" / "results" / f"{name}{suffix}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return cls(jsonl=Path(f"{stem}.jsonl"), log=Path(f"{stem}.log"), summary=Path(f"{stem}_summary.json"))
+
     def __post_init__(self) -> None:
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)
         self.jsonl.write_text("")
@@ -978,14 +990,7 @@ def main() -> None:
     only = set(args.only) if args.only else set(NAMES) - {"zero2_ac"}
 
     suffix = "_cpu_tiny" if args.cpu_tiny else ""
-    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
-    if out_dir is not None:  # the device tool brings back $OUT's files: fixed names
-        stem = out_dir / "gpu_check"
-    else:  # bench/results keeps every run: dated names
-        stem = REPO / "bench" / "results" / f"gpu_check{suffix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    results = Results(
-        jsonl=Path(f"{stem}.jsonl"), log=Path(f"{stem}.log"), summary=Path(f"{stem}_summary.json")
-    )
+    results = Results.for_check("gpu_check", args.out, args.cpu_tiny)
     with tempfile.TemporaryDirectory(prefix="llm_train_gpu_check_") as tmp:
         run_all(sizes, only, results, budget, Path(tmp), Judging(sizes.judge, injected))
 

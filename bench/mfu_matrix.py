@@ -53,7 +53,6 @@ nothing about a GPU, and its MFU target line fails by construction.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import sys
@@ -594,15 +593,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, _on_stop_signal)
     started = time.time()
     budget = Budget(args.budget_s or sizes.budget_s)
-    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     suffix = "_cpu_tiny" if args.cpu_tiny else ""
-    if out_dir is not None:  # the device tool brings back $OUT's files: fixed names
-        stem = out_dir / "mfu_matrix"
-    else:
-        stem = REPO / "bench" / "results" / f"mfu_matrix{suffix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    results = Results(
-        jsonl=Path(f"{stem}.jsonl"), log=Path(f"{stem}.log"), summary=Path(f"{stem}_summary.json")
-    )
+    results = Results.for_check("mfu_matrix", args.out, args.cpu_tiny)
     wanted = [v for v in VARIANTS if args.only is None or v.name in args.only]
     results.add(
         {
