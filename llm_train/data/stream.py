@@ -96,6 +96,9 @@ class Batches(Iterator[dict[str, Any]], Protocol):
     """Micro-batches per epoch on this rank; None when the data has no known length (a stream)."""
     workers: int
     """DataLoader worker processes building the next batches (0: built in the training process)."""
+    split: PackedSplit | None
+    """The packed, tokenised split served (what a cached DPO reference scores); None for a stream,
+    tokenised as it goes."""
 
     @property
     def epoch(self) -> int:

@@ -366,6 +366,7 @@ class StreamingBatches(Batches):
     """
 
     per_epoch: int | None = None
+    split: PackedSplit | None = None  # tokenised as it streams: no packed split (preference data is refused)
 
     def __init__(
         self,

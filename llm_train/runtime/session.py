@@ -262,10 +262,8 @@ def build_engine(w: Worker, engine: Engine, data: RunData) -> StepMeter:
     """The model and the DeepSpeed engine, the objective prepared, the step meter."""
     engine.build(data.max_steps, w.clock.mark)  # marks "model build" and "deepspeed init"
     # DPO with a cached reference scores every pair now, while the engine still holds the initial
-    # model: before a checkpoint's weights are loaded into it (runtime/reference.py). A streamed
-    # train split has no packed split to score (preference data is refused with streaming).
-    split = getattr(data.stream, "split", None)
-    engine.objective.prepare([split, data.eval_blocks], w.dp_rank, w.run.layout.dp, w.say)
+    # model: before a checkpoint's weights are loaded into it (runtime/reference.py).
+    engine.objective.prepare([data.stream.split, data.eval_blocks], w.dp_rank, w.run.layout.dp, w.say)
     return StepMeter.for_run(w.run, engine.token_flops(), w.options.peak_tflops, w.clock)
 
 
