@@ -7,6 +7,7 @@ what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import MutableMapping
@@ -38,6 +39,26 @@ def set_cuda_alloc_conf() -> bool:
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    return True
+
+
+def remember_cpu_info() -> bool:
+    """Ask py-cpuinfo once per process instead of at every DeepSpeed op that loads.
+
+    DeepSpeed 0.19.8 calls `cpuinfo.get_cpu_info()` in each op builder's cpu_arch() and simd_width()
+    (ops/op_builder/builder.py) and again when DeepSpeedCPUAdam is made (ops/adam/cpu_adam.py): 3
+    calls in a CPU-offload worker, 5 with the async-I/O op of NVMe offload. Each call starts a Python
+    subprocess that probes and times the CPU: 1.1 s apiece measured on 2 cores, 2.3 s of the 4.7 s
+    "deepspeed init" of a tiny zero3_offload worker. The answer is the machine's and DeepSpeed only
+    reads it (arch, flags, vendor), so one call per process serves every op. Returns False without
+    py-cpuinfo (DeepSpeed then falls back to lscpu itself).
+    """
+    try:
+        import cpuinfo
+    except ImportError:
+        return False
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):  # not wrapped yet in this process
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     return True
 
 

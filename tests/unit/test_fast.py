@@ -144,3 +144,26 @@ def test_compile_over_the_alst_switches_is_refused_in_one_line() -> None:
     ):
         load_recipe("tiny-cpu", ["memory.torch_compile=layers", "memory.tiled_mlp=true"])
     assert load_recipe("tiny-cpu", ["memory.torch_compile=layers"]).memory.torch_compile == "layers"
+
+
+def test_deepspeed_op_loads_ask_py_cpuinfo_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_arch() and simd_width() of every op builder each asked it (a 1.1 s subprocess apiece)."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    from llm_train.runtime.fast import remember_cpu_info
+
+    calls = []
+
+    def probe() -> dict[str, str]:
+        calls.append(1)
+        return {"arch": "X86_64", "flags": "avx2", "vendor_id_raw": "GenuineIntel"}
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", probe)
+    assert remember_cpu_info()
+    assert remember_cpu_info()  # a second call does not wrap the wrapper
+    for builder in (CPUAdamBuilder(), AsyncIOBuilder()):
+        assert builder.cpu_arch() == "-march=native"
+        assert builder.simd_width() == "-D__AVX256__"
+    assert cpuinfo.get_cpu_info()["vendor_id_raw"] == "GenuineIntel"  # what DeepSpeedCPUAdam reads
+    assert calls == [1]
