@@ -1,4 +1,8 @@
-"""Shared test helpers: launching llm_train the way users do, on CPU, each launch on its own port."""
+"""Shared test helpers: launching llm_train as its launchers do, on CPU, each launch on its own port.
+
+`launch` starts the workers the way torchrun does (tests/workers.py says why most tests use it);
+`accelerate_launch` goes through `accelerate launch`, for the tests of that contract.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from llm_train.runtime.launcher import free_port  # noqa: F401 - the tests' port
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "llm_train" / "train.py"
+WORKERS = REPO / "tests" / "workers.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 # Nothing in the tests may wait on a network that is not there: the hubs are unreachable from CI, and
@@ -41,6 +46,16 @@ def accelerate_cmd(args: list[str], nproc: int) -> list[str]:
         str(TRAIN),
         *args,
     ]
+
+
+def launch_cmd(args: list[str], nproc: int) -> list[str]:
+    """N workers of llm_train/train.py ARGS, each given its rank in the environment as torchrun gives it."""
+    return [sys.executable, str(WORKERS), str(nproc), str(TRAIN), *args]
+
+
+def launch(args: list[str], nproc: int = 2, timeout: float = 900, env: dict[str, str] | None = None):
+    """Run N workers of llm_train/train.py ARGS to the end (tests/workers.py)."""
+    return run_cmd(launch_cmd(args, nproc), timeout=timeout, env=env)
 
 
 def accelerate_launch(
@@ -86,6 +101,11 @@ def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def launch_popen(args: list[str], nproc: int = 2) -> subprocess.Popen:
+    """Like launch, but in the background and in its own process group (to signal or kill it)."""
+    return popen(launch_cmd(args, nproc))
+
+
 def accelerate_popen(
     args: list[str], nproc: int = 2, launcher_flags: tuple[str, ...] = ()
 ) -> subprocess.Popen:
@@ -95,6 +115,11 @@ def accelerate_popen(
     """
     cmd = accelerate_cmd(args, nproc)
     cmd[2:2] = launcher_flags
+    return popen(cmd)
+
+
+def popen(cmd: list[str]) -> subprocess.Popen:
+    """`cmd` in the background, in its own process group, its output (stdout and stderr) in one pipe."""
     return subprocess.Popen(
         cmd,
         cwd=REPO,

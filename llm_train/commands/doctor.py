@@ -55,7 +55,9 @@ import time, logging
 t = time.perf_counter()
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder import CPUAdamBuilder
+from llm_train.runtime.fast import prepare_op_loads
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+prepare_op_loads()  # as a training run does: the same ninja, so the build is the run's
 CPUAdamBuilder().load()
 print(f"LLM_TRAIN_PROBE_OK accelerator={get_accelerator().device_name()} seconds={time.perf_counter() - t:.1f}")
 """

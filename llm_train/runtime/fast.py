@@ -10,7 +10,10 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import shutil
+import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llm_train.config.hardware import describe_pairs
@@ -42,6 +45,12 @@ def set_cuda_alloc_conf() -> bool:
     return True
 
 
+def prepare_op_loads() -> None:
+    """Call before DeepSpeed loads or builds an op in this process (the two functions below say why)."""
+    remember_cpu_info()
+    use_environment_ninja()
+
+
 def remember_cpu_info() -> bool:
     """Ask py-cpuinfo once per process instead of at every DeepSpeed op that loads.
 
@@ -54,11 +63,29 @@ def remember_cpu_info() -> bool:
     py-cpuinfo (DeepSpeed then falls back to lscpu itself).
     """
     try:
-        import cpuinfo
+        import cpuinfo  # type: ignore[import-untyped]  # py-cpuinfo ships no type hints
     except ImportError:
         return False
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):  # not wrapped yet in this process
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    return True
+
+
+def use_environment_ninja(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Build DeepSpeed's ops with this Python environment's own `ninja`, whatever PATH finds first.
+
+    torch JIT-builds DeepSpeed's ops (cpu_adam, async_io, the CPU shared-memory all-reduce) with the
+    first `ninja` on PATH, into one folder per op. A virtual environment has its own (pip's ninja, a
+    DeepSpeed requirement) and the system often another (/usr/bin/ninja), and they do not read each
+    other's build log: ninja 1.13.2 found "command line changed" for every object ninja 1.11.1 had
+    built, and rebuilt it. A launch from an activated environment after one from a plain shell (or the
+    other way round) then rebuilt cpu_adam and the rest: 30-90 s per op on 2 cores. Returns whether
+    PATH changed (not when the environment has no ninja or PATH already finds it).
+    """
+    own = Path(sys.executable).parent / "ninja"
+    if not own.is_file() or shutil.which("ninja", path=environ.get("PATH")) == str(own):
+        return False
+    environ["PATH"] = os.pathsep.join(p for p in (str(own.parent), environ.get("PATH", "")) if p)
     return True
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.reference import VARIANTS, run_args
-from tests.helpers import accelerate_launch, assert_ok, make_tiny_pretrained
+from tests.helpers import assert_ok, launch, make_tiny_pretrained
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +21,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> dict[str
     out = {}
     for variant in VARIANTS:
         run_dir = base / variant
-        assert_ok(accelerate_launch(run_args(variant, run_dir, pretrained)))
+        assert_ok(launch(run_args(variant, run_dir, pretrained)))
         out[variant] = run_dir
     return out

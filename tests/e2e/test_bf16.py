@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import accelerate_launch, accelerate_popen, assert_ok, losses, read_metrics, wait_for_step
+from tests.helpers import assert_ok, launch, launch_popen, losses, read_metrics, wait_for_step
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ def bf16_run(
     variant = request.param
     run_dir = tmp_path_factory.mktemp("bf16") / variant
     started = time.monotonic()
-    assert_ok(accelerate_launch(_bf16_args(variant, run_dir, pretrained) + STEP_BEFORE_LAST))
+    assert_ok(launch(_bf16_args(variant, run_dir, pretrained) + STEP_BEFORE_LAST))
     print(f"{variant} bf16 reference run: {time.monotonic() - started:.1f}s")
     return variant, run_dir
 
@@ -98,7 +98,7 @@ def test_bf16_kill_9_after_a_checkpoint_then_resume_is_bit_identical(
     # Step 3 is logged after the step-2 checkpoint was committed (the loop saves at the end of
     # step 2): killing then loses in-memory progress past the checkpoint, which the resume redoes.
     started = time.monotonic()
-    proc = accelerate_popen(args)
+    proc = launch_popen(args)
     assert wait_for_step(run_dir, 3, proc), proc.communicate()[0][-4000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -109,7 +109,7 @@ def test_bf16_kill_9_after_a_checkpoint_then_resume_is_bit_identical(
     assert not (run_dir / "final").exists()  # before the run finished
 
     started = time.monotonic()
-    result = accelerate_launch(args)
+    result = launch(args)
     assert_ok(result)
     resumed_s = time.monotonic() - started
     # Without this a resume that silently started over would also reproduce the reference.

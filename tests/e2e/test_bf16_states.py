@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import accelerate_launch, assert_ok, losses
+from tests.helpers import assert_ok, launch, losses
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +37,7 @@ def bf16_states_run(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) 
         f"checkpoint.every_steps={STEPS}",
     ]
     started = time.monotonic()
-    assert_ok(accelerate_launch(args))
+    assert_ok(launch(args))
     print(f"bf16-states run: {time.monotonic() - started:.1f}s")
     return run_dir
 

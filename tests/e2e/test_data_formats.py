@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, accelerate_launch, assert_ok, losses
+from tests.helpers import REPO, assert_ok, launch, losses
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +91,7 @@ def test_all_formats_in_one_mixture_train(tmp_path: Path) -> None:
     path = tmp_path / "mixture.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     run_dir = tmp_path / "run"
-    result = accelerate_launch(["--recipe", str(path), "--output-dir", str(run_dir), *SHORT])
+    result = launch(["--recipe", str(path), "--output-dir", str(run_dir), *SHORT])
     assert_ok(result)
     _world_ok(run_dir)
     for fmt in ("text", "chat", "instruction", "tokenized"):
@@ -101,7 +101,7 @@ def test_all_formats_in_one_mixture_train(tmp_path: Path) -> None:
 def test_shipped_chat_recipe_trains_padded(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["--recipe", "tiny-cpu-chat", "--output-dir", str(run_dir), *SHORT]
-    result = accelerate_launch([*args, "data.packing=padded", f"data.cache_dir={tmp_path / 'cache'}"])
+    result = launch([*args, "data.packing=padded", f"data.cache_dir={tmp_path / 'cache'}"])
     assert_ok(result)
     _world_ok(run_dir)
     assert _prepared_line("chat", result.stdout)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import accelerate_launch, assert_ok, losses, run_cmd, train_py
+from tests.helpers import assert_ok, launch, losses, run_cmd, train_py
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,7 @@ def test_gpt_neox_in_bf16_on_two_zero3_ranks_exports_verified_against_the_traine
     from safetensors import safe_open
 
     run_dir = tmp_path / "run"
-    result = accelerate_launch(family_args("gpt_neox", run_dir, "precision=bf16"), nproc=2)
+    result = launch(family_args("gpt_neox", run_dir, "precision=bf16"), nproc=2)
     assert_ok(result)
     assert json.loads((run_dir / "world.json").read_text())["world_size"] == 2
     check = json.loads((run_dir / "final" / "export_check.json").read_text())

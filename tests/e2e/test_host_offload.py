@@ -30,7 +30,7 @@ from llm_train.planning.fit import memory_inputs
 from llm_train.planning.memory import estimate_memory
 from llm_train.planning.shapes import shape_from_config
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import accelerate_cmd, accelerate_popen, assert_ok, losses, wait_for_step
+from tests.helpers import assert_ok, launch_cmd, launch_popen, losses, wait_for_step
 
 pytestmark = pytest.mark.e2e
 
@@ -86,7 +86,7 @@ class LockedPeaks:
 
 
 def _launch(args: list[str]) -> tuple[subprocess.CompletedProcess, LockedPeaks]:
-    cmd = accelerate_cmd(args, NPROC)
+    cmd = launch_cmd(args, NPROC)
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"},
@@ -164,7 +164,7 @@ def test_optimizer_on_nvme_trains_like_cpu_offload_and_resumes_exactly(
     killed = tmp_path / "killed"
     args = [*_nvme_args(killed, pretrained, tmp_path / "nvme2"), "--resume", "auto"]
     (tmp_path / "nvme2").mkdir()
-    proc = accelerate_popen(args)
+    proc = launch_popen(args)
     assert wait_for_step(killed, 3, proc, timeout=900), proc.communicate()[0][-4000:]
     time.sleep(random.Random(22).uniform(0.0, 0.5))
     assert proc.poll() is None, "the run ended before the kill: nothing was tested"

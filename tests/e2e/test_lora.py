@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llm_train.config.recipe import load_recipe
-from tests.helpers import accelerate_launch, assert_ok, read_metrics
+from tests.helpers import assert_ok, launch, read_metrics
 
 pytest.importorskip("peft")
 
@@ -29,9 +29,7 @@ pytestmark = pytest.mark.e2e
 )
 def test_tiny_lora_trains_with_two_processes(tmp_path: Path, extra: list[str], merged: bool) -> None:
     out = tmp_path / "run"
-    result = accelerate_launch(
-        ["--recipe", "tiny-cpu-lora", "--output-dir", str(out), "--max-steps", "5", *extra]
-    )
+    result = launch(["--recipe", "tiny-cpu-lora", "--output-dir", str(out), "--max-steps", "5", *extra])
     assert_ok(result)
     world = json.loads((out / "world.json").read_text())
     assert world["world_size"] == 2 and [r["rank"] for r in world["ranks"]] == [0, 1]

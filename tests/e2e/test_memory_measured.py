@@ -13,7 +13,7 @@ from llm_train.config.resolution import resolve_run
 from llm_train.planning.fit import memory_inputs, needs
 from llm_train.planning.memory import GiB, estimate_memory
 from llm_train.planning.shapes import shape_from_config
-from tests.helpers import accelerate_cmd, run_cmd
+from tests.helpers import launch_cmd, run_cmd
 
 # Runs a command and reports the peak RSS of its largest descendant (Linux: KiB), so the
 # measurement is not polluted by what this pytest process started before.
@@ -35,7 +35,7 @@ def tiny_cpu_estimate_per_process() -> float:
 @pytest.mark.e2e
 def test_tiny_cpu_estimate_bounds_measured_peak_rss(tmp_path: Path) -> None:
     args = ["--recipe", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--max-steps", "5"]
-    cmd = [sys.executable, "-c", PEAK_RSS_WRAPPER, *accelerate_cmd([*args, "output.sample_prompt=null"], 2)]
+    cmd = [sys.executable, "-c", PEAK_RSS_WRAPPER, *launch_cmd([*args, "output.sample_prompt=null"], 2)]
     result = run_cmd(cmd, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     peak = int(result.stdout.rsplit("PEAK_RSS_KIB", 1)[1].split()[0]) * 1024

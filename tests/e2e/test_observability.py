@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llm_train.observability.report import make_report
-from tests.helpers import accelerate_launch, assert_ok, read_metrics
+from tests.helpers import assert_ok, launch, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -26,7 +26,7 @@ FAKE_WANDB_KEY = "fa4e0123456789abcdef0123456789abcdef0123"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp("observability") / "run"
-    result = accelerate_launch(
+    result = launch(
         [
             "--recipe",
             "tiny-cpu",

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.reference import SHORT_RUN, STEPS
-from tests.helpers import REPO, accelerate_launch, assert_ok, losses, read_metrics, train_py
+from tests.helpers import REPO, assert_ok, launch, losses, read_metrics, train_py
 
 pytestmark = pytest.mark.e2e
 
@@ -85,7 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pretrained = make_tiny_qwen2(base / "pretrained")
     out = {name: base / name for name in ("reference", "tp2", "tp2_zero0", "pp2", "pp2_resumed", "pp2_dp2")}
     assert_ok(train_py(_args("tiny-cpu", out["reference"], pretrained, 2, "--ds-config", "zero0")))
-    assert_ok(accelerate_launch(_args("tiny-cpu-tp2", out["tp2"], pretrained, 2)))
+    assert_ok(launch(_args("tiny-cpu-tp2", out["tp2"], pretrained, 2)))
     # ZeRO-0 keeps no gradient norm: llm_train measures it, over the TP slices and the copies.
     zero0_tp = json.loads((REPO / "ds_configs" / "zero1_tp.json").read_text())
     zero0_tp["zero_optimization"] = {"stage": 0}
@@ -93,13 +93,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tp2_zero0 = _args(
         "tiny-cpu-tp2", out["tp2_zero0"], pretrained, 2, "--ds-config", str(base / "zero0_tp.json")
     )
-    assert_ok(accelerate_launch(tp2_zero0))
-    assert_ok(accelerate_launch(_args("tiny-cpu-pp2", out["pp2"], pretrained, 2, "checkpoint.every_steps=3")))
+    assert_ok(launch(tp2_zero0))
+    assert_ok(launch(_args("tiny-cpu-pp2", out["pp2"], pretrained, 2, "checkpoint.every_steps=3")))
     checkpoint = out["pp2"] / "checkpoints" / step_name(3)
     resumed = _args("tiny-cpu-pp2", out["pp2_resumed"], pretrained, 2, "--resume", str(checkpoint))
-    assert_ok(accelerate_launch(resumed))
+    assert_ok(launch(resumed))
     pp2_dp2 = _args("tiny-cpu-pp2", out["pp2_dp2"], pretrained, 1, "--ds-config", "zero0")
-    assert_ok(accelerate_launch(pp2_dp2, nproc=4))
+    assert_ok(launch(pp2_dp2, nproc=4))
     return out
 
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from llm_train import train
 from llm_train.config.recipe import Recipe
-from tests.helpers import accelerate_launch, assert_ok, read_metrics
+from tests.helpers import assert_ok, launch, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -224,7 +224,7 @@ def test_every_other_option_works_in_a_real_two_stage_run(pretrained: Path, tmp_
     }
     common = ["--recipe", "tiny-cpu-pp2"]
     a = common + _overrides(RUN_A, values) + ["--profile", "2-3"]
-    assert_ok(accelerate_launch(a))
+    assert_ok(launch(a))
     run_a = tmp_path / "a"
     rows = read_metrics(run_a)
     trained = [r for r in rows if "loss" in r]
@@ -246,7 +246,7 @@ def test_every_other_option_works_in_a_real_two_stage_run(pretrained: Path, tmp_
 
     values["run_dir"] = str(tmp_path / "b")
     b = common + _overrides(RUN_B, values) + ["--output-dir", str(tmp_path / "b"), "optim.max_steps=null"]
-    assert_ok(accelerate_launch(b))
+    assert_ok(launch(b))
     run_b = tmp_path / "b"
     steps = [r["step"] for r in read_metrics(run_b) if "loss" in r]
     assert steps and steps == list(range(1, len(steps) + 1))  # optim.epochs decided the length

@@ -29,9 +29,9 @@ from safetensors.torch import load_file
 
 from llm_train.runtime.objectives import PREFERENCE_METRICS
 from tests.helpers import (
-    accelerate_launch,
-    accelerate_popen,
     assert_ok,
+    launch,
+    launch_popen,
     losses,
     make_tiny_pretrained,
     read_metrics,
@@ -73,7 +73,7 @@ def baseline(
     tmp_path_factory: pytest.TempPathFactory, cache: Path
 ) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp("dpo") / "zero3"
-    result = accelerate_launch(_args(run_dir, cache, *CHECKPOINTED, *TRACKED), env={"WANDB_MODE": "offline"})
+    result = launch(_args(run_dir, cache, *CHECKPOINTED, *TRACKED), env={"WANDB_MODE": "offline"})
     assert_ok(result)
     return run_dir, result
 
@@ -132,7 +132,7 @@ def test_kill_9_then_resume_rescoring_a_lost_reference_is_bit_identical(
     reference_dir, _ = baseline
     run_dir = tmp_path / "killed"
     args = _args(run_dir, cache, *CHECKPOINTED)
-    proc = accelerate_popen(args)
+    proc = launch_popen(args)
     assert wait_for_step(run_dir, 6, proc), proc.communicate()[0][
         -4000:
     ]  # the step-4 checkpoint is committed
@@ -146,7 +146,7 @@ def test_kill_9_then_resume_rescoring_a_lost_reference_is_bit_identical(
     for entry in lost:
         shutil.rmtree(entry)
 
-    result = accelerate_launch(args)
+    result = launch(args)
     assert_ok(result)
     assert f"reference: log-probs of {PAIRS} pairs scored by the initial model" in result.stdout
     assert "resumed from" in result.stdout and "at step 4" in result.stdout
@@ -166,7 +166,7 @@ def test_qlora_dpo_with_the_adapter_disabled_reference(cache: Path, tmp_path: Pa
     pytest.importorskip("bitsandbytes")
     run_dir = tmp_path / "lora"
     base = make_tiny_pretrained(tmp_path / "base", seed=2)
-    result = accelerate_launch(
+    result = launch(
         _args(
             run_dir,
             cache,
@@ -196,7 +196,7 @@ def test_a_live_frozen_reference_trains_as_the_cached_one(
     # Three steps, all inside the 4-step warmup, so the LR is the baseline's at each of them.
     args = _args(run_dir, cache, "preference.reference=live", "checkpoint.at_end=false")
     args[args.index(f"--max-steps={STEPS}")] = "--max-steps=3"
-    result = accelerate_launch(args)
+    result = launch(args)
     assert_ok(result)
     assert "reference: log-probs" not in result.stdout  # nothing cached: the copy scores every batch
     ours, theirs = losses(run_dir), losses(reference_dir)

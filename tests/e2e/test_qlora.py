@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tests.helpers import (
-    accelerate_launch,
-    accelerate_popen,
     assert_ok,
+    launch,
+    launch_popen,
     losses,
     make_tiny_pretrained,
     wait_for_step,
@@ -79,7 +79,7 @@ def test_qlora_zero3_trains_only_adapters_and_exports_a_plain_model(base: Path, 
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "z3"
-    result = accelerate_launch(
+    result = launch(
         _args(
             out,
             base,
@@ -128,7 +128,7 @@ def test_qlora_zero3_trains_only_adapters_and_exports_a_plain_model(base: Path, 
 
 
 def _kill_after(run_dir: Path, args: list[str], step: int) -> None:
-    proc = accelerate_popen(args)
+    proc = launch_popen(args)
     assert wait_for_step(run_dir, step, proc), proc.communicate()[0][-4000:]
     time.sleep(0.3)
     assert proc.poll() is None, "the run ended before the kill: nothing was tested"
@@ -145,9 +145,9 @@ def test_qlora_zero2_adapter_reloads_and_resumes_exactly_after_kill_9(base: Path
 
     extra = ("lora.export=adapter", "checkpoint.every_steps=2", "--resume", "auto")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    assert_ok(accelerate_launch(_args(reference, base, *extra)))
+    assert_ok(launch(_args(reference, base, *extra)))
     _kill_after(killed, _args(killed, base, *extra), step=3)
-    resumed = accelerate_launch(_args(killed, base, *extra))
+    resumed = launch(_args(killed, base, *extra))
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout
     assert losses(killed) == losses(reference)  # exact float equality, every step logged once

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import accelerate_launch, accelerate_popen, assert_ok, losses, run_cmd, wait_for_step
+from tests.helpers import accelerate_popen, assert_ok, launch, launch_popen, losses, run_cmd, wait_for_step
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ CHECKPOINTING = ["checkpoint.every_steps=2", "--resume", "auto"]
 
 def _kill_after(run_dir: Path, args: list[str], step: int, delay: float) -> None:
     """kill -9 the whole launch `delay` s after `step` is logged; fails unless the run was still going."""
-    proc = accelerate_popen(args)
+    proc = launch_popen(args)
     assert wait_for_step(run_dir, step, proc), proc.communicate()[0][-4000:]
     time.sleep(delay)  # land in the step, the eval or the save that follows
     assert proc.poll() is None, (
@@ -66,7 +66,7 @@ def test_kill_9_and_resume_is_exact(
     kill_points = [(2, rng.uniform(0.0, 0.6)), (4, rng.uniform(0.0, 0.6))]
     for step, delay in kill_points:
         _kill_after(run_dir, args, step, delay)
-    result = accelerate_launch(args)
+    result = launch(args)
     assert_ok(result)
     _assert_identical(run_dir, runs[variant])
     print(f"{variant}: killed at {kill_points}, resumed exactly")
@@ -108,7 +108,7 @@ def test_stop_signal_checkpoints_and_exits_resumable(
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
     assert 1 <= stopped_at < STEPS
     assert not (run_dir / "final").exists()
-    assert_ok(accelerate_launch(args))
+    assert_ok(launch(args))
     _assert_identical(run_dir, runs["zero2"])
 
 

@@ -37,9 +37,9 @@ from tests.e2e.test_parallel import make_tiny_qwen2
 from tests.helpers import (
     OFFLINE_ENV,
     REPO,
-    accelerate_launch,
     accelerate_popen,
     assert_ok,
+    launch,
     losses,
     run_cmd,
     wait_for_step,
@@ -102,7 +102,7 @@ def _compare(
 
 
 def _launch(args: list[str], nproc: int) -> str:
-    result = accelerate_launch(args, nproc=nproc)
+    result = launch(args, nproc=nproc)
     assert_ok(result)
     return result.stdout
 

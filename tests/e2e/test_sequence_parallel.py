@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import accelerate_launch, assert_ok, read_metrics
+from tests.helpers import assert_ok, launch, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +63,7 @@ def _run(run_dir: Path, pretrained: Path, sp: int, nproc: int, *extra: str) -> d
         f"deepspeed.sequence_parallel={sp}",
         *extra,
     ]
-    result = accelerate_launch(args, nproc=nproc)
+    result = launch(args, nproc=nproc)
     assert_ok(result)
     if sp > 1:
         assert f"x sp {sp}" in result.stdout  # the start-up summary names the degree

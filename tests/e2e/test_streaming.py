@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llm_train import ASSETS_DIR
-from tests.helpers import accelerate_launch, assert_ok, losses
+from tests.helpers import assert_ok, launch, losses
 
 pytestmark = pytest.mark.e2e
 
@@ -64,14 +64,14 @@ def _data_state(run_dir: Path, step: int) -> list[dict]:
 def test_a_streamed_run_resumes_without_repeating_or_skipping(tmp_path: Path) -> None:
     corpus, cache = _corpus(tmp_path / "corpus"), tmp_path / "cache"
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    assert_ok(accelerate_launch(_args(reference, corpus, cache, STEPS)))
-    first = accelerate_launch(_args(resumed, corpus, cache, STOP))
+    assert_ok(launch(_args(reference, corpus, cache, STEPS)))
+    first = launch(_args(resumed, corpus, cache, STOP))
     assert_ok(first)
     assert "data.train is streamed" in first.stdout + first.stderr
     stopped = _data_state(resumed, STOP)
     assert len(stopped) == 2 and stopped[0] == stopped[1]  # both ranks saved the same global position
     assert stopped[0]["kind"] == "stream" and stopped[0]["sequences_consumed"] == STOP * GLOBAL_MICRO
-    assert_ok(accelerate_launch(_args(resumed, corpus, cache, STEPS) + ["--resume", "auto"]))
+    assert_ok(launch(_args(resumed, corpus, cache, STEPS) + ["--resume", "auto"]))
 
     expected = losses(reference)
     assert sorted(expected) == list(range(1, STEPS + 1))

@@ -167,3 +167,24 @@ def test_deepspeed_op_loads_ask_py_cpuinfo_once_per_process(monkeypatch: pytest.
         assert builder.simd_width() == "-D__AVX256__"
     assert cpuinfo.get_cpu_info()["vendor_id_raw"] == "GenuineIntel"  # what DeepSpeedCPUAdam reads
     assert calls == [1]
+
+
+def test_op_builds_use_the_environments_own_ninja(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Two ninjas on one machine do not read each other's build log: each rebuilt what the other built."""
+    import sys
+
+    from llm_train.runtime.fast import use_environment_ninja
+
+    env_bin, system_bin = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
+    for folder in (env_bin, system_bin):
+        folder.mkdir(parents=True)
+        (folder / "ninja").write_text("#!/bin/sh\n")
+        (folder / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(env_bin / "python"))
+    environ = {"PATH": f"{system_bin}:/bin"}
+    assert use_environment_ninja(environ)
+    assert environ["PATH"] == f"{env_bin}:{system_bin}:/bin"
+    assert not use_environment_ninja(environ)  # PATH finds it already: left as it is
+    (env_bin / "ninja").unlink()
+    environ = {"PATH": f"{system_bin}:/bin"}
+    assert not use_environment_ninja(environ) and environ["PATH"] == f"{system_bin}:/bin"
