@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Tests and the demo never wait on a network that is not there.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+# pytest-xdist workers: two keep a 2-core CI machine busy while one test waits (a launch's
+# imports, a kill, a single-process run); tests/conftest.py keeps what e2e tests share on one.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint gpu-wheels
 
@@ -25,7 +28,7 @@ demo: install
 	$(OFFLINE) $(VENV)/bin/accelerate launch --num_processes 2 llm_train/train.py --recipe tiny-cpu --output-dir runs/demo --overwrite
 
 test: install
-	$(OFFLINE) $(VENV)/bin/pytest -q tests
+	$(OFFLINE) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 test-fast: install
 	$(OFFLINE) $(VENV)/bin/pytest -q -m "not e2e" tests

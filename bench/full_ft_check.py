@@ -411,7 +411,11 @@ def drive_speed(nvme_dir: Path, gpu: bool) -> dict[str, Any]:
 
 def prebuild_async_io() -> subprocess.Popen | None:
     """JIT-build DeepSpeed's async-I/O op in the background (the NVMe case needs it; the 7B runs meanwhile)."""
-    code = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+    # prepare_op_loads first, as the training run does: with another ninja the run would build it again.
+    code = (
+        "from llm_train.runtime.fast import prepare_op_loads; prepare_op_loads(); "
+        "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+    )
     try:
         return subprocess.Popen(
             [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

@@ -12,10 +12,15 @@ max-restarts and SLURM tests, and the kill tests of test_resume.py.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from llm_train.runtime.launcher import LocalWorld, free_port, spawn_workers
 
 if __name__ == "__main__":
     nproc, argv = int(sys.argv[1]), sys.argv[2:]
+    # One thread per worker, as `accelerate launch` on CPU gives every worker (its default
+    # num_cpu_threads_per_process): a one-process run then sums in the same order as each of N
+    # workers, which the 1e-5 comparisons of one process against several rely on.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(spawn_workers(LocalWorld(nproc, 1, 0, "127.0.0.1", free_port()), argv))
