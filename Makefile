@@ -28,7 +28,7 @@ demo: install
 	$(OFFLINE) $(VENV)/bin/accelerate launch --num_processes 2 llm_train/train.py --recipe tiny-cpu --output-dir runs/demo --overwrite
 
 test: install
-	$(OFFLINE) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
+	$(OFFLINE) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 tests
 
 test-fast: install
 	$(OFFLINE) $(VENV)/bin/pytest -q -m "not e2e" tests

@@ -24,6 +24,7 @@ prepare_op_loads()
 # The test modules that read tests/e2e/conftest.py's session fixture `runs` (the shared reference runs).
 REFERENCE_MODULES = (
     "tests/e2e/test_host_offload.py",
+    "tests/e2e/test_multinode.py",
     "tests/e2e/test_resume.py",
     "tests/e2e/test_resume_anywhere.py",
     "tests/e2e/test_zero_stages.py",
@@ -51,6 +52,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return ModuleScheduling(config, log)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest has ordered the items by their fixtures
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     check_reference_modules(items)
     # Longest first, as pytest-xdist hands out modules in this order (--no-loadscope-reorder): the
@@ -76,8 +78,15 @@ def _module(item: pytest.Item) -> str:
 
 def check_reference_modules(items: list[pytest.Item]) -> None:
     """REFERENCE_MODULES must name every module that reads the reference runs (else both workers launch them)."""
-    readers = {_module(item) for item in items if REFERENCE_RUNS in getattr(item, "fixturenames", ())}
+    readers = {_module(item) for item in items if _reads_reference_runs(item)}
     if missing := readers - set(REFERENCE_MODULES):
         raise pytest.UsageError(
             f"{', '.join(sorted(missing))} read the reference runs: add them to REFERENCE_MODULES in tests/conftest.py"
         )
+
+
+def _reads_reference_runs(item: pytest.Item) -> bool:
+    """Whether `item` uses tests/e2e/conftest.py's `runs` (test_parallel.py has a `runs` of its own)."""
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.get(REFERENCE_RUNS, ()) if info is not None else ()
+    return bool(definitions) and definitions[-1].func.__module__ == "tests.e2e.conftest"
