@@ -3,11 +3,11 @@
 Every multi-GPU launch (accelerate's torchrun path, `torchrun`, `deepspeed`, srun) hands each worker
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and each worker then checks and trains on
 its own (llm_train/runtime/launcher.py, case 1). Most e2e tests start their runs like this, through
-the same spawner llm_train uses under `accelerate launch` on CPU (launcher.spawn_workers: one thread
-per worker, stop signals forwarded, the first failure's exit code). What that parent adds (accelerate
+the same spawner llm_train uses under `accelerate launch` on CPU (launcher.spawn_workers: stop signals
+forwarded, the first failure's exit code). What that parent adds (accelerate
 and llm_train imported once more, the run resolved and checked before any worker starts: 3-5 s of
 every launch on 2 cores) is tested where it is the point: tests/e2e/test_launch_train.py, the
-max-restarts and SLURM tests, and the kill tests of test_resume.py.
+max-restarts and SLURM tests, and the stop-signal tests of test_resume.py.
 """
 
 from __future__ import annotations

@@ -128,7 +128,13 @@ def test_one_process_resumes_on_two_with_a_new_zero_stage_or_offload(
     one = tmp_path / "one"
     args = [*run_args(saved, one, pretrained), "optim.grad_accum=2"]  # 8 x 2 x dp 1: the same 16
     _launch(args, nproc=1)
-    two = [*run_args(resumed, tmp_path / "two", pretrained), "--resume", str(_checkpoint(one))]
+    # The same command line on two processes (the accumulation of 2 the checkpoint kept becomes 1).
+    two = [
+        *run_args(resumed, tmp_path / "two", pretrained),
+        "optim.grad_accum=2",
+        "--resume",
+        str(_checkpoint(one)),
+    ]
     out = _launch(two, nproc=2)
     assert "world size 1 -> 2" in out and "gradient accumulation 2 -> 1" in out
     assert "resuming on a new layout" in out and "universal" in out
