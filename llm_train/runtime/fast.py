@@ -12,9 +12,9 @@ import inspect
 import os
 import shutil
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
@@ -86,6 +86,45 @@ def use_environment_ninja(environ: MutableMapping[str, str] = os.environ) -> boo
     if not own.is_file() or shutil.which("ninja", path=environ.get("PATH")) == str(own):
         return False
     environ["PATH"] = os.pathsep.join(p for p in (str(own.parent), environ.get("PATH", "")) if p)
+    return True
+
+
+def defer_muon_compile() -> bool:
+    """torch.compile DeepSpeed's Muon kernels when Muon first runs, not when DeepSpeed asks whether it runs.
+
+    DeepSpeed 0.19.8 imports deepspeed/runtime/zero/muon/original_muon.py in every ZeRO engine (its
+    optimizer check, stage_1_and_2, stage3 and the bf16 optimizer each ask whether the optimizer is
+    Muon), and that module applies `torch.compile` to three functions at import. Applying it imports
+    torch's inductor compiler: 1.0 s of CPU per process, measured on 2 cores, in every ZeRO worker,
+    for kernels no llm_train recipe runs. That module is the only user of
+    deepspeed.runtime.compiler.compile(); its replacement here applies the same torch.compile to each
+    function at its first call. Call before DeepSpeed builds an engine; returns False once the module
+    is imported (too late to matter) or without DeepSpeed.
+    """
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return False
+    try:
+        import torch
+        from deepspeed.runtime import compiler
+    except ImportError:
+        return False
+
+    def compile_at_first_call() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            compiled: Callable[..., Any] | None = None
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal compiled
+                if compiled is None:
+                    compiled = torch.compile(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = compile_at_first_call
     return True
 
 

@@ -188,3 +188,33 @@ def test_op_builds_use_the_environments_own_ninja(monkeypatch: pytest.MonkeyPatc
     (env_bin / "ninja").unlink()
     environ = {"PATH": f"{system_bin}:/bin"}
     assert not use_environment_ninja(environ) and environ["PATH"] == f"{system_bin}:/bin"
+
+
+def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import() -> None:
+    """Every ZeRO engine imports DeepSpeed's Muon module; its torch.compile imported inductor (1 s/process)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    # A fresh interpreter: whether inductor and the Muon module are imported is process-wide state.
+    code = """
+import sys, torch
+from llm_train.runtime.fast import defer_muon_compile
+assert defer_muon_compile()
+from deepspeed.runtime.zero.muon import original_muon
+assert "torch._inductor.compile_fx" not in sys.modules, "inductor imported with the Muon module"
+assert not defer_muon_compile()  # imported already: nothing left to defer
+compiled = []
+torch.compile = lambda fn: compiled.append(fn.__name__) or fn  # records what a first call compiles
+g = torch.randn(4, 6)
+first = original_muon.zeropower_via_newtonschulz5(g, 2)
+again = original_muon.zeropower_via_newtonschulz5(g, 2)
+assert compiled == ["zeropower_via_newtonschulz5"], compiled  # compiled once, at the first call
+assert torch.equal(first, again) and first.shape == (4, 6)
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
