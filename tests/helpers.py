@@ -1,6 +1,6 @@
 """Shared test helpers: launching llm_train as its launchers do, on CPU, each launch on its own port.
 
-`launch` starts the workers the way torchrun does (tests/workers.py says why most tests use it);
+`launch` gives the workers their ranks the way torchrun does (tests/workers.py says why most tests use it);
 `accelerate_launch` goes through `accelerate launch`, for the tests of that contract.
 """
 

@@ -1,21 +1,95 @@
-"""`python tests/workers.py N llm_train/train.py ARGS`: N local workers, started the way torchrun starts them.
+"""`python tests/workers.py N llm_train/train.py ARGS`: N local workers, each given its rank as torchrun gives it.
 
 Every multi-GPU launch (accelerate's torchrun path, `torchrun`, `deepspeed`, srun) hands each worker
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and each worker then checks and trains on
-its own (llm_train/runtime/launcher.py, case 1). Most e2e tests start their runs like this, through
-the same spawner llm_train uses under `accelerate launch` on CPU (launcher.spawn_workers: stop signals
-forwarded, the first failure's exit code). What that parent adds (accelerate
-and llm_train imported once more, the run resolved and checked before any worker starts: 3-5 s of
-every launch on 2 cores) is tested where it is the point: tests/e2e/test_launch_train.py, the
-max-restarts and SLURM tests, and the stop-signal tests of test_resume.py.
+its own (llm_train/runtime/launcher.py, case 1). Most e2e tests start their runs like this. What the
+`accelerate launch` parent adds (accelerate and llm_train imported once more, the run resolved and
+checked before any worker starts: 3-5 s of every launch on 2 cores) is tested where it is the point:
+tests/e2e/test_launch_train.py, the max-restarts and SLURM tests, and the stop-signal tests of
+test_resume.py; those workers are interpreters of their own, as on a GPU machine.
+
+Here each worker is forked from this process once it has imported what every worker imports first
+(torch, transformers, DeepSpeed, Accelerate, llm_train's training modules), and then runs train.py's
+main() with its rank in the environment. That import is most of a tiny run's CPU, and the suite is
+CPU-bound on 2 cores: a tiny 2-process zero2 run took 13.7-14.8 CPU-s with a fresh interpreter per
+worker and 10.2-10.5 forked, with the same losses. What a fresh worker does before those imports
+(library logs quieted, the op loads' ninja and CPU probe, DeepSpeed's Muon compile deferred) is done
+here first, in the same order. Nothing here touches a tensor before the fork: a fork after torch has
+started OpenMP threads could hang the child.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import traceback
 
-from llm_train.runtime.launcher import LocalWorld, free_port, spawn_workers
+from llm_train.runtime.launcher import LocalWorld, free_port, supervise, worker_env
+
+
+def import_what_workers_import(argv: list[str]) -> None:
+    from llm_train.observability.console import quiet
+    from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads
+
+    quiet("--verbose" in argv)  # before transformers and DeepSpeed read their logging settings
+    prepare_op_loads()
+    import accelerate  # noqa: F401
+    import deepspeed  # noqa: F401
+    import transformers.masking_utils  # noqa: F401 - every decoder model's; it imports torch._dynamo
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    defer_muon_compile()
+    import llm_train.runtime.session  # noqa: F401
+    import llm_train.runtime.zero_engine  # noqa: F401
+    import llm_train.train  # noqa: F401
+
+
+class ForkedWorker:
+    """One forked worker, seen through the part of subprocess.Popen that launcher.supervise uses."""
+
+    def __init__(self, world: LocalWorld, local_rank: int, argv: list[str]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the worker: never returns into the parent's code
+            code = 1
+            try:
+                os.environ.update(worker_env(world, local_rank))
+                code = run_worker(argv)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def run_worker(argv: list[str]) -> int:
+    """train.py's `__main__` in this (forked) process: main(), then out without interpreter teardown."""
+    from llm_train.train import main
+
+    sys.argv = argv
+    try:
+        return main(argv[1:])
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+
 
 if __name__ == "__main__":
     nproc, argv = int(sys.argv[1]), sys.argv[2:]
@@ -23,4 +97,7 @@ if __name__ == "__main__":
     # num_cpu_threads_per_process): a one-process run then sums in the same order as each of N
     # workers, which the 1e-5 comparisons of one process against several rely on.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(spawn_workers(LocalWorld(nproc, 1, 0, "127.0.0.1", free_port()), argv))
+    import_what_workers_import(argv)
+    world = LocalWorld(nproc, 1, 0, "127.0.0.1", free_port())
+    workers = [ForkedWorker(world, local_rank, argv) for local_rank in range(nproc)]
+    sys.exit(supervise(workers))

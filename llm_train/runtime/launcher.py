@@ -27,7 +27,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 SPAWNED_ENV = "LLM_TRAIN_SPAWNED"
 
@@ -137,28 +139,47 @@ def use_pin_memory_backend(pinning: str) -> None:
     os.environ[PIN_BACKEND_ENV] = "native" if pinning == "native" else "torch"
 
 
+def worker_env(world: LocalWorld, local_rank: int) -> dict[str, str]:
+    """What torchrun tells the worker of `local_rank` on this node (added to the parent's environment)."""
+    return {
+        SPAWNED_ENV: "1",
+        "RANK": str(world.node_rank * world.nproc_per_node + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world.world_size),
+        "LOCAL_WORLD_SIZE": str(world.nproc_per_node),
+        "GROUP_RANK": str(world.node_rank),
+        "MASTER_ADDR": world.master_addr,
+        "MASTER_PORT": str(world.master_port),
+        # Two workers on two cores: one thread each, or they fight over the cores.
+        "OMP_NUM_THREADS": os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world.nproc_per_node))
+        ),
+    }
+
+
 def spawn_workers(world: LocalWorld, argv: list[str]) -> int:
     """Start this node's workers, forward stop signals, return the first failing exit code (or 0)."""
-    procs: list[subprocess.Popen] = []
-    for local_rank in range(world.nproc_per_node):
-        env = dict(os.environ)
-        env.update(
-            {
-                SPAWNED_ENV: "1",
-                "RANK": str(world.node_rank * world.nproc_per_node + local_rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world.world_size),
-                "LOCAL_WORLD_SIZE": str(world.nproc_per_node),
-                "GROUP_RANK": str(world.node_rank),
-                "MASTER_ADDR": world.master_addr,
-                "MASTER_PORT": str(world.master_port),
-                # Two workers on two cores: one thread each, or they fight over the cores.
-                "OMP_NUM_THREADS": os.environ.get(
-                    "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world.nproc_per_node))
-                ),
-            }
-        )
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env))
+    procs = [
+        subprocess.Popen([sys.executable, *argv], env={**os.environ, **worker_env(world, local_rank)})
+        for local_rank in range(world.nproc_per_node)
+    ]
+    return supervise(procs)
+
+
+class WorkerProcess(Protocol):
+    """What supervise needs of a worker: subprocess.Popen's poll, send_signal, terminate and returncode."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
+def supervise(procs: Sequence[WorkerProcess]) -> int:
+    """Forward stop signals to the workers until all have ended; the first failing exit code (or 0)."""
 
     def forward(signum: int, _frame: object) -> None:
         for proc in procs:
@@ -170,7 +191,7 @@ def spawn_workers(world: LocalWorld, argv: list[str]) -> int:
 
     exit_code = 0
     while any(proc.poll() is None for proc in procs):
-        failed = [proc.returncode for proc in procs if proc.returncode not in (None, 0)]
+        failed = [proc.returncode for proc in procs if proc.returncode]  # None: running, 0: done
         if failed and exit_code == 0:
             exit_code = failed[0]
             # One worker failed: the others would wait forever in a collective.
@@ -180,7 +201,7 @@ def spawn_workers(world: LocalWorld, argv: list[str]) -> int:
                     proc.terminate()
         time.sleep(0.2)
     if exit_code == 0:
-        exit_code = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
+        exit_code = next((proc.returncode for proc in procs if proc.returncode), 0)
     return exit_code
 
 
