@@ -36,7 +36,9 @@ def import_what_workers_import(argv: list[str]) -> None:
     prepare_op_loads()
     import accelerate  # noqa: F401
     import deepspeed  # noqa: F401
+    import torch.utils.cpp_extension  # noqa: F401 - how DeepSpeed loads its ops
     import transformers.masking_utils  # noqa: F401 - every decoder model's; it imports torch._dynamo
+    import transformers.models.llama.modeling_llama  # noqa: F401 - the tiny-cpu recipes' model
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     defer_muon_compile()
