@@ -46,9 +46,10 @@ def set_cuda_alloc_conf() -> bool:
 
 
 def prepare_op_loads() -> None:
-    """Call before DeepSpeed loads or builds an op in this process (the two functions below say why)."""
+    """Call before DeepSpeed loads or builds an op in this process (the three functions below say why)."""
     remember_cpu_info()
     use_environment_ninja()
+    build_ops_without_debug_info()
 
 
 def remember_cpu_info() -> bool:
@@ -68,6 +69,37 @@ def remember_cpu_info() -> bool:
         return False
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):  # not wrapped yet in this process
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    return True
+
+
+# What build_ops_without_debug_info adds to every op's compiler flags (the last -g option wins).
+NO_DEBUG_INFO = "-g0"
+
+
+def build_ops_without_debug_info() -> bool:
+    """JIT-build DeepSpeed's ops without debug information: the same code, a third less compile time.
+
+    DeepSpeed compiles its ops with `-g` (op_builder/builder.py cxx_args), and each source includes
+    torch/extension.h: writing the debug information of all of torch's headers was a third of the
+    work. One async-I/O source measured on 2 cores: 38.7 CPU-s with -g, 26.4 with -g0; the first
+    launch of a CPU-offload recipe builds cpu_adam (106 CPU-s with -g), NVMe offload async_io (362).
+    The flag goes last in the flags DeepSpeed hands to torch.utils.cpp_extension.load, which every op
+    builder imports when it builds. Every process that loads ops calls prepare_op_loads, so all build
+    with the same flags (torch rebuilds an op whose command line changed). Returns False once done.
+    """
+    import torch.utils.cpp_extension as cpp_extension
+
+    load = cpp_extension.load
+    if getattr(load, "adds_no_debug_info", False):
+        return False
+
+    @functools.wraps(load)
+    def load_without_debug_info(*args: Any, **kwargs: Any) -> Any:
+        kwargs["extra_cflags"] = [*(kwargs.get("extra_cflags") or []), NO_DEBUG_INFO]
+        return load(*args, **kwargs)
+
+    load_without_debug_info.adds_no_debug_info = True  # type: ignore[attr-defined]
+    cpp_extension.load = load_without_debug_info
     return True
 
 

@@ -218,3 +218,28 @@ print("ok")
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_deepspeeds_op_builds_compile_without_debug_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-g made a third of every op's compile time (torch's headers' debug information); -g0 goes last."""
+    import torch.utils.cpp_extension as cpp_extension
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    from llm_train.runtime.fast import NO_DEBUG_INFO, build_ops_without_debug_info
+
+    class Built(Exception):
+        pass
+
+    asked: list[list[str]] = []
+
+    def load(*args: object, **kwargs: list[str]) -> None:
+        asked.append(kwargs["extra_cflags"])
+        raise Built  # stands for the compile: nothing is built here
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert build_ops_without_debug_info()
+    assert not build_ops_without_debug_info()  # a second call does not wrap the wrapper
+    with pytest.raises(Built):
+        CPUAdamBuilder().jit_load(verbose=False)  # DeepSpeed's own build path, flags as it makes them
+    (flags,) = asked
+    assert "-g" in flags and flags[-1] == NO_DEBUG_INFO, flags  # the last -g option is the one gcc takes
