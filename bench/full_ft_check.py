@@ -146,6 +146,7 @@ GPU_SIZES = Sizes(
     ],
     budget_s=270,
 )
+CPU_NVME_STEPS = 12  # the CPU 1.5B cases' steps (the NVMe case's losses are compared with the other's)
 CPU_TINY = ["data.seq_len=128", "optim.micro_batch_size=4", "optim.grad_accum=1", "precision=fp32"]
 CPU_SIZES = Sizes(
     gpu=False,
@@ -157,18 +158,22 @@ CPU_SIZES = Sizes(
             steps=3,
             timeout_s=300,
         ),
+        # 12 steps where the H200 runs 4: the swap I/O per step is read at the first poll (every 0.25 s)
+        # after a step row appears, some way into the next step; a tiny CPU step takes about as long,
+        # so each end of the window can be off by up to a step's I/O. Over 11 steps that is <= 9% of
+        # the per-step figure (over 3 it was up to a third: +28% once, against +-15% allowed).
         Case(  # unpinned here: the three cases cover native and off, and nothing is locked
             "f_1p5b_cpu_offload",
             "tiny-cpu",
             [*CPU_TINY, "deepspeed.config=zero3_offload_optimizer", "deepspeed.pinning=off"],
-            steps=4,
+            steps=CPU_NVME_STEPS,
             timeout_s=300,
         ),
         Case(
             "f_1p5b_nvme",
             "tiny-cpu",
             [*CPU_TINY, "deepspeed.config=zero3_offload_optimizer_nvme", "deepspeed.pinning=native"],
-            steps=4,
+            steps=CPU_NVME_STEPS,
             timeout_s=600,
             nvme=True,
         ),
@@ -203,7 +208,8 @@ class TreeSampler:
         self.run_dir = run_dir
         self.locked: dict[int, int] = {}
         self.io: dict[int, tuple[int, int]] = {}  # last counters of every process seen (exited ones too)
-        self.at_step: list[tuple[float, int, int]] = []  # (time, read, write) when a step row appeared
+        # (time, rows, read, write) when new step rows appeared: several can between two samples.
+        self.at_step: list[tuple[float, int, int, int]] = []
         self._rows = 0
 
     def sample(self) -> None:
@@ -219,7 +225,7 @@ class TreeSampler:
             self._rows = rows
             read = sum(r for r, _ in self.io.values())
             write = sum(w for _, w in self.io.values())
-            self.at_step.append((time.time(), read, write))
+            self.at_step.append((time.time(), rows, read, write))
 
     @property
     def locked_peak(self) -> int:
@@ -231,8 +237,10 @@ class TreeSampler:
         so the first step (no Adam moments on the drive yet, and the set-up's writes) is left out."""
         if len(self.at_step) < 2:
             return None
-        (t0, r0, w0), (t1, r1, w1) = self.at_step[0], self.at_step[-1]
-        steps = len(self.at_step) - 1
+        (t0, rows0, r0, w0), (t1, rows1, r1, w1) = self.at_step[0], self.at_step[-1]
+        # The steps logged in between, not the samples: a sample every 0.25 s can see two short steps at
+        # once, and counting samples then overstated the I/O per step (+28% in one CPU run).
+        steps = rows1 - rows0
         return (r1 - r0) / steps, (w1 - w0) / steps, (t1 - t0) / steps
 
 
