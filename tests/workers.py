@@ -12,7 +12,7 @@ Here each worker is forked from this process once it has imported what every wor
 (torch, transformers, DeepSpeed, Accelerate, llm_train's training modules), and then runs train.py's
 main() with its rank in the environment. That import is most of a tiny run's CPU, and the suite is
 CPU-bound on 2 cores: a tiny 2-process zero2 run took 13.7-14.8 CPU-s with a fresh interpreter per
-worker and 10.2-10.5 forked, with the same losses. What a fresh worker does before those imports
+worker and 8.7-9.7 forked, with the same losses. What a fresh worker does before those imports
 (library logs quieted, the op loads' ninja and CPU probe, DeepSpeed's Muon compile deferred) is done
 here first, in the same order. Nothing here touches a tensor before the fork: a fork after torch has
 started OpenMP threads could hang the child.
