@@ -144,9 +144,9 @@ def prepare_process(run: Resolved, options: RunOptions) -> None:
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
     launcher.use_pin_memory_backend(run.recipe.deepspeed.pinning)
+    quiet(options.verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
     prepare_op_loads()
     defer_muon_compile()
-    quiet(options.verbose)  # before DeepSpeed logs anything
 
 
 def settle_run(
