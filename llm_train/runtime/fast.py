@@ -14,7 +14,7 @@ import shutil
 import sys
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
 
 from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from accelerate.utils import TorchDynamoPlugin
 
 ALLOC_CONF = "expandable_segments:True"
+
+P = ParamSpec("P")  # the wrapped function's parameters (the op loader, DeepSpeed's Muon kernels)
+R = TypeVar("R")
 
 
 def set_cuda_alloc_conf() -> bool:
@@ -93,14 +96,22 @@ def build_ops_without_debug_info() -> bool:
     if getattr(load, "adds_no_debug_info", False):
         return False
 
-    @functools.wraps(load)
-    def load_without_debug_info(*args: Any, **kwargs: Any) -> Any:
-        kwargs["extra_cflags"] = [*(kwargs.get("extra_cflags") or []), NO_DEBUG_INFO]
-        return load(*args, **kwargs)
-
+    load_without_debug_info = _adding_cflag(load, NO_DEBUG_INFO)
     load_without_debug_info.adds_no_debug_info = True  # type: ignore[attr-defined]
     cpp_extension.load = load_without_debug_info
     return True
+
+
+def _adding_cflag(load: Callable[P, R], flag: str) -> Callable[P, R]:
+    """`load` (torch.utils.cpp_extension.load) with `flag` last in its extra_cflags."""
+
+    @functools.wraps(load)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        given = cast("list[str] | None", kwargs.get("extra_cflags"))  # load's own annotation
+        kwargs["extra_cflags"] = [*(given or []), flag]
+        return load(*args, **kwargs)
+
+    return call
 
 
 def use_environment_ninja(environ: MutableMapping[str, str] = os.environ) -> bool:
@@ -141,12 +152,12 @@ def defer_muon_compile() -> bool:
     except ImportError:
         return False
 
-    def compile_at_first_call() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-            compiled: Callable[..., Any] | None = None
+    def compile_at_first_call() -> Callable[[Callable[P, R]], Callable[P, R]]:
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            compiled: Callable[P, R] | None = None
 
             @functools.wraps(fn)
-            def call(*args: Any, **kwargs: Any) -> Any:
+            def call(*args: P.args, **kwargs: P.kwargs) -> R:
                 nonlocal compiled
                 if compiled is None:
                     compiled = torch.compile(fn)
