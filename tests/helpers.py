@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from llm_train.runtime.launcher import free_port  # noqa: F401 - the tests' port for each launch
+from tests.launch_server import LaunchServer, ServedLaunch, servable
+from tests.workers import THREADS_PER_WORKER
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "llm_train" / "train.py"
@@ -54,8 +57,27 @@ def launch_cmd(args: list[str], nproc: int) -> list[str]:
 
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 900, env: dict[str, str] | None = None):
-    """Run N workers of llm_train/train.py ARGS to the end (tests/workers.py)."""
-    return run_cmd(launch_cmd(args, nproc), timeout=timeout, env=env)
+    """Run N workers of llm_train/train.py ARGS to the end (tests/workers.py, forked by tests/launch_server.py)."""
+    served = _served(args, nproc, env, merge_stderr=False)
+    if served is None:
+        return run_cmd(launch_cmd(args, nproc), timeout=timeout, env=env)
+    try:
+        out, err = served.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(served.pid, signal.SIGKILL)
+        served.wait()
+        raise
+    return subprocess.CompletedProcess(launch_cmd(args, nproc), served.wait(), out, err)
+
+
+def _served(
+    args: list[str], nproc: int, env: dict[str, str] | None, merge_stderr: bool
+) -> ServedLaunch | None:
+    """The launch forked by this pytest process's launch server, or None where a fresh one is needed."""
+    full_env = {**THREADS_PER_WORKER, **os.environ, **OFFLINE_ENV, **(env or {})}
+    if not servable(args, full_env):
+        return None
+    return LaunchServer.get().start([str(nproc), str(TRAIN), *args], full_env, merge_stderr)
 
 
 def accelerate_launch(
@@ -101,9 +123,9 @@ def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def launch_popen(args: list[str], nproc: int = 2) -> subprocess.Popen:
+def launch_popen(args: list[str], nproc: int = 2) -> subprocess.Popen | ServedLaunch:
     """Like launch, but in the background and in its own process group (to signal or kill it)."""
-    return popen(launch_cmd(args, nproc))
+    return _served(args, nproc, None, merge_stderr=True) or popen(launch_cmd(args, nproc))
 
 
 def accelerate_popen(

@@ -16,6 +16,11 @@ worker and 8.7-9.7 forked, with the same losses. What a fresh worker does before
 (library logs quieted, the op loads' ninja and CPU probe, DeepSpeed's Muon compile deferred) is done
 here first, in the same order. Nothing here touches a tensor before the fork: a fork after torch has
 started OpenMP threads could hang the child.
+
+tests/helpers.py's `launch` and `launch_popen` do that import once per pytest process: its launch
+server (tests/launch_server.py) forks each launch's parent, which then runs `run_launch` as this
+script's `__main__` does (a tiny 2-process run: 13.5 -> 6.7 CPU-s, same losses). `launch_cmd` (the
+memory tests, which watch the launch's process tree from its root) runs this script fresh.
 """
 
 from __future__ import annotations
@@ -93,13 +98,22 @@ def run_worker(argv: list[str]) -> int:
         return stop.code if isinstance(stop.code, int) else 1
 
 
-if __name__ == "__main__":
-    nproc, argv = int(sys.argv[1]), sys.argv[2:]
-    # One thread per worker, as `accelerate launch` on CPU gives every worker (its default
-    # num_cpu_threads_per_process): a one-process run then sums in the same order as each of N
-    # workers, which the 1e-5 comparisons of one process against several rely on.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import_what_workers_import(argv)
+def run_launch(nproc: int, argv: list[str]) -> int:
+    """N workers of `argv` forked from this process (which has imported what they import), supervised."""
     world = LocalWorld(nproc, 1, 0, "127.0.0.1", free_port())
     workers = [ForkedWorker(world, local_rank, argv) for local_rank in range(nproc)]
-    sys.exit(supervise(workers))
+    return supervise(workers)
+
+
+# One thread per worker, as `accelerate launch` on CPU gives every worker (its default
+# num_cpu_threads_per_process): a one-process run then sums in the same order as each of N workers,
+# which the 1e-5 comparisons of one process against several rely on. (tests/launch_server.py's
+# server imports under the same setting.)
+THREADS_PER_WORKER = {"OMP_NUM_THREADS": "1"}
+
+if __name__ == "__main__":
+    nproc, argv = int(sys.argv[1]), sys.argv[2:]
+    for key, value in THREADS_PER_WORKER.items():
+        os.environ.setdefault(key, value)
+    import_what_workers_import(argv)
+    sys.exit(run_launch(nproc, argv))
