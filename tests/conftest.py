@@ -10,7 +10,7 @@ import pytest
 
 from llm_train.runtime.fast import prepare_op_loads
 
-# DeepSpeed JIT-builds its CPU ops (cpu_adam, the shm all-reduce, async I/O) into torch's extensions
+# DeepSpeed JIT-builds its CPU ops (cpu_adam, async I/O, pinned memory) into torch's extensions
 # folder, ~/.cache/torch_extensions by default. torch rebuilds an op whenever its include paths change,
 # and they name the virtual environment: two checkouts on one machine then rebuild cpu_adam at every
 # other launch (minutes of compiling on 2 cores, whose RSS a memory check of the run then counts). One

@@ -13,9 +13,9 @@ Here each worker is forked from this process once it has imported what every wor
 main() with its rank in the environment. That import is most of a tiny run's CPU, and the suite is
 CPU-bound on 2 cores: a tiny 2-process zero2 run took 13.7-14.8 CPU-s with a fresh interpreter per
 worker and 8.7-9.7 forked, with the same losses. What a fresh worker does before those imports
-(library logs quieted, the op loads' ninja and CPU probe, DeepSpeed's Muon compile deferred) is done
-here first, in the same order. Nothing here touches a tensor before the fork: a fork after torch has
-started OpenMP threads could hang the child.
+(library logs quieted, the op loads' ninja and CPU probe, DeepSpeed's Muon compile deferred and its
+unused shared-memory op skipped) is done here first, in the same order. Nothing here touches a
+tensor before the fork: a fork after torch has started OpenMP threads could hang the child.
 
 tests/helpers.py's `launch` and `launch_popen` do that import once per pytest process: its launch
 server (tests/launch_server.py) forks each launch's parent, which then runs `run_launch` as this
@@ -35,7 +35,7 @@ from llm_train.runtime.launcher import LocalWorld, free_port, supervise, worker_
 
 def import_what_workers_import(argv: list[str]) -> None:
     from llm_train.observability.console import quiet
-    from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads
+    from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads, skip_unused_shm_op
 
     quiet("--verbose" in argv)  # before transformers and DeepSpeed read their logging settings
     prepare_op_loads()
@@ -47,6 +47,7 @@ def import_what_workers_import(argv: list[str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     defer_muon_compile()
+    skip_unused_shm_op()
     import llm_train.runtime.session  # noqa: F401
     import llm_train.runtime.zero_engine  # noqa: F401
     import llm_train.train  # noqa: F401
