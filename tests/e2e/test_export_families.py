@@ -1,7 +1,8 @@
 """Families beside Llama train, export, pass the export check and generate through transformers.
 
-Each run is the real entry point (`python llm_train/train.py`: one process and no launcher, a world
-of one; ZeRO-3 from the tiny-cpu recipe, so the export gathers partitioned weights) with the model
+Each run is the real entry point on one process, a world of one (ZeRO-3 from the tiny-cpu recipe, so
+the export gathers partitioned weights; PLAIN_PYTHON's as `python llm_train/train.py` with no launcher,
+the others given their rank as torchrun gives it, forked by the launch server) with the model
 swapped through `model.config` overrides: a random tiny model of that family (hidden 64, 2 layers, the bundled
 tokenizer). The run verifies its own export (keys as `from_pretrained` reports them, logits
 against the training process's); the test then loads final/ the way a user would, through
@@ -40,6 +41,7 @@ FAMILIES = {
     "phi3": {},
     "olmo2": {},
 }
+PLAIN_PYTHON = "qwen2"  # the family whose run also stands for the plain-python case
 
 
 def family_args(family: str, run_dir: Path, *extra: str) -> list[str]:
@@ -65,14 +67,15 @@ def test_a_family_trains_exports_verified_and_generates(family: str, tmp_path: P
     from transformers import pipeline
 
     run_dir = tmp_path / "run"
-    result = train_py(family_args(family, run_dir))
+    args = family_args(family, run_dir)
+    result = train_py(args) if family == PLAIN_PYTHON else launch(args, nproc=1)
     assert_ok(result)
     assert json.loads((run_dir / "final" / "config.json").read_text())["model_type"] == family
     assert "verified: loads with no missing, unexpected or mismatched keys; logits" in result.stdout
     check = json.loads((run_dir / "final" / "export_check.json").read_text())
     assert check["ok"] and check["max_logit_diff"] <= check["tolerance"]
-    # Plain `python llm_train/train.py` needs no launcher: a world of one that trains every step and
-    # prints the recipe's sample (this launch also stands for the plain-python case).
+    # A world of one that trains every step and prints the recipe's sample (plain `python
+    # llm_train/train.py` needs no launcher for it).
     world = json.loads((run_dir / "world.json").read_text())
     assert world["world_size"] == 1 and world["ranks"][0]["rank"] == 0
     assert sorted(losses(run_dir)) == [1, 2] and "sample:" in result.stdout
