@@ -15,7 +15,7 @@ import shutil
 import sys
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
@@ -185,7 +185,7 @@ def skip_unused_shm_op() -> bool:
     returns False without DeepSpeed, or where its backend no longer builds the op this way.
     """
     try:  # by its full name: `from deepspeed.comm import torch` is torch itself, re-exported there
-        deepspeed_torch_backend = importlib.import_module("deepspeed.comm.torch")
+        deepspeed_torch_backend: Any = importlib.import_module("deepspeed.comm.torch")  # untyped module
     except ImportError:
         return False
     if not callable(getattr(deepspeed_torch_backend, "build_shm_op", None)):
