@@ -35,7 +35,8 @@ from llm_train.runtime.launcher import LocalWorld, free_port, supervise, worker_
 
 def import_what_workers_import(argv: list[str]) -> None:
     from llm_train.observability.console import quiet
-    from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads, skip_unused_shm_op
+    from llm_train.runtime.collectives import skip_unused_shm_op
+    from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads
 
     quiet("--verbose" in argv)  # before transformers and DeepSpeed read their logging settings
     prepare_op_loads()

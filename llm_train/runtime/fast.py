@@ -8,14 +8,13 @@ what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import os
 import shutil
 import sys
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
 
 from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
@@ -169,28 +168,6 @@ def defer_muon_compile() -> bool:
         return decorate
 
     compiler.compile = compile_at_first_call
-    return True
-
-
-def skip_unused_shm_op() -> bool:
-    """Never build DeepSpeed's shared-memory all-reduce op: no llm_train run calls what uses it.
-
-    DeepSpeed 0.19.8's TorchBackend (deepspeed/comm/torch.py) JIT-builds that op whenever the CPU
-    accelerator starts its process group, then maps its shared-memory segments. The op's only caller
-    is `inference_all_reduce`, which AutoTP's row-parallel layers reach in inference mode only
-    (DeepSpeed inference); in training they all-reduce through the process group, and ZeRO never
-    calls it. Building it cost 70.8 CPU-s on an environment's first CPU launch (`make demo` on a
-    fresh machine, every clean CI run; measured on 2 cores) and loading it ~0.2 s in every worker
-    after that. GPU accelerators have no such op. Call before DeepSpeed starts its process group;
-    returns False without DeepSpeed, or where its backend no longer builds the op this way.
-    """
-    try:  # by its full name: `from deepspeed.comm import torch` is torch itself, re-exported there
-        deepspeed_torch_backend: Any = importlib.import_module("deepspeed.comm.torch")  # untyped module
-    except ImportError:
-        return False
-    if not callable(getattr(deepspeed_torch_backend, "build_shm_op", None)):
-        return False
-    deepspeed_torch_backend.build_shm_op = lambda: None  # TorchBackend then all-reduces via torch
     return True
 
 

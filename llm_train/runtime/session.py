@@ -42,7 +42,7 @@ from llm_train.runtime.checkpoint import Checkpointer
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine, process_group_timeout
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
-from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads, skip_unused_shm_op
+from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model import load_tokenizer
@@ -147,7 +147,7 @@ def prepare_process(run: Resolved, options: RunOptions) -> None:
     quiet(options.verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
     prepare_op_loads()
     defer_muon_compile()
-    skip_unused_shm_op()
+    collectives.skip_unused_shm_op()
 
 
 def settle_run(
