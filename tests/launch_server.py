@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,10 +216,11 @@ def serve(control: socket.socket) -> None:
 
 def _launch(
     request: dict, reply: socket.socket, out_fd: int, err_fd: int, others: list[socket.socket]
-) -> None:
+) -> NoReturn:
     """The forked launch: its own session, directory, environment and output; never returns."""
-    code = 1
-    try:
+    from tests.workers import exit_with, run_launch
+
+    def body() -> int:
         os.setsid()  # as Popen(start_new_session=True): the test signals or kills the group
         reply.send(f"pid {os.getpid()}".encode())  # only now: a killpg at once finds the group
         for sock in [reply, *others]:
@@ -233,18 +234,9 @@ def _launch(
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        from tests.workers import run_launch
+        return run_launch(int(request["argv"][0]), request["argv"][1:])
 
-        nproc, argv = int(request["argv"][0]), request["argv"][1:]
-        code = run_launch(nproc, argv)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    exit_with(body)
 
 
 if __name__ == "__main__":

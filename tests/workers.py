@@ -29,6 +29,8 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from llm_train.runtime.launcher import LocalWorld, free_port, supervise, worker_env
 
@@ -63,16 +65,7 @@ class ForkedWorker:
         self.returncode: int | None = None
         self.pid = os.fork()
         if self.pid == 0:  # the worker: never returns into the parent's code
-            code = 1
-            try:
-                os.environ.update(worker_env(world, local_rank))
-                code = run_worker(argv)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+            exit_with(lambda: run_worker(argv, worker_env(world, local_rank)))
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -89,10 +82,25 @@ class ForkedWorker:
         self.send_signal(signal.SIGTERM)
 
 
-def run_worker(argv: list[str]) -> int:
-    """train.py's `__main__` in this (forked) process: main(), then out without interpreter teardown."""
+def exit_with(body: Callable[[], int]) -> NoReturn:
+    """End a forked child with body()'s exit code (1 and its traceback if it raised), its output flushed,
+    without the interpreter teardown or anything else of the parent's code after the fork."""
+    code = 1
+    try:
+        code = body()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_worker(argv: list[str], env: dict[str, str]) -> int:
+    """train.py's `__main__` in this (forked) process, under the worker's environment: main()."""
     from llm_train.train import main
 
+    os.environ.update(env)
     sys.argv = argv
     try:
         return main(argv[1:])

@@ -19,6 +19,7 @@ from llm_train.runtime.checkpoint import (
     verify,
 )
 from llm_train.runtime.collectives import Collectives
+from tests.workers import exit_with
 
 FILES = [
     "state/ds/model_states.pt",
@@ -127,8 +128,8 @@ def _save_step_2_crashing_at(crash_at: int, root: Path) -> int:
     pid = os.fork()
     if pid:
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    code = 1
-    try:
+
+    def body() -> int:
         calls = 0
 
         def counted(fn):
@@ -146,9 +147,9 @@ def _save_step_2_crashing_at(crash_at: int, root: Path) -> int:
         module.os.replace = counted(os.replace)
         module.shutil.rmtree = counted(module.shutil.rmtree)
         _save(Checkpointer(root, 0, 2, Collectives()), 2)
-        code = 0
-    finally:
-        os._exit(code)
+        return 0
+
+    exit_with(body)
 
 
 def test_crash_at_every_file_operation_of_a_save_leaves_a_complete_latest(tmp_path: Path) -> None:
