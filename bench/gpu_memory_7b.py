@@ -85,12 +85,13 @@ def overrides_for(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from llm_train.runtime import launcher
+    from llm_train.runtime import collectives, launcher
     from llm_train.runtime.fast import prepare_op_loads
 
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
     prepare_op_loads()  # as a training worker does (the same cpu_adam build)
+    collectives.skip_unused_shm_op()  # and, as it does, no build of DeepSpeed's unused CPU shm op
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
     import psutil
