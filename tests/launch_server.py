@@ -43,7 +43,7 @@ def servable(argv: list[str], env: dict[str, str]) -> bool:
     """Whether a forked launch of `argv` under `env` starts as a fresh tests/workers.py would."""
     if "--verbose" in argv:
         return False
-    base = LaunchServer.import_env()
+    base = LaunchServer.base_env()
     keys = {key for key in set(env) | set(base) if not key.startswith(RUN_TIME_KEYS)}
     return all(env.get(key) == base.get(key) for key in keys)
 
@@ -63,14 +63,6 @@ class LaunchServer:
         return {**THREADS_PER_WORKER, **os.environ, **OFFLINE_ENV}
 
     @classmethod
-    def import_env(cls) -> dict[str, str]:
-        """The environment the running server imported under (a later change of os.environ in this
-        process does not reach it), or the one a server started now would import under."""
-        with cls._lock:
-            alive = cls._instance is not None and cls._instance.proc.poll() is None
-            return cls._instance.env if alive and cls._instance else cls.base_env()
-
-    @classmethod
     def get(cls) -> LaunchServer:
         with cls._lock:
             if cls._instance is None or cls._instance.proc.poll() is not None:
@@ -79,13 +71,12 @@ class LaunchServer:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.env = self.base_env()
         log, self.log = tempfile.mkstemp(prefix="launch-server-", suffix=".log")
         atexit.register(os.unlink, self.log)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.launch_server", str(theirs.fileno())],
             cwd=REPO,
-            env=self.env,
+            env=self.base_env(),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
