@@ -36,12 +36,9 @@ from llm_train.runtime.launcher import LocalWorld, free_port, supervise, worker_
 
 
 def import_what_workers_import(argv: list[str]) -> None:
-    from llm_train.observability.console import quiet
-    from llm_train.runtime.collectives import skip_unused_shm_op
-    from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads
+    from llm_train.runtime.session import prepare_libraries
 
-    quiet("--verbose" in argv)  # before transformers and DeepSpeed read their logging settings
-    prepare_op_loads()
+    prepare_libraries("--verbose" in argv)  # as a fresh worker's prepare_process, before these imports
     import accelerate  # noqa: F401
     import deepspeed  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401 - how DeepSpeed loads its ops
@@ -49,8 +46,6 @@ def import_what_workers_import(argv: list[str]) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401 - the tiny-cpu recipes' model
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    defer_muon_compile()
-    skip_unused_shm_op()
     import llm_train.runtime.session  # noqa: F401
     import llm_train.runtime.zero_engine  # noqa: F401
     import llm_train.train  # noqa: F401

@@ -144,7 +144,15 @@ def prepare_process(run: Resolved, options: RunOptions) -> None:
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
     launcher.use_pin_memory_backend(run.recipe.deepspeed.pinning)
-    quiet(options.verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
+    prepare_libraries(options.verbose)
+
+
+def prepare_libraries(verbose: bool) -> None:
+    """Library logs quieted, DeepSpeed's op loads and kernels set up: before any of it imports or logs.
+
+    Also tests/workers.py's first step, before the imports its forked workers share.
+    """
+    quiet(verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
     prepare_op_loads()
     defer_muon_compile()
     collectives.skip_unused_shm_op()
