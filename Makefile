@@ -27,8 +27,11 @@ install: $(STAMP)
 demo: install
 	$(OFFLINE) $(VENV)/bin/accelerate launch --num_processes 2 llm_train/train.py --recipe tiny-cpu --output-dir runs/demo --overwrite
 
+# Every test's duration lands in runs/test-durations.tsv (slowest first); the 20 slowest are printed. A test
+# whose optional part (libaio, bitsandbytes, a GPU) is missing is skipped, and the last lines say which.
 test: install
-	$(OFFLINE) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 tests
+	$(OFFLINE) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 \
+		--durations-file runs/test-durations.tsv tests
 
 test-fast: install
 	$(OFFLINE) $(VENV)/bin/pytest -q -m "not e2e" tests

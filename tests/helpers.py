@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,3 +169,30 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
             return False
         time.sleep(0.05)
     raise TimeoutError(f"step {step} not logged within {timeout}s")
+
+
+# What a worker says when it resumes (runtime/session.py restore): the checkpoint's path and its step.
+RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
+
+
+def committed_step(run_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint of a run directory (its `latest`), None before the first."""
+    latest = run_dir / "checkpoints" / "latest"
+    return int(latest.read_text().strip().split("-")[1]) if latest.is_file() else None
+
+
+def assert_resumed(output: str, checkpoint_or_run_dir: Path, step: int) -> None:
+    """The launch's last resume was from that checkpoint (a run directory: its step-`step` one) at `step`.
+
+    Losses alone cannot show it: a relaunch that silently started from step 0 on deterministic data
+    repeats the same losses, so every resume test also asserts where the run resumed.
+    """
+    from llm_train.runtime.checkpoint import step_name
+
+    target = checkpoint_or_run_dir
+    if not target.name.startswith("step-"):
+        target = target / "checkpoints" / step_name(step)
+    found = RESUMED.findall(output)
+    assert found, f"the launch did not say it resumed (expected {target} at step {step}):\n{output[-3000:]}"
+    path, at = found[-1]
+    assert (Path(path).resolve(), int(at)) == (target.resolve(), step), (found, target, step)

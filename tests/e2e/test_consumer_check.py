@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import import_or_skip
+
 pytestmark = pytest.mark.e2e
-pytest.importorskip("bitsandbytes")
+import_or_skip("bitsandbytes")
 
 REPO = Path(__file__).resolve().parents[2]
 

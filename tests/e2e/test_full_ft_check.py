@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import available, require
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,28 +41,32 @@ def full_ft_check(
 
 
 def test_cpu_tiny_check_passes_every_case_against_the_planner(tmp_path: Path) -> None:
-    result, records = full_ft_check(tmp_path)
+    # The NVMe case needs DeepSpeed's async-I/O op, built against libaio: without it the other two
+    # cases still run, and the test ends as a skip that says what was not checked (a failure in CI).
+    cases = CASES if available("libaio") else [c for c in CASES if "nvme" not in c]
+    result, records = full_ft_check(tmp_path, "--only", *cases)
     output = (result.stdout + result.stderr)[-4000:]
     assert result.returncode == 0, output
-    assert [r["measurement"] for r in records] == CASES, output
+    assert [r["measurement"] for r in records] == cases, output
     by_name = {r["measurement"]: r for r in records}
-    for name in CASES:
+    for name in cases:
         r = by_name[name]
         assert r["passed"] is True and r["verdicts"] and all(v["passed"] for v in r["verdicts"]), r
         assert r["steps"] == (3 if name == "f_7b_cpu_offload" else 12) and r["host_pss_peak_gib"] > 0, r
-    judged = {name: {v["quantity"] for v in by_name[name]["verdicts"] if v["judged"]} for name in CASES}
+    judged = {name: {v["quantity"] for v in by_name[name]["verdicts"] if v["judged"]} for name in cases}
     native = by_name["f_7b_cpu_offload"]
     assert "locked_peak_gib" in judged["f_7b_cpu_offload"] and native["locked_peak_gib"] > 0  # really mlocked
     assert native["locked_peak_gib"] == native["est_locked_gib"]  # to the page
     assert by_name["f_1p5b_cpu_offload"]["locked_peak_gib"] == 0  # deepspeed.pinning=off
+    summary = json.loads((tmp_path / "full_ft_check_summary.json").read_text())
+    assert summary["passed"] is True and set(summary["cases"]) == set(cases)
+    require("libaio")  # without it the NVMe case below was not run: a skip naming libaio
     nvme = by_name["f_1p5b_nvme"]
     assert {"nvme_read_gb_per_step", "nvme_write_gb_per_step", "loss_max_rel_diff_vs_cpu_offload"} <= judged[
         "f_1p5b_nvme"
     ]
     assert nvme["loss_max_rel_diff_vs_cpu_offload"] <= 1e-6, nvme  # fp32 on CPU: the same math
     assert nvme["swap_read_gbs"] > 0 and nvme["swap_write_gbs"] > 0 and nvme["drive_read_gbs"] > 0
-    summary = json.loads((tmp_path / "full_ft_check_summary.json").read_text())
-    assert summary["passed"] is True and set(summary["cases"]) == set(CASES)
     assert not list(REPO.glob(".full_ft_check_nvme_*"))  # the swap directory is gone
 
 

@@ -30,23 +30,21 @@ from llm_train.planning.fit import memory_inputs
 from llm_train.planning.memory import estimate_memory
 from llm_train.planning.shapes import shape_from_config
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import assert_ok, launch_cmd, launch_popen, losses, wait_for_step
+from tests.helpers import (
+    assert_ok,
+    assert_resumed,
+    committed_step,
+    launch_cmd,
+    launch_popen,
+    losses,
+    wait_for_step,
+)
+from tests.optional import needs
 
 pytestmark = pytest.mark.e2e
 
 CPU = Device("cpu", "cpu", True)
 NPROC = 2
-
-
-def _libaio() -> bool:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    return bool(AsyncIOBuilder().is_compatible(verbose=False))
-
-
-needs_libaio = pytest.mark.skipif(
-    not _libaio(), reason="libaio is not installed (apt-get install libaio-dev; .ci/run installs it)"
-)
 
 
 class LockedPeaks:
@@ -148,7 +146,7 @@ def _nvme_args(run_dir: Path, pretrained: Path, swap: Path) -> list[str]:
     return [*args, f"deepspeed.nvme_path={swap}", "deepspeed.pinning=native", "checkpoint.every_steps=2"]
 
 
-@needs_libaio
+@needs("libaio")
 def test_optimizer_on_nvme_trains_like_cpu_offload_and_resumes_exactly(
     runs: dict[str, Path], pretrained: Path, tmp_path: Path
 ) -> None:
@@ -180,8 +178,12 @@ def test_optimizer_on_nvme_trains_like_cpu_offload_and_resumes_exactly(
     assert proc.poll() is None, "the run ended before the kill: nothing was tested"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    last = committed_step(killed)
+    assert last is not None and last >= 2, last  # step 3 was logged after the step-2 commit
     result, _ = _launch(args)
     assert_ok(result)
+    # A relaunch that silently started from step 0 would reproduce these deterministic losses too.
+    assert_resumed(result.stdout, killed, last)
     assert losses(killed) == losses(straight)  # exact float equality
     mine, theirs = (load_file(d / "final" / "model.safetensors") for d in (killed, straight))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

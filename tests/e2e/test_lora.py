@@ -13,8 +13,9 @@ import torch
 
 from llm_train.config.recipe import load_recipe
 from tests.helpers import assert_ok, launch, read_metrics
+from tests.optional import import_or_skip
 
-pytest.importorskip("peft")
+import_or_skip("peft")
 
 pytestmark = pytest.mark.e2e
 

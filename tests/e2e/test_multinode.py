@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import ACCELERATE, OFFLINE_ENV, REPO, free_port, losses, wait_for_step
+from tests.helpers import ACCELERATE, OFFLINE_ENV, REPO, assert_resumed, free_port, losses, wait_for_step
 
 pytestmark = pytest.mark.e2e
 
@@ -108,7 +108,7 @@ def test_slurm_job_on_two_loopback_machines_checkpoints_requeues_and_resumes(
     second = _sbatch(bin_dir, args, 1, requeue_log)
     output = second.communicate(timeout=600)[0]
     assert second.returncode == 0, output[-6000:]
-    assert f"at step {stopped_at}" in output  # resumed, not restarted
+    assert_resumed(output, run_dir, stopped_at)  # resumed from the stop checkpoint, not restarted
     assert requeue_log.read_text().split() == ["requeue", "1000"]  # the finished job is not requeued
 
     world = json.loads((run_dir / "world.json").read_text())

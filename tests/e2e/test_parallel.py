@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.reference import SHORT_RUN, STEPS
-from tests.helpers import REPO, assert_ok, launch, losses, read_metrics, train_py
+from tests.helpers import REPO, assert_ok, assert_resumed, launch, losses, read_metrics, train_py
 
 pytestmark = pytest.mark.e2e
 
@@ -96,8 +96,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     assert_ok(launch(tp2_zero0))
     assert_ok(launch(_args("tiny-cpu-pp2", out["pp2"], pretrained, 2, "checkpoint.every_steps=3")))
     checkpoint = out["pp2"] / "checkpoints" / step_name(3)
-    resumed = _args("tiny-cpu-pp2", out["pp2_resumed"], pretrained, 2, "--resume", str(checkpoint))
-    assert_ok(launch(resumed))
+    resumed = launch(_args("tiny-cpu-pp2", out["pp2_resumed"], pretrained, 2, "--resume", str(checkpoint)))
+    assert_ok(resumed)
+    assert_resumed(resumed.stdout, checkpoint, 3)
     pp2_dp2 = _args("tiny-cpu-pp2", out["pp2_dp2"], pretrained, 1, "--ds-config", "zero0")
     assert_ok(launch(pp2_dp2, nproc=4))
     return out

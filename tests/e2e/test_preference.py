@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from llm_train.runtime.objectives import PREFERENCE_METRICS
 from tests.helpers import (
     assert_ok,
+    assert_resumed,
     launch,
     launch_popen,
     losses,
@@ -37,6 +38,7 @@ from tests.helpers import (
     read_metrics,
     wait_for_step,
 )
+from tests.optional import require
 
 pytestmark = pytest.mark.e2e
 
@@ -149,7 +151,7 @@ def test_kill_9_then_resume_rescoring_a_lost_reference_is_bit_identical(
     result = launch(args)
     assert_ok(result)
     assert f"reference: log-probs of {PAIRS} pairs scored by the initial model" in result.stdout
-    assert "resumed from" in result.stdout and "at step 4" in result.stdout
+    assert_resumed(result.stdout, run_dir, 4)
     assert losses(run_dir) == losses(reference_dir)  # exact float equality, steps 1-8
     evals = [(r["step"], r["eval_reward_accuracy"]) for r in read_metrics(run_dir) if "eval_loss" in r]
     assert evals == [
@@ -163,7 +165,7 @@ def test_kill_9_then_resume_rescoring_a_lost_reference_is_bit_identical(
 def test_qlora_dpo_with_the_adapter_disabled_reference(cache: Path, tmp_path: Path) -> None:
     """LoRA on a 4-bit base (QLoRA: the adapter-disabled reference is the quantised base, the same code
     path a 16-bit LoRA takes), loaded from a saved checkpoint as a user's base is."""
-    pytest.importorskip("bitsandbytes")
+    require("bitsandbytes")
     run_dir = tmp_path / "lora"
     base = make_tiny_pretrained(tmp_path / "base", seed=2)
     result = launch(

@@ -20,15 +20,18 @@ import torch
 
 from tests.helpers import (
     assert_ok,
+    assert_resumed,
+    committed_step,
     launch,
     launch_popen,
     losses,
     make_tiny_pretrained,
     wait_for_step,
 )
+from tests.optional import import_or_skip
 
-pytest.importorskip("peft")
-pytest.importorskip("bitsandbytes")
+import_or_skip("peft")
+import_or_skip("bitsandbytes")
 
 pytestmark = pytest.mark.e2e
 
@@ -147,9 +150,11 @@ def test_qlora_zero2_adapter_reloads_and_resumes_exactly_after_kill_9(base: Path
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert_ok(launch(_args(reference, base, *extra)))
     _kill_after(killed, _args(killed, base, *extra), step=3)
+    last = committed_step(killed)
+    assert last is not None, "killed before the first checkpoint: nothing to resume"
     resumed = launch(_args(killed, base, *extra))
     assert_ok(resumed)
-    assert "resumed from" in resumed.stdout
+    assert_resumed(resumed.stdout, killed, last)
     assert losses(killed) == losses(reference)  # exact float equality, every step logged once
     mine, theirs = (load_file(d / "final" / "adapter_model.safetensors") for d in (killed, reference))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

@@ -21,7 +21,16 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import assert_ok, launch, launch_popen, losses, run_cmd, wait_for_step
+from tests.helpers import (
+    assert_ok,
+    assert_resumed,
+    committed_step,
+    launch,
+    launch_popen,
+    losses,
+    run_cmd,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +38,11 @@ CHECKPOINTING = ["checkpoint.every_steps=2", "--resume", "auto"]
 
 
 def _kill_after(run_dir: Path, args: list[str], step: int, delay: float) -> None:
-    """kill -9 the whole launch `delay` s after `step` is logged; fails unless the run was still going."""
+    """kill -9 the whole launch `delay` s after `step` is logged; fails unless the run was still going.
+
+    A launch that finds a committed checkpoint must say it resumed from it before training on.
+    """
+    before = committed_step(run_dir)
     proc = launch_popen(args)
     assert wait_for_step(run_dir, step, proc), proc.communicate()[0][-4000:]
     time.sleep(delay)  # land in the step, the eval or the save that follows
@@ -37,9 +50,11 @@ def _kill_after(run_dir: Path, args: list[str], step: int, delay: float) -> None
         f"the run ended before the kill at step {step} + {delay:.2f}s: nothing was tested"
     )
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    output = proc.communicate()[0]
     # Killed (possibly mid-export), not finished on its own between the check above and the kill.
     assert proc.returncode == -signal.SIGKILL, proc.returncode
+    if before is not None:
+        assert_resumed(output, run_dir, before)
 
 
 def _assert_identical(run_dir: Path, reference: Path) -> None:
@@ -66,8 +81,11 @@ def test_kill_9_and_resume_is_exact(
     kill_points = [(2, rng.uniform(0.0, 0.6)), (4, rng.uniform(0.0, 0.6))]
     for step, delay in kill_points:
         _kill_after(run_dir, args, step, delay)
+    last = committed_step(run_dir)
+    assert last is not None, "no checkpoint was committed before the kills"
     result = launch(args)
     assert_ok(result)
+    assert_resumed(result.stdout, run_dir, last)
     _assert_identical(run_dir, runs[variant])
     print(f"{variant}: killed at {kill_points}, resumed exactly")
 
@@ -106,7 +124,9 @@ def test_stop_signal_checkpoints_and_exits_resumable(
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
     assert 1 <= stopped_at < STEPS
     assert not (run_dir / "final").exists()
-    assert_ok(launch(args))
+    result = launch(args)
+    assert_ok(result)
+    assert_resumed(result.stdout, run_dir, stopped_at)
     _assert_identical(run_dir, runs["zero2"])
 
 

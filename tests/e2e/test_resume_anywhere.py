@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,8 +37,10 @@ from tests.e2e.test_parallel import make_tiny_qwen2
 from tests.helpers import (
     OFFLINE_ENV,
     REPO,
+    RESUMED,
     accelerate_popen,
     assert_ok,
+    assert_resumed,
     launch,
     losses,
     run_cmd,
@@ -67,11 +69,22 @@ def _resumed(args: list[str], run_dir: Path, checkpoint: Path) -> list[str]:
 
 
 def _bf16_ulps(mine: torch.Tensor, theirs: torch.Tensor) -> float:
-    """The largest difference of two bf16 tensors in bf16 ulps (spacing at the larger magnitude)."""
+    """The largest difference of two bf16 weight tensors, in bf16 spacings at the tensor's own magnitude.
+
+    The spacing is that of the tensor's largest |weight|: the coarsest rounding step any of its weights
+    takes, so "rounded to the neighbouring value" is at most 1 wherever in the tensor it happens. The
+    spacing at each weight's own value would not do: a weight near zero whose fp32 master moved by the
+    reduction order's rounding (an absolute amount set by the gradients, not by the weight) counts
+    hundreds of those tiny spacings (seen: 367 on a clean machine, 2026-12-02) while the tensor is the
+    same to within its rounding. A lost update (~lr = 3e-3 on every weight) is still 3 or more spacings in
+    every weight matrix: their largest weights start at 0.07-0.1 (std 0.02) and 6 steps move them by at
+    most 6 x lr, below 0.125 (spacing 2^-10). (The norms' weights sit at 1.0, spacing 2^-7: there a lost
+    update is under one spacing, but it moves the matrices too.)
+    """
     a, b = mine.float(), theirs.float()
-    scale = torch.maximum(a.abs(), b.abs()).clamp_min(torch.finfo(torch.bfloat16).tiny)
-    ulp = torch.exp2(torch.floor(torch.log2(scale)) - 7)  # bf16 keeps 7 explicit mantissa bits
-    return float(((a - b).abs() / ulp).max())
+    largest = max(float(a.abs().max()), float(b.abs().max()), torch.finfo(torch.bfloat16).tiny)
+    spacing = 2.0 ** (math.floor(math.log2(largest)) - 7)  # bf16 keeps 7 explicit mantissa bits
+    return float((a - b).abs().max()) / spacing
 
 
 def _compare(
@@ -113,6 +126,7 @@ def test_two_processes_resume_on_one_with_the_same_trajectory(
 ) -> None:
     args = run_args(variant, runs[variant], pretrained)
     out = _launch(_resumed(args, tmp_path / "one", _checkpoint(runs[variant])), nproc=1)
+    assert_resumed(out, _checkpoint(runs[variant]), RESUME_FROM)
     assert "world size 2 -> 1" in out and "universal" in out
     assert "gradient accumulation 1 -> 2" in out  # the global batch of 16 is kept, and said so
     _compare(f"{variant} 2->1", tmp_path / "one", runs[variant])
@@ -136,6 +150,7 @@ def test_one_process_resumes_on_two_with_a_new_zero_stage_or_offload(
         str(_checkpoint(one)),
     ]
     out = _launch(two, nproc=2)
+    assert_resumed(out, _checkpoint(one), RESUME_FROM)
     assert "world size 1 -> 2" in out and "gradient accumulation 2 -> 1" in out
     assert "resuming on a new layout" in out and "universal" in out
     changed = "ZeRO stage 2 -> 1" if resumed == "zero1" else "optimizer offload none -> cpu"
@@ -160,7 +175,8 @@ def test_bf16_resume_on_another_world_size_stays_within_bf16_rounding(
     two = tmp_path / "two"
     args = [*run_args("zero2", two, pretrained), "precision=bf16"]
     _launch(args, nproc=2)
-    _launch(_resumed(args, tmp_path / "one", _checkpoint(two)), nproc=1)
+    out = _launch(_resumed(args, tmp_path / "one", _checkpoint(two)), nproc=1)
+    assert_resumed(out, _checkpoint(two), RESUME_FROM)
     _compare("zero2 bf16 2->1", tmp_path / "one", two, loss_tol=0.02, bf16_weight_ulps=1)
 
 
@@ -194,6 +210,7 @@ def test_tensor_parallel_layout_changes_keep_the_trajectory(
     first = tmp_path / "first"
     _launch(args(before, first), nproc=2)
     out = _launch([*args(after, tmp_path / "second"), "--resume", str(_checkpoint(first))], nproc=2)
+    assert_resumed(out, _checkpoint(first), RESUME_FROM)
     assert "tensor-parallel degree" in out and "universal" in out
     _compare(case, tmp_path / "second", first)
 
@@ -275,7 +292,8 @@ def test_slurm_requeue_on_fewer_nodes_finishes_the_run(
     second = _sbatch(bin_dir, args, 1, requeue_log, nodes=1)
     output = second.communicate(timeout=600)[0]
     assert second.returncode == 0, output[-6000:]
-    assert f"at step {stopped_at}" in output and "world size 2 -> 1" in output, output[-6000:]
+    assert "world size 2 -> 1" in output, output[-6000:]
+    assert_resumed(output, run_dir, stopped_at)
     assert json.loads((run_dir / "world.json").read_text())["world_size"] == 1
     elastic, reference = losses(run_dir), losses(runs["zero3"])
     assert sorted(elastic) == list(range(1, STEPS + 1))
@@ -316,10 +334,11 @@ def test_max_restarts_brings_crashed_workers_back_from_the_newest_checkpoint(
     os.kill(victims[-1], signal.SIGKILL)  # one rank dies; torchrun restarts the whole group
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-6000:]
-    resumed = re.search(r"resumed from \S+ at step (\d+)", output)
-    assert resumed and int(resumed.group(1)) % 2 == 0, output[
-        -6000:
-    ]  # a restart, from a committed checkpoint
+    resumed = RESUMED.findall(output)
+    assert resumed, output[-6000:]
+    # A restart, from a committed checkpoint of this run (every 2 steps), at its step.
+    assert_resumed(output, run_dir, int(resumed[-1][1]))
+    assert int(resumed[-1][1]) % 2 == 0, resumed
     assert losses(run_dir) == losses(runs["zero2"])  # same layout: bit for bit
     theirs = load_file(runs["zero2"] / "final" / "model.safetensors")
     mine = load_file(run_dir / "final" / "model.safetensors")

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import assert_ok, launch, read_metrics
+from tests.helpers import assert_ok, assert_resumed, launch, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,10 @@ RUN = [
 ]
 
 
-def _run(run_dir: Path, pretrained: Path, sp: int, nproc: int, *extra: str) -> dict[int, dict]:
+def _run(
+    run_dir: Path, pretrained: Path, sp: int, nproc: int, *extra: str, resumes: Path | None = None
+) -> dict[int, dict]:
+    """The per-step metrics of a run; `resumes`: the checkpoint the launch must say it resumed from."""
     args = [
         *RUN,
         "--output-dir",
@@ -65,6 +68,8 @@ def _run(run_dir: Path, pretrained: Path, sp: int, nproc: int, *extra: str) -> d
     ]
     result = launch(args, nproc=nproc)
     assert_ok(result)
+    if resumes is not None:
+        assert_resumed(result.stdout, resumes, int(resumes.name.split("-")[1]))
     if sp > 1:
         assert f"x sp {sp}" in result.stdout  # the start-up summary names the degree
     metrics = read_metrics(run_dir)
@@ -105,7 +110,9 @@ def test_sp2_with_alst_switches_matches_sp1_and_resumes_bit_exact(
 
     resumed_dir = tmp_path / "resumed"
     checkpoint = tmp_path / "sp2" / "checkpoints" / step_name(RESUME_FROM)
-    resumed = _run(resumed_dir, pretrained, 2, 2, *checkpoints, "--resume", str(checkpoint))
+    resumed = _run(
+        resumed_dir, pretrained, 2, 2, *checkpoints, "--resume", str(checkpoint), resumes=checkpoint
+    )
     assert sorted(resumed) == list(range(RESUME_FROM + 1, STEPS + 1))
     assert all(resumed[s]["loss"] == split[s]["loss"] for s in resumed)  # exact
     mine = load_file(resumed_dir / "final" / "model.safetensors")

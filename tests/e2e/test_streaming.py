@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llm_train import ASSETS_DIR
-from tests.helpers import assert_ok, launch, losses
+from tests.helpers import assert_ok, assert_resumed, launch, losses
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +71,9 @@ def test_a_streamed_run_resumes_without_repeating_or_skipping(tmp_path: Path) ->
     stopped = _data_state(resumed, STOP)
     assert len(stopped) == 2 and stopped[0] == stopped[1]  # both ranks saved the same global position
     assert stopped[0]["kind"] == "stream" and stopped[0]["sequences_consumed"] == STOP * GLOBAL_MICRO
-    assert_ok(launch(_args(resumed, corpus, cache, STEPS) + ["--resume", "auto"]))
+    result = launch(_args(resumed, corpus, cache, STEPS) + ["--resume", "auto"])
+    assert_ok(result)
+    assert_resumed(result.stdout, resumed, STOP)
 
     expected = losses(reference)
     assert sorted(expected) == list(range(1, STEPS + 1))

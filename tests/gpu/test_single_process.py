@@ -22,7 +22,7 @@ import torch
 
 from llm_train.runtime.checkpoint import LATEST, step_name, verify
 from llm_train.runtime.export import expected_shapes, read_reference, verify_export
-from tests.helpers import assert_ok, losses, read_metrics, train_py
+from tests.helpers import assert_ok, assert_resumed, losses, read_metrics, train_py
 
 pytestmark = pytest.mark.gpu
 
@@ -93,9 +93,9 @@ def test_relaunch_with_resume_auto_continues_from_the_last_checkpoint(
     shutil.copytree(done, run_dir)
     result = _launch(run_dir, MORE_STEPS)
     assert_ok(result)
-    assert (
-        f"{step_name(STEPS)} at step {STEPS}" in result.stdout
-    )  # "resumed from .../step-00000004 at step 4"
+    assert_resumed(
+        result.stdout, run_dir, STEPS
+    )  # "resumed from RUN_DIR/checkpoints/step-00000004 at step 4"
     steps = losses(run_dir)
     assert sorted(steps) == list(range(1, MORE_STEPS + 1))  # none repeated or lost
     assert {s: steps[s] for s in range(1, STEPS + 1)} == losses(done)  # the first launch's rows, kept

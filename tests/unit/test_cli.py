@@ -15,8 +15,9 @@ from llm_train import cli, train
 from llm_train.commands import report
 from llm_train.commands.launch_train import split_args
 from tests.helpers import OFFLINE_ENV, REPO
+from tests.optional import import_or_skip
 
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11; the rule it checks does not depend on it
+tomllib = import_or_skip("tomllib")  # Python >= 3.11; the rule it checks does not depend on it
 
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 # Optional packages users meet: every extra except the developers' own tools.

@@ -12,8 +12,9 @@ from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.errors import UserError
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime.lora import apply_lora, verify_adapter_export
+from tests.optional import import_or_skip
 
-pytest.importorskip("peft")
+import_or_skip("peft")
 
 TINY = dict(load_recipe("tiny-cpu").model.config)
 

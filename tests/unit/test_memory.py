@@ -40,7 +40,8 @@ GRID_NODES = [1, 4]
 
 
 def test_zero2_equals_deepspeed_over_grid() -> None:
-    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    from deepspeed.runtime.zero import stage_1_and_2
+
     for params, gpus, nodes, offload in itertools.product(GRID_PARAMS, GRID_GPUS, GRID_NODES, [True, False]):
         ours = deepspeed_zero2_model_states(params, gpus, nodes, cpu_offload=offload)
         theirs = stage_1_and_2.estimate_zero2_model_states_mem_needs(
@@ -50,7 +51,8 @@ def test_zero2_equals_deepspeed_over_grid() -> None:
 
 
 def test_zero3_equals_deepspeed_over_grid() -> None:
-    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    from deepspeed.runtime.zero import stage3
+
     for params, gpus, nodes, offload, offload_params, zero_init in itertools.product(
         GRID_PARAMS, GRID_GPUS, GRID_NODES, [True, False], [True, False], [True, False]
     ):
@@ -77,8 +79,8 @@ def test_zero3_equals_deepspeed_over_grid() -> None:
 
 
 def test_deepspeed_functions_keep_their_defaults() -> None:
-    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
-    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
     assert deepspeed_zero2_model_states(int(7e9)) == stage_1_and_2.estimate_zero2_model_states_mem_needs(
         int(7e9)
     )
@@ -120,7 +122,6 @@ def test_host_offload_is_at_least_deepspeeds_18_bytes_per_param_without_its_buff
     What its code allocates (planning/host_offload.py, tests/unit/test_host_offload.py) is more than
     the 18, from a second, 16-bit copy of the gradients and torch's power-of-two pinned buffers, and
     within its 1.5x margin here."""
-    pytest.importorskip("deepspeed")
     n, nodes, gpus = LLAMA2_7B.num_params, 2, 8
     est = estimate_memory(
         MemoryInputs.of(
@@ -162,7 +163,7 @@ def test_activation_per_layer_by_hand() -> None:
 def test_swiglu_intermediates_are_what_autograd_keeps() -> None:
     # The 8*i bytes per token are the MLP's saved tensors, counted by torch itself on a HF LlamaMLP
     # in bf16 (weights and the shared input left out): gate, up, SiLU(gate) and their product.
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 

@@ -29,6 +29,7 @@ from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.planning import guards
 from llm_train.planning.guards import check_nvme_path, memory_estimate, nvme_problems
+from tests.optional import require
 from tests.unit.test_dsconfig import VALUES
 
 CPU = Device("cpu", "cpu", True)
@@ -180,9 +181,9 @@ def test_read_only_directory_is_refused_for_real(tmp_path: Path) -> None:
     )
     cmd = [sys.executable, "-c", code, str(REPO), str(read_only)]
     if os.geteuid() == 0:
+        require("setpriv")  # root ignores the read-only mode unless setpriv drops CAP_DAC_OVERRIDE
         setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("running as root without util-linux's setpriv to drop CAP_DAC_OVERRIDE")
+        assert setpriv is not None
         drop = "-dac_override,-dac_read_search"
         cmd = [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}", *cmd]
     try:
@@ -369,8 +370,9 @@ def test_a_real_run_stops_before_any_worker_when_the_nvme_path_is_missing(
 def test_shipped_nvme_configs_use_only_keys_deepspeed_reads(name: str) -> None:
     """DeepSpeed ignores unknown aio keys (thread_count is no longer read: intra_op_parallelism), and its
     offload sections are pydantic models: their fields are the keys it reads."""
-    aio_config = pytest.importorskip("deepspeed.runtime.swap_tensor.aio_config")
-    offload = pytest.importorskip("deepspeed.runtime.zero.offload_config")
+    from deepspeed.runtime.swap_tensor import aio_config
+    from deepspeed.runtime.zero import offload_config as offload
+
     _, raw = load_ds_config(name)
     assert set(raw["aio"]) <= set(aio_config.AIO_DEFAULT_DICT), set(raw["aio"]) - set(
         aio_config.AIO_DEFAULT_DICT

@@ -22,6 +22,7 @@ from llm_train.planning.memory import GiB, estimate_memory
 from llm_train.planning.pinning import MemlockLimit, has_cap_ipc_lock
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime.launcher import PIN_BACKEND_ENV, use_pin_memory_backend
+from tests.optional import require
 
 CUDA = Device("cuda", "RTX 4090", True, (8, 9))
 REPO = Path(__file__).resolve().parents[2]
@@ -144,9 +145,9 @@ def test_train_decides_auto_once_and_carries_it_as_an_override(capsys: pytest.Ca
 def test_this_process_limit_is_what_the_kernel_enforces() -> None:
     """Without CAP_IPC_LOCK and under a 1 MiB limit (a child made so with setpriv and prlimit), the check
     reads 1 MiB; root with the capability, as CI runs, reads no limit."""
+    require("setpriv")
     setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("util-linux's setpriv is not installed")
+    assert setpriv is not None
     code = (
         "import resource, sys; sys.path.insert(0, sys.argv[1]); "
         "resource.setrlimit(resource.RLIMIT_MEMLOCK, (2**20, 2**20)); "

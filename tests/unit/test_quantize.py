@@ -18,9 +18,10 @@ from llm_train.runtime.export import logit_tolerance
 from llm_train.runtime.quantize import check_bitsandbytes, quantization_config
 from llm_train.units import GiB
 from tests.helpers import make_tiny_pretrained
+from tests.optional import import_or_skip
 
-pytest.importorskip("peft")
-bnb = pytest.importorskip("bitsandbytes")
+import_or_skip("peft")
+bnb = import_or_skip("bitsandbytes")
 
 QLORA = ["model.init=pretrained", "model.name_or_path=/models/tiny", "lora.quantize=nf4"]
 

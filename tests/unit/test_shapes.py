@@ -17,6 +17,7 @@ from llm_train.planning.shapes import (
     shape_of,
     to_hf_config,
 )
+from tests.optional import import_or_skip
 
 # Parameter counts as published on the model cards / safetensors metadata.
 PUBLISHED_PARAMS = {
@@ -70,8 +71,9 @@ def test_llama2_7b_by_hand() -> None:
 
 def test_known_configs_build_in_transformers_with_the_same_count() -> None:
     """The known dicts are valid HF configs, and HF allocates exactly num_params (meta device: no memory)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     for name in ("meta-llama/Llama-3.2-1B", "mistralai/Mistral-7B-v0.1", "Qwen/Qwen2.5-0.5B"):
         config = transformers.AutoConfig.for_model(**to_hf_config(name))
         with torch.device("meta"):
@@ -91,8 +93,9 @@ TINY_CASES = {
 @pytest.mark.parametrize("case", sorted(TINY_CASES))
 def test_tiny_models_match_transformers_and_deepspeed(case: str) -> None:
     """num_params and largest_layer_params against real modules and DeepSpeed's own walker."""
-    transformers = pytest.importorskip("transformers")
-    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    import transformers
+    from deepspeed.runtime.zero import stage3
+
     cfg = {
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -113,8 +116,9 @@ def test_tiny_models_match_transformers_and_deepspeed(case: str) -> None:
 
 
 def test_lora_params_match_peft() -> None:
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    peft = import_or_skip("peft")
+    import transformers
+
     cfg = {
         "model_type": "qwen2",
         "hidden_size": 64,

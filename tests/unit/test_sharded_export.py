@@ -9,16 +9,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
 from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.sharded_export import merged_tensors, no_gather, write_merged
 from tests.helpers import REPO
+from tests.optional import import_or_skip
 from tests.unit.test_lora import TINY, tiny_model
 
-pytest.importorskip("peft")
+import_or_skip("peft")
 
 
 def _with_trained_adapters(model: torch.nn.Module) -> torch.nn.Module:

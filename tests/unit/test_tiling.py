@@ -28,6 +28,7 @@ from llm_train.errors import UserError
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.model import build_model
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
+from tests.optional import require
 
 HIDDEN, SEQ, VOCAB, LAYERS = 32, 256, 256, 2
 TILES = 8
@@ -149,7 +150,7 @@ def _same_tiles_without_recompute(self: torch.nn.Module, x: torch.Tensor) -> tor
 
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
 def test_tiled_mlp_under_lora_applied_afterwards_differentiates_the_loss_it_computed(dropout: float) -> None:
-    pytest.importorskip("peft")
+    require("peft")
     lora = LoraSection(rank=4, alpha=8, dropout=dropout)
     base = tiny_llama()
     reference = copy.deepcopy(base)
