@@ -7,18 +7,28 @@ from types import SimpleNamespace
 
 import pytest
 
+from llm_train.config.hardware import hardware_for
 from llm_train.planning.host_offload import held_bytes, trainable_tensors, zero3_sub_groups
 from llm_train.planning.memory import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.shapes import shape_of
-
-LLAMA2_7B = shape_of("meta-llama/Llama-2-7b-hf")
-# Llama-2-7B: embedding + head 2*V*h, per layer 4h^2 + 3*h*I matrices and two norms, a final norm.
-V, H, L, I_MLP = 32000, 4096, 32, 11008
-MATRICES_7B = 2 * V * H + L * (4 * H * H + 3 * H * I_MLP)  # 6,738,149,376
-NORMS_7B = (2 * L + 1) * H  # 266,240
-PSI_7B = MATRICES_7B + NORMS_7B
-MiB = 2**20
+from tests.unit.offload_arithmetic import (
+    EMBED_8B,
+    I_MLP,
+    LLAMA2_7B,
+    LLAMA31_8B,
+    MATRICES_7B,
+    NORMS_7B,
+    PSI_7B,
+    PSI_8B,
+    SUB_GROUPS_7B,
+    SUB_GROUPS_8B,
+    H,
+    L,
+    MiB,
+    V,
+    pow2,
+    zero3_cpu_offload_host,
+)
 
 
 def test_pinned_buffers_take_the_next_power_of_two() -> None:
@@ -92,11 +102,15 @@ def test_zero3_cpu_adam_host_terms_by_hand() -> None:
 
 def test_the_7b_host_peak_does_not_fit_the_h200_machine_that_killed_it() -> None:
     # bench/results/gpu_check-h200-20261130-1906-d-rerun.log: exit -9 in the first step on a machine
-    # with 125.9 GiB of RAM. The planner keeps max(4 GiB, 5%) for the OS: 119.6 GiB usable there.
-    usable = 125.87 * GiB - max(4 * GiB, 0.05 * 125.87 * GiB)
+    # whose psutil reported 125.87 GiB of RAM. Judged as the planner judges any host: its own reserve
+    # for the OS (Hardware.host_limit_bytes), whatever that reserve is.
+    h200_host = hardware_for(gpus=1, gpu="H200", host_ram_gib=125.87, detect=False)
+    usable = h200_host.host_limit_bytes
+    assert 0 < usable < h200_host.host_ram_bytes
     assert estimate_memory(offload_7b()).host_bytes > usable
-    # What it used to say (16 bytes per parameter + 3 GiB) fitted with 16 GiB to spare.
-    assert 16 * PSI_7B + 3 * GiB < usable - 16 * GiB
+    # What it used to say (16 bytes per parameter + 3 GiB) fitted with room to spare: the old estimate
+    # would have let the run start.
+    assert 16 * PSI_7B + 3 * GiB < usable
 
 
 def test_unpinned_buffers_are_not_rounded() -> None:
@@ -105,7 +119,9 @@ def test_unpinned_buffers_are_not_rounded() -> None:
     assert unpinned.host_terms["offload_16bit_buffers"] == 2 * PSI_7B
     saved = (7 * 2**32 + 2 * MiB - 4 * PSI_7B) + (2**34 - 2 * PSI_7B)  # 2.9 + 3.45 GiB
     assert pinned.host_bytes - unpinned.host_bytes == pytest.approx(saved, rel=1e-9)
-    assert unpinned.host_bytes / GiB == pytest.approx(117.85, abs=0.01)
+    # Unpinned: the same terms at their exact sizes (master, m, v; fp32 and bf16 gradients; the transient).
+    exact = 3 * GiB + 12 * PSI_7B + 4 * PSI_7B + 2 * PSI_7B + 2 * 1_011_875_840
+    assert unpinned.host_bytes == pytest.approx(exact, rel=1e-9)
 
 
 def test_forked_loader_workers_hold_a_second_copy_of_the_pageable_state() -> None:
@@ -152,23 +168,6 @@ def test_offloaded_parameters_keep_zero_inits_pinned_blocks() -> None:
 
 # --- each pinning choice, 7B and 8B, CPU offload and NVMe: the rows against arithmetic ----------------------
 
-LLAMA31_8B = shape_of("meta-llama/Llama-3.1-8B")
-# Llama-3.1-8B: vocabulary 128,256, hidden 4096, MLP 14,336, 8 KV heads of 128, 32 layers, untied head.
-V8, I8, KV8 = 128_256, 14_336, 1024
-EMBED_8B = V8 * H  # 525,336,576
-LAYER_8B = 2 * H * H + 2 * H * KV8 + 3 * H * I8  # q, o 16.8M; k, v 4.2M; gate, up, down 58.7M: 218,103,808
-PSI_8B = 2 * EMBED_8B + L * LAYER_8B + NORMS_7B  # the same 65 norms of 4096: 8,030,261,248
-# At the recipes' sub_group_size 2e8 (stage3.py _create_fp16_sub_groups, checked against DeepSpeed's own
-# code above): 7B: the embedding with layer 1's q, k, v, o, gate; 31 of (up, down, q, k, v, o, gate); the
-# last up, down with the head. 8B: the embedding alone, one group per layer, the head alone. The norms
-# are a group of their own in both.
-SUB_GROUPS_7B = [V * H + 4 * H * H + H * I_MLP] + [3 * H * I_MLP + 4 * H * H] * 31 + [2 * H * I_MLP + V * H]
-SUB_GROUPS_8B = [EMBED_8B] + [LAYER_8B] * L + [EMBED_8B]
-
-
-def pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
 
 def full_finetune(shape: object, offload: str, pinning: str) -> MemoryInputs:
     """7b-rtx4090 / 8b-rtx4090(-nvme) as the planner sees them: one process, ZeRO-3, bf16, checkpointing."""
@@ -201,19 +200,17 @@ def test_cpu_offload_rows_under_each_pinning_choice(
     shape: object, psi: int, subs: list[int], pinning: str
 ) -> None:
     t = estimate_memory(full_finetune(shape, "cpu", pinning))
-    grads = [4 * s for s in [*subs, NORMS_7B]]  # fp32 gradient of each sub-group (stage3.py 1337)
-    flat = 2 * psi  # the bf16 gradient partitions (stage3.py 791)
-    if pinning == "torch":  # torch's pinned allocator: each one up to a power of two
-        grads, flat = [pow2(g) for g in grads], pow2(flat)
-    elif pinning == "native":  # mlock of the exact size: whole 4 KiB pages, and these are whole pages
-        assert all(g % 4096 == 0 for g in grads) and flat % 4096 == 0
+    # fp32 gradient of each sub-group (stage3.py 1337), the bf16 gradient partitions (stage3.py 791).
+    by_hand = zero3_cpu_offload_host(psi, subs, pinning)
+    if pinning == "native":  # mlock of the exact size: whole 4 KiB pages, and these are whole pages
+        assert all(4 * s % 4096 == 0 for s in [*subs, NORMS_7B]) and 2 * psi % 4096 == 0
     rows = t.host_terms
     assert rows["offloaded_optimizer_states"] == 12 * psi  # master, m, v: pageable whatever the choice
-    assert rows["offloaded_fp32_gradients"] == sum(grads)
-    assert rows["offload_16bit_buffers"] == flat
+    assert rows["offloaded_fp32_gradients"] == by_hand["fp32_gradients"]
+    assert rows["offload_16bit_buffers"] == by_hand["flat_16bit"]
     assert rows["optimizer_step_transient"] == 2 * max(subs)
-    assert t.host_bytes == 3 * GiB + 12 * psi + sum(grads) + flat + 2 * max(subs)
-    assert t.locked_per_rank == (sum(grads) + flat if pinning == "native" else 0)
+    assert t.host_bytes == by_hand["host"]
+    assert t.locked_per_rank == by_hand["locked"]
 
 
 def test_the_7b_fits_the_issues_118_gib_only_with_exact_buffers() -> None:

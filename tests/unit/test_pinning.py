@@ -23,6 +23,7 @@ from llm_train.planning.pinning import MemlockLimit, has_cap_ipc_lock
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime.launcher import PIN_BACKEND_ENV, use_pin_memory_backend
 from tests.optional import require
+from tests.unit.offload_arithmetic import EMBED_8B, PSI_7B, SUB_GROUPS_7B, zero3_cpu_offload_host
 
 CUDA = Device("cuda", "RTX 4090", True, (8, 9))
 REPO = Path(__file__).resolve().parents[2]
@@ -97,12 +98,15 @@ def test_capability_is_read_from_the_status_file(tmp_path: Path) -> None:
 def test_native_pinning_past_the_limit_is_refused_in_one_line_with_the_fix() -> None:
     run = _run("deepspeed.pinning=native")
     locked = estimate_memory(_inputs(run)).locked_per_rank
-    assert 37 * GiB < locked < 38 * GiB  # 25.1 + 12.6 GiB of exact-size pinned gradients
+    # Native pinning mlocks exactly the fp32 gradient of every sub-group and the flat bf16 gradients.
+    assert locked == zero3_cpu_offload_host(PSI_7B, SUB_GROUPS_7B, "native")["locked"] == 6 * PSI_7B
     with pytest.raises(UserError) as info:
         check_memlock(run, limit=MemlockLimit(8 * 2**20, "RLIMIT_MEMLOCK"))
     message = str(info.value)
     assert "\n" not in message and info.value.exit_code == 2
-    assert message.startswith("host memory lock: deepspeed.pinning=native locks ~37.7 GiB per process")
+    assert message.startswith(
+        f"host memory lock: deepspeed.pinning=native locks ~{locked / GiB:.1f} GiB per process"
+    )
     assert "the memlock limit is 8 MiB (ulimit -l 8192)" in message
     assert "ulimit -l unlimited" in message and "deepspeed.pinning=off" in message
     check_memlock(run, limit=MemlockLimit(None, "unlimited"))  # no limit: nothing to refuse
@@ -111,8 +115,10 @@ def test_native_pinning_past_the_limit_is_refused_in_one_line_with_the_fix() -> 
 
 def test_nvme_swap_buffers_are_locked_even_unpinned() -> None:
     run = resolve_run("8b-rtx4090-nvme", ["deepspeed.pinning=off"], world_size=1, device=CUDA)
+    # The async-I/O handle's swap buffers: 4 of the largest sub-group (the embedding) in fp32.
+    swap = 4 * 4 * EMBED_8B
     with pytest.raises(
-        UserError, match=r"NVMe swapping \(zero3_offload_optimizer_nvme\.json\) locks ~7\.8 GiB"
+        UserError, match=rf"NVMe swapping \(zero3_offload_optimizer_nvme\.json\) locks ~{swap / GiB:.1f} GiB"
     ):
         check_memlock(run, limit=MemlockLimit(64 * 2**20, "RLIMIT_MEMLOCK"))
     # torch pinning on the GPU goes through the driver, not mlock: a run without NVMe locks nothing.
@@ -124,7 +130,8 @@ def test_auto_takes_native_pinning_only_where_the_limit_allows_it(limit: int | N
     choice, notice = auto_pinning(_run("deepspeed.pinning=auto"), MemlockLimit(limit, "test"))
     assert choice == expected and notice.startswith(f"deepspeed.pinning=auto: {expected}")
     if expected == "off":
-        assert "ulimit -l unlimited" in notice and "~37.7 GiB" in notice
+        locked = zero3_cpu_offload_host(PSI_7B, SUB_GROUPS_7B, "native")["locked"]
+        assert "ulimit -l unlimited" in notice and f"~{locked / GiB:.1f} GiB" in notice
     cpu = resolve_run("tiny-cpu", ["deepspeed.pinning=auto"], world_size=2, ds_config_path="zero3_offload")
     assert auto_pinning(cpu, MemlockLimit(None, "test"))[0] == "off"  # no device copies on a CPU run
 
@@ -171,9 +178,15 @@ def test_plan_shows_the_buffers_under_each_choice(capsys: pytest.CaptureFixture[
     table = out[out.index("host buffers per pinning choice") :].splitlines()
     assert table[1].split() == ["torch", "native", "*", "off"]  # the recipe's auto plans as native
     rows = {line.rsplit(maxsplit=3)[0].strip(): line.split()[-3:] for line in table[2:9]}
-    assert rows["master-dtype gradient per sub-group (stage3.py 1337)"] == ["33.00", "25.10", "25.10"]
-    assert rows["host RAM total (the estimate above)"] == ["127.76", "116.41", "116.41"]
-    assert rows["mlocked per process (memlock limit)"] == ["0.00", "37.65", "0.00"]
+    # The columns by hand (tests/unit/offload_arithmetic.py), in GiB as the table prints them.
+    by_hand = [zero3_cpu_offload_host(PSI_7B, SUB_GROUPS_7B, p) for p in ("torch", "native", "off")]
+
+    def column(key: str) -> list[str]:
+        return [f"{row[key] / GiB:.2f}" for row in by_hand]
+
+    assert rows["master-dtype gradient per sub-group (stage3.py 1337)"] == column("fp32_gradients")
+    assert rows["host RAM total (the estimate above)"] == column("host")
+    assert rows["mlocked per process (memlock limit)"] == column("locked")
     assert "host settings for this budget: sub_group_size 2e+08" in out and "data.loader_workers 0" in out
 
 
