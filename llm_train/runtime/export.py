@@ -4,7 +4,7 @@ The exported directory loads with `AutoModelForCausalLM.from_pretrained` and no 
 It is verified the way a user loads it, not against llm_train's own idea of parameter
 names: transformers renames some families' weights between memory and disk (GPT-NeoX's
 head is `embed_out`, older checkpoints carry other prefixes) and stores tied embeddings
-once, so only `from_pretrained` itself knows what a complete directory is. Two checks:
+once, so only `from_pretrained` itself knows what a complete directory is. The checks:
 
 1. keys: `from_pretrained(..., output_loading_info=True)` reports no missing, unexpected or
    size-mismatched tensor (an empty ZeRO-3 gather shows up as a mismatch of shape (0,));
@@ -13,6 +13,9 @@ once, so only `from_pretrained` itself knows what a complete directory is. Two c
    record that reference (`write_reference`, every rank takes part in the forward) in
    RUN_DIR/export_reference.safetensors, next to final/ so final/ stays a clean HF folder.
    The tolerance comes from the precision of the two computations (`logit_tolerance`).
+3. masters (checkpoints only, before any merge): each optimizer shard holds the fp32 master
+   weights some rank recorded a digest of at the save (runtime/master_digest.py): the check a
+   bf16 logit comparison cannot make at fine-tuning learning rates.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError
 from llm_train.runtime.checkpoint import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
 from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
+from llm_train.runtime.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
 from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
 
@@ -406,6 +410,9 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"export output {out_dir} is not empty; choose a new directory")
     hf_dir = ckpt_dir / "hf"
+    # Before any merge: the shards must hold the masters the ranks had (bf16 logits cannot tell a
+    # one-step-stale shard at fine-tuning learning rates; master_digest.py says why).
+    masters = check_master_digests(ckpt_dir, recorded_master_digests(ckpt_dir))
     state_dict = checkpoint_state_dict(ckpt_dir)
     lora = checkpoint_lora(ckpt_dir)
     if lora is not None:
@@ -413,7 +420,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         count = export_adapter_checkpoint(ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path"))
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
         why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
-        return {"tensors": count, "max_logit_diff": float("nan"), "verified": why}
+        return {"tensors": count, "max_logit_diff": float("nan"), "verified": f"{why}; {masters}"}
     config = AutoConfig.from_pretrained(hf_dir)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.
@@ -456,12 +463,20 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     # Too large to load on this host: keys only, and `verified` says so (the diff is then NaN).
     diff = report.max_logit_diff if report.max_logit_diff is not None else float("nan")
     verified = report.describe() + (f", compared with {against}" if report.max_logit_diff is not None else "")
+    verified += f"; {masters}"
     return {
         "tensors": report.tensors,
         "max_logit_diff": diff,
         "tolerance": report.tolerance,
         "verified": verified,
     }
+
+
+def recorded_master_digests(ckpt_dir: Path) -> list[str | None]:
+    """The master-weight digest each rank wrote into its trainer state at the save (None: none kept)."""
+    return [
+        json.loads(p.read_text()).get(DIGEST_KEY) for p in sorted((ckpt_dir / "trainer").glob("rank*.json"))
+    ]
 
 
 def _aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, set[str]]:

@@ -66,6 +66,7 @@ from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.export import write_reference_file
 from llm_train.runtime.file_sync import FileSync
+from llm_train.runtime.master_digest import DIGEST_KEY, live_master_digest
 from llm_train.runtime.nvme_swap import restore_swapped_state
 from llm_train.runtime.universal import ensure_universal, universal_dir
 
@@ -187,7 +188,9 @@ def save_run_state(
         )
         state_file = trainer_state_path(tmp, rank)
         state_file.parent.mkdir(parents=True, exist_ok=True)
-        state = {"step": step, "data": stream.state_dict(), "rng": rng_state(), **extra}
+        # The fp32 masters as this rank holds them, for the export's stale-shard check (master_digest.py).
+        digest = live_master_digest(engine.optimizer, layout.offload_optimizer == "nvme")
+        state = {"step": step, "data": stream.state_dict(), "rng": rng_state(), DIGEST_KEY: digest, **extra}
         state_file.write_text(json.dumps(state))
         if rank == 0:
             engine.module.config.save_pretrained(tmp / "hf")

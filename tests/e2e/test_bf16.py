@@ -127,34 +127,45 @@ def test_bf16_kill_9_after_a_checkpoint_then_resume_is_bit_identical(
     print(f"{variant} bf16: killed after step-{committed_step} ({killed_s:.1f}s), resumed ({resumed_s:.1f}s)")
 
 
-def _plant_stale_optimizer(fresh: Path, stale: Path, planted: Path) -> None:
+def _plant_stale_optimizer(fresh: Path, stale: Path, planted: Path, keep_digests: bool = True) -> None:
     """`fresh` with `stale`'s optimizer shards (the fp32 master weights export reads), re-manifested.
 
     What a save that wrote an old partition would leave: a checkpoint that verifies, one step behind.
+    keep_digests=False also drops the master-weight digests the ranks recorded (as a checkpoint of an
+    older llm_train has none), which leaves the export only its logit comparison.
     """
     import shutil
 
     from llm_train.runtime.checkpoint import MANIFEST, build_manifest, read_manifest, write_atomic
+    from llm_train.runtime.master_digest import DIGEST_KEY
 
     shutil.copytree(fresh, planted, ignore=shutil.ignore_patterns("universal"))
     shards = sorted((stale / "state" / "ds").glob("*optim_states.pt"))
     assert shards, list((stale / "state" / "ds").iterdir())
     for shard in shards:
         shutil.copy(shard, planted / "state" / "ds" / shard.name)
+    if not keep_digests:
+        for state in (planted / "trainer").glob("rank*.json"):
+            fields = json.loads(state.read_text())
+            assert fields.pop(DIGEST_KEY), state  # every rank of these runs records one
+            state.write_text(json.dumps(fields))
     meta = {k: v for k, v in read_manifest(fresh).items() if k != "files"}
     write_atomic(planted / MANIFEST, json.dumps(build_manifest(planted, meta)))
+
+
+STALE_SHARD = r"fp32 master weights other than those the training ranks had when it was saved"
 
 
 def test_bf16_export_checks_the_recorded_logits_and_catches_one_step_stale_weights(
     bf16_run: tuple[str, Path], tmp_path: Path
 ) -> None:
-    """`llm-train export` compares with the logits the engine recorded at save, not with what it merged.
+    """`llm-train export` compares with what the engine had at save, not with what it merged.
 
-    bf16's tolerance is 4 bf16 ulps of the largest logit (export.logit_tolerance, ~3%). One optimizer
-    step at tiny-cpu's lr (3e-3) moves these logits by more than that, so a checkpoint whose optimizer
-    shards are one step old, yet whose manifest verifies, must fail the export. (At fine-tuning learning
-    rates, ~1e-5, one step moves bf16 weights by less than their rounding: a one-step-stale bf16 export
-    is then within bf16's resolution of the right one, and no bf16 comparison can tell them apart.)
+    Two checks, each shown to catch a checkpoint whose optimizer shards are one step old yet whose
+    manifest verifies: the masters' digests (every rank's, recorded at save: runtime/master_digest.py),
+    and, without those, the logits: bf16's tolerance is 4 bf16 ulps of the largest logit
+    (export.logit_tolerance, ~3%), and one optimizer step at tiny-cpu's lr (3e-3) moves these logits
+    by more than that. (At fine-tuning learning rates only the digests can tell: next test.)
     """
     import re
 
@@ -166,10 +177,14 @@ def test_bf16_export_checks_the_recorded_logits_and_catches_one_step_stale_weigh
     fresh, stale = (run_dir / "checkpoints" / step_name(s) for s in (STEPS, STEPS - 1))
     good = export_checkpoint(fresh, tmp_path / "fresh", "bf16")
     assert "recorded in the checkpoint" in good["verified"], good
-    planted = tmp_path / "planted"
-    _plant_stale_optimizer(fresh, stale, planted)
+    assert "equal to the training ranks' at save" in good["verified"], good
+    _plant_stale_optimizer(fresh, stale, tmp_path / "planted")
+    with pytest.raises(ExportError, match=STALE_SHARD):
+        export_checkpoint(tmp_path / "planted", tmp_path / "stale", "bf16")
+
+    _plant_stale_optimizer(fresh, stale, tmp_path / "planted_logits", keep_digests=False)
     with pytest.raises(ExportError) as caught:
-        export_checkpoint(planted, tmp_path / "stale", "bf16")
+        export_checkpoint(tmp_path / "planted_logits", tmp_path / "stale_logits", "bf16")
     found = re.search(
         r"differ from the trained model's by (\S+) \(allowed (\S+) for bfloat16\)", str(caught.value)
     )
@@ -180,3 +195,31 @@ def test_bf16_export_checks_the_recorded_logits_and_catches_one_step_stale_weigh
         f"differs by {diff:.3g}, tolerance {allowed:.3g} ({diff / allowed:.1f}x)"
     )
     assert good["max_logit_diff"] <= allowed < diff
+
+
+@pytest.mark.parametrize("variant", ["zero2", "zero3_offload"])
+def test_a_one_step_stale_shard_fails_the_export_at_a_fine_tuning_learning_rate(
+    pretrained: Path, tmp_path: Path, variant: str
+) -> None:
+    """At lr 1e-5 a step moves bf16 weights by less than their rounding: the digests still differ.
+
+    ZeRO-2's shards (stage_1_and_2's unpadded partitions) and ZeRO-3's (stage3's flat sub-groups, with
+    the optimizer on the host) are the two layouts of DeepSpeed's fp32 masters.
+    """
+    from llm_train.errors import ExportError
+    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.export import export_checkpoint
+
+    run_dir = tmp_path / "run"
+    assert_ok(launch([*_bf16_args(variant, run_dir, pretrained), *STEP_BEFORE_LAST, "optim.lr=1e-5"]))
+    fresh, stale = (run_dir / "checkpoints" / step_name(s) for s in (STEPS, STEPS - 1))
+    _plant_stale_optimizer(fresh, stale, tmp_path / "planted")
+    with pytest.raises(ExportError, match=STALE_SHARD):
+        export_checkpoint(tmp_path / "planted", tmp_path / "stale", "bf16")
+    # What the logits alone say of the same checkpoint (printed for the record: bf16 cannot resolve it).
+    _plant_stale_optimizer(fresh, stale, tmp_path / "logits_only", keep_digests=False)
+    try:
+        result = export_checkpoint(tmp_path / "logits_only", tmp_path / "logits_export", "bf16")
+        print(f"{variant} lr 1e-5: the logit check alone passes a one-step-stale shard: {result['verified']}")
+    except ExportError as exc:
+        print(f"{variant} lr 1e-5: the logit check alone also caught it: {exc}")
