@@ -715,9 +715,12 @@ def written_evaluation(auto: AutoChoice, path: Path) -> Evaluation:
 def _speed_parts(ev: Evaluation) -> str:
     t = ev.time
     parts = [("compute", t.compute), ("4-bit dequantisation", t.dequantize), ("ZeRO comm", t.communication)]
-    parts += [("PCIe exposed", t.pcie), ("CPU Adam", t.cpu_optimizer), ("NVMe", t.nvme)]
-    return ", ".join(
+    parts += [("PCIe", t.pcie), ("CPU Adam", t.cpu_optimizer), ("NVMe", t.nvme)]
+    text = ", ".join(
         f"{name} {seconds:.1f}s" for name, seconds in parts if seconds >= 0.05 or name == "compute"
+    )
+    return text + (
+        f"; ~{t.overlapped:.1f}s/step if prefetch hides the copies" if t.pcie_hideable >= 0.05 else ""
     )
 
 
