@@ -218,7 +218,8 @@ def _derive(basis: RunBasis) -> Resolved:
     effective = ds_json.effective_config(raw, values, str(ds_path))
     # Last: DeepSpeed's own config classes see exactly the JSON the workers will hand it.
     check_with_deepspeed(effective, str(ds_path))
-    notices = "; ".join(n for n in (notice, *basis.notes) if n) or None
+    rewritten = ds_json.rewrite_notice(raw, effective, str(ds_path))
+    notices = "; ".join(n for n in (notice, rewritten, *basis.notes) if n) or None
     return Resolved(recipe, ds_path, effective, layout, hidden, fields, notices, attention.why, basis)
 
 
