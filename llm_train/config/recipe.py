@@ -564,7 +564,8 @@ class DeepSpeedSection(Section):
         "(DeepSpeed's default: torch's pinned allocator rounds each up to a power of two), 'native' (exact "
         "size, mlocked: DS_PIN_MEMORY_BACKEND=native; needs a memlock limit (ulimit -l) that large, checked "
         "before start), 'off' (pin_memory false everywhere: exact, pageable, slower copies), 'auto' ('native' "
-        "when the memlock limit allows it, else 'off' with a notice).",
+        "when the memlock limit allows it, else 'torch' when its rounded total fits the host RAM, else 'off'; "
+        "with a notice).",
     )
 
     @field_validator("pinning", mode="before")

@@ -184,8 +184,8 @@ def section_pinning(offload: dict[str, Any] | None, pinning: str, on_gpu: bool) 
 
     DeepSpeed pins when the section says so (pin_memory defaults to true, offload_config.py); its CPU
     accelerator pins nothing through torch (cpu_accelerator.py), but native pinning mlocks on any
-    device. 'auto' becomes native or off before a run starts (planning/pinning.choose_auto); both
-    size the buffers exactly, and the planner counts it as native.
+    device. 'auto' becomes native, torch or off before a run starts (planning/pinning.choose_auto); a plan
+    made before that counts it as native (`llm-train plan --recipe auto` writes the choice it planned).
     """
     if not bool((offload or {}).get("pin_memory", True)) or pinning == "off":
         return "off"
