@@ -170,3 +170,78 @@ def test_more_host_ram_or_nvme_never_makes_the_choice_slower(model: str, policy:
             if previous is not None:
                 assert seconds <= previous * (1 + 1e-9), (model, card, ram, nvme, policy)
             previous = seconds
+
+
+# --- the card table and the consumer speed model ---------------------------------------------------------
+
+# NVIDIA's product pages: SM count and boost clock (GHz). Ampere, Ada and Blackwell GeForce SMs do 512 dense
+# 16-bit tensor FLOP per clock with fp32 accumulate (half the fp16-accumulate rate: the whitepapers' tables).
+GEFORCE_SMS_BOOST = {
+    "RTX 3060": (28, 1.777),
+    "RTX 3090": (82, 1.695),
+    "RTX 4060 Ti 16GB": (34, 2.535),
+    "RTX 4070": (46, 2.475),
+    "RTX 4080": (76, 2.505),
+    "RTX 4090": (128, 2.52),
+    "RTX 5090": (170, 2.407),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GEFORCE_SMS_BOOST))
+def test_geforce_peaks_are_the_dense_bf16_tensor_rate(name: str) -> None:
+    from llm_train.config.hardware import find_gpu
+
+    spec = find_gpu(name)
+    assert spec is not None
+    sms, boost = GEFORCE_SMS_BOOST[name]
+    # Within 0.5%: the whitepapers round clocks and results to 3-4 digits.
+    assert spec.peak_tflops == pytest.approx(sms * boost * 1e9 * 512 / 1e12, rel=0.005)
+
+
+def test_every_card_has_its_link_and_memory_bandwidth() -> None:
+    from llm_train.config.hardware import GPUS, find_gpu
+
+    for spec in GPUS:
+        assert spec.pcie[0] in (3, 4, 5) and spec.pcie[1] in (8, 16) and spec.memory_gbs > 100 and spec.source
+    ti, t4 = find_gpu("RTX 4060 Ti 16GB"), find_gpu("T4")
+    assert ti is not None and ti.pcie == (4, 8) and t4 is not None and t4.pcie == (3, 16)
+
+
+def test_offload_copies_follow_the_link_and_the_pinning() -> None:
+    import dataclasses
+
+    from llm_train.planning.speed import step_time_on
+
+    hw = _card("RTX-4070", 64)
+    auto = choose_auto(MODEL, hw, overrides=["lora.quantize=none", "deepspeed.pinning=native"])
+    c = auto.inputs
+    assert c.offload_params == "cpu"
+    x16 = step_time_on(c, hw)
+    x8 = step_time_on(c, dataclasses.replace(hw, pcie=(4, 8)))
+    gen3 = step_time_on(c, dataclasses.replace(hw, pcie=(3, 16)))
+    assert x8.pcie == pytest.approx(2 * x16.pcie) and gen3.pcie == pytest.approx(2 * x16.pcie)
+    pageable = step_time_on(c.vary(pinning="off", param_pinning="off"), hw)
+    assert pageable.pcie == pytest.approx(x16.pcie * 0.7 / 0.35)  # PINNED_ / PAGEABLE_COPY_EFFICIENCY
+    assert pageable.pcie_hideable == 0 < x16.pcie_hideable  # a pageable copy hides behind nothing
+
+
+def test_dequantisation_is_paid_per_micro_batch_and_at_the_cards_memory_bandwidth() -> None:
+    import dataclasses
+
+    from llm_train.planning.speed import dequantize_seconds
+
+    auto = choose_auto(MODEL, _card("RTX-4090", 64), overrides=["optim.micro_batch_size=1"])
+    c = auto.inputs
+    assert c.quantize == "nf4"
+    fewer = c.vary(micro_batch_size=2, grad_accum=c.grad_accum // 2)
+    assert dequantize_seconds(fewer, fewer.grad_accum, 1e12) == pytest.approx(
+        dequantize_seconds(c, c.grad_accum, 1e12) / 2
+    )
+    assert dequantize_seconds(c, c.grad_accum, 0.5e12) == pytest.approx(
+        2 * dequantize_seconds(c, c.grad_accum, 1e12)
+    )
+    recompute = dataclasses.replace(c, activation_checkpointing=True)
+    # Forward and the input gradient in backward; the recompute dequantises once more.
+    assert dequantize_seconds(recompute, c.grad_accum, 1e12) == pytest.approx(
+        1.5 * dequantize_seconds(c, c.grad_accum, 1e12)
+    )
