@@ -33,6 +33,12 @@ The rules that compare layouts (`bridge`):
 
 The data position needs nothing: it counts sequences consumed by all ranks together
 (data/stream.py), so the new data-parallel ranks are dealt the rest of the epoch exactly once.
+
+A LoRA (or QLoRA) checkpoint holds the adapters, not the frozen base they were trained on: the base
+is loaded again from model.name_or_path at every start. So each checkpoint records the base's
+identity (`base_identity`: the hub commit it resolves to in the local cache, or a digest of the
+directory's config and weight index / safetensors headers, or the seed and config of a random one),
+and a resume onto another base is refused in one line unless --allow-base-change says so.
 """
 
 from __future__ import annotations
@@ -162,6 +168,69 @@ def checkpoint_bytes_estimate(engine: DeepSpeedEngine, root: Path) -> int:
     return 16 * numel
 
 
+# Bytes of each weight file's values that go into a local base's digest: enough to tell two checkpoints of
+# the same shapes apart, little enough to read at every save.
+BASE_SAMPLE_BYTES = 1 << 16
+
+
+def base_identity(recipe: Recipe) -> dict[str, Any] | None:
+    """What identifies a LoRA run's frozen base (module docstring); None without LoRA.
+
+    Read from files, without loading the model: a directory's config.json and weight index, each safetensors
+    file's size, header (names, dtypes, shapes) and first BASE_SAMPLE_BYTES of values; a hub id's commit as
+    the local cache resolves model.revision (huggingface_hub's snapshot folder is named by it); a random
+    base's seed and config.
+    """
+    if recipe.lora is None:
+        return None
+    model = recipe.model
+    if model.init == "random":
+        config = json.dumps(model.config, sort_keys=True)
+        return {
+            "init": "random",
+            "seed": recipe.optim.seed,
+            "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+        }
+    name = str(model.name_or_path)
+    local = Path(name).expanduser()
+    if local.is_dir():
+        digest = hashlib.sha256()
+        for path in sorted(local.glob("*.json")) + sorted(local.glob("*.safetensors")):
+            if path.name in ("config.json",) or path.name.endswith(".index.json"):
+                digest.update(path.name.encode() + path.read_bytes())
+            elif path.suffix == ".safetensors":
+                with path.open(
+                    "rb"
+                ) as handle:  # the header: 8 bytes of length, then JSON (dtypes, shapes, offsets)
+                    size = int.from_bytes(handle.read(8), "little")
+                    digest.update(path.name.encode() + str(path.stat().st_size).encode() + handle.read(size))
+        return {"name_or_path": name, "digest": digest.hexdigest()[:16]}
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json", revision=model.revision)
+    except ImportError:
+        cached = None
+    commit = Path(cached).parent.name if isinstance(cached, str) else None
+    return {"name_or_path": name, "revision": commit or model.revision}
+
+
+def check_base(saved: dict[str, Any] | None, now: dict[str, Any] | None, ckpt: str, allow: bool) -> None:
+    """A LoRA resume onto another base than its checkpoint's: one line (unless --allow-base-change)."""
+    if saved is None or now is None or saved == now or allow:
+        return
+    what = ", ".join(
+        f"{k} {saved.get(k)} -> {now.get(k)}"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    )
+    raise UserError(
+        f"--resume: checkpoint {ckpt} trained LoRA adapters on another base model ({what}); the adapters only "
+        "fit the base they were trained on: point model.name_or_path (and model.revision) at that base, or pass "
+        "--allow-base-change to continue on this one"
+    )
+
+
 def save_run_state(
     checkpointer: Checkpointer,
     engine: DeepSpeedEngine,
@@ -175,6 +244,7 @@ def save_run_state(
     reference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Path:
     """Commit a checkpoint; `reference`: (input ids, logits) of the live model on the export check's batch."""
+    base = base_identity(recipe)
 
     def write(tmp: Path) -> None:
         # LoRA: the frozen base is the one the run loads from model.name_or_path (seeded or
@@ -190,7 +260,14 @@ def save_run_state(
         state_file.parent.mkdir(parents=True, exist_ok=True)
         # The fp32 masters as this rank holds them, for the export's stale-shard check (master_digest.py).
         digest = live_master_digest(engine.optimizer, layout.offload_optimizer == "nvme")
-        state = {"step": step, "data": stream.state_dict(), "rng": rng_state(), DIGEST_KEY: digest, **extra}
+        state = {
+            "step": step,
+            "data": stream.state_dict(),
+            "rng": rng_state(),
+            "base": base,
+            DIGEST_KEY: digest,
+            **extra,
+        }
         state_file.write_text(json.dumps(state))
         if rank == 0:
             engine.module.config.save_pretrained(tmp / "hf")
@@ -445,8 +522,11 @@ def plan_resume(
     now: Layout,
     allow_batch_change: bool = False,
     allow_data_revision_change: bool = False,
+    recipe: Recipe | None = None,
+    allow_base_change: bool = False,
 ) -> ResumePlan:
-    """Before any worker starts: a --resume path that is not there, or a layout change that is refused."""
+    """Before any worker starts: a --resume path that is not there, a layout change that is refused, or a
+    LoRA base that is not the checkpoint's (`recipe` given)."""
     if spec != "auto" and not Path(spec).is_dir():
         raise UserError(
             f"--resume {spec}: not a directory; give a checkpoint directory (RUN_DIR/checkpoints/step-N) "
@@ -457,6 +537,12 @@ def plan_resume(
     if peeked is None:
         return plan
     saved = saved_layout(peeked[1])
+    if recipe is not None:
+        try:
+            recorded = json.loads(trainer_state_path(peeked[0], 0).read_text()).get("base")
+        except (OSError, ValueError):
+            recorded = None  # verification will pick another checkpoint, or none
+        check_base(recorded, base_identity(recipe), peeked[0].name, allow_base_change)
     return ResumePlan(
         spec,
         root,
