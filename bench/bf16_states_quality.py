@@ -15,7 +15,7 @@ fine-tuning learning rates produce exactly such updates. So this measures it (is
    at each evaluation, against the pretrained model's eval loss before fine-tuning (a 1-step run
    at lr 1e-12), and how much of the fp32 run's eval improvement the bf16 run kept.
 
-    .venv/bin/python bench/bf16_states_quality.py [--steps 300] [--pretrain-steps 200] [--work DIR]
+    .venv/bin/python -m bench.bf16_states_quality [--steps 300] [--pretrain-steps 200] [--work DIR]
 
 Writes bench/results/bf16-states-quality-<date>.txt (the table) and prints it. About 25 min on 2 CPU
 cores (each run ~4-6 min, one intra-op thread); with --work DIR, finished runs found there are reused.
@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, run, versions  # bench/ is this script's folder
+from bench.harness import REPO, versions
+from bench.harness import run_or_exit as run
 
 TRAIN = str(REPO / "llm_train" / "train.py")
 LRS = (1e-5, 1e-4)

@@ -107,6 +107,7 @@ class FullFt:
     steps: int
     cpu_steps: int
     nvme: bool = False
+    cpu_recipe: str = "tiny-cpu"  # --cpu-tiny: the same logic on the tiny model
 
 
 CASES = (
@@ -196,17 +197,16 @@ def run_full_ft(case: FullFt, ctx: Context) -> dict[str, Any]:
             *(case.gpu_overrides if gpu else case.cpu_overrides),
             *([f"deepspeed.nvme_path={nvme_dir}"] if nvme_dir else []),
         ]
-        record: dict[str, Any] = {"recipe": case.recipe, "planner_host_ram_gib": host_gib}
+        recipe = case.recipe if gpu else case.cpu_recipe
+        record: dict[str, Any] = {"recipe": recipe, "planner_host_ram_gib": host_gib}
         record.update(
-            plan(
-                case.recipe, overrides, "H200" if gpu else None, CAP_GIB if gpu else None, host_gib, case.nvme
-            )
+            plan(recipe, overrides, "H200" if gpu else None, CAP_GIB if gpu else None, host_gib, case.nvme)
         )
         steps = case.steps if gpu else case.cpu_steps
         run_dir = ctx.work / case.name
         cmd = [
             *capped_train(CAP_GIB),
-            *("--recipe", case.recipe, "--output-dir", str(run_dir), f"--max-steps={steps + 2}"),
+            *("--recipe", recipe, "--output-dir", str(run_dir), f"--max-steps={steps + 2}"),
             *overrides,
         ]
         tree = TreeSampler(run_dir)

@@ -65,6 +65,38 @@ def capped_train(cap_gib: float, host_ram_gib: float | None = None) -> list[str]
     return module_cmd("bench.capped_train", "--gpu-cap-gib", f"{cap_gib:g}", *host)
 
 
+def accelerate_launch(target: str, *args: str, deepspeed: bool = False) -> list[str]:
+    """`accelerate launch` of a script (`llm_train/train.py`) or a module (`bench.overhead`) on 2 CPU
+    processes, on its own port (run from the repository root)."""
+    from llm_train.runtime.launcher import free_port
+
+    accelerate = Path(sys.executable).with_name("accelerate")
+    flags = ["--use_deepspeed"] if deepspeed else []
+    port = ["--main_process_port", str(free_port())]
+    entry = [target] if target.endswith(".py") else ["-m", target]
+    return [str(accelerate), "launch", "--num_processes", "2", *flags, *port, *entry, *args]
+
+
+def run_or_exit(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run offline from the repository root; a failure ends the benchmark with the command's output tail."""
+    full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    result = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def write_result(name: str, record: dict[str, Any]) -> Path:
+    """bench/results/<name>-<date>.json, for the CPU benchmarks; prints where it went."""
+    out = REPO / "bench" / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out.relative_to(REPO)}")
+    return out
+
+
 def versions() -> dict[str, str]:
     """Installed versions, read without importing anything (no CUDA context in the harness process)."""
     out = {"python": sys.version.split()[0], "cpus": str(os.cpu_count())}
