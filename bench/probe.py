@@ -113,8 +113,11 @@ def gpu() -> dict[str, Any]:
     smi = shutil.which("nvidia-smi")
     if smi:
         query = [smi, "--query-gpu=driver_version,memory.used", "--format=csv,noheader"]
-        done = subprocess.run(query, capture_output=True, text=True, timeout=20)
-        out["nvidia_smi"] = done.stdout.strip() or done.stderr.strip()[:200]
+        try:
+            done = subprocess.run(query, capture_output=True, text=True, timeout=20)
+            out["nvidia_smi"] = done.stdout.strip() or done.stderr.strip()[:200]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            out["nvidia_smi"] = f"{type(exc).__name__}: {exc}"[:200]
     return out
 
 
