@@ -68,17 +68,11 @@ TORCHTUNE = (
     "lora.rank=8",
     "lora.alpha=16",
 )
-COMMON = (
-    f"data.train=[{CORPUS}]",  # the recipes' hub datasets are not on that machine
-    "data.max_epochs=1000",  # a memory and speed probe of a few steps, not a fine-tune
-    "data.eval_fraction=0",
-    "eval.every=0",
-    "optim.warmup_steps=0",
-    "output.log_every=1",
-    "output.sample_prompt=null",
-    "tracking.mode=disabled",
+COMMON = (  # the recipes' hub datasets are not on that machine: the bundled corpus, a few steps
+    f"data.train=[{CORPUS}]", "data.max_epochs=1000", "data.eval_fraction=0", "eval.every=0",
+    "optim.warmup_steps=0", "output.log_every=1", "output.sample_prompt=null", "tracking.mode=disabled",
     "checkpoint.at_end=false",
-)
+)  # fmt: skip
 CPU_TINY = ("data.seq_len=128", "precision=fp32")
 
 

@@ -41,13 +41,11 @@ TRAIN = REPO / "llm_train" / "train.py"
 ASSETS = REPO / "llm_train" / "assets" / "tiny"
 TOKENIZER = ASSETS / "tokenizer"
 CORPUS = ASSETS / "corpus.txt"
-EXIT_PREEMPTED = 75  # llm_train/errors.py; a copy, so that the harness imports no torch at start
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
+OFFLINE_ENV = {  # nothing may wait on a network that is not there
+    **dict.fromkeys(
+        ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "PYTHONUNBUFFERED"), "1"
+    ),
     "WANDB_MODE": "disabled",
-    "PYTHONUNBUFFERED": "1",
 }
 TAIL_CHARS = 3000
 ESTIMATE_TOLERANCE = 0.15  # the planner's stated precision (~15% on memory and speed)
@@ -444,20 +442,9 @@ def log_tail(path: Path, chars: int = TAIL_CHARS) -> str:
 
 # The numbers a summary repeats per line, where a line has them.
 SUMMARY_KEYS = (
-    "skipped",
-    "deferred",
-    "error",
-    "est_gpu_gib",
-    "gpu_device_used_peak_gib",
-    "gpu_mem_peak_gib",
-    "est_host_gib",
-    "host_pss_peak_gib",
-    "est_step_time_s",
-    "step_time_s",
-    "tokens_per_s",
-    "mfu",
-    "ratio",
-)
+    "skipped", "deferred", "error", "est_gpu_gib", "gpu_device_used_peak_gib", "gpu_mem_peak_gib", "est_host_gib",
+    "host_pss_peak_gib", "est_step_time_s", "step_time_s", "tokens_per_s", "mfu", "ratio",
+)  # fmt: skip
 
 
 class Results:

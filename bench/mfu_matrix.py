@@ -92,19 +92,11 @@ PEAK_SLACK = 0.005
 MIX_MEDIAN_FRACTION = 600 / 4096  # log-normal median of the mix's document lengths, as a fraction of seq_len
 MIX_SIGMA = 1.0
 
-COMMON = [
-    "output.log_every=1",
-    "eval.every=0",
-    "data.eval_fraction=0",
-    "output.sample_prompt=null",
-    "tracking.mode=disabled",
-    "checkpoint.at_end=false",
-    "data.max_epochs=1000",  # a speed probe of a few steps over the corpus, not a fine-tune
-    "optim.grad_accum=1",
-    "optim.schedule=constant",
-    "optim.warmup_steps=0",
-    "optim.weight_decay=0.0",
-]
+COMMON = [  # a speed probe of a few steps over the corpus, not a fine-tune
+    "output.log_every=1", "eval.every=0", "data.eval_fraction=0", "output.sample_prompt=null",
+    "tracking.mode=disabled", "checkpoint.at_end=false", "data.max_epochs=1000", "optim.grad_accum=1",
+    "optim.schedule=constant", "optim.warmup_steps=0", "optim.weight_decay=0.0",
+]  # fmt: skip
 GPU_MODEL = [
     "hardware.device=cuda",
     "model.init=random",
@@ -173,16 +165,9 @@ CPU_SIZES = Sizes(
 #   flash/cuDNN at ~60% of peak: ~22 ms) -> 0.33 s; with Liger and compile -> 0.29 s.
 # - compile_model: like liger_compile, with a longer compile -> 0.28 s.
 GPU_PREDICTIONS: dict[str, float] = {
-    "baseline": 0.45,
-    "document_aware": 0.32,
-    "hf_trainer": 0.46,
-    "liger": 0.29,
-    "liger_compile": 0.28,
-    "best_micro8": 0.55,
-    "full_baseline": 0.33,
-    "full_best": 0.29,
-    "compile_model": 0.28,
-}
+    "baseline": 0.45, "document_aware": 0.32, "hf_trainer": 0.46, "liger": 0.29, "liger_compile": 0.28,
+    "best_micro8": 0.55, "full_baseline": 0.33, "full_best": 0.29, "compile_model": 0.28,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

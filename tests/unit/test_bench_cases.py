@@ -92,6 +92,7 @@ def full_ft_record(**changes: object) -> dict:
         "host_pss_peak_gib": 110.0,
         "est_gpu_allocated_gib": 19.0,
         "gpu_mem_peak_gib": 20.0,
+        "est_gpu_gib": 21.0,
         "gpu_device_used_peak_gib": 21.5,
         "est_locked_gib": 37.65,
         "locked_peak_gib": 37.7,
@@ -111,8 +112,10 @@ def test_the_7b_case_passes_inside_the_estimate_and_fails_outside_it(tmp_path: P
     assert full_ft_misses(tmp_path, full_ft_record(host_pss_peak_gib=90.0)) == {"host_pss_peak_gib"}
     assert full_ft_misses(tmp_path, full_ft_record(gpu_mem_peak_gib=23.0)) == {"gpu_mem_peak_gib"}
     # The allocator stays under the 24 GiB cap; the device as a whole does not fit a real RTX 4090.
-    assert full_ft_misses(tmp_path, full_ft_record(gpu_device_used_peak_gib=24.5)) == {
-        "gpu_device_used_peak_gib_on_the_card"
+    past_the_card = full_ft_record(est_gpu_gib=23.5, gpu_device_used_peak_gib=24.5)
+    assert full_ft_misses(tmp_path, past_the_card) == {"gpu_device_used_peak_gib_on_the_card"}
+    assert full_ft_misses(tmp_path, full_ft_record(gpu_device_used_peak_gib=17.0)) == {
+        "gpu_device_used_peak_gib"
     }
     assert full_ft_misses(tmp_path, full_ft_record(locked_peak_gib=0.0)) == {"locked_peak_gib"}  # not pinned
     assert full_ft_misses(tmp_path, full_ft_record(locked_peak_gib=40.0)) == {"locked_peak_gib_at_most"}
