@@ -17,7 +17,7 @@
 #
 #   bash tools/gpu_wheels/build.sh          # or: make gpu-wheels
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root
 
 PY=${PYTHON:-.venv/bin/python}
 OUT=.whl
