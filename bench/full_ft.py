@@ -25,6 +25,9 @@ f_1p5b_nvme        the same with zero3_offload_optimizer_nvme, swap files on the
                    GPU), swap GB/s recorded. Both NVMe lines are "skipped: no libaio" where DeepSpeed's
                    async-I/O op cannot build.
 
+pinning_copy_time  bench/pinning_copy_time.py on the GPU (host<->device copies from torch-pinned, natively
+                   pinned and pageable buffers), while the part's time holds: recorded, not judged.
+
 Under --cpu-tiny the same logic runs on the tiny-cpu model (fp32, no cap): the host PSS is recorded,
 not judged (a tiny model's host use is the interpreter and its libraries, not what the planner's
 per-process allowance stands for), and the mlocked bytes must equal the planner's exactly (native
@@ -33,7 +36,9 @@ pinning, whole pages: nothing else locks memory there).
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +56,7 @@ from bench.harness import (
     launch,
     median,
     metrics_rows,
+    module_cmd,
     peak,
     plan,
     verdict,
@@ -148,9 +154,6 @@ print("BUILT " + json.dumps(out), flush=True)
 
 
 def build_ops(ctx: Context) -> dict[str, Any]:
-    import json
-    import sys
-
     run = launch([sys.executable, "-c", BUILD], ctx.timeout(), ctx.work / "build_ops.log")
     ctx.results.log_launch("build_ops", run)
     built = next((line for line in run.output.splitlines() if line.startswith("BUILT ")), None)
@@ -335,6 +338,26 @@ def drive_speed(nvme_dir: Path, gpu: bool) -> dict[str, Any]:
     }
 
 
+def pinning_copy_time(ctx: Context) -> dict[str, Any]:
+    """bench/pinning_copy_time.py where it was written for: host<->GPU copies under each pinning choice."""
+    out = ctx.work / "pinning_copy_time"
+    mib, repeats = (512, 5) if ctx.gpu else (16, 1)  # CPU: the script's logic, in seconds
+    cmd = module_cmd("bench.pinning_copy_time", f"--mib={mib}", f"--repeats={repeats}", "--out", str(out))
+    run = launch(cmd, ctx.timeout(), ctx.work / "pinning_copy_time.log")
+    ctx.results.log_launch("pinning_copy_time", run)
+    path = out / "pinning-copy-time.json"
+    if run.rc != 0 or not path.is_file():
+        failed = "timed out" if run.timed_out else f"exit {run.rc}"
+        return {"passed": False, "error": f"{failed} before its result", "tail": run.tail}
+    found = json.loads(path.read_text())
+    return {
+        "buffer_mib": found["buffer_mib"],
+        "repeats": found["repeats"],
+        "rows": found["rows"],
+        "passed": True,
+    }
+
+
 def full_ft_case(case: FullFt) -> Case:
     def run(ctx: Context) -> dict[str, Any]:
         return run_full_ft(case, ctx)
@@ -344,5 +367,10 @@ def full_ft_case(case: FullFt) -> Case:
 
 
 def cases() -> list[Case]:
-    """The full fine-tune section: the ops first, then the cases in order of value."""
-    return [Case("build_ops", build_ops, cost_s=60, box_s=90), *(full_ft_case(c) for c in CASES)]
+    """The full fine-tune section: the ops first, then the cases in order of value, then the copy times
+    of each pinning choice (its GPU half has never run) while the time holds."""
+    return [
+        Case("build_ops", build_ops, cost_s=60, box_s=90),
+        *(full_ft_case(c) for c in CASES),
+        Case("pinning_copy_time", pinning_copy_time, cost_s=30, box_s=60, optional=True, cpu_box_s=300),
+    ]

@@ -13,8 +13,9 @@ A  probe (GPU, MemTotal, disk, libaio, versions, the cap works, a bitsandbytes r
    with their exports, the long-context QLoRA recipe under 24 GiB), then the speed matrix
    (bench/mfu_matrix.py) in order of value with the time left;
 B  probe, then the full fine-tunes (bench/full_ft.py: DeepSpeed's ops built first, 7B with its optimizer on
-   the CPU under 24 GiB, the NVMe pair or "skipped: no libaio"), then the speed cases A could not fit
-   (`--after A.jsonl`: A's measured lines are read, not run again, and the later cases compare with them).
+   the CPU under 24 GiB, the NVMe pair or "skipped: no libaio", the copy times of each pinning choice),
+   then the speed cases A could not fit (`--after A.jsonl`: A's measured lines are read, not run again,
+   and the later cases compare with them).
 
 The required cases' boxes add up within the part's limit (tests/unit/test_bench_harness.py holds them to
 it from the costs the code assumes); the speed cases are optional: one runs only while the time left
@@ -75,7 +76,7 @@ PROBE = Case("probe", probe, cost_s=30, box_s=60, cpu_box_s=300)
 
 @dataclass(frozen=True)
 class Part:
-    required: list[Case]
+    cases: list[Case]  # in order of value: the required ones, and optional ones that come before speed
     speed: list[str]  # the speed matrix's cases, in order of value
     cpu_tiny_speed: list[str]  # ... the ones --cpu-tiny runs (one smoke of each harness feature)
 
@@ -100,7 +101,7 @@ def earlier_lines(path: Path | None) -> dict[str, dict[str, Any]]:
 
 def part_cases(part: Part, gpu: bool, after: dict[str, dict[str, Any]], only: list[str] | None) -> list[Case]:
     speed = [c for c in mfu_matrix.cases(part.speed if gpu else part.cpu_tiny_speed) if c.name not in after]
-    chosen = [*part.required, *speed]
+    chosen = [*part.cases, *speed]
     return [c for c in chosen if only is None or c.name in only]
 
 

@@ -86,6 +86,7 @@ def test_part_b_on_cpu_runs_the_full_fine_tunes_and_passes(tmp_path: Path) -> No
         "f_7b_cpu_offload",
         "f_1p5b_cpu_offload",
         "f_1p5b_nvme",
+        "pinning_copy_time",
         "liger_compile",
     ]
     libaio = lines["probe"]["libaio"]
@@ -104,6 +105,8 @@ def test_part_b_on_cpu_runs_the_full_fine_tunes_and_passes(tmp_path: Path) -> No
         assert nvme == {"measurement": "f_1p5b_nvme", "passed": None, "skipped": "skipped: no libaio"}
         assert reference["passed"] is None and reference["skipped"].startswith("skipped: no libaio")
     assert not list(REPO.glob(".gpu_run_nvme_*"))  # the swap folder is gone
+    copies = {row["choice"]: row for row in lines["pinning_copy_time"]["rows"]}
+    assert copies["native"]["host_copy_in_gbs"] > 0 and copies["torch"]["skipped"].endswith("needs CUDA")
     compiled = lines["liger_compile"]
     assert compiled["passed"] and compiled["switches"] == [
         "memory.attention=auto",
