@@ -17,7 +17,7 @@ else `off`.
 
 Which is better where both fit was measured, not assumed: bench/pinning_copy_time.py times the
 host side of each choice on CPU (allocation and copies into each kind of buffer), and the GPU
-check (bench/full_ft_check.py) times host<->GPU copies from each (on a GPU only DMA tells them
+check (bench/gpu_run.sh B, bench/pinning_copy_time.py on the GPU) times host<->GPU copies from each (on a GPU only DMA tells them
 apart: a pageable copy is staged through a driver buffer and does not overlap).
 """
 

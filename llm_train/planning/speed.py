@@ -60,7 +60,7 @@ PAGEABLE_COPY_EFFICIENCY = 0.35
 DEFAULT_PCIE_BYTES_PER_S = PCIE_LANE_BYTES_PER_S[4] * 16
 # bitsandbytes' dequantisation kernels are elementwise and memory-bound: they stream at a fraction of the
 # card's memory bandwidth; 0.7 is what elementwise kernels typically reach (an assumption until
-# bench/consumer_check.sh measures QLoRA against 16-bit LoRA on a GPU).
+# bench/gpu_run.sh A measures QLoRA against 16-bit LoRA on a GPU).
 DEQUANTIZE_BANDWIDTH_EFFICIENCY = 0.7
 # How much of a pass's compute a pinned ZeRO-3 parameter fetch can hide behind: DeepSpeed prefetches at
 # most stage3_prefetch_bucket_size elements ahead (0.9 h^2: a fraction of one decoder layer), each module's
