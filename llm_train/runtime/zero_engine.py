@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llm_train.config.resolution import Resolved
-from llm_train.errors import UserError
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
@@ -55,13 +54,6 @@ if TYPE_CHECKING:
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
 _MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-# Multi-node launcher fields say *where* (launch/ uses them); any other DeepSpeed field says *what*.
-_WHERE_FIELDS = {
-    "deepspeed_multinode_launcher",
-    "deepspeed_hostfile",
-    "deepspeed_inclusion_filter",
-    "deepspeed_exclusion_filter",
-}
 
 
 class ZeroEngine:
@@ -81,17 +73,6 @@ class ZeroEngine:
         from accelerate.utils import InitProcessGroupKwargs
 
         run = self.run
-        what = [
-            f
-            for f in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
-            if f and f not in _WHERE_FIELDS
-        ]
-        if what:
-            raise UserError(
-                "your accelerate config sets DeepSpeed fields "
-                f"({','.join(what)}); with llm_train the recipe and its DeepSpeed JSON "
-                "own them: keep only machines/processes/rendezvous in the accelerate config (see launch/)"
-            )
         if run.layout.zero_stage == 3:
             # Registered before the model exists, so transformers builds it inside zero.Init and no
             # rank materialises the full model. The reference must stay alive while the model is built.
