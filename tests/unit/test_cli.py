@@ -127,7 +127,7 @@ WITH_OVERRIDES = {
     "data prepare": ([A, "--recipe", "tiny-cpu", B, C], {"recipe": "tiny-cpu"}),
     "data inspect": (["--recipe", "tiny-cpu", A, "-n", "5", B, C], {"recipe": "tiny-cpu", "n": 5}),
 }
-WITHOUT_OVERRIDES = {"recipes", "export", "report", "convert"}
+WITHOUT_OVERRIDES = {"recipes", "export", "report", "convert", "generate", "chat"}
 
 
 def test_every_subcommand_says_whether_it_takes_overrides() -> None:
