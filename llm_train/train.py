@@ -31,6 +31,7 @@ from llm_train.planning.guards import (
     memory_rows,
 )
 from llm_train.runtime import launcher
+from llm_train.runtime.benchmark import check_recipe_tasks
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
@@ -254,6 +255,7 @@ def check_before_start(
         )
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)
+    check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)

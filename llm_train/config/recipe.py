@@ -679,6 +679,24 @@ class DeepSpeedSection(Section):
 class EvalSection(Section):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at the end.")
     batches: int = Field(8, ge=1, description="Micro-batches per evaluation (per data-parallel rank).")
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks run on the live model during training (needs llm_train[eval]), "
+        "e.g. [llm_train_tiny] (bundled, offline) or [hellaswag, arc_easy]; results logged as bench/TASK/METRIC.",
+    )
+    tasks_every: int = Field(
+        0,
+        ge=0,
+        description="Run eval.tasks every N optimizer steps (and at the end); 0 = at eval.every's steps.",
+    )
+    tasks_limit: float | None = Field(
+        None, gt=0, description="Documents per task for eval.tasks (a fraction below 1); default: all."
+    )
+    tasks_batch_size: int = Field(8, ge=1, description="Requests per forward pass for eval.tasks.")
+    tasks_include_path: list[str] = Field(
+        default_factory=list,
+        description="Folders of lm-eval YAML tasks for eval.tasks, beside the bundled ones.",
+    )
 
 
 class OutputSection(Section):
@@ -926,7 +944,7 @@ _PATH_FIELDS = (("model", "tokenizer"), ("model", "name_or_path"), ("deepspeed",
 # Fields that can only be local paths, so a bare relative name ('nvme') is anchored too; workers may
 # start in another directory, and DeepSpeed receives the absolute path.
 _LOCAL_PATH_FIELDS = (("deepspeed", "nvme_path"),)
-_PATH_LIST_FIELDS = (("data", "train"), ("data", "eval"))
+_PATH_LIST_FIELDS = (("data", "train"), ("data", "eval"), ("eval", "tasks_include_path"))
 
 
 def _anchor_path(value: str, base: Path) -> str:

@@ -21,17 +21,23 @@ import difflib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train import ASSETS_DIR
+from llm_train.config.recipe import EvalSection
+from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.observability.tracking import BENCH
+from llm_train.runtime.file_sync import FileSync
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from llm_train.runtime.collectives import Collectives
 
 BUNDLED_TASKS = ASSETS_DIR / "eval_tasks"
 INSTALL_HINT = "pip install 'llm_train[eval]' (or pip install lm-eval)"
@@ -129,13 +135,21 @@ def _no_progress_bars() -> Iterator[None]:
 
 
 def task_manager(options: BenchOptions) -> Any:
-    """lm-eval's TaskManager with the bundled tasks and `include_path`; unknown task names are one line."""
+    """lm-eval's TaskManager with the bundled tasks and `include_path`; unknown task names are one line.
+
+    Indexing lm-eval's own registry (about 15,000 tasks, 0.4.13) takes 5-20 s on one core, so it is
+    read only when a task is not in the bundled and included folders.
+    """
     from lm_eval.tasks import TaskManager
 
     for folder in options.include_path:
         if not Path(folder).is_dir():
             raise UserError(f"--include-path {folder}: no such folder (lm-eval YAML tasks)")
-    manager = TaskManager(include_path=[str(BUNDLED_TASKS), *options.include_path])
+    paths = [str(BUNDLED_TASKS), *options.include_path]
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if set(options.tasks) <= set(manager.all_tasks):
+        return manager
+    manager = TaskManager(include_path=paths)
     known = set(manager.all_tasks)
     for name in options.tasks:
         if name not in known and not any(ch in name for ch in "*?["):
@@ -216,3 +230,87 @@ def write_results(
     where = f"step {step}" if step is not None else "the exported model"
     (out_dir / f"{name}.md").write_text(f"# lm-eval on {model} ({where})\n\n{result.table}")
     return path
+
+
+# ------------------------------------------------------------ during training (recipe eval.tasks)
+
+
+def recipe_options(section: EvalSection) -> BenchOptions:
+    return BenchOptions(
+        tasks=tuple(section.tasks),
+        limit=section.tasks_limit,
+        batch_size=section.tasks_batch_size,
+        include_path=tuple(section.tasks_include_path),
+    )
+
+
+def check_recipe_tasks(section: EvalSection) -> None:
+    """Before any worker starts: lm-eval imports and knows every task of eval.tasks (one line if not)."""
+    if not section.tasks:
+        return
+    require_lm_eval()
+    try:
+        task_manager(recipe_options(section))
+    except UserError as exc:
+        raise UserError(
+            str(exc).replace("--tasks", "eval.tasks").replace("--include-path", "eval.tasks_include_path")
+        ) from None
+
+
+def unavailable(run: Resolved) -> str | None:
+    """Why eval.tasks cannot run on this layout during training (None: it can); the run trains on without it.
+
+    lm-eval runs one model in one process (rank 0); the layouts below have no whole model there.
+    """
+    layout = run.layout
+    if layout.pp > 1:
+        return f"deepspeed.pipeline_stages={layout.pp}: each stage holds part of the model"
+    if layout.tp > 1:
+        return f"tensor parallel {layout.tp}: every layer is split over {layout.tp} ranks"
+    if layout.sp > 1:
+        return f"sequence parallel {layout.sp}: attention needs every rank of its group"
+    lora = run.recipe.lora
+    if layout.zero_stage == 3 and lora is not None and lora.quantize != "none":
+        return f"lora.quantize={lora.quantize} under ZeRO-3: a quantised base does not gather into a copy"
+    return None
+
+
+class PeriodicBench:
+    """eval.tasks on the live model every `every` steps and at the last: rank 0 evaluates, all ranks wait.
+
+    The engine hands rank 0 the model as it trains (ZeRO-3: gathered into a copy, as the export
+    gathers; engine.benchmark_model). The other ranks wait through files (file_sync.py), not inside
+    a collective: an evaluation may last longer than the process group's timeout. Every rank returns
+    the same metrics (rank 0's, posted), with bench/time_s, the seconds it took: training's tokens/s
+    is metered on the steps alone, so it leaves them out.
+    """
+
+    def __init__(
+        self,
+        options: BenchOptions,
+        every: int,
+        tokenizer: PreTrainedTokenizerBase,
+        model: Callable[[], AbstractContextManager[Any]],
+        sync_root: Path,
+        comm: Collectives,
+        rank: int,
+        patience_s: float,
+    ) -> None:
+        self.options, self.every, self.tokenizer, self.model = options, every, tokenizer, model
+        self.sync_root, self.comm, self.rank, self.patience_s = sync_root, comm, rank, patience_s
+        self.manager: Any = task_manager(options) if rank == 0 else None
+
+    def due(self, step: int, last: int) -> bool:
+        return step == last or (self.every > 0 and step % self.every == 0)
+
+    def run(self, step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        sync = FileSync.open(self.sync_root, f"bench-{step}", self.comm, self.rank, self.patience_s)
+        with self.model() as model:  # every rank: under ZeRO-3 the gather is a collective
+            if self.rank == 0:
+                with sync.working():
+                    result = evaluate(model, self.tokenizer, self.options, self.manager)
+                assert result is not None  # a model object: lm-eval runs it in this one process
+                sync.post("bench", result.metrics())
+        metrics: dict[str, float] = sync.wait("bench", [0], f"benchmark evaluation at step {step}")[0]
+        return {**metrics, f"{BENCH}time_s": time.perf_counter() - started}

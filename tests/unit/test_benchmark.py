@@ -124,3 +124,46 @@ def test_benchmark_results_carry_their_own_step_in_wandb_and_their_sections_in_t
     assert tracker.run.logged == [({"loss": 1.0}, 20), ({"bench/t/acc": 0.5, "bench/step": 10}, None)]  # type: ignore[attr-defined]
     assert tracker.run.defined == [("bench/*", "bench/step")]  # type: ignore[attr-defined]
     assert tensorboard_tag("bench/t/acc") == "bench/t/acc" and tensorboard_tag("eval_loss") == "eval/loss"
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, why",
+    [
+        ("tiny-cpu", [], None),  # ZeRO-3: a gathered copy
+        ("tiny-cpu-chat", [], None),  # ZeRO-2: in place
+        ("tiny-cpu-pp2", [], "deepspeed.pipeline_stages=2: each stage holds part of the model"),
+        ("tiny-cpu-tp2", [], "tensor parallel 2"),
+        ("tiny-cpu-sp2", [], "sequence parallel 2"),
+    ],
+)
+def test_eval_tasks_run_where_rank_0_can_hold_the_whole_model(
+    recipe: str, overrides: list[str], why: str | None
+) -> None:
+    from llm_train.config.resolution import resolve_run
+    from llm_train.runtime.benchmark import unavailable
+
+    found = unavailable(resolve_run(recipe, overrides, world_size=2))
+    assert found == why if why is None else (found is not None and why in found), found
+
+
+def test_a_recipes_task_problem_is_one_line_before_any_launcher(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("lm_eval")
+    from llm_train.commands import launch_train
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a launcher was started")
+
+    monkeypatch.setattr(launch_train.subprocess, "Popen", no_launch)
+    argv = [
+        "train",
+        "--recipe",
+        "tiny-cpu",
+        "eval.tasks=[llm_train_tiny]",
+        "eval.tasks_include_path=[/no/such]",
+    ]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    # Named by the recipe's key (the command's flag names are --tasks / --include-path).
+    assert err.count("\n") == 1 and "eval.tasks_include_path /no/such: no such folder" in err, err
