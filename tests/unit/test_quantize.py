@@ -44,8 +44,12 @@ def test_a_random_base_is_refused_in_one_line() -> None:
     ("overrides", "message"),
     [
         (
-            ["deepspeed.config=zero3_offload"],
-            r"lora.quantize=nf4 cannot offload parameters \(offload_param.device=cpu",
+            ["deepspeed.config=zero3_offload_nvme"],
+            r"lora.quantize=nf4 cannot offload parameters to nvme \(offload_param.device in ",
+        ),
+        (
+            ["lora.quantize=int8", "deepspeed.config=zero3_offload"],
+            r"lora.quantize=int8 cannot offload parameters to cpu",
         ),
         (
             ["memory.torch_compile=layers"],
@@ -76,6 +80,13 @@ def test_sequence_parallel_is_refused() -> None:
 def test_the_optimizer_may_go_to_the_cpu() -> None:
     run = resolve_run("tiny-cpu-lora", QLORA + ["deepspeed.config=zero3_offload_optimizer"], world_size=2)
     assert run.layout.offload_optimizer == "cpu" and run.layout.offload_params == "none"
+
+
+def test_nf4_weights_may_go_to_the_cpu_under_zero3() -> None:
+    # ZeRO-3 partitions the packed storage and offloads the partitions like any weight; the quantisation
+    # state goes to the GPU whole (runtime/quantize.py): the 70B two-card recipe's layout.
+    run = resolve_run("tiny-cpu-lora", QLORA + ["deepspeed.config=zero3_offload"], world_size=2)
+    assert run.layout.offload_params == "cpu" and run.layout.zero_stage == 3
 
 
 def test_missing_bitsandbytes_is_one_line_that_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
