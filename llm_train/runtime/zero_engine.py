@@ -48,6 +48,7 @@ from llm_train.runtime.quantize import (
     place_quantization_state,
     quantized,
     quantized_base,
+    release_freed_host_memory,
     staged_on_host,
 )
 from llm_train.runtime.reference import CachedReference, frozen_reference
@@ -210,6 +211,7 @@ class ZeroEngine:
         """
         import deepspeed
 
+        release_freed_host_memory()
         place_quantization_state(self.model, self.accelerator.device)
         deepspeed.zero.Init(module=self.model, config_dict_or_path=self.run.ds_config)
 
