@@ -107,8 +107,8 @@ def build_model(
         placement: dict[str, Any] = {"device_map": {"": device}} if device else {}
         if quantized(lora):
             assert lora is not None
-            # Without a device_map (ZeRO-3, CPU) transformers' bitsandbytes quantizer loads onto the
-            # current CUDA device, or the CPU: still one tensor at a time, never a full 16-bit copy.
+            # Quantised one tensor at a time as it loads, never a full 16-bit copy, onto `device` (the
+            # host, for a base ZeRO-3 partitions: quantize.py) or, without one, the current CUDA device.
             placement["quantization_config"] = quantization_config(lora, dtype)
         try:
             lm = AutoModelForCausalLM.from_pretrained(

@@ -19,11 +19,24 @@ Why these settings:
   would cast straight back; freezing the base (PEFT does that) and non-reentrant activation
   checkpointing (model.py) are what QLoRA training needs.
 
+Under ZeRO-3 (nf4) the base is staged on the host and partitioned before the engine exists
+(runtime/zero_engine.py): transformers loads a quantised model outside zero.Init (modeling_utils
+`get_init_context`, 5.24: zero.Init is skipped for quantised models) and puts it whole on the current
+GPU, and DeepSpeed's engine moves a model not built under zero.Init to the GPU whole before it
+partitions it (engine.py `_configure_distributed_model`, 0.19.8); a 70B base (~37 GiB packed) fits no
+24 GB card that way. So transformers loads it onto the CPU (device_map cpu, bitsandbytes quantising
+there), `deepspeed.zero.Init(module=...)` partitions it tensor by tensor (each one moved to the GPU
+whole, broadcast from rank 0, cut, and its partition kept on the GPU, or on the host under
+offload_param), and `place_quantization_state` puts what ZeRO never sees on the GPU: each layer's
+quantisation state (absmax, code books: ~1/32 of the packed bytes, a plain attribute, not a
+parameter, so whole on every rank) and the model's buffers.
+
 bitsandbytes 0.50 also runs on CPU (its wheel ships a CPU backend), which is what the tests use.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 from llm_train.config.recipe import LoraSection
@@ -110,12 +123,101 @@ def dequantized_weight(module: Linear4bit | Linear8bitLt, dtype: torch.dtype) ->
     return dequantize_bnb_weight(weight, state=getattr(module, "state", None)).to(dtype)
 
 
-def describe_quantized(model: torch.nn.Module, lora: LoraSection) -> str:
-    """One line for the start-up log: how much of the base is quantised, and what the adapters train."""
+def staged_on_host(lora: LoraSection | None, zero_stage: int) -> bool:
+    """The quantised base loads onto the CPU and is partitioned there by ZeRO-3 (module docstring): nf4
+    under ZeRO-3. int8 keeps its scales in `Int8Params.SCB`, which nothing here moves: it loads as before."""
+    return zero_stage == 3 and lora is not None and lora.quantize == "nf4"
+
+
+def place_quantization_state(model: torch.nn.Module, device: torch.device) -> None:
+    """Move what ZeRO-3 never moves to `device`: every 4-bit layer's quantisation state and every buffer.
+
+    The parameters stay where they are (zero.Init moves and partitions them). A model built under
+    zero.Init gets its buffers on the GPU from the context; one partitioned after loading keeps them
+    where it loaded (rotary frequencies), and bitsandbytes computes on the device of the weight with
+    the state on the same device.
+    """
+    for module in model.modules():
+        if is_quantized_linear(module):
+            state = getattr(module.weight, "quant_state", None)
+            if state is not None:
+                state.to(device)  # bitsandbytes' QuantState.to moves its tensors in place
+        for buffer in module.buffers(recurse=False):
+            buffer.data = buffer.data.to(device)
+
+
+def release_freed_host_memory() -> None:
+    """Hand the staged load's freed temporaries back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    transformers' loader and bitsandbytes' CPU quantiser free many mid-sized tensors, which glibc keeps in
+    its arenas for reuse: measured, ~0.28 B per quantised weight after the load, growing with the model,
+    and ~0.15 GB after malloc_trim (bench/qlora_staged_load.py). The partitions ZeRO-3 allocates next are
+    large blocks that never reuse them, so they would stay resident for the whole run.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+@dataclass(frozen=True)
+class QuantizedBase:
+    """What one rank holds of the quantised base, measured on its parameters (bytes)."""
+
+    layers: int
+    packed: int
+    """The packed 4/8-bit weights of the whole base."""
+    held: int
+    """This rank's share of them: its ZeRO-3 partitions (`ds_tensor`), or all of them without ZeRO-3."""
+    state: int
+    """The quantisation state (absmax, code books), whole on every rank."""
+    device: str
+    """Where this rank's share lives (the host under offload_param)."""
+
+
+def quantized_base(model: torch.nn.Module) -> QuantizedBase:
     layers = [m for m in model.modules() if is_quantized_linear(m)]
-    packed = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    packed = held = state = 0
+    device = "none"
+    for module in layers:
+        weight = cast("torch.nn.Parameter", module.weight)
+        partition = getattr(weight, "ds_tensor", None)  # ZeRO-3's partition; the whole numel is ds_numel
+        whole = int(getattr(weight, "ds_numel", weight.numel())) * weight.element_size()
+        packed += whole
+        held += partition.numel() * partition.element_size() if partition is not None else whole
+        device = str((partition if partition is not None else weight).device.type)
+        state += _state_bytes(getattr(weight, "quant_state", None))
+    return QuantizedBase(len(layers), packed, held, state, device)
+
+
+def _state_bytes(state: object) -> int:
+    if state is None:
+        return 0
+    tensors = [getattr(state, k, None) for k in ("absmax", "code", "offset")]
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        tensors += [nested.absmax, nested.code]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def describe_quantized(model: torch.nn.Module, lora: LoraSection, held_by_rank: list[int]) -> str:
+    """One line for the start-up log: how much of the base is quantised, what each rank holds of it
+    (`held_by_rank`: every rank's `QuantizedBase.held`), and what the adapters train."""
+    base = quantized_base(model)
+    # ds_numel: a ZeRO-3 parameter's own numel is its (empty) gathered-to-nothing placeholder's.
+    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+    shares = " / ".join(f"{100 * h / max(1, base.packed):.1f}%" for h in held_by_rank)
+    ranks = " / ".join(str(r) for r in range(len(held_by_rank)))
     return (
-        f"base model: {len(layers)} linear layers in {lora.quantize} (bitsandbytes, {packed / 2**20:,.1f} MiB "
-        f"on this rank), embeddings and output layer 16-bit; {trainable:,} trainable adapter parameters"
+        f"base model: {base.layers} linear layers in {lora.quantize} (bitsandbytes), {base.packed / 2**20:,.2f} MiB "
+        f"packed, held {shares} by ranks {ranks} (on {base.device}), quantisation state "
+        f"{base.state / 2**20:,.2f} MiB whole on each; embeddings and output layer 16-bit; "
+        f"{trainable:,} trainable adapter parameters"
     )
