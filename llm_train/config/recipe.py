@@ -443,8 +443,9 @@ class MemorySection(Section):
     )
     tiled_loss: bool = Field(
         False,
-        description="Compute the output layer and the loss over the sequence in tiles: the full "
-        "[tokens x vocabulary] logits tensor is never materialised (DeepSpeed ALST).",
+        description="Compute the output layer and the loss in chunks of tokens (at most 128 MiB of fp32 logits "
+        "each), recomputed in backward: the [tokens x vocabulary] logits are never materialised. Exact; every "
+        "objective and engine; Liger's fused linear cross-entropy with memory.liger_kernels where it can run.",
     )
     offload_checkpoints: bool = Field(
         False,
@@ -739,11 +740,6 @@ class Recipe(Section):
             raise ValueError(
                 f"objective={objective} trains each pair as two padded rows (chosen and rejected); set "
                 "data.packing=padded"
-            )
-        if self.memory.tiled_loss:
-            raise ValueError(
-                f"memory.tiled_loss=true computes a mean token loss in tiles, while objective={objective} needs "
-                "each sequence's summed log-probability; set memory.tiled_loss=false"
             )
         defaults = PreferenceSection()
         if objective == "simpo" and preference.reference != defaults.reference:

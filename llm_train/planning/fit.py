@@ -122,6 +122,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         export_adapter_only=bool(recipe.lora and recipe.lora.export == "adapter"),
         tiled_mlp=recipe.memory.tiled_mlp,
         tiled_loss=recipe.memory.tiled_loss,
+        liger_loss=recipe.memory.liger_kernels,
         offload_checkpoints=recipe.memory.offload_checkpoints,
         pinning=section_pinning(zero.get("offload_optimizer"), recipe.deepspeed.pinning, on_gpu),
         param_pinning=section_pinning(zero.get("offload_param"), recipe.deepspeed.pinning, on_gpu),

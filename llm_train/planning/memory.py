@@ -61,9 +61,9 @@ counted at full width, an upper bound under GQA). ZeRO partitions over all dp*sp
 (DeepSpeed's sequence-data-parallel group). `memory.tiled_mlp` (DeepSpeed's TiledMLP) runs
 each MLP over tiles of `hidden_size` tokens and recomputes it per tile in backward: its
 intermediates exist for one tile (and that tile's gradients), not per layer.
-`memory.tiled_loss` computes logits and loss over tiles of at most LOSS_TILE_LOGITS_BYTES of
-fp32 logits per row (ALST's 1 GiB slices, runtime/tiling.py): one tile and its gradient instead
-of the full [tokens x vocabulary] tensor. `memory.offload_checkpoints` keeps the per-layer checkpointed
+`memory.tiled_loss` computes logits and loss in chunks of at most LOSS_CHUNK_LOGITS_BYTES of fp32
+logits (runtime/chunked_loss.py): one chunk's working set instead of transformers' whole
+[tokens x vocabulary] logits, their fp32 copy, log-softmax and its gradients (12 bytes per logit). `memory.offload_checkpoints` keeps the per-layer checkpointed
 hidden states in pinned host RAM between forward and backward: on the GPU stays the one
 being copied; the host holds all of them, each in a block of torch's pinned allocator, rounded up to
 a power of two, that stays cached for the next step (save_on_cpu(pin_memory=True) on CUDA).
@@ -152,14 +152,22 @@ DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
 
-# Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
-# runtime/tiling.py cuts its tiles by this same constant).
-LOSS_TILE_LOGITS_BYTES = GiB
+# The chunked loss (memory.tiled_loss): each chunk of a micro-batch's tokens holds at most this many
+# bytes of fp32 logits (runtime/chunked_loss.py cuts its chunks by this same constant). 128 MiB keeps
+# the loss of 2 x 2048 tokens of a 128k vocabulary in 16 chunks of 256 tokens, each still a large
+# matmul; ALST's 1 GiB slices are more than a whole 2048-token row.
+LOSS_CHUNK_LOGITS_BYTES = 128 * 2**20
 # The all-to-all of Ulysses attention regroups q, k, v and the attention output of one layer.
 SP_ALL_TO_ALL_TENSORS = 4
 
 
 # --- activations --------------------------------------------------------------------------------
+
+# transformers' RMSNorm (LlamaRMSNorm and its copies) upcasts its input to fp32 and keeps that copy for
+# backward: 4 bytes per hidden element, two norms per decoder layer, under bf16/fp16 (with fp32 weights
+# the upcast is the input itself). Measured on CPU (tests/unit/test_memory_lines.py): without it the
+# bf16 activation line was 14% under the measured peak, with it within 2%.
+NORM_UPCAST_BYTES_PER_HIDDEN = 2 * 4
 
 
 def mlp_intermediate_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
@@ -175,16 +183,20 @@ def activation_bytes_per_layer(
     tp: int = 1,
     sp: int = 1,
     tiled_mlp: bool = False,
+    norm_upcast: bool = False,
 ) -> float:
     """Korthikanti et al. 2022 per-layer activations (16-bit) on one rank, without recomputation,
     with the SwiGLU MLP's own intermediates (module docstring).
+
+    `norm_upcast` (16-bit training): transformers' RMSNorm computes in fp32 and keeps that fp32 copy
+    of its input for backward: NORM_UPCAST_BYTES_PER_HIDDEN x h more per token (measured, see there).
 
     sdpa / flash_attention_2: s*b*(h*(10 + 8/t) + 8*i/t); eager adds s*b*h*5*a*s/(h*t).
     Under sequence parallelism the rank holds s/sp tokens (and a/sp heads of eager's s x s
     scores); with `tiled_mlp` the MLP intermediates are not kept per layer (see `mlp_tile_bytes`).
     """
     s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
-    per_token = h * (10 + 8 / tp)
+    per_token = h * (10 + 8 / tp) + (NORM_UPCAST_BYTES_PER_HIDDEN * h if norm_upcast else 0)
     if not tiled_mlp:
         per_token += mlp_intermediate_bytes_per_token(shape, tp)
     if attn_impl == "eager":
@@ -206,20 +218,62 @@ def mlp_tile_bytes(shape: ModelShape, tokens: int, micro_batch: int, tp: int = 1
     return 2 * micro_batch * mlp_tile_tokens(shape, tokens) * mlp_intermediate_bytes_per_token(shape, tp)
 
 
-def loss_tile_tokens(shape: ModelShape, tokens: int) -> int:
-    """Tokens of each row per tiled-loss tile: enough tiles that a row's share of one holds at most
-    LOSS_TILE_LOGITS_BYTES of fp32 logits (runtime/tiling.py cuts the rows of a batch together)."""
-    tiles = max(1, min(tokens, math.ceil(tokens * shape.vocab_size * 4 / LOSS_TILE_LOGITS_BYTES)))
-    return math.ceil(tokens / tiles)
+def loss_chunks(tokens: int, vocab: int, chunk_bytes: int = LOSS_CHUNK_LOGITS_BYTES) -> int:
+    """Chunks the chunked loss cuts `tokens` into: enough that one holds at most `chunk_bytes` of fp32 logits."""
+    return max(1, min(tokens, math.ceil(tokens * vocab * 4 / chunk_bytes)))
+
+
+# Bytes per logit at the peak of transformers' loss (logits, fp32 upcast, log-softmax kept for
+# backward, its gradient in and out): 12 with 16-bit and with fp32 logits alike (measured on CPU,
+# tests/unit/test_loss_memory.py; the output object is dropped after `.loss`, as the engines do).
+DENSE_LOSS_BYTES_PER_LOGIT = 12
+# The chunked loss per logit of one chunk (runtime/chunked_loss.py), by the logits' bytes: at its peak
+# 16-bit logits + one fp32 working copy + the 16-bit gradient, fp32 logits being their own working copy
+# and gradient; while the output layer's backward runs, the logits and their gradient.
+CHUNK_BYTES_PER_LOGIT = {2: 8, 4: 4}
+HEAD_BACKWARD_BYTES_PER_LOGIT = {2: 4, 4: 4}
 
 
 def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
-    """Logits upcast to fp32 for the loss (vocab*s*b*4), times 2 for their gradient.
+    """transformers' loss over the whole [tokens x vocabulary] logits: DENSE_LOSS_BYTES_PER_LOGIT each.
 
-    Not sharded by tensor parallelism (AutoTP leaves lm_head whole) and not
-    chunked (HF computes the full logits tensor before the loss) unless memory.tiled_loss.
+    Not sharded by tensor parallelism (AutoTP leaves lm_head whole).
     """
-    return shape.vocab_size * seq_len * micro_batch * 4 * 2
+    return shape.vocab_size * seq_len * micro_batch * DENSE_LOSS_BYTES_PER_LOGIT
+
+
+def chunked_loss_bytes(
+    shape: ModelShape,
+    tokens: int,
+    logit_bytes: int,
+    head_trains: bool,
+    chunk_bytes: int = LOSS_CHUNK_LOGITS_BYTES,
+) -> int:
+    """The chunked loss's peak over `tokens` (all rows of a micro-batch): the gradient of the hidden
+    states it returns, and one chunk's working set, or, when the output layer trains over several
+    chunks, its backward's share (the logits and their gradient) and one more [vocab x hidden] weight
+    gradient while each chunk's is added into the running one, if that is more."""
+    chunks = loss_chunks(tokens, shape.vocab_size, chunk_bytes)
+    logits = math.ceil(tokens / chunks) * shape.vocab_size
+    working = logits * CHUNK_BYTES_PER_LOGIT[logit_bytes]
+    if head_trains and chunks > 1:
+        accumulating = logits * HEAD_BACKWARD_BYTES_PER_LOGIT[logit_bytes]
+        working = max(working, accumulating + shape.vocab_size * shape.hidden_size * logit_bytes)
+    return working + tokens * shape.hidden_size * logit_bytes
+
+
+def liger_loss_bytes(shape: ModelShape, tokens: int, logit_bytes: int) -> int:
+    """Liger 0.8.5's fused linear cross-entropy over `tokens` with per-token losses (read from its source,
+    ops/fused_linear_cross_entropy.py; not measured here: it needs CUDA): chunks of next_pow2(tokens /
+    ceil(vocab / hidden)) tokens, whose logits buffer and scaled gradient are in the logits' dtype, the
+    gradient of the hidden states (made in forward and again in backward) and the fp32 losses."""
+    per_chunk = 2 ** math.ceil(math.log2(math.ceil(tokens / math.ceil(shape.vocab_size / shape.hidden_size))))
+    chunk_tokens = min(tokens, per_chunk)
+    return (
+        2 * chunk_tokens * shape.vocab_size * logit_bytes
+        + 2 * tokens * shape.hidden_size * logit_bytes
+        + 4 * tokens
+    )
 
 
 def sequence_parallel_buffer_bytes(
@@ -449,7 +503,14 @@ def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
     in_flight = inp.pp
     tokens, b = inp.local_tokens, inp.rows  # a preference pair is two rows
     per_layer = activation_bytes_per_layer(
-        shape, inp.seq_len, b, inp.attn_impl, inp.tp, inp.sp, tiled_mlp=inp.mlp_is_tiled
+        shape,
+        inp.seq_len,
+        b,
+        inp.attn_impl,
+        inp.tp,
+        inp.sp,
+        tiled_mlp=inp.mlp_is_tiled,
+        norm_upcast=inp.precision != "fp32",
     )
     # Tiled MLP: no layer keeps its MLP intermediates; the one tile being recomputed holds them
     # (and their gradients), once.
@@ -476,15 +537,19 @@ def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
 
 
 def logits_and_loss_bytes(inp: MemoryInputs) -> int:
-    """The fp32 logits and their gradient: all of the rank's tokens, or one tile under memory.tiled_loss.
+    """The output layer and loss over the rank's tokens: transformers' dense loss, or the chunked one
+    under memory.tiled_loss (Liger's kernel where the run uses it, see `liger_computes_loss`).
 
     Logits live on the last pipeline stage; adding them to the first stage's activations over-counts
     a little when pp > 1 (conservative).
     """
-    tokens = inp.local_tokens
-    if inp.tiled_loss:
-        return logits_bytes(inp.shape, loss_tile_tokens(inp.shape, tokens), inp.rows)
-    return logits_bytes(inp.shape, tokens, inp.rows)
+    tokens = inp.local_tokens * inp.rows
+    logit_bytes = 4 if inp.precision == "fp32" else 2
+    if not inp.tiled_loss:
+        return logits_bytes(inp.shape, inp.local_tokens, inp.rows)
+    if inp.liger_computes_loss:
+        return liger_loss_bytes(inp.shape, tokens, logit_bytes)
+    return chunked_loss_bytes(inp.shape, tokens, logit_bytes, head_trains=inp.lora_rank is None)
 
 
 def deepspeed_buffer_bytes(inp: MemoryInputs, split: ModelSplit) -> float:

@@ -127,7 +127,10 @@ class MemoryInputs:
     tiled_mlp: bool = False
     """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
     tiled_loss: bool = False
-    """memory.tiled_loss: logits and loss over tiles; the full logits tensor never exists."""
+    """memory.tiled_loss: logits and loss in chunks of tokens; the full logits tensor never exists."""
+    liger_loss: bool = False
+    """memory.liger_kernels: the chunked loss is Liger's fused linear cross-entropy where it can run
+    (`liger_computes_loss`)."""
     offload_checkpoints: bool = False
     """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
     sequences_per_sample: int = 1
@@ -283,6 +286,12 @@ class MemoryInputs:
     def mlp_is_tiled(self) -> bool:
         """memory.tiled_mlp and more than one tile: a row of at most hidden_size tokens runs untiled."""
         return self.tiled_mlp and self.local_tokens > self.shape.hidden_size
+
+    @property
+    def liger_computes_loss(self) -> bool:
+        """Liger's kernel computes the chunked loss: it reads the output layer's weight directly, so not under
+        ZeRO-3 (partitioned) nor on pipeline stages (runtime/chunked_loss.py `liger_runs`)."""
+        return self.tiled_loss and self.liger_loss and self.zero_stage < 3 and self.pp == 1
 
     @property
     def rows(self) -> int:

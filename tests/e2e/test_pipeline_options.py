@@ -80,7 +80,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "memory.liger_kernels=true is not supported",
     ),
     "memory.tiled_mlp": ("refused", "memory.tiled_mlp=true", "memory.tiled_mlp=true is not supported"),
-    "memory.tiled_loss": ("refused", "memory.tiled_loss=true", "memory.tiled_loss=true is not supported"),
+    "memory.tiled_loss": (RUN_B, "memory.tiled_loss=true"),
     "memory.offload_checkpoints": (
         "refused",
         "memory.offload_checkpoints=true",
