@@ -416,7 +416,7 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
         optim_bytes = 6
     shard = inp.tp * inp.pp
     base = shape.num_params / shard
-    adapters = shape.lora_params(inp.lora_rank) / shard if inp.lora_rank else 0.0
+    adapters = shape.lora_params(inp.lora_rank, inp.lora_targets) / shard if inp.lora_rank else 0.0
     weights = base + adapters
     stage3 = inp.zero_stage == 3
     persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage3 else 0.0
@@ -784,6 +784,6 @@ def export_peak_bytes(inp: MemoryInputs) -> float:
         return min(inp.pp, inp.ranks_per_node) * full_model / inp.pp
     if inp.lora_rank:
         if inp.export_adapter_only:
-            return inp.shape.lora_params(inp.lora_rank) * weight_bytes
+            return inp.shape.lora_params(inp.lora_rank, inp.lora_targets) * weight_bytes
         return min(full_model, max(EXPORT_SHARD_BYTES, inp.shape.largest_layer_params * weight_bytes))
     return 1.0 * full_model

@@ -25,7 +25,7 @@ from llm_train.config.layout import (
 from llm_train.errors import UserError
 from llm_train.planning.host_offload import PINNINGS, SwapSettings
 from llm_train.planning.quantized import QUANTIZE_MODES
-from llm_train.planning.shapes import ModelShape
+from llm_train.planning.shapes import LORA_TARGETS, ModelShape
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py) the inputs start from.
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
@@ -89,6 +89,8 @@ class MemoryInputs:
     flex_attention and sdpa_flex build none."""
     lora_rank: int | None = None
     """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """lora.target_modules: the linear modules that get adapters."""
     quantize: str = "none"
     """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
     direct_load: bool = True
@@ -291,7 +293,8 @@ class MemoryInputs:
     def liger_computes_loss(self) -> bool:
         """Liger's kernel computes the chunked loss: it reads the output layer's weight directly, so not under
         ZeRO-3 (partitioned) nor on pipeline stages (runtime/chunked_loss.py `liger_runs`)."""
-        return self.tiled_loss and self.liger_loss and self.zero_stage < 3 and self.pp == 1
+        plain_head = not (self.lora_rank and "lm_head" in self.lora_targets)
+        return self.tiled_loss and self.liger_loss and self.zero_stage < 3 and self.pp == 1 and plain_head
 
     @property
     def rows(self) -> int:

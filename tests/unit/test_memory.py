@@ -184,6 +184,21 @@ def test_swiglu_intermediates_are_what_autograd_keeps() -> None:
     assert sum(saved.values()) == s * mlp_intermediate_bytes_per_token(shape) == s * 8 * i
 
 
+def test_lora_adapters_are_counted_on_the_target_modules_only() -> None:
+    # r=8 on q and v of Llama-2-7B: A (8 x 4096) and B (4096 x 8) per projection and layer.
+    assert LLAMA2_7B.lora_params(8, ("q_proj", "v_proj")) == 32 * 2 * 8 * (4096 + 4096)
+    assert LLAMA2_7B.lora_params(8) == LLAMA2_7B.lora_params(
+        8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+    qv = MemoryInputs.of(shape=LLAMA2_7B, world_size=1, lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    every = MemoryInputs.of(shape=LLAMA2_7B, world_size=1, lora_rank=8)
+    ratio = (
+        estimate_memory(qv).gpu_terms["optimizer_states"]
+        / estimate_memory(every).gpu_terms["optimizer_states"]
+    )
+    assert ratio == pytest.approx(LLAMA2_7B.lora_params(8, ("q_proj", "v_proj")) / LLAMA2_7B.lora_params(8))
+
+
 def test_rms_norm_keeps_an_fp32_copy_of_its_16_bit_input() -> None:
     # NORM_UPCAST_BYTES_PER_HIDDEN: transformers' RMSNorm upcasts to fp32 and autograd keeps the upcast
     # (4 bytes per element, counted here as torch saves it), for each of a layer's two norms.
