@@ -32,6 +32,7 @@ from llm_train.runtime import launcher
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.optim import check_optimizer_package
 from llm_train.runtime.quantize import check_bitsandbytes
 from llm_train.runtime.resume import ResumePlan, plan_resume
 from llm_train.runtime.rundir import check_output_dir
@@ -239,6 +240,7 @@ def check_before_start(
         )
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)
+    check_optimizer_package(run.recipe.optim)
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)

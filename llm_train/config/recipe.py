@@ -401,6 +401,13 @@ class OptimSection(Section):
         None, gt=0, description="Passes over the training data (if max_steps unset)."
     )
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
+    name: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw",
+        description="The optimizer: torch's AdamW (fp32 moments), or bitsandbytes' AdamW8bit / PagedAdamW8bit "
+        "(8-bit blockwise moments: 2 instead of 8 bytes per trained parameter; paged: they move to host RAM "
+        "when the GPU runs short, CUDA only). 8-bit needs the optimizer on the GPU (no offload_optimizer) "
+        "and ZeRO 0-2; pip install 'llm_train[qlora]'.",
+    )
     state_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="Master weights, gradients and Adam states: fp32, or bf16 to halve their host RAM "

@@ -120,6 +120,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         param_persistence_threshold=number("stage3_param_persistence_threshold", None),
         sub_group_size=number("sub_group_size", DS_SUB_GROUP_SIZE) or DS_SUB_GROUP_SIZE,
         state_dtype=recipe.optim.state_dtype,
+        optimizer=recipe.optim.name,
         export_adapter_only=bool(recipe.lora and recipe.lora.export == "adapter"),
         tiled_mlp=recipe.memory.tiled_mlp,
         tiled_loss=recipe.memory.tiled_loss,

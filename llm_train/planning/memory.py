@@ -68,6 +68,11 @@ hidden states in pinned host RAM between forward and backward: on the GPU stays 
 being copied; the host holds all of them, each in a block of torch's pinned allocator, rounded up to
 a power of two, that stays cached for the next step (save_on_cpu(pin_memory=True) on CUDA).
 
+8-bit optimizer states (`optimizer`, optim.name: bitsandbytes' AdamW8bit / PagedAdamW8bit, on the GPU
+under ZeRO-0/1/2): m and v take a byte each plus a block maximum (EIGHT_BIT_STATE_BYTES), the fp32
+master copy stays: 6.03 bytes per trained parameter of optimizer state instead of 12. The paged
+variant can move them to host RAM under GPU pressure; the estimate keeps them on the GPU.
+
 Low-precision optimizer states (`state_dtype="bf16"`, DeepSpeed's bf16_master_weights_and_grads +
 bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m and v are 2 bytes
 each instead of 4 (6 instead of 12 per parameter) and the host gradient partition is bf16 (2
@@ -157,6 +162,9 @@ DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; 
 # the loss of 2 x 2048 tokens of a 128k vocabulary in 16 chunks of 256 tokens, each still a large
 # matmul; ALST's 1 GiB slices are more than a whole 2048-token row.
 LOSS_CHUNK_LOGITS_BYTES = 128 * 2**20
+# bitsandbytes' 8-bit Adam per parameter: m and v as uint8 codes, each with one fp32 block maximum per 256
+# elements (bitsandbytes 0.50.2's blockwise states, read on CPU: state1/state2 uint8, absmax1/absmax2 fp32).
+EIGHT_BIT_STATE_BYTES = 2 * (1 + 4 / 256)
 # The all-to-all of Ulysses attention regroups q, k, v and the attention output of one layer.
 SP_ALL_TO_ALL_TENSORS = 4
 
@@ -386,8 +394,9 @@ class ModelSplit:
     """2 (16-bit) or 4 (fp32); the frozen LoRA base too: it is loaded in the training dtype."""
     grad_bytes: int
     """The gradients' bytes: those of the weights."""
-    optim_bytes: int
-    """fp32 master + m + v (12), just m + v when the weights are fp32 (8), or bf16 master + m + v (6)."""
+    optim_bytes: float
+    """fp32 master + m + v (12), just m + v when the weights are fp32 (8), or bf16 master + m + v (6);
+    with an 8-bit optimizer fp32 master + 8-bit m, v (6.03), or just m, v (2.03)."""
     base: float
     """The base model's elements on this GPU's tp x pp share."""
     weights: float
@@ -410,10 +419,14 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
     assert inp.param_persistence_threshold is not None
     mixed = inp.precision != "fp32"
     weight_bytes = 2 if mixed else 4
-    optim_bytes = 12 if mixed else 8
+    optim_bytes: float = 12 if mixed else 8
     if inp.state_dtype == "bf16":
         # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/host_offload.py).
         optim_bytes = 6
+    if inp.optimizer != "adamw":
+        # bitsandbytes' 8-bit m and v: a byte each, plus one fp32 maximum per block of 256 for each;
+        # DeepSpeed's fp32 master copy stays under mixed precision (runtime/optim.py).
+        optim_bytes = (4 if mixed else 0) + EIGHT_BIT_STATE_BYTES
     shard = inp.tp * inp.pp
     base = shape.num_params / shard
     adapters = shape.lora_params(inp.lora_rank, inp.lora_targets) / shard if inp.lora_rank else 0.0

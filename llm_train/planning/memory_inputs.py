@@ -16,8 +16,10 @@ from typing import Any
 from llm_train.config.attention import FLEX_KERNELS, KERNELS
 from llm_train.config.ds_json import zero_bucket_sizes
 from llm_train.config.layout import (
+    EIGHT_BIT_OPTIMIZERS,
     Layout,
     LayoutError,
+    optimizer_problem,
     sequence_parallel_message,
     sequence_parallel_problem,
     state_dtype_problem,
@@ -110,6 +112,8 @@ class MemoryInputs:
     """Model built under deepspeed.zero.Init; None = (zero_stage == 3)."""
     state_dtype: str = "fp32"
     """Offloaded master weights, gradients and Adam states: "fp32", or "bf16" (optim.state_dtype)."""
+    optimizer: str = "adamw"
+    """optim.name: "adamw" (fp32 m and v), or bitsandbytes' "adamw_8bit" / "paged_adamw_8bit" (8-bit m and v)."""
     export_adapter_only: bool = False
     """LoRA runs that export only the adapter (lora.export=adapter): no merged copy of the model."""
     pinning: str = "torch"
@@ -187,6 +191,13 @@ class MemoryInputs:
         broken = state_dtype_problem(self.state_dtype, self.precision, self.offload_optimizer, self.pp)
         if broken is not None:
             raise MemoryInputError(_STATE_DTYPE_MESSAGES[broken])
+        if self.optimizer not in ("adamw", *EIGHT_BIT_OPTIMIZERS):
+            raise MemoryInputError(f"optimizer must be adamw or one of {', '.join(EIGHT_BIT_OPTIMIZERS)}")
+        # The recipe's own rule (config.layout), so the planner never proposes what a run refuses.
+        if optimizer_problem(self.optimizer, self.offload_optimizer, self.zero_stage) is not None:
+            raise MemoryInputError(
+                f"optimizer '{self.optimizer}' needs the optimizer on the GPU and zero_stage 0-2"
+            )
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise MemoryInputError("offload_checkpoints needs activation_checkpointing")
         if self.reference not in REFERENCES or self.sequences_per_sample not in (1, 2):

@@ -66,6 +66,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "optim.max_steps": (RUN_A, "optim.max_steps=4"),
     "optim.epochs": (RUN_B, "optim.epochs=0.02"),
     "optim.seed": (RUN_A, "optim.seed=7"),
+    "optim.name": (RUN_B, "optim.name=adamw_8bit"),
     "optim.state_dtype": (
         "refused",
         "optim.state_dtype=bf16",
