@@ -146,6 +146,10 @@ def auto_request(
 
 # (sp, tiled_mlp, tiled_loss, offload_checkpoints) without any DeepSpeed ALST technique.
 NO_ALST = (1, False, False, False)
+# The chunked loss alone (memory.tiled_loss): not only for long rows, a 128k-vocabulary loss costs 12 bytes
+# per logit without it, so it is always a candidate; the ranking takes it where it lets a faster
+# configuration fit (its ~2% of compute loses to the dense loss where both fit alike).
+CHUNKED_LOSS = (1, False, True, False)
 
 
 def candidates(
@@ -197,12 +201,13 @@ def candidates(
 def fitting_search(ask: AutoRequest, lora_rank: int | None, quantize: str = "none") -> list[Evaluation]:
     """The candidates of one kind evaluated: without ALST; with it too when nothing fits without
     (only a long sequence needs it)."""
-    out = [evaluate(c, ask.hw, ask.nvme_bytes) for c in candidates(ask, lora_rank, [NO_ALST], quantize)]
+    first = [NO_ALST, CHUNKED_LOSS]
+    out = [evaluate(c, ask.hw, ask.nvme_bytes) for c in candidates(ask, lora_rank, first, quantize)]
     if not any(e.fits for e in out):
         probe = MemoryInputs.of(
             shape=ask.shape, world_size=ask.hw.gpus, gpus_per_node=ask.hw.gpus_per_node, seq_len=ask.seq_len
         )
-        options = long_context_options(probe)[1:]
+        options = [o for o in long_context_options(probe)[1:] if o != CHUNKED_LOSS]
         out += [evaluate(c, ask.hw, ask.nvme_bytes) for c in candidates(ask, lora_rank, options, quantize)]
     return out
 
@@ -302,7 +307,11 @@ def technique_reasons(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluati
     reasons = []
     if c.activation_checkpointing:
         reasons.append("activation checkpointing is on because the faster splits without it do not fit")
-    if c.uses_long_context:
+    if c.long_context == CHUNKED_LOSS:
+        reasons.append(
+            "the loss runs in chunks (memory.tiled_loss: exact, never the whole logits) because it fits more"
+        )
+    elif c.uses_long_context:
         reasons.append(_long_context_reason(ask, chosen, tried))
     if c.uses_nvme and not c.lora_rank and lora != "never":
         reasons.append(

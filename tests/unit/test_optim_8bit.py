@@ -1,7 +1,7 @@
 """optim.name=adamw_8bit / paged_adamw_8bit: bitsandbytes' 8-bit AdamW, its DeepSpeed JSON, its refusals,
 the planner's bytes, and a loss curve within a stated distance of 32-bit AdamW on CPU.
 
-bitsandbytes 0.50.2 runs its 8-bit optimizers on CPU (DESIGN fact 28); the paged one warns and
+bitsandbytes 0.50.2 runs its 8-bit optimizers on CPU (checked here, 2026-12-02); the paged one warns and
 runs unpaged there, so on CPU it must step exactly as the unpaged one.
 """
 

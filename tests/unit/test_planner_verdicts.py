@@ -283,7 +283,9 @@ def test_consumer_recipes_fit_their_declared_hardware(recipe: str) -> None:
     report = plan_recipe(recipe, [], detect=False)
     assert report.word == "FITS"
     if recipe.startswith("7b"):
-        assert report.faster == []  # nothing faster fits: it is the fastest configuration
+        # Nothing faster fits that trains the same: the one faster option the planner lists moves the
+        # weights to the CPU too, which only bf16 optimizer states (a different update) leave room for.
+        assert [f for f in report.faster if not f.changes_training] == []
 
 
 def test_7b_rtx4090_optimizer_only_offload_is_faster_than_offloading_the_weights_too() -> None:
