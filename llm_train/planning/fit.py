@@ -106,7 +106,11 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         attn_impl=recipe.memory.attention,
         dense_mask=True,  # packed rows (block-diagonal) and padded rows both carry one
         lora_rank=recipe.lora.rank if recipe.lora else None,
-        **({"lora_targets": tuple(recipe.lora.target_modules)} if recipe.lora else {}),
+        **(
+            {"lora_targets": tuple(recipe.lora.target_modules), "lora_dropout": recipe.lora.dropout > 0}
+            if recipe.lora
+            else {}
+        ),
         quantize=quantize,
         # transformers loads a quantised base whole on each GPU, not under zero.Init (memory.py).
         zero_init=False if quantize != "none" else None,

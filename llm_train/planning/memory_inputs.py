@@ -93,6 +93,8 @@ class MemoryInputs:
     """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """lora.target_modules: the linear modules that get adapters."""
+    lora_dropout: bool = False
+    """lora.dropout > 0: PEFT keeps a dropped-out copy of each adapted layer's input for backward."""
     quantize: str = "none"
     """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
     direct_load: bool = True
@@ -306,6 +308,11 @@ class MemoryInputs:
         ZeRO-3 (partitioned) nor on pipeline stages (runtime/chunked_loss.py `liger_runs`)."""
         plain_head = not (self.lora_rank and "lm_head" in self.lora_targets)
         return self.tiled_loss and self.liger_loss and self.zero_stage < 3 and self.pp == 1 and plain_head
+
+    @property
+    def lora_dropout_targets(self) -> tuple[str, ...]:
+        """The LoRA targets whose inputs PEFT's dropout copies (none without LoRA or without dropout)."""
+        return self.lora_targets if self.lora_rank and self.lora_dropout else ()
 
     @property
     def rows(self) -> int:
