@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from llm_train.config.recipe import MemorySection, PreferenceSection
+from llm_train.config.recipe import LoraSection, MemorySection, PreferenceSection
 from llm_train.errors import UserError
 from llm_train.planning.memory import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 from llm_train.runtime.chunked_loss import enable_tiled_loss
@@ -153,8 +153,6 @@ def test_token_logps_are_the_logits_log_probs_with_the_gradient_of_any_upstream_
     chunked = copy.deepcopy(plain)
     enable_tiled_loss(chunked, chunk_bytes=CHUNK_BYTES)
     if lora:  # adapters everywhere, the output layer included: the chunks call it as PEFT wrapped it
-        from llm_train.config.recipe import LoraSection
-
         section = LoraSection(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
         plain, chunked = lora_of(plain, section), lora_of(chunked, section)
     input_ids, labels = batch()
@@ -269,3 +267,23 @@ def test_build_model_chunks_the_loss_by_the_runs_token_count() -> None:
     model = build_model(model_section(), MemorySection(tiled_loss=True), "fp32", seed=0, loss_tokens=2 * SEQ)
     assert model._chunked_loss == (2 * SEQ, False, None)
     assert math.isfinite(model(**dict(zip(("input_ids", "labels"), batch(), strict=True))).loss.item())
+
+
+def test_liger_computes_the_loss_only_where_it_can_read_a_plain_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Liger's kernel reads `lm_head.weight` itself: CUDA, a plain nn.Linear, not ZeRO-3-partitioned, Liger
+    >= 0.8.5 (per-token losses with the gradient recomputed in backward). Elsewhere the chunked loss runs."""
+    from llm_train.runtime import chunked_loss
+
+    monkeypatch.setattr(chunked_loss, "version", lambda name: "0.8.5")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    head = torch.nn.Linear(8, 16, bias=False)
+    assert chunked_loss.liger_runs(head, cuda) and not chunked_loss.liger_runs(head, cpu)
+    partitioned = torch.nn.Linear(8, 16, bias=False)
+    partitioned.weight.ds_id = 3  # what ZeRO-3 puts on a partitioned parameter
+    assert not chunked_loss.liger_runs(partitioned, cuda)
+    wrapped = lora_of(tiny_llama(), LoraSection(rank=2, alpha=4, target_modules=["lm_head"]))
+    assert not chunked_loss.liger_runs(wrapped.get_base_model().lm_head, cuda)
+    monkeypatch.setattr(chunked_loss, "version", lambda name: "0.8.4")
+    assert not chunked_loss.liger_runs(head, cuda)
