@@ -450,7 +450,7 @@ class MemorySection(Section):
     )
     tiled_loss: bool = Field(
         False,
-        description="Compute the output layer and the loss in chunks of tokens (at most 128 MiB of fp32 logits "
+        description="Compute the output layer and the loss in chunks of tokens (at most 64 MiB of fp32 logits "
         "each), recomputed in backward: the [tokens x vocabulary] logits are never materialised. Exact; every "
         "objective and engine; Liger's fused linear cross-entropy with memory.liger_kernels where it can run.",
     )

@@ -158,10 +158,11 @@ DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
 
 # The chunked loss (memory.tiled_loss): each chunk of a micro-batch's tokens holds at most this many
-# bytes of fp32 logits (runtime/chunked_loss.py cuts its chunks by this same constant). 128 MiB keeps
-# the loss of 2 x 2048 tokens of a 128k vocabulary in 16 chunks of 256 tokens, each still a large
-# matmul; ALST's 1 GiB slices are more than a whole 2048-token row.
-LOSS_CHUNK_LOGITS_BYTES = 128 * 2**20
+# bytes of fp32 logits (runtime/chunked_loss.py cuts its chunks by this same constant). 64 MiB keeps a
+# chunk's working set (CHUNK_BYTES_PER_LOGIT: ~3 times its fp32 logits) under a quarter GiB: the loss
+# of 2 x 2048 tokens of a 128k vocabulary runs in 32 chunks of 128 tokens, each still a large matmul;
+# ALST's 1 GiB slices are more than a whole 2048-token row.
+LOSS_CHUNK_LOGITS_BYTES = 64 * 2**20
 # bitsandbytes' 8-bit Adam per parameter: m and v as uint8 codes, each with one fp32 block maximum per 256
 # elements (bitsandbytes 0.50.2's blockwise states, read on CPU: state1/state2 uint8, absmax1/absmax2 fp32).
 EIGHT_BIT_STATE_BYTES = 2 * (1 + 4 / 256)
@@ -272,10 +273,10 @@ def loss_chunks(tokens: int, vocab: int, chunk_bytes: int = LOSS_CHUNK_LOGITS_BY
 # tests/unit/test_loss_memory.py; the output object is dropped after `.loss`, as the engines do).
 DENSE_LOSS_BYTES_PER_LOGIT = 12
 # The chunked loss per logit of one chunk (runtime/chunked_loss.py), by the logits' bytes: at its peak
-# 16-bit logits + one fp32 working copy + the 16-bit gradient, fp32 logits being their own working copy
-# and gradient; while the output layer's backward runs, the logits and their gradient.
-CHUNK_BYTES_PER_LOGIT = {2: 8, 4: 4}
-HEAD_BACKWARD_BYTES_PER_LOGIT = {2: 4, 4: 4}
+# the log-softmax, its gradient and the logits' fp32 gradient; while the output layer's backward runs,
+# the logits' gradient in their dtype.
+CHUNK_BYTES_PER_LOGIT = {2: 12, 4: 12}
+HEAD_BACKWARD_BYTES_PER_LOGIT = {2: 2, 4: 4}
 
 
 def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:

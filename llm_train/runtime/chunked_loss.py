@@ -3,18 +3,25 @@
 A causal LM's loss needs, per token, the log-probability of its label: log softmax of the
 [tokens x vocabulary] logits. transformers builds those logits whole, upcasts them to fp32 and
 keeps the log-softmax for backward: 12 bytes per logit at the peak of backward (measured on CPU,
-tests/unit/test_loss_memory.py), 5.9 GiB for 2 x 2048 tokens of Llama-3's 128k vocabulary. Here
+tests/unit/test_memory_lines.py), 5.9 GiB for 2 x 2048 tokens of Llama-3's 128k vocabulary. Here
 the tokens are cut into chunks of at most LOSS_CHUNK_LOGITS_BYTES of fp32 logits
 (planning/memory.py); each chunk's logits are computed, reduced to one log-probability per token
 and dropped, and recomputed in backward (the technique of torchtune's chunked cross-entropy,
-DeepSpeed ALST's tiled loss and Liger's fused linear cross-entropy). What one chunk holds:
+DeepSpeed ALST's tiled loss and Liger's fused linear cross-entropy). What one chunk holds at most:
 
-    forward   its 16-bit logits (2 B each) and one fp32 working copy (4 B), reduced in place
-    backward  the same, turned in place into the gradient of the logits, cast back to 16 bits (2 B)
+    forward   its logits, their fp32 copy and its log-softmax (torch's own, as in F.cross_entropy),
+              reduced to the label's log-probability and dropped
+    backward  the same again, then the log-softmax with its gradient and the gradient of the logits
+              (torch's own log-softmax backward, then cast back to the logits' dtype)
 
-so 8 bytes per logit of one chunk with bf16/fp16 logits (no more than one chunk is ever upcast)
-and 4 with fp32 logits (the working copy is the logits themselves), plus the gradient of the
-hidden states. The planner counts exactly this (planning/memory.py `chunked_loss_bytes`).
+so about 12 bytes per logit of one chunk (measured: planning/memory.py CHUNK_BYTES_PER_LOGIT), no
+more than one chunk ever upcast, plus the gradient of the hidden states. The planner counts exactly
+this (`chunked_loss_bytes`). Taking torch's own kernels for the log-softmax and its backward keeps
+every token's log-probability and every logit's gradient those of transformers' loss bit for bit;
+only the sums over tokens (the loss, the output layer's weight gradient) are taken in another order.
+A hand-written softmax gradient in place would hold less (8 bytes per logit) but differs from torch's
+kernel in the last bit of 8% of the logits (its exp is another implementation), which Adam's first
+steps amplify (a sequence-parallel run drifted 1.6e-5 from the dense one in 5 steps).
 
 Why not one of the libraries:
 - Liger's `LigerFusedLinearCrossEntropyFunction` (0.8.5: per-token losses with the gradient
@@ -34,9 +41,8 @@ The primitive is the per-token log-probability (`token_logps`), differentiable w
 gradient: the language-modelling loss is minus their sum over the token count (transformers'
 reduction, `num_items_in_batch` included), DPO and SimPO sum them per sequence
 (runtime/objectives.py), the pipeline's last stage averages them over its micro-batch
-(runtime/pipeline_model.py). Exactness: the same fp32 operations as F.cross_entropy on the same
-16-bit logits, in another order (the log-sum-exp is taken in place), so results agree to fp32
-rounding (tests/unit/test_tiling.py).
+(runtime/pipeline_model.py). Exactness: losses (sums of the same per-token values) and weight
+gradients agree with transformers' to fp32 rounding (tests/unit/test_chunked_loss.py).
 
 Every rank must cut the same number of chunks, because under ZeRO-3 each chunk's call of the
 output layer gathers its weight collectively. The count is taken from the most tokens a forward
@@ -107,38 +113,13 @@ def _bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _log_sum_exp_(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row maxima, row sums of exp(x - max)) with `work` overwritten by exp(x - max): no second copy."""
-    top = work.amax(dim=-1, keepdim=True)
-    work.sub_(top).exp_()
-    return top, work.sum(dim=-1, keepdim=True)
-
-
 def _chunk_logps(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """log p(label) per row of one chunk's logits (no graph); the logits may be overwritten."""
+    """log p(label) per row of one chunk's logits: F.cross_entropy's own fp32 log-softmax, picked at the
+    label (0 where ignored); differentiable, and its backward is F.cross_entropy's (log-softmax backward
+    of the gradient at the label alone)."""
     valid = labels != ignore_index
-    target = logits.gather(-1, labels.masked_fill(~valid, 0)[:, None]).float()
-    work = logits.float()  # the one fp32 copy (with fp32 logits: the logits themselves, reduced in place)
-    top, total = _log_sum_exp_(work)
-    return (target - top - total.log()).squeeze(-1).masked_fill(~valid, 0.0)
-
-
-def _chunk_logits_grad(
-    logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor, ignore_index: int
-) -> torch.Tensor:
-    """d(sum grad * log p(label)) / d logits = grad * (onehot(label) - softmax), in the logits' dtype.
-
-    Built in one fp32 working copy; with fp32 logits that copy is the logits' own storage. That is
-    safe because the output layer's backward needs its inputs and weight, never its output (a
-    node that kept its output would fail autograd's version check, not compute a wrong gradient).
-    """
-    valid = labels != ignore_index
-    scale = grad.float().masked_fill(~valid, 0.0)[:, None]
-    work = logits.float()
-    _, total = _log_sum_exp_(work)
-    work.div_(total).mul_(-scale)  # -grad * softmax
-    work.scatter_add_(-1, labels.masked_fill(~valid, 0)[:, None], scale)
-    return work.to(logits.dtype)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, labels.masked_fill(~valid, 0)[:, None]).squeeze(-1).masked_fill(~valid, 0.0)
 
 
 class _ChunkedLogps(torch.autograd.Function):
@@ -183,14 +164,13 @@ class _ChunkedLogps(torch.autograd.Function):
                 # weight tied to the input embedding, after the embedding's own backward.
                 p.ds_grad_is_ready = last and id(p) not in ctx.tied
             x = hidden[start:end].detach().requires_grad_(wants_input_grad)
-            with torch.enable_grad():
-                logits = ctx.head(x)
-            if logits.requires_grad:
-                grad = _chunk_logits_grad(
-                    logits.detach(), labels[start:end], grad_out[start:end], ctx.ignore_index
-                )
-                torch.autograd.backward(logits, grad)
-                del logits, grad
+            with (
+                torch.enable_grad()
+            ):  # the head's output is not kept, only the log-softmax its backward needs
+                logps = _chunk_logps(ctx.head(x), labels[start:end], ctx.ignore_index)
+            if logps.requires_grad:
+                torch.autograd.backward(logps, grad_out[start:end])
+            del logps
             if grad_hidden is not None and x.grad is not None:
                 grad_hidden[start:end] = x.grad
         for p in params:

@@ -3,10 +3,11 @@
 The model and the tolerance of tests/unit/test_tiling.py: a 2-layer fp32 Llama, hidden 32, vocabulary
 256, two rows of 256 tokens. A chunk may hold 2 x 256 x 256 x 4 / 8 bytes of fp32 logits, so the
 loss runs in 8 chunks of 64 tokens (the rows of a micro-batch are cut together). The chunked loss
-takes the same fp32 operations on the same logits as F.cross_entropy, in another order (the
-log-sum-exp in place, weight gradients summed per chunk, then over chunks): differences of ~1e-6 on
-a loss of ~5.5 and ~1e-9 on gradients, far under TOL = 1e-5, far under what a dropped chunk, a wrong
-mask or a wrong scale moves (1e-3 or more). bf16 logits: see the bf16 test's own tolerance.
+takes F.cross_entropy's own log-softmax and its backward per chunk, so per-token values and logit
+gradients are the dense loss's bit for bit; sums (the loss, weight gradients over tokens) are taken in
+another order: differences of ~1e-6 on a loss of ~5.5 and ~1e-9 on gradients, far under TOL = 1e-5,
+far under what a dropped chunk, a wrong mask or a wrong scale moves (1e-3 or more). bf16 logits: see
+the bf16 test's own tolerance.
 """
 
 from __future__ import annotations
@@ -142,8 +143,8 @@ def test_the_chunk_count_comes_from_the_most_tokens_a_forward_carries_not_the_to
     tokens = calls_of(model.lm_head)
     model(input_ids=input_ids[:, : SEQ // 4], labels=labels[:, : SEQ // 4]).loss.backward()
     assert len(tokens) == 2 * TILES and sum(tokens) == 2 * 2 * SEQ // 4
-    # The constant the planner counts: 128 MiB of fp32 logits, 16 chunks for 2 x 2048 x 128k.
-    assert LOSS_CHUNK_LOGITS_BYTES == 128 * 2**20 and loss_chunks(2 * 2048, 128_256) == 16
+    # The constant the planner counts: 64 MiB of fp32 logits, 32 chunks for 2 x 2048 x 128k.
+    assert LOSS_CHUNK_LOGITS_BYTES == 64 * 2**20 and loss_chunks(2 * 2048, 128_256) == 32
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -209,13 +210,13 @@ def test_preference_objectives_score_the_same_through_the_chunked_loss(name: str
     assert metrics_a == pytest.approx(metrics_b, rel=1e-6, abs=TOL)
 
 
-def test_bf16_logits_give_the_dense_loss_within_fp32_rounding_and_gradients_within_bf16_rounding() -> None:
-    """bf16: both paths upcast the same bf16 logits and reduce them in fp32, so the losses differ only by
-    fp32 rounding (~1e-6 relative; 1e-5 relative allowed). Each logit's gradient is made in fp32 and
-    rounded to bf16 once in both, but fp32 results a rounding apart may fall either side of a bf16
-    step: a weight gradient then differs by a few bf16 steps of the logits' gradient (2^-8 relative)
-    summed over tokens. 2% of the largest gradient is 5x the rounding seen (0.4%) and far below what
-    a dropped chunk or a wrong scale moves (12% of the output layer's gradient per dropped chunk)."""
+def test_bf16_logits_give_the_dense_loss_and_gradients_but_the_output_layers_summed_per_chunk() -> None:
+    """bf16: both paths take torch's fp32 log-softmax of the same bf16 logits and its backward's
+    operations, so the loss (observed: bit for bit) and every logit's gradient are equal, hence every
+    gradient below the output layer (within fp32 rounding of the sums: 1e-5 relative). The output layer's
+    weight gradient is summed over chunks, in bf16 each time (the weight's dtype): 2^-8 relative
+    rounding per addition over 8 chunks; 2% of the largest element is 3x what is seen (0.7%) and far
+    below a dropped chunk (an eighth of it)."""
     plain = tiny_llama().to(torch.bfloat16)
     chunked = copy.deepcopy(plain)
     enable_tiled_loss(chunked, chunk_bytes=CHUNK_BYTES)
@@ -227,7 +228,8 @@ def test_bf16_logits_give_the_dense_loss_within_fp32_rounding_and_gradients_with
     assert grads_a.keys() == grads_b.keys()
     for name, grad in grads_a.items():
         scale = grad.float().abs().max().item()
-        assert (grads_b[name].float() - grad.float()).abs().max().item() <= 0.02 * scale, name
+        bound = 0.02 if name == "lm_head.weight" else 1e-5
+        assert (grads_b[name].float() - grad.float()).abs().max().item() <= bound * scale, name
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -151,37 +151,3 @@ def test_the_rule_and_the_planner_agree() -> None:
     states = estimate_memory(plain).gpu_terms["optimizer_states"]
     eight = estimate_memory(plain.vary(optimizer="adamw_8bit")).gpu_terms["optimizer_states"]
     assert eight / states == pytest.approx((4 + EIGHT_BIT_STATE_BYTES) / 12, rel=1e-6)
-
-
-def test_what_deepspeeds_zero2_checkpoint_truncates_of_the_8bit_state_is_put_back() -> None:
-    """DeepSpeed 0.19.8 saves a rank's partition states cut by the partition's padding and pads them with
-    zeros on load (stage_1_and_2.py): run that save and load on a padded partition, then the repair."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, _get_padded_tensor
-
-    from llm_train.runtime.optim import eight_bit_block_maxima, restore_eight_bit_state
-
-    def stepped(steps: int) -> torch.optim.Optimizer:
-        torch.manual_seed(0)
-        flat = torch.nn.Parameter(torch.randn(20 * 256 + 3))  # a flat fp32 partition, as ZeRO-2 hands it
-        optimizer = bnb.optim.AdamW8bit([flat], lr=1e-2)
-        for _ in range(steps):
-            flat.grad = torch.randn_like(flat)
-            optimizer.step()
-        return optimizer
-
-    padding = 3  # the last rank's partition ends in padding
-    live = stepped(2)
-    (state,) = live.state.values()
-    saved = DeepSpeedZeroOptimizer._get_state_without_padding(None, state, padding)
-    maxima = eight_bit_block_maxima(live)
-    (untouched,) = stepped(2).state.values()
-    reference = {k: v.clone() for k, v in untouched.items() if torch.is_tensor(v)}
-    for key, value in saved.items():  # DeepSpeed's load: padded with zeros, copied into the live tensors
-        if torch.is_tensor(value):
-            state[key].data.copy_(_get_padded_tensor(value, state[key].numel()).data)
-    assert not torch.equal(state["absmax1"], reference["absmax1"]) and not torch.equal(
-        state["qmap1"], reference["qmap1"]
-    )
-    restore_eight_bit_state(live, maxima)
-    for key, value in reference.items():
-        assert torch.equal(state[key], value), key
