@@ -55,7 +55,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -336,12 +336,3 @@ def _named_arguments(
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             named.update(named.pop(param.name, {}))
     return named
-
-
-def parameters_of(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """The parameters of several modules, each once."""
-    seen: dict[int, torch.nn.Parameter] = {}
-    for module in modules:
-        for p in module.parameters():
-            seen.setdefault(id(p), p)
-    return list(seen.values())

@@ -7,7 +7,7 @@ serves the same tensors; only its rounding and caching, the estimate's slack, di
 
 - The loss line: a Llama with Llama-3's 128k vocabulary, hidden 64 and no decoder layer, so the
   output layer and the loss are nearly all there is (the rest, the final norm over 512 tokens, is
-  under 1 MiB against lines of 120-750 MiB). Dense (transformers' loss): the whole logits, their fp32
+  under 1 MiB against lines of 190-750 MiB). Dense (transformers' loss): the whole logits, their fp32
   copy, the log-softmax and its gradients; chunked (memory.tiled_loss): one chunk of at most
   LOSS_CHUNK_LOGITS_BYTES of fp32 logits, its copy and log-softmax.
 - The activation line: a 4-layer Llama, hidden 256, two rows of 512 tokens, a 256-token vocabulary
