@@ -35,6 +35,7 @@ from llm_train.runtime.benchmark import check_recipe_tasks
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.optim import check_optimizer_package
 from llm_train.runtime.quantize import check_bitsandbytes
 from llm_train.runtime.resume import ResumePlan, plan_resume
 from llm_train.runtime.rundir import check_output_dir
@@ -268,6 +269,7 @@ def check_before_start(
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)
     check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
+    check_optimizer_package(run.recipe.optim)
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)

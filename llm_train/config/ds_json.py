@@ -110,6 +110,9 @@ class RecipeValues:
     max_steps: int
     nvme_path: str | None = None  # deepspeed.nvme_path: fills every nvme offload's "nvme_path"
     state_dtype: str = "fp32"  # optim.state_dtype: bf16 = DeepSpeed bf16 master weights + Adam states
+    optimizer: str = (
+        "adamw"  # optim.name: bitsandbytes' 8-bit AdamW is a ZeRO optimizer DeepSpeed does not list
+    )
     largest_weight: int = 0  # elements of the model's largest weight: offload_param.buffer_size "auto" (NVMe)
     # The layout's rules and what this launch adds (effective_config), after the "auto" filling:
     pinning: str = "torch"  # deepspeed.pinning, decided ("auto" is never left): "off" unpins every offload
@@ -453,6 +456,11 @@ def effective_config(config: dict[str, Any], values: RecipeValues, source: str) 
         # betas (0.9, 0.999), and an LR schedule left driving the old optimizer, so the LR froze
         # after a resume.
         resolved["zero_force_ds_cpu_optimizer"] = False
+    if values.optimizer != "adamw" and zero_stage(resolved) > 0:
+        # DeepSpeed 0.19.8 asserts that a client optimizer under ZeRO is one it lists
+        # (zero/utils.py ZERO_SUPPORTED_OPTIMIZERS: torch's Adam(W), its own) unless this is set;
+        # bitsandbytes' AdamW8bit is a torch Optimizer stepping the same fp32 partitions.
+        resolved["zero_allow_untested_optimizer"] = True
     if values.load_universal:
         resolved["checkpoint"] = {**resolved.get("checkpoint", {}), "load_universal": True}
     if values.flops_profiler is not None:

@@ -91,6 +91,22 @@ def state_dtype_problem(state_dtype: str, precision: str, offload_optimizer: str
     return None
 
 
+EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+
+
+def optimizer_problem(name: str, offload_optimizer: str, zero_stage: int) -> str | None:
+    """Which rule optim.name breaks: 'optimizer_offload' (DeepSpeed's optimizer offload steps its own CPU
+    Adam, never a client optimizer's 8-bit states) or 'optimizer_stage3' (bitsandbytes' optimizers over
+    ZeRO-3's partitions are not verified); None when fine."""
+    if name not in EIGHT_BIT_OPTIMIZERS:
+        return None
+    if offload_optimizer != "none":
+        return "optimizer_offload"
+    if zero_stage == 3:
+        return "optimizer_stage3"
+    return None
+
+
 def workers_for(requested: int | None, optimizer_offloaded: bool) -> int | None:
     """How many DataLoader workers a rank forks: data.loader_workers when set; else none when the
     optimizer lives in host RAM; else None (the stream's own default: 2 on CUDA).
@@ -328,7 +344,30 @@ def make_layout(
     except LayoutError as exc:
         raise UserError(_recipe_terms(exc, world_size, tp, pp, stage, source, sp)) from None
     _check_state_dtype(recipe.optim.state_dtype, layout, source)
+    _check_optimizer(recipe.optim.name, layout, source, "optimizer" in ds_config)
     return layout, notice
+
+
+def _check_optimizer(name: str, layout: Layout, source: str, json_optimizer: bool) -> None:
+    """optim.name against the layout and the DS JSON, in one line (DeepSpeed would fail or ignore it later)."""
+    asked = f"optim.name={name}"
+    if name in EIGHT_BIT_OPTIMIZERS and json_optimizer:
+        raise UserError(
+            f'{asked}: {source} has its own "optimizer" section, which DeepSpeed builds instead; remove it from '
+            "the DS JSON or set optim.name=adamw"
+        )
+    broken = optimizer_problem(name, layout.offload_optimizer, layout.zero_stage)
+    if broken == "optimizer_offload":
+        raise UserError(
+            f"{asked} needs the optimizer on the GPU, but {source} offloads it to {layout.offload_optimizer} "
+            "(DeepSpeed's offload steps its own CPU Adam); use a DeepSpeed config without "
+            "zero_optimization.offload_optimizer (e.g. deepspeed.config=zero2) or set optim.name=adamw"
+        )
+    if broken == "optimizer_stage3":
+        raise UserError(
+            f"{asked} is not verified with ZeRO-3 ({source}); use deepspeed.config=zero2 (or zero1/zero0) or "
+            "set optim.name=adamw"
+        )
 
 
 def _check_state_dtype(state_dtype: str, layout: Layout, source: str) -> None:

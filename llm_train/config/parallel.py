@@ -189,10 +189,6 @@ def _check_pipeline(
             "the tiled MLP patches the HF decoder layers' forward, which pipeline stages replace; set "
             "memory.tiled_mlp=false",
         ),
-        "memory.tiled_loss=true": (
-            recipe.memory.tiled_loss,
-            "the last pipeline stage computes its own loss from full logits; set memory.tiled_loss=false",
-        ),
         "memory.offload_checkpoints=true": (
             recipe.memory.offload_checkpoints,
             "the pipeline engine checkpoints through DeepSpeed's own activation checkpointing; set "

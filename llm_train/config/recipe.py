@@ -481,6 +481,13 @@ class OptimSection(Section):
         None, gt=0, description="Passes over the training data (if max_steps unset)."
     )
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
+    name: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw",
+        description="The optimizer: torch's AdamW (fp32 moments), or bitsandbytes' AdamW8bit / PagedAdamW8bit "
+        "(8-bit blockwise moments: 2 instead of 8 bytes per trained parameter; paged: they move to host RAM "
+        "when the GPU runs short, CUDA only). 8-bit needs the optimizer on the GPU (no offload_optimizer) "
+        "and ZeRO 0-2; pip install 'llm_train[qlora]'.",
+    )
     state_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="Master weights, gradients and Adam states: fp32, or bf16 to halve their host RAM "
@@ -523,8 +530,9 @@ class MemorySection(Section):
     )
     tiled_loss: bool = Field(
         False,
-        description="Compute the output layer and the loss over the sequence in tiles: the full "
-        "[tokens x vocabulary] logits tensor is never materialised (DeepSpeed ALST).",
+        description="Compute the output layer and the loss in chunks of tokens (at most 64 MiB of fp32 logits "
+        "each), recomputed in backward: the [tokens x vocabulary] logits are never materialised. Exact; every "
+        "objective and engine; Liger's fused linear cross-entropy with memory.liger_kernels where it can run.",
     )
     offload_checkpoints: bool = Field(
         False,
@@ -838,11 +846,6 @@ class Recipe(Section):
             raise ValueError(
                 f"objective={objective} trains each pair as two padded rows (chosen and rejected); set "
                 "data.packing=padded"
-            )
-        if self.memory.tiled_loss:
-            raise ValueError(
-                f"memory.tiled_loss=true computes a mean token loss in tiles, while objective={objective} needs "
-                "each sequence's summed log-probability; set memory.tiled_loss=false"
             )
         defaults = PreferenceSection()
         if objective == "simpo" and preference.reference != defaults.reference:

@@ -208,6 +208,7 @@ def _derive(basis: RunBasis) -> Resolved:
         max_steps=recipe.optim.max_steps or 0,
         nvme_path=recipe.deepspeed.nvme_path,
         state_dtype=recipe.optim.state_dtype,
+        optimizer=recipe.optim.name,
         largest_weight=largest_weight(fields, hidden),
         pinning=recipe.deepspeed.pinning,
         tp=layout.tp,

@@ -50,6 +50,7 @@ from llm_train.errors import UserError
 from llm_train.planning.fit import (
     AUTO_MICRO_BATCHES,
     SHIPPED_DS_CONFIGS,
+    SUGGESTED_LORA_DROPOUT,
     SUGGESTED_LORA_RANK,
     Evaluation,
     ds_fields,
@@ -321,7 +322,13 @@ def base_recipe_data(
         "precision": precision,
         "memory": {"activation_checkpointing": False, "attention": planned_attention(hw)},
         **(
-            {"lora": {"rank": SUGGESTED_LORA_RANK, "alpha": 2.0 * SUGGESTED_LORA_RANK, "dropout": 0.05}}
+            {
+                "lora": {
+                    "rank": SUGGESTED_LORA_RANK,
+                    "alpha": 2.0 * SUGGESTED_LORA_RANK,
+                    "dropout": SUGGESTED_LORA_DROPOUT,
+                }
+            }
             if adapters
             else {}
         ),
@@ -335,6 +342,10 @@ def base_recipe_data(
 # (sp, tiled_mlp, tiled_loss, offload_checkpoints) without any DeepSpeed ALST technique.
 NO_ALST = (1, False, False, False)
 LONG_CONTEXT_PINS = {"sp", "tiled_mlp", "tiled_loss", "offload_checkpoints"}
+# The chunked loss alone (memory.tiled_loss): not only for long rows, a 128k-vocabulary loss costs 12 bytes
+# per logit without it, so it is always a candidate; the ranking takes it where it lets a faster
+# configuration fit (its ~2% of compute loses to the dense loss where both fit alike).
+CHUNKED_LOSS = (1, False, True, False)
 
 
 def candidates(
@@ -368,6 +379,8 @@ def candidates(
                     sp=sp,
                     activation_checkpointing=ckpt,
                     lora_rank=rank,
+                    # The base recipe's own adapters' dropout, else the one auto writes with its adapters.
+                    lora_dropout=base.lora_dropout if base.lora_rank else SUGGESTED_LORA_DROPOUT > 0,
                     quantize=quantize,
                     zero_init=zero_init_for(quantize),
                     attn_impl=attention,
@@ -383,12 +396,13 @@ def candidates(
 
 
 def fitting_search(ask: AutoRequest, kind: Kind) -> list[Evaluation]:
-    """The candidates of one kind evaluated: without ALST; with it too when nothing fits without (only a long
-    sequence needs it). Native pinning that would lock more than the memlock limit allows is left out."""
-    first = [ask.base.long_context] if ask.pins & LONG_CONTEXT_PINS else [NO_ALST]
+    """The candidates of one kind evaluated: without ALST (with and without the chunked loss); with ALST too
+    when nothing fits without (only a long sequence needs it). Native pinning that would lock more than the
+    memlock limit allows is left out."""
+    first = [ask.base.long_context] if ask.pins & LONG_CONTEXT_PINS else [NO_ALST, CHUNKED_LOSS]
     out = _evaluate(ask, candidates(ask, kind, first))
     if not any(e.fits for e in out) and not ask.pins & LONG_CONTEXT_PINS:
-        options = long_context_options(ask.base)[1:]
+        options = [o for o in long_context_options(ask.base)[1:] if o != CHUNKED_LOSS]
         out += _evaluate(ask, candidates(ask, kind, options))
     return out
 
@@ -528,7 +542,11 @@ def technique_reasons(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluati
         reasons.append("activation checkpointing is on because the faster splits without it do not fit")
     if _pinning_text(c) and "pinning" not in ask.pins:
         reasons.append(_pinning_reason(ask, c))
-    if c.uses_long_context:
+    if c.long_context == CHUNKED_LOSS and "tiled_loss" not in ask.pins:
+        reasons.append(
+            "the loss runs in chunks (memory.tiled_loss: exact, never the whole logits) because it fits more"
+        )
+    elif c.uses_long_context:
         reasons.append(_long_context_reason(ask, chosen, tried))
     if c.uses_nvme and not c.lora_rank and lora != "never":
         reasons.append(

@@ -36,6 +36,8 @@ from llm_train.planning.speed import StepTime, step_time_on
 CPU_PROCESS_HOST_BYTES = 1 * GiB
 # The adapter rank the planner proposes when it suggests LoRA.
 SUGGESTED_LORA_RANK = 16
+# The dropout auto writes with those adapters (PEFT keeps a copy of each adapted input under it: planned).
+SUGGESTED_LORA_DROPOUT = 0.05
 # Candidate micro-batch sizes for `--recipe auto`.
 AUTO_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -94,13 +96,20 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         attn_impl=recipe.memory.attention,
         dense_mask=True,  # packed rows (block-diagonal) and padded rows both carry one
         lora_rank=recipe.lora.rank if recipe.lora else None,
+        **(
+            {"lora_targets": tuple(recipe.lora.target_modules), "lora_dropout": recipe.lora.dropout > 0}
+            if recipe.lora
+            else {}
+        ),
         quantize=quantize,
         zero_init=zero_init_for(quantize),
         direct_load=recipe.model.init == "pretrained",
         state_dtype=recipe.optim.state_dtype,
+        optimizer=recipe.optim.name,
         export_adapter_only=bool(recipe.lora and recipe.lora.export == "adapter"),
         tiled_mlp=recipe.memory.tiled_mlp,
         tiled_loss=recipe.memory.tiled_loss,
+        liger_loss=recipe.memory.liger_kernels,
         offload_checkpoints=recipe.memory.offload_checkpoints,
         # save_on_cpu(pin_memory=True) on CUDA only (runtime/model.py), through torch's allocator.
         checkpoint_pinning="torch" if on_gpu else "off",

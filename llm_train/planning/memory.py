@@ -61,12 +61,17 @@ counted at full width, an upper bound under GQA). ZeRO partitions over all dp*sp
 (DeepSpeed's sequence-data-parallel group). `memory.tiled_mlp` (DeepSpeed's TiledMLP) runs
 each MLP over tiles of `hidden_size` tokens and recomputes it per tile in backward: its
 intermediates exist for one tile (and that tile's gradients), not per layer.
-`memory.tiled_loss` computes logits and loss over tiles of at most LOSS_TILE_LOGITS_BYTES of
-fp32 logits per row (ALST's 1 GiB slices, runtime/tiling.py): one tile and its gradient instead
-of the full [tokens x vocabulary] tensor. `memory.offload_checkpoints` keeps the per-layer checkpointed
+`memory.tiled_loss` computes logits and loss in chunks of at most LOSS_CHUNK_LOGITS_BYTES of fp32
+logits (runtime/chunked_loss.py): one chunk's working set instead of transformers' whole
+[tokens x vocabulary] logits, their fp32 copy, log-softmax and its gradients (12 bytes per logit). `memory.offload_checkpoints` keeps the per-layer checkpointed
 hidden states in pinned host RAM between forward and backward: on the GPU stays the one
 being copied; the host holds all of them, each in a block of torch's pinned allocator, rounded up to
 a power of two, that stays cached for the next step (save_on_cpu(pin_memory=True) on CUDA).
+
+8-bit optimizer states (`optimizer`, optim.name: bitsandbytes' AdamW8bit / PagedAdamW8bit, on the GPU
+under ZeRO-0/1/2): m and v take a byte each plus a block maximum (EIGHT_BIT_STATE_BYTES), the fp32
+master copy stays: 6.03 bytes per trained parameter of optimizer state instead of 12. The paged
+variant can move them to host RAM under GPU pressure; the estimate keeps them on the GPU.
 
 Low-precision optimizer states (`state_dtype="bf16"`, DeepSpeed's bf16_master_weights_and_grads +
 bf16_optimizer_states, CPU offload only): the offloaded master weights, Adam m and v are 2 bytes
@@ -177,14 +182,26 @@ DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; 
 # a load-phase term only.
 QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT = 16
 QUANTIZE_RETAINED_BYTES_PER_WEIGHT = 0.28
-# Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
-# runtime/tiling.py cuts its tiles by this same constant).
-LOSS_TILE_LOGITS_BYTES = GiB
+# The chunked loss (memory.tiled_loss): each chunk of a micro-batch's tokens holds at most this many
+# bytes of fp32 logits (runtime/chunked_loss.py cuts its chunks by this same constant). 64 MiB keeps a
+# chunk's working set (CHUNK_BYTES_PER_LOGIT: ~3 times its fp32 logits) under a quarter GiB: the loss
+# of 2 x 2048 tokens of a 128k vocabulary runs in 32 chunks of 128 tokens, each still a large matmul;
+# ALST's 1 GiB slices are more than a whole 2048-token row.
+LOSS_CHUNK_LOGITS_BYTES = 64 * 2**20
+# bitsandbytes' 8-bit Adam per parameter: m and v as uint8 codes, each with one fp32 block maximum per 256
+# elements (bitsandbytes 0.50.2's blockwise states, read on CPU: state1/state2 uint8, absmax1/absmax2 fp32).
+EIGHT_BIT_STATE_BYTES = 2 * (1 + 4 / 256)
 # The all-to-all of Ulysses attention regroups q, k, v and the attention output of one layer.
 SP_ALL_TO_ALL_TENSORS = 4
 
 
 # --- activations --------------------------------------------------------------------------------
+
+# transformers' RMSNorm (LlamaRMSNorm and its copies) upcasts its input to fp32 and keeps that copy for
+# backward: 4 bytes per hidden element, two norms per decoder layer, under bf16/fp16 (with fp32 weights
+# the upcast is the input itself). Measured on CPU (tests/unit/test_memory_lines.py): without it the
+# bf16 activation line was 14% under the measured peak, with it within 2%.
+NORM_UPCAST_BYTES_PER_HIDDEN = 2 * 4
 
 
 def mlp_intermediate_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
@@ -200,18 +217,27 @@ def activation_bytes_per_layer(
     tp: int = 1,
     sp: int = 1,
     tiled_mlp: bool = False,
+    norm_upcast: bool = False,
+    lora_dropout: tuple[str, ...] = (),
 ) -> float:
     """Korthikanti et al. 2022 per-layer activations (16-bit) on one rank, without recomputation,
     with the SwiGLU MLP's own intermediates (module docstring).
+
+    `norm_upcast` (16-bit training): transformers' RMSNorm computes in fp32 and keeps that fp32 copy
+    of its input for backward: NORM_UPCAST_BYTES_PER_HIDDEN x h more per token (measured, see there).
+    `lora_dropout`: the LoRA targets whose input PEFT's dropout copies (lora.dropout > 0; the MLP's in its
+    tiles under `tiled_mlp`, see `mlp_tile_bytes`).
 
     sdpa / flash_attention_2: s*b*(h*(10 + 8/t) + 8*i/t); eager adds s*b*h*5*a*s/(h*t).
     Under sequence parallelism the rank holds s/sp tokens (and a/sp heads of eager's s x s
     scores); with `tiled_mlp` the MLP intermediates are not kept per layer (see `mlp_tile_bytes`).
     """
     s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
-    per_token = h * (10 + 8 / tp)
+    per_token = h * (10 + 8 / tp) + (NORM_UPCAST_BYTES_PER_HIDDEN * h if norm_upcast else 0)
+    per_token += lora_dropout_bytes_per_token(shape, lora_dropout, mlp=False, tp=tp)
     if not tiled_mlp:
         per_token += mlp_intermediate_bytes_per_token(shape, tp)
+        per_token += lora_dropout_bytes_per_token(shape, lora_dropout, mlp=True, tp=tp)
     if attn_impl == "eager":
         # The s x s attention scores, softmax output and dropout mask of every head (a/sp heads
         # per rank under sequence parallelism: per local token, the coefficient of the full s).
@@ -221,30 +247,103 @@ def activation_bytes_per_layer(
     return s / sp * b * per_token
 
 
+# PEFT's LoRA dropout (lora.dropout > 0) makes its own copy of each adapted layer's input for the adapter
+# and keeps it, with its 1-byte mask, for backward: per token, the input's width x (2 + 1) bytes in 16 bits.
+# Measured on CPU (tests/unit/test_memory_lines.py): without this term a LoRA layer with dropout 0.05 was 25%
+# over the estimate, with it within 15%.
+LORA_DROPOUT_BYTES_PER_ELEMENT = 2 + 1
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_dropout_bytes_per_token(
+    shape: ModelShape, targets: tuple[str, ...], mlp: bool, tp: int = 1
+) -> float:
+    """PEFT's dropout copies per token and layer: of the attention targets (`mlp` False) or the MLP ones."""
+    width = {
+        "q_proj": shape.hidden_size,
+        "k_proj": shape.hidden_size,
+        "v_proj": shape.hidden_size,
+        "o_proj": shape.q_dim / tp,
+        "gate_proj": shape.hidden_size,
+        "up_proj": shape.hidden_size,
+        "down_proj": shape.intermediate_size / tp,
+    }
+    chosen = [t for t in set(targets) if t in width and (t in _MLP_TARGETS) == mlp]
+    return sum(width[t] for t in chosen) * LORA_DROPOUT_BYTES_PER_ELEMENT
+
+
 def mlp_tile_tokens(shape: ModelShape, tokens: int) -> int:
     """Tokens per TiledMLP tile: DeepSpeed cuts a sequence of n tokens into ceil(n / hidden_size) tiles."""
     return math.ceil(tokens / math.ceil(tokens / shape.hidden_size))
 
 
-def mlp_tile_bytes(shape: ModelShape, tokens: int, micro_batch: int, tp: int = 1) -> float:
-    """The tiled MLP's working set: one tile's intermediates and their gradients while it is recomputed."""
-    return 2 * micro_batch * mlp_tile_tokens(shape, tokens) * mlp_intermediate_bytes_per_token(shape, tp)
+def mlp_tile_bytes(
+    shape: ModelShape, tokens: int, micro_batch: int, tp: int = 1, lora_dropout: tuple[str, ...] = ()
+) -> float:
+    """The tiled MLP's working set: one tile's intermediates (and LoRA dropout copies) and their gradients
+    while it is recomputed."""
+    per_token = mlp_intermediate_bytes_per_token(shape, tp) + lora_dropout_bytes_per_token(
+        shape, lora_dropout, mlp=True, tp=tp
+    )
+    return 2 * micro_batch * mlp_tile_tokens(shape, tokens) * per_token
 
 
-def loss_tile_tokens(shape: ModelShape, tokens: int) -> int:
-    """Tokens of each row per tiled-loss tile: enough tiles that a row's share of one holds at most
-    LOSS_TILE_LOGITS_BYTES of fp32 logits (runtime/tiling.py cuts the rows of a batch together)."""
-    tiles = max(1, min(tokens, math.ceil(tokens * shape.vocab_size * 4 / LOSS_TILE_LOGITS_BYTES)))
-    return math.ceil(tokens / tiles)
+def loss_chunks(tokens: int, vocab: int, chunk_bytes: int = LOSS_CHUNK_LOGITS_BYTES) -> int:
+    """Chunks the chunked loss cuts `tokens` into: enough that one holds at most `chunk_bytes` of fp32 logits."""
+    return max(1, min(tokens, math.ceil(tokens * vocab * 4 / chunk_bytes)))
+
+
+# Bytes per logit at the peak of transformers' loss (logits, fp32 upcast, log-softmax kept for
+# backward, its gradient in and out): 12 with 16-bit and with fp32 logits alike (measured on CPU,
+# tests/unit/test_loss_memory.py; the output object is dropped after `.loss`, as the engines do).
+DENSE_LOSS_BYTES_PER_LOGIT = 12
+# The chunked loss per logit of one chunk (runtime/chunked_loss.py), by the logits' bytes: at its peak
+# the log-softmax, its gradient and the logits' fp32 gradient; while the output layer's backward runs,
+# the logits' gradient in their dtype.
+CHUNK_BYTES_PER_LOGIT = {2: 12, 4: 12}
+HEAD_BACKWARD_BYTES_PER_LOGIT = {2: 2, 4: 4}
 
 
 def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
-    """Logits upcast to fp32 for the loss (vocab*s*b*4), times 2 for their gradient.
+    """transformers' loss over the whole [tokens x vocabulary] logits: DENSE_LOSS_BYTES_PER_LOGIT each.
 
-    Not sharded by tensor parallelism (AutoTP leaves lm_head whole) and not
-    chunked (HF computes the full logits tensor before the loss) unless memory.tiled_loss.
+    Not sharded by tensor parallelism (AutoTP leaves lm_head whole).
     """
-    return shape.vocab_size * seq_len * micro_batch * 4 * 2
+    return shape.vocab_size * seq_len * micro_batch * DENSE_LOSS_BYTES_PER_LOGIT
+
+
+def chunked_loss_bytes(
+    shape: ModelShape,
+    tokens: int,
+    logit_bytes: int,
+    head_trains: bool,
+    chunk_bytes: int = LOSS_CHUNK_LOGITS_BYTES,
+) -> int:
+    """The chunked loss's peak over `tokens` (all rows of a micro-batch): the gradient of the hidden
+    states it returns, and one chunk's working set, or, when the output layer trains over several
+    chunks, its backward's share (the logits and their gradient) and one more [vocab x hidden] weight
+    gradient while each chunk's is added into the running one, if that is more."""
+    chunks = loss_chunks(tokens, shape.vocab_size, chunk_bytes)
+    logits = math.ceil(tokens / chunks) * shape.vocab_size
+    working = logits * CHUNK_BYTES_PER_LOGIT[logit_bytes]
+    if head_trains and chunks > 1:
+        accumulating = logits * HEAD_BACKWARD_BYTES_PER_LOGIT[logit_bytes]
+        working = max(working, accumulating + shape.vocab_size * shape.hidden_size * logit_bytes)
+    return working + tokens * shape.hidden_size * logit_bytes
+
+
+def liger_loss_bytes(shape: ModelShape, tokens: int, logit_bytes: int) -> int:
+    """Liger 0.8.5's fused linear cross-entropy over `tokens` with per-token losses (read from its source,
+    ops/fused_linear_cross_entropy.py; not measured here: it needs CUDA): chunks of next_pow2(tokens /
+    ceil(vocab / hidden)) tokens, whose logits buffer and scaled gradient are in the logits' dtype, the
+    gradient of the hidden states (made in forward and again in backward) and the fp32 losses."""
+    per_chunk = 2 ** math.ceil(math.log2(math.ceil(tokens / math.ceil(shape.vocab_size / shape.hidden_size))))
+    chunk_tokens = min(tokens, per_chunk)
+    return (
+        2 * chunk_tokens * shape.vocab_size * logit_bytes
+        + 2 * tokens * shape.hidden_size * logit_bytes
+        + 4 * tokens
+    )
 
 
 def sequence_parallel_buffer_bytes(
@@ -358,8 +457,9 @@ class ModelSplit:
     """2 (16-bit) or 4 (fp32); the frozen LoRA base too: it is loaded in the training dtype."""
     grad_bytes: int
     """The gradients' bytes: those of the weights."""
-    optim_bytes: int
-    """fp32 master + m + v (12), just m + v when the weights are fp32 (8), or bf16 master + m + v (6)."""
+    optim_bytes: float
+    """fp32 master + m + v (12), just m + v when the weights are fp32 (8), or bf16 master + m + v (6);
+    with an 8-bit optimizer fp32 master + 8-bit m, v (6.03), or just m, v (2.03)."""
     base: float
     """The base model's elements on this GPU's tp x pp share."""
     weights: float
@@ -385,13 +485,17 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
     assert inp.param_persistence_threshold is not None
     mixed = inp.precision != "fp32"
     weight_bytes = 2 if mixed else 4
-    optim_bytes = 12 if mixed else 8
+    optim_bytes: float = 12 if mixed else 8
     if inp.state_dtype == "bf16":
         # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/host_offload.py).
         optim_bytes = 6
+    if inp.optimizer != "adamw":
+        # bitsandbytes' 8-bit m and v: a byte each, plus one fp32 maximum per block of 256 for each;
+        # DeepSpeed's fp32 master copy stays under mixed precision (runtime/optim.py).
+        optim_bytes = (4 if mixed else 0) + EIGHT_BIT_STATE_BYTES
     shard = inp.tp * inp.pp
     base = shape.num_params / shard
-    adapters = shape.lora_params(inp.lora_rank) / shard if inp.lora_rank else 0.0
+    adapters = shape.lora_params(inp.lora_rank, inp.lora_targets) / shard if inp.lora_rank else 0.0
     weights = base + adapters
     stage3 = inp.zero_stage == 3
     persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage3 else 0.0
@@ -483,11 +587,19 @@ def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
     in_flight = inp.pp
     tokens, b = inp.local_tokens, inp.rows  # a preference pair is two rows
     per_layer = activation_bytes_per_layer(
-        shape, inp.seq_len, b, inp.attn_impl, inp.tp, inp.sp, tiled_mlp=inp.mlp_is_tiled
+        shape,
+        inp.seq_len,
+        b,
+        inp.attn_impl,
+        inp.tp,
+        inp.sp,
+        tiled_mlp=inp.mlp_is_tiled,
+        norm_upcast=inp.precision != "fp32",
+        lora_dropout=inp.lora_dropout_targets,
     )
     # Tiled MLP: no layer keeps its MLP intermediates; the one tile being recomputed holds them
     # (and their gradients), once.
-    mlp_tile = mlp_tile_bytes(shape, tokens, b, inp.tp) if inp.mlp_is_tiled else 0.0
+    mlp_tile = mlp_tile_bytes(shape, tokens, b, inp.tp, inp.lora_dropout_targets) if inp.mlp_is_tiled else 0.0
     full_layer = per_layer + mlp_tile
     offloaded_checkpoints = 0.0
     if inp.activation_checkpointing:
@@ -510,15 +622,19 @@ def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
 
 
 def logits_and_loss_bytes(inp: MemoryInputs) -> int:
-    """The fp32 logits and their gradient: all of the rank's tokens, or one tile under memory.tiled_loss.
+    """The output layer and loss over the rank's tokens: transformers' dense loss, or the chunked one
+    under memory.tiled_loss (Liger's kernel where the run uses it, see `liger_computes_loss`).
 
     Logits live on the last pipeline stage; adding them to the first stage's activations over-counts
     a little when pp > 1 (conservative).
     """
-    tokens = inp.local_tokens
-    if inp.tiled_loss:
-        return logits_bytes(inp.shape, loss_tile_tokens(inp.shape, tokens), inp.rows)
-    return logits_bytes(inp.shape, tokens, inp.rows)
+    tokens = inp.local_tokens * inp.rows
+    logit_bytes = 4 if inp.precision == "fp32" else 2
+    if not inp.tiled_loss:
+        return logits_bytes(inp.shape, inp.local_tokens, inp.rows)
+    if inp.liger_computes_loss:
+        return liger_loss_bytes(inp.shape, tokens, logit_bytes)
+    return chunked_loss_bytes(inp.shape, tokens, logit_bytes, head_trains=inp.lora_rank is None)
 
 
 def deepspeed_buffer_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
@@ -760,6 +876,6 @@ def export_peak_bytes(inp: MemoryInputs) -> float:
         return min(inp.pp, inp.ranks_per_node) * full_model / inp.pp
     if inp.lora_rank:
         if inp.export_adapter_only:
-            return inp.shape.lora_params(inp.lora_rank) * weight_bytes
+            return inp.shape.lora_params(inp.lora_rank, inp.lora_targets) * weight_bytes
         return min(full_model, max(EXPORT_SHARD_BYTES, inp.shape.largest_layer_params * weight_bytes))
     return 1.0 * full_model

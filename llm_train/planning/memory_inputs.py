@@ -16,8 +16,10 @@ from typing import Any
 from llm_train.config.attention import FLEX_KERNELS, KERNELS
 from llm_train.config.ds_json import zero_bucket_sizes
 from llm_train.config.layout import (
+    EIGHT_BIT_OPTIMIZERS,
     Layout,
     LayoutError,
+    optimizer_problem,
     sequence_parallel_message,
     sequence_parallel_problem,
     state_dtype_problem,
@@ -25,7 +27,7 @@ from llm_train.config.layout import (
 from llm_train.errors import UserError
 from llm_train.planning.host_offload import PINNINGS, SwapSettings
 from llm_train.planning.quantized import QUANTIZE_MODES
-from llm_train.planning.shapes import ModelShape
+from llm_train.planning.shapes import LORA_TARGETS, ModelShape
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py) the inputs start from.
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
@@ -89,6 +91,10 @@ class MemoryInputs:
     flex_attention and sdpa_flex build none."""
     lora_rank: int | None = None
     """LoRA rank on q,k,v,o,gate,up,down; the base model is frozen. None = full fine-tune."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """lora.target_modules: the linear modules that get adapters."""
+    lora_dropout: bool = False
+    """lora.dropout > 0: PEFT keeps a dropped-out copy of each adapted layer's input for backward."""
     quantize: str = "none"
     """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
     direct_load: bool = True
@@ -108,6 +114,8 @@ class MemoryInputs:
     """Model built under deepspeed.zero.Init; None = (zero_stage == 3)."""
     state_dtype: str = "fp32"
     """Offloaded master weights, gradients and Adam states: "fp32", or "bf16" (optim.state_dtype)."""
+    optimizer: str = "adamw"
+    """optim.name: "adamw" (fp32 m and v), or bitsandbytes' "adamw_8bit" / "paged_adamw_8bit" (8-bit m and v)."""
     export_adapter_only: bool = False
     """LoRA runs that export only the adapter (lora.export=adapter): no merged copy of the model."""
     pinning: str = "torch"
@@ -127,7 +135,10 @@ class MemoryInputs:
     tiled_mlp: bool = False
     """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
     tiled_loss: bool = False
-    """memory.tiled_loss: logits and loss over tiles; the full logits tensor never exists."""
+    """memory.tiled_loss: logits and loss in chunks of tokens; the full logits tensor never exists."""
+    liger_loss: bool = False
+    """memory.liger_kernels: the chunked loss is Liger's fused linear cross-entropy where it can run
+    (`liger_computes_loss`)."""
     offload_checkpoints: bool = False
     """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
     sequences_per_sample: int = 1
@@ -190,6 +201,13 @@ class MemoryInputs:
         broken = state_dtype_problem(self.state_dtype, self.precision, self.offload_optimizer, self.pp)
         if broken is not None:
             raise MemoryInputError(_STATE_DTYPE_MESSAGES[broken])
+        if self.optimizer not in ("adamw", *EIGHT_BIT_OPTIMIZERS):
+            raise MemoryInputError(f"optimizer must be adamw or one of {', '.join(EIGHT_BIT_OPTIMIZERS)}")
+        # The recipe's own rule (config.layout), so the planner never proposes what a run refuses.
+        if optimizer_problem(self.optimizer, self.offload_optimizer, self.zero_stage) is not None:
+            raise MemoryInputError(
+                f"optimizer '{self.optimizer}' needs the optimizer on the GPU and zero_stage 0-2"
+            )
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise MemoryInputError("offload_checkpoints needs activation_checkpointing")
         if self.reference not in REFERENCES or self.sequences_per_sample not in (1, 2):
@@ -291,6 +309,18 @@ class MemoryInputs:
     def mlp_is_tiled(self) -> bool:
         """memory.tiled_mlp and more than one tile: a row of at most hidden_size tokens runs untiled."""
         return self.tiled_mlp and self.local_tokens > self.shape.hidden_size
+
+    @property
+    def liger_computes_loss(self) -> bool:
+        """Liger's kernel computes the chunked loss: it reads the output layer's weight directly, so not under
+        ZeRO-3 (partitioned) nor on pipeline stages (runtime/chunked_loss.py `liger_runs`)."""
+        plain_head = not (self.lora_rank and "lm_head" in self.lora_targets)
+        return self.tiled_loss and self.liger_loss and self.zero_stage < 3 and self.pp == 1 and plain_head
+
+    @property
+    def lora_dropout_targets(self) -> tuple[str, ...]:
+        """The LoRA targets whose inputs PEFT's dropout copies (none without LoRA or without dropout)."""
+        return self.lora_targets if self.lora_rank and self.lora_dropout else ()
 
     @property
     def rows(self) -> int:

@@ -28,6 +28,10 @@ from llm_train.errors import UserError
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+# lora.target_modules' default: every attention and MLP projection.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers that decide a decoder-only transformer's memory and FLOPs."""
@@ -118,14 +122,23 @@ class ModelShape:
         """
         return sum(n * count for _, numels, count in self.modules() for n in numels if n < threshold)
 
-    def lora_params(self, rank: int) -> int:
-        """Adapter parameters for LoRA of `rank` on q, k, v, o, gate, up and down.
-
-        Each adapted (n_in -> n_out) linear gets A (rank x n_in) and B (n_out x rank).
-        """
+    def lora_params(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+        """Adapter parameters for LoRA of `rank` on `targets` (lora.target_modules; all seven projections
+        by default, lm_head once). Each adapted (n_in -> n_out) linear gets A (rank x n_in) and
+        B (n_out x rank); names this shape does not know count nothing (the run refuses them)."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        per_layer = rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
-        return per_layer * self.num_layers
+        sides = {
+            "q_proj": h + q,
+            "k_proj": h + kv,
+            "v_proj": h + kv,
+            "o_proj": q + h,
+            "gate_proj": h + i,
+            "up_proj": h + i,
+            "down_proj": i + h,
+        }
+        per_layer = rank * sum(sides.get(t, 0) for t in set(targets))
+        head = rank * (h + self.vocab_size) if "lm_head" in targets else 0
+        return per_layer * self.num_layers + head
 
 
 # --- published config.json values -------------------------------------------------------------------

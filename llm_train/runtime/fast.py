@@ -240,15 +240,20 @@ def apply_liger(memory: MemorySection, model_type: str | None, zero_stage: int) 
         raise UserError(
             f"memory.liger_kernels=true: Liger has no kernels for model_type '{model_type}'; supported: {known}"
         )
-    # memory.tiled_loss replaces the model's forward on the instance (runtime/tiling.py), which would
-    # bypass Liger's patched class forward anyway: its loss kernels are left out.
+    # memory.tiled_loss replaces the model's forward on the instance (runtime/chunked_loss.py), which
+    # bypasses Liger's patched class forward: it calls Liger's fused kernel itself where it can run.
     tiled_loss = getattr(memory, "tiled_loss", False)
     fused = zero_stage != 3 and not tiled_loss
     wanted = {"fused_linear_cross_entropy": fused, "cross_entropy": not fused and not tiled_loss}
     accepted = inspect.signature(patch).parameters
     patch(**{k: v for k, v in wanted.items() if k in accepted})
     if tiled_loss:
-        return "Liger kernels on (RMSNorm, RoPE, SwiGLU; the loss is memory.tiled_loss's)"
+        where = (
+            "chunked: ZeRO-3 partitions the output layer"
+            if zero_stage == 3
+            else "Liger's fused linear cross-entropy"
+        )
+        return f"Liger kernels on (RMSNorm, RoPE, SwiGLU; memory.tiled_loss: {where})"
     if zero_stage == 3:
         return "Liger kernels on (without fused linear cross-entropy, which ZeRO-3 cannot feed)"
     return "Liger kernels on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)"

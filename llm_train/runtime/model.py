@@ -18,13 +18,16 @@ from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
 from llm_train.runtime.attention import NAME as SDPA_FLEX
 from llm_train.runtime.attention import register_sdpa_flex
+from llm_train.runtime.chunked_loss import enable_tiled_loss
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.quantize import keep_training_layout, quantization_config, quantized
-from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
+from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from llm_train.config.resolution import Resolved
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -75,6 +78,12 @@ def _known_offline(name: str) -> bool:
     return name in KNOWN_CONFIGS
 
 
+def loss_tokens(run: Resolved) -> int:
+    """The most tokens one forward of a run scores on a rank: micro-batch rows x data.seq_len / sp."""
+    recipe, layout = run.recipe, run.layout
+    return layout.micro_batch_size * recipe.sequences_per_sample * recipe.data.seq_len // layout.sp
+
+
 def build_model(
     model: ModelSection,
     memory: MemorySection,
@@ -82,8 +91,12 @@ def build_model(
     seed: int,
     lora: LoraSection | None = None,
     device: str | None = None,
+    loss_tokens: int | None = None,
 ) -> torch.nn.Module:
     """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set.
+
+    `loss_tokens`: the most tokens one forward scores (micro-batch rows x data.seq_len / sp), which
+    sets memory.tiled_loss's chunk count on every rank alike (runtime/chunked_loss.py).
 
     `device` (e.g. "cuda:0"): pretrained weights are read from the checkpoint straight onto it,
     one tensor at a time, so the host never holds the whole model (transformers' device_map), and
@@ -151,7 +164,7 @@ def build_model(
     if memory.tiled_mlp:
         enable_tiled_mlp(lm)
     if memory.tiled_loss:
-        enable_tiled_loss(lm)
+        enable_tiled_loss(lm, max_tokens=loss_tokens, liger=memory.liger_kernels)
     if memory.offload_checkpoints:
         enable_checkpoint_offload(lm, pin_memory=torch.cuda.is_available())
     if lora is not None:

@@ -22,7 +22,9 @@ times the average log-prob (SimPO); accuracy counts pairs whose chosen reward is
 higher. tests/unit/test_objectives.py checks losses, rewards and gradients against TRL 1.16's
 own code within 1e-5 in fp32.
 
-Log-probs are summed in fp32 from the model's logits, as transformers' own loss upcasts them.
+Log-probs are summed in fp32 from the model's logits, as transformers' own loss upcasts them, or,
+under `memory.tiled_loss`, from the per-token log-probs of the chunked loss (runtime/chunked_loss.py):
+the same numbers to fp32 rounding, without the [tokens x vocabulary] logits.
 """
 
 from __future__ import annotations
@@ -100,6 +102,17 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return token.sum(-1), (targets != -100).sum(-1)
 
 
+def model_logps(
+    model: torch.nn.Module, inputs: Batch, labels: torch.Tensor, chunked: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of the model's forward on `inputs`: from its logits, or, when `chunked` (the model's
+    forward patched by memory.tiled_loss), from the token log-probs it returns for `labels`."""
+    if not chunked:
+        return sequence_logps(model(**inputs, use_cache=False).logits, labels)
+    token = model(**inputs, labels=labels, use_cache=False).token_logps  # [rows, s], 0 where not labelled
+    return token.sum(-1), (labels[:, 1:] != -100).sum(-1)
+
+
 def dpo_loss(
     chosen: torch.Tensor,
     rejected: torch.Tensor,
@@ -143,8 +156,8 @@ def pair_metrics(
     }
 
 
-# A model forward that returns logits for a batch without labels (input_ids, attention_mask).
-Forward = Callable[[Batch], torch.Tensor]
+# A model's summed log-probs per row of a batch (input_ids, attention_mask) for its labels.
+Forward = Callable[[Batch, torch.Tensor], torch.Tensor]
 # Scores what the objective needs before training (DPO's cached reference log-probs):
 # (the train and eval splits, either possibly absent; dp rank; dp size; say).
 PrepareReference = Callable[[list["PackedSplit | None"], int, int, Callable[[str], None]], None]
@@ -160,10 +173,11 @@ class Preference:
         settings: PreferenceSection,
         live_reference: Forward | None = None,
         prepare_reference: PrepareReference | None = None,
+        chunked: bool = False,
     ) -> None:
         assert settings.beta is not None  # recipe.py fills the objective's default in
         self.name, self.settings, self.beta = name, settings, settings.beta
-        self.live_reference, self._prepare = live_reference, prepare_reference
+        self.live_reference, self._prepare, self.chunked = live_reference, prepare_reference, chunked
 
     def prepare(
         self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
@@ -175,7 +189,7 @@ class Preference:
     def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
         inputs = {k: v for k, v in batch.items() if k not in ("labels", "reference_logps")}
         labels = batch["labels"]
-        sums, counts = sequence_logps(model(**inputs, use_cache=False).logits, labels)
+        sums, counts = model_logps(model, inputs, labels, self.chunked)
         m = sums.shape[0] // 2
         if self.name == "simpo":
             average = sums / counts.clamp(min=1)
@@ -187,7 +201,7 @@ class Preference:
         if reference is None:
             assert self.live_reference is not None, "a cached reference is attached to every batch"
             with torch.no_grad():
-                reference, _ = sequence_logps(self.live_reference(inputs), labels)
+                reference = self.live_reference(inputs, labels)
         reference = reference.to(sums.device, torch.float32)
         losses, chosen_r, rejected_r = dpo_loss(
             sums[:m], sums[m:], reference[:m], reference[m:], self.beta, self.settings.label_smoothing
@@ -202,18 +216,21 @@ Objective = LanguageModeling | Preference
 
 
 def reference_forward(
-    model: torch.nn.Module, switch: Callable[[], AbstractContextManager[Any]] | None = None
+    model: torch.nn.Module,
+    switch: Callable[[], AbstractContextManager[Any]] | None = None,
+    chunked: bool = False,
 ) -> Forward:
-    """A no-grad, eval-mode forward of `model` (e.g. the policy's engine under `switch`, PEFT's
-    disable_adapter), back in its previous mode afterwards: the reference has no dropout."""
+    """Summed log-probs per row by a no-grad, eval-mode forward of `model` (e.g. the policy's engine under
+    `switch`, PEFT's disable_adapter), back in its previous mode afterwards: the reference has no dropout.
+    `chunked`: the model's forward is patched by memory.tiled_loss (see `model_logps`)."""
 
-    def forward(inputs: Batch) -> torch.Tensor:
+    def forward(inputs: Batch, labels: torch.Tensor) -> torch.Tensor:
         module = getattr(model, "module", model)
         was_training = module.training
         model.eval()
         try:
             with torch.no_grad(), switch() if switch is not None else nullcontext():
-                return model(**inputs, use_cache=False).logits
+                return model_logps(model, inputs, labels, chunked)[0]
         finally:
             if was_training:
                 model.train()
@@ -226,7 +243,7 @@ def make_objective(
 ) -> Objective:
     if recipe.objective == "lm":
         return LanguageModeling()
-    return Preference(recipe.objective, recipe.preference, live_reference, prepare)
+    return Preference(recipe.objective, recipe.preference, live_reference, prepare, recipe.memory.tiled_loss)
 
 
 def iter_pairs(n: int, micro: int, dp_rank: int, dp_size: int) -> Iterator[list[int]]:

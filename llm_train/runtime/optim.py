@@ -2,6 +2,19 @@
 
 When the DeepSpeed JSON has its own "optimizer"/"scheduler" sections (configs written for
 other tools often do), DeepSpeed builds them from the resolved JSON and these are not used.
+
+`optim.name`: torch's AdamW, or bitsandbytes' AdamW8bit / PagedAdamW8bit (Dettmers et al. 2022,
+"8-bit Optimizers via Block-wise Quantization"): Adam's m and v as uint8 codes in blocks of 256
+with one fp32 maximum per block (bitsandbytes 0.50). DeepSpeed steps it as a client optimizer over
+its fp32 master partitions (ZeRO-0/1/2; config/layout.py refuses optimizer offload and ZeRO-3), so
+the master weights stay fp32 and only the moments shrink: 2 bytes per trained parameter instead of
+8. Tensors under bitsandbytes' `min_8bit_size` (4096 elements: norms, under ZeRO-0 in fp32) keep
+32-bit moments, as in bitsandbytes. On CPU the 8-bit optimizers run too; the paged one warns and
+runs unpaged (paging needs CUDA unified memory). DeepSpeed 0.19.8's ZeRO-1/2 checkpoint (rigid, its
+default) stores the base optimizer's own `state_dict()`, which bitsandbytes writes and reads whole
+(codes, block maxima and maps): a resume on the same layout is exact (tests/e2e/test_optim_8bit.py).
+Its universal checkpoint (a resume on another layout) knows only Adam's exp_avg / exp_avg_sq, so that
+resume is refused (runtime/resume.py).
 """
 
 from __future__ import annotations
@@ -11,7 +24,9 @@ from typing import Any
 
 import torch
 
+from llm_train.config.layout import EIGHT_BIT_OPTIMIZERS
 from llm_train.config.recipe import OptimSection
+from llm_train.errors import UserError
 
 
 def lr_factor(step: int, optim: OptimSection, max_steps: int) -> float:
@@ -58,8 +73,32 @@ def build_optimizer(
             adamw_mode=True,
             fp32_optimizer_states=optim.state_dtype == "fp32",
         )
+    if optim.name in EIGHT_BIT_OPTIMIZERS:
+        import bitsandbytes as bnb
+
+        eight_bit = bnb.optim.PagedAdamW8bit if optim.name == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return eight_bit(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
     fused = torch.cuda.is_available()  # fused AdamW: one kernel for all params on CUDA
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
+
+
+def is_eight_bit(optimizer: Any) -> bool:
+    """The optimizer DeepSpeed steps (inside its ZeRO or bf16 wrapper) is one of bitsandbytes' 8-bit ones."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return hasattr(inner, "name2qmap") and hasattr(inner, "fill_qmap")
+
+
+def check_optimizer_package(optim: OptimSection) -> None:
+    """Refuse in one line, before any worker starts, an 8-bit optimizer on a machine without bitsandbytes."""
+    if optim.name not in EIGHT_BIT_OPTIMIZERS:
+        return
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            f"optim.name={optim.name} needs bitsandbytes, which does not import ({exc}); pip install "
+            "'llm_train[qlora]' (or pip install bitsandbytes), or set optim.name=adamw"
+        ) from None
 
 
 def build_scheduler(

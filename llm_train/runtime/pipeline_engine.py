@@ -29,9 +29,11 @@ from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
 from llm_train.runtime.export import reference_input_ids, write_reference
+from llm_train.runtime.model import loss_tokens
 from llm_train.runtime.objectives import LanguageModeling, Objective
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
+    ChunkedCausalLMLoss,
     LayerMap,
     build_pipeline_module,
     export_pipeline,
@@ -101,7 +103,10 @@ class PipelineEngine:
             )
         # Each stage builds and loads only its own layers, before the engine exists.
         interval = 1 if self.run.recipe.memory.activation_checkpointing else 0
-        self.module = build_pipeline_module(self.config, self.run.layout.pp, interval)
+        chunked = self.run.recipe.memory.tiled_loss
+        self.module = build_pipeline_module(
+            self.config, self.run.layout.pp, interval, loss_tokens(self.run) if chunked else None
+        )
         load_stage_weights(self.module, self.run, self.config, self.names)
         grid = self.module._grid
         expected = self.run.layout.dp_rank(collectives.rank())
@@ -188,6 +193,9 @@ class PipelineEngine:
         _, logits = self.ds.eval_batch(iter([pair]), return_logits=True, num_micro_batches=1)
         self.ds.reset_activation_shape()
         holder = self.ds.is_last_stage() and self.ds.grid.get_data_parallel_id() == 0
+        if holder and isinstance(self.module.loss_fn, ChunkedCausalLMLoss):
+            with torch.no_grad():  # the chunked loss took the output layer: the stage returned hidden states
+                logits = self.module.loss_fn.head(logits)
         gathered = collectives.WORLD.gather_objects(logits.detach().cpu() if holder else None)
         return input_ids, next(t for t in gathered if t is not None)
 

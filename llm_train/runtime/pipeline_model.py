@@ -7,6 +7,7 @@ list of pipeline layers that pass plain tensors:
     decoder layer i (+ its RoPE)   (hidden, position_ids) -> (hidden, position_ids)   x L
     final norm                     (hidden, position_ids) -> hidden
     LM head (or the tied embedding) hidden               -> logits
+    (memory.tiled_loss: the head runs inside the loss, in chunks: `chunk_the_loss`)
 
 DeepSpeed partitions the list over stages by parameter count, runs micro-batches
 (= gradient accumulation steps) through a 1F1B schedule in `engine.train_batch`, and
@@ -33,7 +34,9 @@ from torch import nn
 
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
+from llm_train.planning.memory import loss_chunks
 from llm_train.runtime import collectives
+from llm_train.runtime.chunked_loss import token_logps
 from llm_train.runtime.model import model_config
 
 if TYPE_CHECKING:
@@ -164,6 +167,41 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+class ChunkedCausalLMLoss:
+    """`causal_lm_loss` from the last stage's final hidden states, by the chunked loss (memory.tiled_loss):
+    the output layer runs inside the loss, chunk by chunk (runtime/chunked_loss.py), never whole."""
+
+    def __init__(
+        self, head: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter], chunks: int
+    ) -> None:
+        self.head, self.params, self.chunks = head, params, chunks
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # token t predicts label t+1
+        logps = token_logps(self.head, self.params, hidden, shifted, self.chunks)
+        return -logps.sum() / (shifted != -100).sum()
+
+
+def _hidden(hidden: torch.Tensor) -> torch.Tensor:
+    """The last stage's output layer under the chunked loss: the hidden states pass to the loss as they are."""
+    return hidden
+
+
+def chunk_the_loss(module: PipelineModule, config: PretrainedConfig, tokens: int) -> None:
+    """On the last stage, move the output layer from the layers into the loss (ChunkedCausalLMLoss).
+
+    Its parameters stay where DeepSpeed registered them (the module or the tied embedding), so the
+    optimizer, the tied-weight all-reduce and checkpoints see nothing different.
+    """
+    if module.stage_id != module.num_stages - 1:
+        return
+    head = module.forward_funcs[-1]
+    owner = head.args[0] if isinstance(head, partial) else head  # the tied embedding, or HeadPipe
+    chunks = loss_chunks(tokens, config.vocab_size)
+    module.forward_funcs[-1] = _hidden
+    module.loss_fn = ChunkedCausalLMLoss(head, list(owner.parameters()), chunks)
+
+
 # ---------------------------------------------------------------- names: HF <-> pipeline
 
 
@@ -227,7 +265,10 @@ def layer_specs(config: PretrainedConfig) -> list[Any]:
     return [embed, *decoders, LayerSpec(NormPipe, config), head]
 
 
-def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_interval: int) -> PipelineModule:
+def build_pipeline_module(
+    config: PretrainedConfig, stages: int, checkpoint_interval: int, loss_tokens: int | None = None
+) -> PipelineModule:
+    """This rank's stage of the model; `loss_tokens` (micro-batch rows x seq_len): the chunked loss on them."""
     from deepspeed.pipe import PipelineModule
 
     class HFPipelineModule(PipelineModule):
@@ -248,6 +289,8 @@ def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_inte
         checkpointable_layers=["DecoderPipe"],
     )
     module.config = config  # checkpoints save it next to the engine state (resume.save_run_state)
+    if loss_tokens is not None:
+        chunk_the_loss(module, config, loss_tokens)
     return module
 
 

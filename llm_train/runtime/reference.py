@@ -50,8 +50,8 @@ from llm_train.errors import UserError
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import WORLD
 from llm_train.runtime.engine import to_device
-from llm_train.runtime.model import build_model
-from llm_train.runtime.objectives import Forward, iter_pairs, sequence_logps
+from llm_train.runtime.model import build_model, loss_tokens
+from llm_train.runtime.objectives import Forward, iter_pairs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -175,7 +175,7 @@ class CachedReference:
             )
             labels = batch.pop("labels")
             batch.pop("reference_logps", None)
-            sums, _ = sequence_logps(self.forward(batch), labels)
+            sums = self.forward(batch, labels)
             mine.append((units, sums.detach().float().cpu().view(2, -1).T.numpy()))
         out = np.full((n, 2), np.nan, dtype=np.float32)
         for rank_results in WORLD.gather_objects(mine):
@@ -219,7 +219,14 @@ def frozen_reference(run: Resolved, device: str | None) -> torch.nn.Module:
     memory = recipe.memory.model_copy(
         update={"activation_checkpointing": False, "offload_checkpoints": False}
     )
-    model = build_model(recipe.model, memory, run.layout.precision, recipe.optim.seed, device=device)
+    model = build_model(
+        recipe.model,
+        memory,
+        run.layout.precision,
+        recipe.optim.seed,
+        device=device,
+        loss_tokens=loss_tokens(run),
+    )
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=inference_ds_config(run.ds_config))
     engine.eval()

@@ -74,6 +74,7 @@ from llm_train.runtime.export import write_reference_file
 from llm_train.runtime.file_sync import FileSync
 from llm_train.runtime.master_digest import DIGEST_KEY, live_master_digest
 from llm_train.runtime.nvme_swap import restore_swapped_state
+from llm_train.runtime.optim import is_eight_bit
 from llm_train.runtime.universal import ensure_universal, universal_dir
 
 if TYPE_CHECKING:
@@ -725,6 +726,12 @@ def restore_run_state(
         return TrainerState()
     ckpt, layout = resume.checkpoint, resume.layout
     # DeepSpeed's shards are pickles: `ckpt` (and its universal copy) verified against a manifest.
+    if layout.universal and is_eight_bit(engine.optimizer):
+        raise UserError(
+            f"--resume {ckpt}: an 8-bit optimizer (optim.name) resumes only on the layout that wrote the checkpoint "
+            "(DeepSpeed's universal checkpoint carries Adam's fp32 moments only); resume with the same world size "
+            "and DeepSpeed config, or set optim.name=adamw"
+        )
     load_dir = universal_dir(ckpt) if layout.universal else ckpt / "state"
     # A LoRA checkpoint holds the adapters only (save_run_state): the base already loaded stays.
     frozen_left_out = any(not p.requires_grad for p in engine.module.parameters())

@@ -32,7 +32,7 @@ from llm_train.runtime.export import (
 )
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.lora import apply_lora, is_peft_model
-from llm_train.runtime.model import build_model
+from llm_train.runtime.model import build_model, loss_tokens
 from llm_train.runtime.objectives import (
     LanguageModeling,
     Objective,
@@ -130,6 +130,7 @@ class ZeroEngine:
                 recipe.optim.seed,
                 recipe.lora,
                 self._load_device(),
+                loss_tokens=loss_tokens(self.run),
             )
         if staged:
             self._partition_staged_base()
@@ -228,7 +229,10 @@ class ZeroEngine:
             return make_objective(recipe)
         unwrapped = self.accelerator.unwrap_model(self.ds)
         # Under LoRA the reference is the base: the policy's own engine with the adapters switched off.
-        own = reference_forward(self.ds, unwrapped.disable_adapter if recipe.lora is not None else None)
+        chunked = recipe.memory.tiled_loss
+        own = reference_forward(
+            self.ds, unwrapped.disable_adapter if recipe.lora is not None else None, chunked
+        )
         if recipe.preference.reference == "cached":
             scorer = CachedReference(
                 self.run, own, unwrapped.config, self.run.layout.micro_batch_size, self.ds.device
@@ -237,7 +241,7 @@ class ZeroEngine:
         if recipe.lora is not None:
             return make_objective(recipe, live_reference=own)
         self._reference = frozen_reference(self.run, self._load_device())
-        return make_objective(recipe, live_reference=reference_forward(self._reference))
+        return make_objective(recipe, live_reference=reference_forward(self._reference, chunked=chunked))
 
     def token_flops(self) -> TokenFlops | None:
         return model_token_flops(self.model)

@@ -13,7 +13,9 @@ of Llama, Mistral and Qwen2 is tested without DeepSpeed in tests/unit/test_pipel
     pp2         2 processes, 2 stages  micro 8 x accum 2 x dp 1     (ZeRO-1, checkpoint at step 3)
     pp2_resumed pp2 resumed from its step-3 checkpoint
     pp2_dp2     4 processes, 2 stages  micro 8 x accum 1 x dp 2     (ZeRO-0: llm_train's own clipping
-                                                                  across stages, see runtime/pipeline_engine.py)
+                                                                  across stages, see runtime/pipeline_engine.py;
+                                                                  the chunked loss, memory.tiled_loss, on the
+                                                                  last stage, through the tied embedding)
 
 fp32 on CPU: splitting matrices (TP) or layers (PP) changes where numbers are computed, not
 what they are, so the per-step losses agree within 1e-4 (measured: ~1e-6).
@@ -99,7 +101,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     resumed = launch(_args("tiny-cpu-pp2", out["pp2_resumed"], pretrained, 2, "--resume", str(checkpoint)))
     assert_ok(resumed)
     assert_resumed(resumed.stdout, checkpoint, 3)
-    pp2_dp2 = _args("tiny-cpu-pp2", out["pp2_dp2"], pretrained, 1, "--ds-config", "zero0")
+    # The chunked loss on the last stage (memory.tiled_loss): the same losses as the dense one.
+    pp2_dp2 = _args(
+        "tiny-cpu-pp2", out["pp2_dp2"], pretrained, 1, "--ds-config", "zero0", "memory.tiled_loss=true"
+    )
     assert_ok(launch(pp2_dp2, nproc=4))
     return out
 

@@ -66,6 +66,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "optim.max_steps": (RUN_A, "optim.max_steps=4"),
     "optim.epochs": (RUN_B, "optim.epochs=0.02"),
     "optim.seed": (RUN_A, "optim.seed=7"),
+    "optim.name": (RUN_B, "optim.name=adamw_8bit"),
     "optim.state_dtype": (
         "refused",
         "optim.state_dtype=bf16",
@@ -80,7 +81,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "memory.liger_kernels=true is not supported",
     ),
     "memory.tiled_mlp": ("refused", "memory.tiled_mlp=true", "memory.tiled_mlp=true is not supported"),
-    "memory.tiled_loss": ("refused", "memory.tiled_loss=true", "memory.tiled_loss=true is not supported"),
+    "memory.tiled_loss": (RUN_B, "memory.tiled_loss=true"),
     "memory.offload_checkpoints": (
         "refused",
         "memory.offload_checkpoints=true",

@@ -181,6 +181,7 @@ def test_qlora_dpo_with_the_adapter_disabled_reference(cache: Path, tmp_path: Pa
             "lora.dropout=0.0",
             "optim.lr=1e-2",
             "checkpoint.at_end=false",
+            "memory.tiled_loss=true",  # the chunked loss through PEFT, and with the adapters disabled
         )
     )
     assert_ok(result)
@@ -195,8 +196,11 @@ def test_a_live_frozen_reference_trains_as_the_cached_one(
 ) -> None:
     reference_dir, _ = baseline
     run_dir = tmp_path / "live"
-    # Three steps, all inside the 4-step warmup, so the LR is the baseline's at each of them.
-    args = _args(run_dir, cache, "preference.reference=live", "checkpoint.at_end=false")
+    # Three steps, all inside the 4-step warmup, so the LR is the baseline's at each of them. The chunked
+    # loss (memory.tiled_loss) scores policy and frozen copy here: the log-probs of the baseline's dense path.
+    args = _args(
+        run_dir, cache, "preference.reference=live", "checkpoint.at_end=false", "memory.tiled_loss=true"
+    )
     args[args.index(f"--max-steps={STEPS}")] = "--max-steps=3"
     result = launch(args)
     assert_ok(result)

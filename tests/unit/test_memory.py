@@ -15,6 +15,7 @@ import pytest
 from llm_train.errors import UserError
 from llm_train.planning.memory import (
     CUDA_CONTEXT_BYTES,
+    NORM_UPCAST_BYTES_PER_HIDDEN,
     GiB,
     MemoryEstimate,
     activation_bytes_per_layer,
@@ -184,9 +185,46 @@ def test_swiglu_intermediates_are_what_autograd_keeps() -> None:
     assert sum(saved.values()) == s * mlp_intermediate_bytes_per_token(shape) == s * 8 * i
 
 
+def test_lora_adapters_are_counted_on_the_target_modules_only() -> None:
+    # r=8 on q and v of Llama-2-7B: A (8 x 4096) and B (4096 x 8) per projection and layer.
+    assert LLAMA2_7B.lora_params(8, ("q_proj", "v_proj")) == 32 * 2 * 8 * (4096 + 4096)
+    assert LLAMA2_7B.lora_params(8) == LLAMA2_7B.lora_params(
+        8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+    qv = MemoryInputs.of(shape=LLAMA2_7B, world_size=1, lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    every = MemoryInputs.of(shape=LLAMA2_7B, world_size=1, lora_rank=8)
+    ratio = (
+        estimate_memory(qv).gpu_terms["optimizer_states"]
+        / estimate_memory(every).gpu_terms["optimizer_states"]
+    )
+    assert ratio == pytest.approx(LLAMA2_7B.lora_params(8, ("q_proj", "v_proj")) / LLAMA2_7B.lora_params(8))
+
+
+def test_rms_norm_keeps_an_fp32_copy_of_its_16_bit_input() -> None:
+    # NORM_UPCAST_BYTES_PER_HIDDEN: transformers' RMSNorm upcasts to fp32 and autograd keeps the upcast
+    # (4 bytes per element, counted here as torch saves it), for each of a layer's two norms.
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    h, s = 64, 96
+    norm = LlamaRMSNorm(h).to(torch.bfloat16)
+    x = torch.randn(1, s, h, dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, tuple[int, torch.dtype]] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = (t.numel(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        norm(x)
+    fp32_copies = [n for n, dtype in saved.values() if dtype == torch.float32 and n == s * h]
+    assert len(fp32_copies) == 1 and 2 * 4 * len(fp32_copies) == NORM_UPCAST_BYTES_PER_HIDDEN
+
+
 def test_estimate_activations_by_hand() -> None:
     s, b, h, n_layers = 2048, 1, 4096, 32
-    layer = s * b * PER_TOKEN_7B
+    # bf16 (the default): each layer's two RMSNorms also keep their fp32 inputs.
+    layer = s * b * (PER_TOKEN_7B + NORM_UPCAST_BYTES_PER_HIDDEN * h)
 
     def acts(**kw: object) -> int:
         inp = MemoryInputs.of(shape=LLAMA2_7B, world_size=8, micro_batch=b, seq_len=s, **kw)  # type: ignore[arg-type]
@@ -201,10 +239,11 @@ def test_estimate_activations_by_hand() -> None:
 
 
 def test_logits_by_hand() -> None:
-    # vocab 32000 x s 2048 x b 1 x 4 bytes (fp32), x 2 for the gradient = 524,288,000
-    assert logits_bytes(LLAMA2_7B, 2048, 1) == 32000 * 2048 * 1 * 4 * 2 == 524_288_000
+    # vocab 32000 x s 2048 x b 1 x 12 bytes (logits, fp32 copy, log-softmax, its two gradients at the
+    # peak; measured in tests/unit/test_memory_lines.py) = 786,432,000
+    assert logits_bytes(LLAMA2_7B, 2048, 1) == 32000 * 2048 * 1 * 12 == 786_432_000
     est = estimate_memory(MemoryInputs.of(shape=LLAMA2_7B, world_size=1, micro_batch=4, seq_len=1024))
-    assert est.gpu_terms["logits_and_loss"] == 32000 * 1024 * 4 * 4 * 2
+    assert est.gpu_terms["logits_and_loss"] == 32000 * 1024 * 4 * 12
 
 
 def test_context_and_slack() -> None:

@@ -53,7 +53,6 @@ def test_pairs_and_preference_objectives_come_together() -> None:
             ["data.packing=packed"],
             r"objective=dpo trains each pair as two padded rows.*set data.packing=padded",
         ),
-        (["memory.tiled_loss=true"], r"memory.tiled_loss=true .* set memory.tiled_loss=false"),
         (
             ["objective=simpo", "preference.reference=live"],
             r"simpo is reference-free: remove preference.reference",
@@ -66,7 +65,7 @@ def test_pairs_and_preference_objectives_come_together() -> None:
         (["data.train=[{path: p.jsonl, format: preference, overlong: split}]"], r"overlong"),
         (["preference.label_smoothing=0.5"], r"label_smoothing"),
     ],
-    ids=["packed", "tiled-loss", "simpo-live", "gamma-for-dpo", "streaming", "split", "smoothing-0.5"],
+    ids=["packed", "simpo-live", "gamma-for-dpo", "streaming", "split", "smoothing-0.5"],
 )
 def test_what_pairs_cannot_use_is_refused_in_one_line(overrides: list[str], match: str) -> None:
     _refused("tiny-cpu-dpo", overrides, match)
@@ -210,9 +209,9 @@ def test_the_cached_reference_scores_once_reads_after_and_rescores_what_does_not
     calls: list[int] = []
     own = reference_forward(model)
 
-    def counted(batch: dict) -> torch.Tensor:
+    def counted(batch: dict, labels: torch.Tensor) -> torch.Tensor:
         calls.append(batch["input_ids"].shape[0])
-        return own(batch)
+        return own(batch, labels)
 
     scorer = CachedReference(run, counted, model.config, micro_batch=2, device=torch.device("cpu"))
     said: list[str] = []

@@ -1,8 +1,8 @@
-"""The ALST memory switches: tiled MLP, tiled loss and checkpoint offload give the untiled model's losses and gradients.
+"""The ALST memory switches: tiled MLP and checkpoint offload give the untiled model's losses and gradients
+(the tiled loss: tests/unit/test_chunked_loss.py, with the same model and tolerance).
 
 A 2-layer fp32 Llama with hidden 32 and sequences of 256 tokens: the MLP runs in
-ceil(256 / 32) = 8 tiles, and the loss in 8 tiles when a tile may hold 256 x 256 x 4 / 8 bytes
-of logits. The only difference from the untiled model is then the order in which fp32 sums are
+ceil(256 / 32) = 8 tiles. The only difference from the untiled model is then the order in which fp32 sums are
 taken (a weight gradient is a sum over the tokens; here it is summed per tile, then over tiles):
 observed differences are ~1e-9 on gradients of magnitude ~1e-2 and ~1e-6 on a loss of ~5.5
 (fp32 relative rounding, 6e-8, times a few hundred terms), so 1e-5 absolute is two orders
@@ -27,12 +27,11 @@ from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.model import build_model
-from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
+from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
 from tests.optional import require
 
 HIDDEN, SEQ, VOCAB, LAYERS = 32, 256, 256, 2
 TILES = 8
-LOSS_TILE_BYTES = SEQ * VOCAB * 4 // TILES  # fp32 logits of one row, in 8 tiles
 TOL = 1e-5
 
 Grads = dict[str, torch.Tensor]
@@ -166,97 +165,6 @@ def test_tiled_mlp_under_lora_applied_afterwards_differentiates_the_loss_it_comp
     result = loss_and_grads(lora_of(tiled, lora), input_ids=input_ids, labels=labels)
     assert_same(expected, result)
     assert any("lora_A" in name for name in result[1]) and not any("embed" in name for name in result[1])
-
-
-# --- tiled loss ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("tie", [False, True])
-def test_tiled_loss_with_labels_matches_the_model_loss_and_never_builds_whole_logits(tie: bool) -> None:
-    plain = tiny_llama(tie)
-    tiled = copy.deepcopy(plain)
-    enable_tiled_loss(tiled, tile_bytes=LOSS_TILE_BYTES)
-    input_ids, labels = batch()
-    tokens, ready = calls_of(tiled.lm_head), readiness_of(tiled.lm_head.weight)
-    reference = loss_and_grads(plain, input_ids=input_ids, labels=labels)
-    result = loss_and_grads(tiled, input_ids=input_ids, labels=labels)
-    assert_same(reference, result)
-    assert tokens == [2 * SEQ // TILES] * (2 * TILES)  # forward tiles, then their recomputation
-    if tie:  # one weight with the input embedding: ready only once the embedding's gradient is in
-        assert ready == [False] * TILES + [True]
-    else:
-        assert ready == [False] * (TILES - 1) + [True]
-
-
-def test_tiled_loss_takes_already_shifted_labels_and_a_token_count_as_sequence_parallelism_passes() -> None:
-    plain = tiny_llama()
-    tiled = copy.deepcopy(plain)
-    enable_tiled_loss(tiled, tile_bytes=LOSS_TILE_BYTES)
-    input_ids, labels = batch()
-    shift = shifted(labels)
-    reference = loss_and_grads(plain, input_ids=input_ids, labels=labels)
-    # The engine's SP call: one rank's chunk, its already-shifted labels, no `labels`.
-    assert_same(reference, loss_and_grads(tiled, input_ids=input_ids, shift_labels=shift, use_cache=False))
-    # Untiled, transformers computes a loss only when `labels` is set; then shift_labels wins.
-    assert_same(reference, loss_and_grads(plain, input_ids=input_ids, labels=shift, shift_labels=shift))
-    # A share of a group's mean: summed token losses over the group's count, as transformers does.
-    group = torch.tensor(3 * int((shift != -100).sum()))
-    share = dict(input_ids=input_ids, labels=shift, shift_labels=shift, num_items_in_batch=group)
-    assert_same(loss_and_grads(plain, **share), loss_and_grads(tiled, **share))
-    position_ids = torch.arange(SEQ).expand(2, SEQ)
-    chunk = dict(input_ids=input_ids, position_ids=position_ids, shift_labels=shift, use_cache=False)
-    assert_same(reference, loss_and_grads(tiled, **chunk))
-
-
-def test_tiled_loss_scales_every_gradient_with_the_loss_the_output_layer_included() -> None:
-    # DeepSpeed divides the loss by the accumulation steps before backward (fp16 also multiplies it
-    # by the loss scale): the output layer's gradient, computed tile by tile, must follow.
-    plain = tiny_llama()
-    tiled = copy.deepcopy(plain)
-    enable_tiled_loss(tiled, tile_bytes=LOSS_TILE_BYTES)
-    input_ids, labels = batch()
-    reference = loss_and_grads(plain, scale=0.25, input_ids=input_ids, labels=labels)
-    assert_same(reference, loss_and_grads(tiled, scale=0.25, input_ids=input_ids, labels=labels))
-
-
-def test_tiled_loss_of_no_tokens_is_nan_with_zero_gradients_as_transformers_gives() -> None:
-    plain = tiny_llama()
-    tiled = copy.deepcopy(plain)
-    enable_tiled_loss(tiled, tile_bytes=LOSS_TILE_BYTES)
-    input_ids, labels = batch()
-    nothing = torch.full_like(labels, -100)
-    for model in (plain, tiled):
-        loss, grads = loss_and_grads(model, input_ids=input_ids, labels=nothing)
-        assert math.isnan(loss)
-        assert all(torch.count_nonzero(g) == 0 for g in grads.values())
-
-
-def test_tiled_loss_keeps_the_model_forward_without_labels_and_drops_logits_with_them() -> None:
-    plain = tiny_llama().eval()
-    tiled = copy.deepcopy(plain)
-    enable_tiled_loss(tiled, tile_bytes=LOSS_TILE_BYTES)
-    input_ids, labels = batch()
-    with torch.no_grad():
-        assert torch.equal(tiled(input_ids=input_ids).logits, plain(input_ids=input_ids).logits)
-        assert torch.equal(tiled(input_ids[:, :5], use_cache=True).logits, plain(input_ids[:, :5]).logits)
-        evaluated = tiled(input_ids=input_ids, labels=labels)  # evaluation at training length: tiled too
-        assert evaluated.logits is None
-        assert evaluated.loss.item() == pytest.approx(
-            plain(input_ids=input_ids, labels=labels).loss.item(), abs=TOL
-        )
-    generated = tiled.generate(input_ids[:1, :4], max_new_tokens=3, do_sample=False)
-    assert torch.equal(generated, plain.generate(input_ids[:1, :4], max_new_tokens=3, do_sample=False))
-    # The instance is patched, not the class; a copy of the model calls its own weights.
-    clone = copy.deepcopy(tiled)
-    assert type(tiled) is type(plain) and "forward" not in vars(plain) and clone.forward.__self__ is clone
-    assert tiled.loss_function is plain.loss_function
-
-
-def test_tiled_loss_refuses_models_that_transform_their_logits() -> None:
-    model = tiny_llama()
-    model.config.final_logit_softcapping = 30.0  # Gemma 2's soft-capping
-    with pytest.raises(UserError, match=r"^memory\.tiled_loss: .*final_logit_softcapping=30\.0"):
-        enable_tiled_loss(model)
 
 
 # --- checkpoint offload --------------------------------------------------------------------------
