@@ -513,3 +513,25 @@ def test_70b_two_card_start_up_is_the_checkpoint_read_not_the_quantiser() -> Non
     assert staged_load(dataclasses.replace(inp, quantize="none", lora_rank=16), drive, link) is None
     text = render(plan_recipe("70b-qlora-2x4090", [], 2, "RTX 4090", None, 128, detect=False))
     assert f"start-up: the 4-bit base loads in ~{on_gpu.total:.0f} s, at every start and resume" in text, text
+
+
+def test_the_70b_recipe_header_states_the_planners_host_ram_and_start_up() -> None:
+    import re
+
+    from llm_train.config.hardware import NVME_READ_BYTES_PER_S
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import estimate_memory
+    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.speed import staged_load
+
+    header = " ".join(
+        line.lstrip("# ").strip()
+        for line in (Path(__file__).parents[2] / "recipes" / "70b-qlora-2x4090.yaml").read_text().splitlines()
+        if line.startswith("#")
+    )
+    run = resolve_run("70b-qlora-2x4090", [], world_size=2)
+    inp = memory_inputs(run, shape_of("meta-llama/Llama-3.1-70B"))
+    host = re.search(r"host RAM ~([\d.]+) GiB", header)
+    assert host and float(host[1]) == round(estimate_memory(inp).host_bytes / GiB, 1), header
+    load = staged_load(inp, NVME_READ_BYTES_PER_S, 31.5e9)  # an RTX 4090's PCIe 4.0 x16
+    assert load is not None and 30 <= load.total < 90 and "Start-up: ~1 minute" in header
