@@ -14,8 +14,10 @@ A  probe (GPU, MemTotal, disk, libaio, versions, the cap works, a bitsandbytes r
    (bench/mfu_matrix.py) in order of value with the time left;
 B  probe, then the full fine-tunes (bench/full_ft.py: DeepSpeed's ops built first, 7B with its optimizer on
    the CPU under 24 GiB, the NVMe pair or "skipped: no libaio", the copy times of each pinning choice),
-   then the speed cases A could not fit (`--after A.jsonl`: A's measured lines are read, not run again,
-   and the later cases compare with them).
+   then, while the time holds, the staged QLoRA load (bench/consumer.py `staged_load_case`: an 8B base
+   quantised on the GPU weight by weight, its GPU and host peaks, time and weights/s), then the speed
+   cases A could not fit (`--after A.jsonl`: A's measured lines are read, not run again, and the later
+   cases compare with them).
 
 The required cases' boxes add up within the part's limit (tests/unit/test_bench_harness.py holds them to
 it from the costs the code assumes); the speed cases are optional: one runs only while the time left
@@ -87,7 +89,7 @@ PARTS = {
         mfu_matrix.ORDER,
         ["baseline", "hf_trainer", "llm_train_vs_hf_trainer", "doc_isolation"],
     ),
-    "B": Part([PROBE, *full_ft.cases()], mfu_matrix.ORDER, ["liger_compile"]),
+    "B": Part([PROBE, *full_ft.cases(), consumer.staged_load_case()], mfu_matrix.ORDER, ["liger_compile"]),
 }
 
 

@@ -102,6 +102,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
             else {}
         ),
         quantize=quantize,
+        quantize_on="gpu" if on_gpu else "cpu",  # the run's own device (runtime/zero_engine.py _staged_load)
         zero_init=zero_init_for(quantize),
         direct_load=recipe.model.init == "pretrained",
         state_dtype=recipe.optim.state_dtype,

@@ -106,10 +106,16 @@ model (`direct_load=False`) is built whole on the host first.
 QLoRA (`quantize`): the decoder layers' linear weights in 4 or 8 bits, the rest 16-bit
 (planning/quantized.py), plus one dequantised 16-bit copy of the layer computing. Under ZeRO-0/1/2
 the base loads straight onto each GPU. Under ZeRO-3 an nf4 base is staged on the host, whole on every
-rank (transformers skips zero.Init for a quantised model), and zero.Init(module=...) partitions it from
-there tensor by tensor (runtime/quantize.py): the host's load peak is ranks x (the staged base + the
-quantiser's working set and the loader's freed temporaries, measured: QUANTIZE_*_BYTES_PER_WEIGHT), the GPU never
-holds more than one whole tensor of it (less than the gathered module training holds). The packed
+rank (transformers skips zero.Init for a quantised model), each weight quantised as it loads on the run's
+device (`quantize_on`), and zero.Init(module=...) partitions it from there tensor by tensor
+(runtime/quantize.py). Quantised on the CPU (a CPU run), the host's load peak is ranks x (the staged base
++ the quantiser's working set and the loader's freed temporaries, measured: QUANTIZE_*_BYTES_PER_WEIGHT).
+Quantised on the GPU, one weight at a time with its codes sent back to the host, the host holds the staged
+base less its quantisation state (that stays on the GPU), the largest weight as read and its codes, and
+the same freed temporaries (measured on the CPU path: an upper bound, the GPU path frees no fp32
+copies); the GPU holds the state of the whole base and the weight being quantised
+(quantized.staged_quantize_gpu_bytes), far less than training. zero.Init never holds more than one
+whole tensor of it on the GPU (less than the gathered module training holds). The packed
 codes are partitioned like any weight (and offloaded with offload_param: cpu); the quantisation state
 (absmax, NF4_STATE_BYTES_PER_WEIGHT) is no parameter and stays whole on every GPU. An int8 base under
 ZeRO-3 still loads whole onto each GPU first (its scales are not moved off it), so there the GPU's peak
@@ -136,11 +142,13 @@ from llm_train.planning.host_offload import (
 )
 from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError, MemoryInputs
 from llm_train.planning.quantized import (
+    NF4_PACKED_BYTES_PER_WEIGHT,
     base_weight_bytes,
     dequantized_layer_bytes,
     largest_quantized_weight,
     quantization_state_bytes,
     quantized_weight_params,
+    staged_quantize_gpu_bytes,
 )
 from llm_train.planning.shapes import ModelShape
 from llm_train.units import GiB
@@ -691,14 +699,22 @@ def attention_mask_bytes(inp: MemoryInputs) -> float:
 
 
 def gpu_peak_bytes(inp: MemoryInputs, split: ModelSplit, training: int) -> int:
-    """The GPU's peak: training, or an int8 QLoRA load under ZeRO-3 when it is larger.
+    """The GPU's peak: training, or a QLoRA load under ZeRO-3 when it is larger (model_load_gpu_bytes)."""
+    return max(training, int(model_load_gpu_bytes(inp, split)))
+
+
+def model_load_gpu_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
+    """What a QLoRA base under ZeRO-3 holds on each GPU while it loads, before training (0: no such phase).
 
     transformers loads an int8 base whole onto each GPU (it skips zero.Init); the ZeRO-3 engine then
-    partitions it. An nf4 base is staged on the host instead (module docstring).
+    partitions it. An nf4 base is staged on the host instead, quantised on the GPU weight by weight
+    (module docstring): the quantisation state of the base and the weight being quantised.
     """
     if inp.quantize == "int8" and inp.zero_stage == 3 and inp.zero_partitions > 1:
-        return max(training, int(split.quantized_base + CUDA_CONTEXT_BYTES))
-    return training
+        return split.quantized_base + CUDA_CONTEXT_BYTES
+    if inp.quantize == "nf4" and inp.zero_stage == 3 and inp.quantize_on == "gpu":
+        return staged_quantize_gpu_bytes(inp.shape, split.weight_bytes) + CUDA_CONTEXT_BYTES
+    return 0.0
 
 
 # --- host terms (per node: `ranks_per_node` processes share it) -------------------------------------------
@@ -781,9 +797,17 @@ def model_load_peak_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
     if inp.quantize == "nf4" and inp.zero_stage == 3:
         # Staged on the host, whole on every rank, then partitioned from there (module docstring).
         staged = base_weight_bytes(inp.shape, inp.quantize, weight_bytes)
-        workspace = QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT * largest_quantized_weight(inp.shape)
+        largest = largest_quantized_weight(inp.shape)
         retained = QUANTIZE_RETAINED_BYTES_PER_WEIGHT * quantized_weight_params(inp.shape)
-        return ranks * (staged + workspace + retained)
+        if inp.quantize_on == "cpu":
+            workspace = QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT * largest
+            return ranks * (staged + workspace + retained)
+        # Quantised on the GPU: the state stays there; the host holds the weight read from the checkpoint
+        # and its codes coming back. The freed temporaries: the CPU path's measurement, an upper bound
+        # until bench/gpu_run.sh B measures this path (bench/qlora_staged_load.py --staging cuda).
+        state = quantization_state_bytes(inp.shape, inp.quantize)
+        in_flight = largest * (weight_bytes + NF4_PACKED_BYTES_PER_WEIGHT)
+        return ranks * (staged - state + in_flight + retained)
     if inp.zero_init or (inp.direct_load and inp.pp == 1):
         # zero.Init, or straight onto the GPU: no rank materialises the model on the host; each
         # reads one checkpoint shard at a time and keeps only its own tensors, on its device.

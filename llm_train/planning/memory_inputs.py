@@ -26,7 +26,7 @@ from llm_train.config.layout import (
 )
 from llm_train.errors import UserError
 from llm_train.planning.host_offload import PINNINGS, SwapSettings
-from llm_train.planning.quantized import QUANTIZE_MODES
+from llm_train.planning.quantized import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py) the inputs start from.
@@ -97,6 +97,10 @@ class MemoryInputs:
     """lora.dropout > 0: PEFT keeps a dropped-out copy of each adapted layer's input for backward."""
     quantize: str = "none"
     """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
+    quantize_on: str = "gpu"
+    """Where an nf4 base staged on the host under ZeRO-3 is quantised as it loads (runtime/quantize.py
+    `quantizing_on`): "gpu", one weight at a time on the run's GPU, or "cpu" (a CPU run: bitsandbytes' CPU
+    backend)."""
     direct_load: bool = True
     """Pretrained weights read tensor by tensor onto the GPU or into zero.Init's partitions (False: a
     randomly initialised model, built whole on the host first)."""
@@ -182,6 +186,10 @@ class MemoryInputs:
         if self.quantize not in QUANTIZE_MODES:
             raise MemoryInputError(
                 f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got '{self.quantize}'"
+            )
+        if self.quantize_on not in QUANTIZE_DEVICES:
+            raise MemoryInputError(
+                f"quantize_on must be one of {', '.join(QUANTIZE_DEVICES)}, got '{self.quantize_on}'"
             )
         if self.quantize != "none" and self.lora_rank is None:
             raise MemoryInputError("quantize needs lora_rank: a quantised base trains adapters only (QLoRA)")

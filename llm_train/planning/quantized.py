@@ -14,6 +14,13 @@ Biases stay 16-bit.
 While a quantised layer computes, bitsandbytes dequantises its weight to the compute dtype (in
 forward, and again for the input gradient in backward): one 16-bit copy of the layer being
 computed exists at a time.
+
+Quantising one weight of n elements on the GPU (a staged base: runtime/quantize.py `quantizing_on`;
+bitsandbytes 0.50.2 `functional.quantize_4bit` and its CUDA kernel, backends/cuda/ops.py 384-420)
+allocates there, besides the 16-bit weight itself: the packed codes (n / 2 B), the fp32 absmax of each
+block of 64 (4n / 64 B) and, for double quantisation, that absmax less its mean (another 4n / 64 B),
+which `quantize_blockwise` turns into the one-byte absmax and nested fp32 absmax of the state; the
+fp32 absmax and its difference are freed once the state exists.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 from llm_train.planning.shapes import ModelShape
 
 QUANTIZE_MODES = ("none", "nf4", "int8")
+QUANTIZE_DEVICES = ("gpu", "cpu")
 QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
@@ -31,6 +39,8 @@ NF4_PACKED_BYTES_PER_WEIGHT = 0.5
 # never partitions or offloads it; the run keeps it whole on every GPU (runtime/quantize.py).
 NF4_STATE_BYTES_PER_WEIGHT = 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_NESTED_BLOCK)
 NF4_BYTES_PER_WEIGHT = NF4_PACKED_BYTES_PER_WEIGHT + NF4_STATE_BYTES_PER_WEIGHT
+# Beyond the 16-bit weight and its state: what quantising it on the GPU holds at once (module docstring).
+NF4_QUANTIZE_TEMPORARY_BYTES_PER_WEIGHT = NF4_PACKED_BYTES_PER_WEIGHT + 2 * 4 / NF4_BLOCK
 
 
 def _in_features(shape: ModelShape, module: str) -> int:
@@ -85,3 +95,14 @@ def packed_numel(numel: int, quantize: str, storage_bytes: int) -> int:
     if quantize != "nf4":
         return numel
     return math.ceil(numel * NF4_PACKED_BYTES_PER_WEIGHT / storage_bytes)
+
+
+def staged_quantize_gpu_bytes(shape: ModelShape, weight_bytes: int) -> float:
+    """The GPU's bytes while an nf4 base loads quantised there weight by weight (runtime/quantize.py
+    `quantizing_on`), at the largest weight: the quantisation state of every weight (it stays on the GPU,
+    the run keeps it there), and the largest weight in 16 bits with its codes and absmax temporaries.
+    The packed codes go back to the host as each weight is done: the 4-bit base is never on the GPU."""
+    largest = largest_quantized_weight(shape)
+    return quantization_state_bytes(shape, "nf4") + largest * (
+        weight_bytes + NF4_QUANTIZE_TEMPORARY_BYTES_PER_WEIGHT
+    )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from llm_train.config.hardware import GPU_HEADROOM, DriveSpeeds, Hardware, hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.checkpoint_cost import checkpoint_lines
+from llm_train.planning.checkpoint_cost import _duration, checkpoint_lines
 from llm_train.planning.fit import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
@@ -37,7 +37,7 @@ from llm_train.planning.search import (
     without_nvme,
 )
 from llm_train.planning.shapes import shape_from_config
-from llm_train.planning.speed import reference_pass_seconds
+from llm_train.planning.speed import reference_pass_seconds, staged_load
 
 # --- the report -------------------------------------------------------------------------------------
 
@@ -313,6 +313,8 @@ def plan_recipe(
     if run.notice:
         report.notes.append(run.notice)
     report.notes.extend(f"checkpoints: {line}" for line in checkpoint_lines(run))
+    if start := start_up_note(base, hw):
+        report.notes.append(start)
     tight = hw.kind == "cuda" and ev.device_bytes > hw.gpu_limit_bytes
     if not ev.fits or tight:
         report.fixes = search_fixes(base, run.layout.grad_accum, hw, run.recipe, nvme_bytes=nvme)
@@ -336,6 +338,25 @@ def plan_recipe(
             "free per node (and that it exists and is writable)"
         )
     return report
+
+
+def start_up_note(inp: MemoryInputs, hw: Hardware) -> str | None:
+    """How long an nf4 base staged under ZeRO-3 takes to load (speed.staged_load), at every start and resume."""
+    load = staged_load(inp, hw.nvme_read_bytes_per_s, hw.pcie_bytes_per_s)
+    if load is None:
+        return None
+    read = (
+        f"each of {inp.ranks_per_node} processes reads the {load.checkpoint_bytes / 1e9:.0f} GB checkpoint "
+        f"({_duration(load.read)} at {hw.nvme_read_bytes_per_s / 1e9:g} GB/s, the drive's: --nvme-read-gbs)"
+    )
+    if inp.quantize_on == "cpu":
+        how = f"{read}, and bitsandbytes quantises it on the CPU ({_duration(load.quantize)})"
+    else:
+        how = (
+            f"{read}, copies each weight to its GPU, where bitsandbytes quantises it, and the codes back "
+            f"({_duration(load.copies)})"
+        )
+    return f"start-up: the 4-bit base loads in ~{_duration(load.total)}, at every start and resume: {how}"
 
 
 def preference_note(ev: Evaluation, objective: str, grad_accum: int, hw: Hardware) -> str:

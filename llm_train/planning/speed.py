@@ -41,7 +41,12 @@ from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.host_offload import nvme_optimizer_bytes
 from llm_train.planning.memory import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.quantized import base_weight_bytes, quantization_state_bytes, quantized_weight_params
+from llm_train.planning.quantized import (
+    NF4_PACKED_BYTES_PER_WEIGHT,
+    base_weight_bytes,
+    quantization_state_bytes,
+    quantized_weight_params,
+)
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
@@ -194,6 +199,52 @@ def _exposed(transfer: float, compute: float, layers: int, pinned: bool) -> floa
     if not pinned:
         return transfer
     return max(0.0, transfer - FETCH_OVERLAP * compute) + transfer / max(1, layers)
+
+
+# bitsandbytes' CPU quantiser, one process with the 2-core test machine to itself: 6.8M and 10.5M weights/s
+# on 2- and 4-layer models of Llama-3-8B's layer shape (bench/results/qlora-staged-load-*).
+CPU_QUANTIZE_WEIGHTS_PER_S = 7e6
+CHECKPOINT_BYTES_PER_PARAM = 2  # public checkpoints are 16-bit
+
+
+@dataclass(frozen=True)
+class StagedLoad:
+    """Start-up of an nf4 base staged on the host under ZeRO-3 (runtime/quantize.py), per node, seconds."""
+
+    read: float
+    """Every rank reads the whole 16-bit checkpoint from the drive (no credit for the page cache)."""
+    copies: float
+    """Each rank's weights to its GPU and their codes back, pageable copies (GPU quantisation)."""
+    quantize: float
+    """bitsandbytes' CPU quantiser (a CPU run); on a GPU its kernel is memory-bound: left out."""
+    checkpoint_bytes: float
+
+    @property
+    def total(self) -> float:
+        # transformers' loader reads, copies and quantises one tensor after another (sync loading with
+        # on-the-fly quantisation): nothing overlaps.
+        return self.read + self.copies + self.quantize
+
+
+def staged_load(
+    inp: MemoryInputs, drive_read_bytes_per_s: float, pcie_bytes_per_s: float
+) -> StagedLoad | None:
+    """How long a staged nf4 base takes to load, by where it is quantised (None: the run stages none).
+
+    Quantised on the GPU, the load is bounded by reading the checkpoint: each of the node's ranks reads all
+    of it at the drive's speed, sharing the drive (when they read in step the page cache serves the later
+    reader, so up to ranks times faster), then copies each weight to its card and the codes back over
+    its own link. On the CPU it is bounded by bitsandbytes' CPU quantiser.
+    """
+    if inp.quantize != "nf4" or inp.zero_stage != 3:
+        return None
+    checkpoint = inp.shape.num_params * CHECKPOINT_BYTES_PER_PARAM
+    weights = quantized_weight_params(inp.shape)
+    read = inp.ranks_per_node * checkpoint / drive_read_bytes_per_s
+    if inp.quantize_on == "cpu":
+        return StagedLoad(read, 0.0, weights / CPU_QUANTIZE_WEIGHTS_PER_S, checkpoint)
+    moved = weights * (CHECKPOINT_BYTES_PER_PARAM + NF4_PACKED_BYTES_PER_WEIGHT)
+    return StagedLoad(read, moved / copy_bytes_per_s("off", pcie_bytes_per_s), 0.0, checkpoint)
 
 
 def dequantize_seconds(inp: MemoryInputs, grad_accum: int, memory_bytes_per_s: float) -> float:

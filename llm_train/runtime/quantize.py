@@ -24,20 +24,24 @@ Under ZeRO-3 (nf4) the base is staged on the host and partitioned before the eng
 `get_init_context`, 5.24: zero.Init is skipped for quantised models) and puts it whole on the current
 GPU, and DeepSpeed's engine moves a model not built under zero.Init to the GPU whole before it
 partitions it (engine.py `_configure_distributed_model`, 0.19.8); a 70B base (~37 GiB packed) fits no
-24 GB card that way. So transformers loads it onto the CPU (device_map cpu, bitsandbytes quantising
-there), `deepspeed.zero.Init(module=...)` partitions it tensor by tensor (each one moved to the GPU
-whole, broadcast from rank 0, cut, and its partition kept on the GPU, or on the host under
-offload_param), and `place_quantization_state` puts what ZeRO never sees on the GPU: each layer's
-quantisation state (absmax, code books: ~1/32 of the packed bytes, a plain attribute, not a
-parameter, so whole on every rank) and the model's buffers.
+24 GB card that way. So transformers loads it onto the CPU (device_map cpu), each weight quantised on
+the staging device as it loads (`quantizing_on`: the GPU of a GPU run, one bf16 weight there at a time,
+its packed codes back to the host, its quantisation state left on the GPU; the CPU of a CPU run),
+`deepspeed.zero.Init(module=...)` partitions it tensor by tensor (each one moved to the GPU whole,
+broadcast from rank 0, cut, and its partition kept on the GPU, or on the host under offload_param), and
+`place_quantization_state` puts what ZeRO never sees on the GPU: each layer's quantisation state
+(absmax, code books: ~1/32 of the packed bytes, a plain attribute, not a parameter, so whole on every
+rank; already there when the GPU quantised it) and the model's buffers.
 
 bitsandbytes 0.50 also runs on CPU (its wheel ships a CPU backend), which is what the tests use.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from llm_train.config.recipe import LoraSection
 from llm_train.errors import UserError
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     import torch
     from bitsandbytes.nn import Linear4bit, Linear8bitLt
     from transformers import BitsAndBytesConfig
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
 INSTALL_HINT = "pip install 'llm_train[qlora]' (or pip install bitsandbytes)"
 
@@ -127,6 +132,98 @@ def staged_on_host(lora: LoraSection | None, zero_stage: int) -> bool:
     """The quantised base loads onto the CPU and is partitioned there by ZeRO-3 (module docstring): nf4
     under ZeRO-3. int8 keeps its scales in `Int8Params.SCB`, which nothing here moves: it loads as before."""
     return zero_stage == 3 and lora is not None and lora.quantize == "nf4"
+
+
+class Staging:
+    """Where each 16-bit weight of a staged 4-bit base is quantised: `device` (the run's GPU, or the CPU).
+
+    `stage` puts one weight there; bitsandbytes then quantises it on that device (`Params4bit.to(device)`
+    runs `quantize_4bit` where the data is: its CUDA kernel on a GPU, its CPU backend on the CPU). A test
+    can stand in its own `stage` to watch what is staged when.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        import torch
+
+        self.device = torch.device(device)
+
+    def stage(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(self.device)
+
+
+@contextlib.contextmanager
+def quantizing_on(staging: Staging) -> Iterator[None]:
+    """While a 4-bit base loads onto the host (device_map cpu): each weight quantised on `staging.device`.
+
+    transformers' loader (core_model_loading.py `convert_and_load_state_dict_in_model`, 5.24) reads the
+    checkpoint one tensor at a time, and with on-the-fly quantisation it reads them in the main thread, one
+    after the other ("sync loading to avoid worker threads loading full-precision tensors ... faster than the
+    main thread can quantize them"); each weight of a `Linear4bit` goes through its quantizer's quantize op
+    (`Bnb4BitHfQuantizer.get_quantize_ops` -> `Bnb4bitQuantize.convert`, which makes the `Params4bit` and
+    moves it to the tensor's device, quantising it there). The hook is that op, and only its device: for the
+    time of the load transformers' registry of quantizers (quantizers/auto.py `AUTO_QUANTIZER_MAPPING`, the
+    dict its `register_quantizer` writes) maps bitsandbytes 4-bit to a subclass whose op stages the weight,
+    runs transformers' own op on it, and moves the packed codes back to the host. transformers has no
+    setting for "quantise on this device, keep on that one" (device_map places a tensor where it is
+    quantised, and on a GPU its allocator warm-up would reserve the whole base there first:
+    modeling_utils `caching_allocator_warmup`), so this much is ours.
+
+    On the GPU at a time: the weight being quantised (16-bit), its packed codes and bitsandbytes' fp32
+    absmax temporaries, plus the quantisation state of the weights before it, which stays there (the run
+    keeps it on the GPU: `place_quantization_state`). With the CPU as staging device every step is today's
+    CPU load, bit for bit (`stage` and the moves back are no-ops).
+    """
+    from transformers.quantizers import auto
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    key = "bitsandbytes_4bit"
+    installed = auto.AUTO_QUANTIZER_MAPPING.get(key)
+    if installed is not Bnb4BitHfQuantizer:
+        # Another transformers (or another hook) behind the key: this hook would change what it does.
+        raise RuntimeError(
+            f"transformers' quantizer for {key} is {installed!r}, not Bnb4BitHfQuantizer: quantizing_on was "
+            "written against transformers 5.24's"
+        )
+    auto.AUTO_QUANTIZER_MAPPING[key] = _staged_quantizer(staging)
+    try:
+        yield
+    finally:
+        auto.AUTO_QUANTIZER_MAPPING[key] = installed
+
+
+def _staged_quantizer(staging: Staging) -> type[Bnb4BitHfQuantizer]:
+    """transformers' bitsandbytes 4-bit quantizer, its quantize op staging each weight on `staging.device`."""
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    class StagedQuantize(Bnb4bitQuantize):
+        def convert(  # type: ignore[override]  # Bnb4bitQuantize's own signature (ConversionOps' differs)
+            self,
+            input_dict: dict[str, list[torch.Tensor]],
+            full_layer_name: str | None = None,
+            model: torch.nn.Module | None = None,
+            **kwargs: Any,
+        ) -> dict[str, torch.Tensor]:
+            result = {}
+            for name, value in input_dict.items():
+                weight = value[0] if isinstance(value, list) else value
+                host = weight.device
+                staged = staging.stage(weight)
+                # transformers' own op on the staged weight: Params4bit(staged, ...).to(staged.device), i.e.
+                # bitsandbytes quantises it on the staging device (and sets the module's quant_state).
+                quantized = super().convert({name: [staged]}, full_layer_name, model, **kwargs)[name]
+                del staged  # the 16-bit copy on the staging device: gone before the next weight comes
+                # The packed codes to the host (ZeRO-3 partitions them from there); the quantisation state
+                # stays where it was made. A no-op with the CPU as staging device.
+                quantized.data = quantized.data.to(host)
+                result[name] = quantized
+            return result
+
+    class StagedBnb4BitHfQuantizer(Bnb4BitHfQuantizer):
+        def get_quantize_ops(self) -> StagedQuantize:
+            return StagedQuantize(self)
+
+    return StagedBnb4BitHfQuantizer
 
 
 def place_quantization_state(model: torch.nn.Module, device: torch.device) -> None:

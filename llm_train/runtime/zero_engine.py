@@ -43,10 +43,12 @@ from llm_train.runtime.objectives import (
 )
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
 from llm_train.runtime.quantize import (
+    Staging,
     describe_quantized,
     place_quantization_state,
     quantized,
     quantized_base,
+    quantizing_on,
     release_freed_host_memory,
     staged_on_host,
 )
@@ -122,7 +124,7 @@ class ZeroEngine:
         if notice := apply_liger(recipe.memory, self.run.model_fields.get("model_type"), layout.zero_stage):
             self.say(notice)
         staged = staged_on_host(recipe.lora, layout.zero_stage)
-        with self._outside_zero3() if staged else contextlib.nullcontext():
+        with self._staged_load() if staged else contextlib.nullcontext():
             self.model = build_model(
                 recipe.model,
                 recipe.memory,
@@ -157,7 +159,8 @@ class ZeroEngine:
 
         Read onto the GPU tensor by tensor, the host never holds the model (the planner's load
         peak is one checkpoint shard); DeepSpeed would move it there anyway. A 4-bit base under
-        ZeRO-3 loads onto the host, whole on each rank, to be partitioned from there (quantize.py).
+        ZeRO-3 loads onto the host, whole on each rank, to be partitioned from there (quantised on this
+        rank's device as it loads: `_staged_load`, quantize.py).
         """
         recipe = self.run.recipe
         if staged_on_host(recipe.lora, self.run.layout.zero_stage):
@@ -167,8 +170,10 @@ class ZeroEngine:
         return f"cuda:{torch.cuda.current_device()}"
 
     @contextlib.contextmanager
-    def _outside_zero3(self) -> Iterator[None]:
-        """transformers without the ZeRO-3 config Accelerate registered, while a 4-bit base loads onto the host.
+    def _staged_load(self) -> Iterator[None]:
+        """While a 4-bit base loads onto the host: transformers without the ZeRO-3 config Accelerate registered,
+        and each weight quantised on this rank's device (quantize.py `quantizing_on`: one weight on the GPU at
+        a time, not bitsandbytes' CPU quantiser, which takes hours for a 70B base).
 
         transformers refuses a device_map while a ZeRO-3 config is registered (integrations/accelerate.py,
         5.24), and for a quantised model that config changes nothing else (zero.Init is skipped for it);
@@ -178,7 +183,8 @@ class ZeroEngine:
 
         unset_hf_deepspeed_config()
         try:
-            yield
+            with quantizing_on(Staging(self.accelerator.device)):
+                yield
         finally:
             self.accelerator.state.deepspeed_plugin.set_deepspeed_weakref()  # Accelerate's own, as before
 

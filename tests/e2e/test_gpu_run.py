@@ -87,6 +87,7 @@ def test_part_b_on_cpu_runs_the_full_fine_tunes_and_passes(tmp_path: Path) -> No
         "f_1p5b_cpu_offload",
         "f_1p5b_nvme",
         "pinning_copy_time",
+        "qlora_staged_load",
         "liger_compile",
     ]
     libaio = lines["probe"]["libaio"]
@@ -107,6 +108,10 @@ def test_part_b_on_cpu_runs_the_full_fine_tunes_and_passes(tmp_path: Path) -> No
     assert not list(REPO.glob(".gpu_run_nvme_*"))  # the swap folder is gone
     copies = {row["choice"]: row for row in lines["pinning_copy_time"]["rows"]}
     assert copies["native"]["host_copy_in_gbs"] > 0 and copies["torch"]["skipped"].endswith("needs CUDA")
+    staged = lines["qlora_staged_load"]  # its logic on CPU: quantised there, the codes on the host
+    assert staged["passed"] and staged["staging"] == "cpu" and staged["codes_on"] == ["cpu"], staged
+    assert staged["quantized_weights"] > 0 and staged["quantize_weights_per_s"] > 0
+    assert {v["quantity"] for v in staged["verdicts"]} == {"host_anonymous_peak_gib", "codes_on_the_host"}
     compiled = lines["liger_compile"]
     assert compiled["passed"] and compiled["switches"] == [
         "memory.attention=auto",

@@ -5,8 +5,10 @@ The real 2-process runs (ZeRO-2 and ZeRO-3, kill -9 + resume) are tests/e2e/test
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -225,6 +227,108 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
         assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
 
 
+# --- the staged load: each weight quantised on the staging device (runtime/quantize.py quantizing_on) ---------
+
+
+def _staged_load(base: Path, dtype: torch.dtype, staging: object | None) -> torch.nn.Module:
+    """The base as a ZeRO-3 QLoRA run loads it (device_map cpu), through `quantizing_on(staging)`, or as the
+    loader did before it (transformers' own quantizer, on the CPU) with `staging` None."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from llm_train.runtime.quantize import Staging, quantizing_on
+
+    assert staging is None or isinstance(staging, Staging)
+    with quantizing_on(staging) if staging is not None else contextlib.nullcontext():
+        return AutoModelForCausalLM.from_pretrained(
+            base,
+            dtype=dtype,
+            device_map={"": "cpu"},
+            quantization_config=quantization_config(LoraSection(quantize="nf4"), dtype),
+        )
+
+
+def _state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = module.weight.quant_state
+    return {
+        # Packed 4-bit codes stored as floats: compared as bytes (some byte patterns read as NaN).
+        "codes": module.weight.data.view(torch.uint8),
+        "absmax": state.absmax,
+        "code": state.code,
+        "offset": state.offset,
+        "nested_absmax": state.state2.absmax,
+        "nested_code": state.state2.code,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_staging_gives_todays_codes_and_state_bit_for_bit(tiny_base: Path, dtype: torch.dtype) -> None:
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from llm_train.runtime.quantize import Staging, is_quantized_linear
+
+    before, after = _staged_load(tiny_base, dtype, None), _staged_load(tiny_base, dtype, Staging("cpu"))
+    today, staged = dict(before.named_modules()), dict(after.named_modules())
+    assert (
+        AUTO_QUANTIZER_MAPPING["bitsandbytes_4bit"] is Bnb4BitHfQuantizer
+    )  # the hook is gone after the load
+    layers = [name for name, m in today.items() if is_quantized_linear(m)]
+    assert len(layers) == 7 * 4
+    for name in layers:
+        mine, theirs = _state_tensors(staged[name]), _state_tensors(today[name])
+        for key, tensor in theirs.items():
+            assert mine[key].dtype == tensor.dtype and torch.equal(mine[key], tensor), (name, key)
+        a, b = staged[name].weight.quant_state, today[name].weight.quant_state
+        assert (a.shape, a.dtype, a.blocksize, a.quant_type) == (b.shape, b.dtype, b.blocksize, b.quant_type)
+        assert staged[name].quant_state is a  # the module's own reference, which its forward reads
+    # Everything not quantised loads as before too.
+    mine = dict(after.named_parameters())
+    rest = {n: p for n, p in before.named_parameters() if n.rpartition(".")[0] not in layers}
+    assert "model.embed_tokens.weight" in rest and len(rest) == len(mine) - len(layers)
+    for name, param in rest.items():
+        assert param.dtype == mine[name].dtype and torch.equal(mine[name], param), name
+
+
+def test_the_load_stages_one_weight_at_a_time(tiny_base: Path) -> None:
+    """A staging area that keeps its own copy of each weight it is given, and looks, each time it is given
+    one, at how many of the earlier copies still exist: none may, so at most one 16-bit weight is ever in
+    the staging area, and every quantised weight passes through it exactly once, 16-bit and whole."""
+    import weakref
+
+    from llm_train.runtime.quantize import Staging, is_quantized_linear
+
+    class Watched(Staging):
+        def __init__(self) -> None:
+            super().__init__("cpu")
+            self.copies: list[weakref.ref[torch.Tensor]] = []
+            self.alive_before: list[int] = []
+            self.shapes: list[tuple[int, ...]] = []
+
+        def stage(self, weight: torch.Tensor) -> torch.Tensor:
+            self.alive_before.append(sum(ref() is not None for ref in self.copies))
+            copy = weight.clone()  # the staging area's own tensor, apart from the loader's
+            self.copies.append(weakref.ref(copy))
+            self.shapes.append((tuple(copy.shape), copy.dtype))
+            return copy
+
+    staging = Watched()
+    model = _staged_load(tiny_base, torch.bfloat16, staging)
+    layers = [m for m in model.modules() if is_quantized_linear(m)]
+    assert len(staging.copies) == len(layers) == 7 * 4
+    assert staging.alive_before == [0] * len(layers)
+    assert all(ref() is None for ref in staging.copies)  # none left behind after the last one either
+    assert sorted(staging.shapes) == sorted(
+        (tuple(m.weight.quant_state.shape), torch.bfloat16) for m in layers
+    )
+    # ...and what came back is the packed codes, on the host, a quarter of the elements in bf16 storage.
+    assert all(
+        m.weight.device.type == "cpu" and m.weight.numel() * 4 == m.weight.quant_state.shape.numel()
+        for m in layers
+    )
+
+
 # --- the planner's numbers, against arithmetic written out here ---------------------------------------------
 
 
@@ -314,10 +418,13 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     partitioned by ZeRO-3 onto the host (offload_param), its quantisation state whole on each GPU."""
     from llm_train.planning.fit import memory_inputs
     from llm_train.planning.memory import (
+        CUDA_CONTEXT_BYTES,
         PROCESS_HOST_BYTES,
         QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
         QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
         estimate_memory,
+        model_load_gpu_bytes,
+        model_split,
     )
     from llm_train.planning.shapes import shape_of
 
@@ -341,13 +448,90 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     adapters = 2 * 2 * shape.lora_params(16)
     # rel 1e-3: ZeRO pads each tensor's partition up to a multiple of the 2 ranks.
     assert offloaded == pytest.approx(projections * 0.5 + rest * 2 + adapters, rel=1e-3)
-    # Loading: every rank stages the whole base, plus the quantiser's working set for the largest weight
-    # and the loader's freed temporaries (both measured, memory.py).
-    staged = projections * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2
-    extra = QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT * h * inter + QUANTIZE_RETAINED_BYTES_PER_WEIGHT * projections
-    assert host["model_load_peak"] == pytest.approx(2 * (staged + extra), abs=4)
+    # Loading, quantised on the GPU (the run's device): every rank stages the whole base less its
+    # quantisation state, which stays on the GPU, plus the largest weight as read (bf16) and its codes, and
+    # the loader's freed temporaries (the CPU path's measurement, memory.py).
+    state = projections * (1 / 64 + 4 / (64 * 256))
+    codes_and_rest = projections * 0.5 + rest * 2
+    retained = QUANTIZE_RETAINED_BYTES_PER_WEIGHT * projections
+    assert est_quantize_on(run, shape, "gpu") == est
+    assert host["model_load_peak"] == pytest.approx(2 * (codes_and_rest + h * inter * 2.5 + retained), abs=4)
+    # Quantised on the CPU (bitsandbytes' CPU backend, a CPU run): the terms the CPU path was measured with,
+    # unchanged: the whole staged base, the quantiser's working set for the largest weight, the same freed
+    # temporaries; every other term is the GPU path's.
+    on_cpu = est_quantize_on(run, shape, "cpu")
+    workspace = QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT * h * inter
+    expected = 2 * (codes_and_rest + state + workspace + retained)
+    assert on_cpu.host_terms["model_load_peak"] == pytest.approx(expected, abs=4)
+    assert {k: v for k, v in on_cpu.host_terms.items() if k != "model_load_peak"} == {
+        k: v for k, v in host.items() if k != "model_load_peak"
+    }
     # The load is the host's largest phase (training holds the offloaded partitions, under half of it),
     # and within the recipe's host RAM less the 3 GiB the planner keeps for the OS.
     assert est.host_bytes == pytest.approx(2 * PROCESS_HOST_BYTES + host["model_load_peak"], rel=1e-6)
     assert est.host_bytes < (run.recipe.hardware.host_ram_gib - 3) * GiB
     assert est.gpu_bytes < 0.95 * 24 * GiB
+    # The GPU while it loads: the state of the whole base and the largest weight being quantised (bf16, its
+    # codes, two fp32 absmax per block of 64), far under training's peak, which is the card's.
+    inp = memory_inputs(run, shape)
+    loading = model_load_gpu_bytes(inp, model_split(inp))
+    assert loading == pytest.approx(state + h * inter * (2 + 0.5 + 8 / 64) + CUDA_CONTEXT_BYTES, abs=2)
+    assert loading < est.gpu_bytes / 4
+    assert model_load_gpu_bytes(dataclasses.replace(inp, quantize_on="cpu"), model_split(inp)) == 0
+
+
+def est_quantize_on(run: Any, shape: Any, where: str) -> Any:
+    """The run's estimate with its base quantised on `where` ("gpu": the run's own device; "cpu")."""
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import estimate_memory
+
+    return estimate_memory(dataclasses.replace(memory_inputs(run, shape), quantize_on=where))
+
+
+def test_70b_two_card_start_up_is_the_checkpoint_read_not_the_quantiser() -> None:
+    """speed.staged_load from its definition: on the GPU, each rank reads the 16-bit checkpoint and moves each
+    weight to its card and the codes back; on the CPU, bitsandbytes' quantiser's measured rate bounds it."""
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.report import plan_recipe, render
+    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.speed import CPU_QUANTIZE_WEIGHTS_PER_S, PAGEABLE_COPY_EFFICIENCY, staged_load
+
+    run = resolve_run("70b-qlora-2x4090", [], world_size=2)
+    shape = shape_of("meta-llama/Llama-3.1-70B")
+    inp = memory_inputs(run, shape)
+    h, inter, layers, kv = 8192, 28672, 80, 8 * 128
+    projections = layers * (h * h + 2 * h * kv + h * h + 3 * h * inter)
+    drive, link = 6e9, 31.5e9  # the planner's default drive; PCIe 4.0 x16
+    on_gpu = staged_load(inp, drive, link)
+    assert on_gpu is not None and on_gpu.quantize == 0
+    assert on_gpu.read == pytest.approx(2 * 2 * shape.num_params / drive)
+    assert on_gpu.copies == pytest.approx(projections * 2.5 / (link * PAGEABLE_COPY_EFFICIENCY))
+    assert on_gpu.total < 120  # about a minute, where bitsandbytes' CPU quantiser takes hours:
+    on_cpu = staged_load(dataclasses.replace(inp, quantize_on="cpu"), drive, link)
+    assert on_cpu is not None and on_cpu.quantize == pytest.approx(projections / CPU_QUANTIZE_WEIGHTS_PER_S)
+    assert on_cpu.total > 2 * 3600
+    assert staged_load(dataclasses.replace(inp, quantize="none", lora_rank=16), drive, link) is None
+    text = render(plan_recipe("70b-qlora-2x4090", [], 2, "RTX 4090", None, 128, detect=False))
+    assert f"start-up: the 4-bit base loads in ~{on_gpu.total:.0f} s, at every start and resume" in text, text
+
+
+def test_the_70b_recipe_header_states_the_planners_host_ram_and_start_up() -> None:
+    import re
+
+    from llm_train.config.hardware import NVME_READ_BYTES_PER_S
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import estimate_memory
+    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.speed import staged_load
+
+    header = " ".join(
+        line.lstrip("# ").strip()
+        for line in (Path(__file__).parents[2] / "recipes" / "70b-qlora-2x4090.yaml").read_text().splitlines()
+        if line.startswith("#")
+    )
+    run = resolve_run("70b-qlora-2x4090", [], world_size=2)
+    inp = memory_inputs(run, shape_of("meta-llama/Llama-3.1-70B"))
+    host = re.search(r"host RAM ~([\d.]+) GiB", header)
+    assert host and float(host[1]) == round(estimate_memory(inp).host_bytes / GiB, 1), header
+    load = staged_load(inp, NVME_READ_BYTES_PER_S, 31.5e9)  # an RTX 4090's PCIe 4.0 x16
+    assert load is not None and 30 <= load.total < 90 and "Start-up: ~1 minute" in header
