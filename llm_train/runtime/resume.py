@@ -67,7 +67,7 @@ from llm_train.runtime.control import RunControl
 from llm_train.runtime.export import write_reference_file
 from llm_train.runtime.file_sync import FileSync
 from llm_train.runtime.master_digest import DIGEST_KEY, live_master_digest
-from llm_train.runtime.nvme_swap import restore_swapped_state
+from llm_train.runtime.compat import restore_swapped_state
 from llm_train.runtime.universal import ensure_universal, universal_dir
 
 if TYPE_CHECKING:
