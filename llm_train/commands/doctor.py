@@ -39,6 +39,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
 from llm_train.planning.guards import nvme_problems
+from llm_train.runtime.compat import deepspeed_version_problem
 from llm_train.units import GiB
 
 DEFAULT_BUILD_TIMEOUT_S = 300.0
@@ -55,7 +56,7 @@ import time, logging
 t = time.perf_counter()
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder import CPUAdamBuilder
-from llm_train.runtime.fast import prepare_op_loads
+from llm_train.runtime.compat import prepare_op_loads
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 prepare_op_loads()  # as a training run does: the same ninja, so the build is the run's
 CPUAdamBuilder().load()
@@ -263,6 +264,8 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
         pass
     for package in PACKAGES[1:]:
         report.add(section, package, _version(package) or "not installed")
+    if outside := deepspeed_version_problem():
+        report.warn(*outside)
     if not _version("peft"):
         report.warn("peft is not installed: LoRA recipes will not run", "pip install 'llm_train[lora]'")
     flash = _version("flash-attn") or _version("flash_attn")

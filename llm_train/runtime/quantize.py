@@ -71,22 +71,6 @@ def quantization_config(lora: LoraSection, dtype: torch.dtype) -> BitsAndBytesCo
     )
 
 
-def keep_training_layout(model: torch.nn.Module) -> None:
-    """Stop bitsandbytes' CPU backend from repacking 4-bit weights in place for inference.
-
-    On CPUs with AVX512-BF16, `Linear4bit.forward` in eval mode without gradients converts its
-    weight to a layout for its CPU GEMV kernel and keeps it converted. After that, a training
-    forward takes the inference kernel (no gradient flows to the layer's input, so every
-    adapter below it stops learning) and dequantising the weight for the merged export reads
-    garbage (seen on this project's CPU test machine: logits off by more than the model's scale).
-    An evaluation during training, and the export's reference forward, are exactly that case.
-    GPUs never repack; this only switches the CPU path off.
-    """
-    for module in model.modules():
-        if is_quantized_linear(module) and hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-
-
 def is_quantized_linear(module: torch.nn.Module) -> TypeGuard[Linear4bit | Linear8bitLt]:
     """A bitsandbytes 4-bit or 8-bit linear layer (the base layer under a PEFT adapter, not PEFT's wrapper,
     which shares the class name)."""

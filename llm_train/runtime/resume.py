@@ -63,11 +63,11 @@ from llm_train.runtime.checkpoint import (
     verify_shared,
 )
 from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.compat import load_engine_checkpoint
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.export import write_reference_file
 from llm_train.runtime.file_sync import FileSync
 from llm_train.runtime.master_digest import DIGEST_KEY, live_master_digest
-from llm_train.runtime.compat import restore_swapped_state
 from llm_train.runtime.universal import ensure_universal, universal_dir
 
 if TYPE_CHECKING:
@@ -371,7 +371,7 @@ def bridge(saved: dict[str, Any], now: Layout, allow_batch_change: bool) -> Resu
         # DeepSpeed 0.19.8 keeps a swapped sub-group's master, m and v in per-rank swap files (copied into
         # the checkpoint's offloaded_tensors/rankR): its optimizer state holds empty placeholders for them
         # (stage3.py _rigid_state_dict), so neither the universal conversion nor another offload can read
-        # them (runtime/nvme_swap.py).
+        # them (runtime/compat.py restore_swapped_state).
         raise UserError(
             f"cannot resume a checkpoint across NVMe optimizer offload or on another layout ({what}): the "
             "swapped optimizer state is kept per rank for the layout that wrote it; resume with the "
@@ -588,40 +588,6 @@ class TrainerState:
     tracker_run_id: str | None = None
 
 
-def _param_groups(engine: DeepSpeedEngine) -> list[dict[str, Any]]:
-    groups: list[dict[str, Any]] = engine.optimizer.param_groups
-    return groups
-
-
-def _per_group_settings(engine: DeepSpeedEngine) -> list[dict[str, Any]]:
-    """The optimizer settings that differ between param groups (weight decay), per group, as built."""
-    groups = _param_groups(engine)
-    keys = {k for g in groups for k in g if k != "params"}
-    differing = {k for k in keys if len({repr(g.get(k)) for g in groups}) > 1}
-    return [{k: g[k] for k in differing if k in g} for g in groups]
-
-
-def _restore_per_group_settings(engine: DeepSpeedEngine, settings: list[dict[str, Any]]) -> None:
-    for group, own in zip(_param_groups(engine), settings, strict=True):
-        group.update(own)
-
-
-def _unshare_step_counters(engine: DeepSpeedEngine) -> None:
-    """Give every optimizer state its own `step` tensor.
-
-    The same ZeRO-3 universal load sets each sub-group's `state["step"]` to one and the same tensor
-    (the first saved state's). torch's Adam/AdamW increments it in place once per sub-group, so with
-    two param groups (decay and no decay) the bias correction ran two steps per step; DeepSpeed's CPU
-    Adam (offload) keeps its own count and was not affected.
-    """
-    import torch
-
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    for state in getattr(inner, "state", {}).values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"] = state["step"].clone()
-
-
 def restore_run_state(
     resume: Resume | None, engine: DeepSpeedEngine, stream: Stream, rank: int, seed: int
 ) -> TrainerState:
@@ -642,24 +608,9 @@ def restore_run_state(
     load_dir = universal_dir(ckpt) if layout.universal else ckpt / "state"
     # A LoRA checkpoint holds the adapters only (save_run_state): the base already loaded stays.
     frozen_left_out = any(not p.requires_grad for p in engine.module.parameters())
-    per_group = _per_group_settings(engine)
-    engine.load_checkpoint(
-        str(load_dir),
-        tag=DS_TAG,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-        load_module_strict=not frozen_left_out,
+    load_engine_checkpoint(
+        engine, str(load_dir), DS_TAG, universal=layout.universal, strict=not frozen_left_out
     )
-    restore_swapped_state(engine, str(load_dir), DS_TAG)  # NVMe offload: what DeepSpeed's load skips
-    if layout.universal:
-        # DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3)
-        # copies the first param group's hyperparameters into every group ("generally the same"), so the
-        # no-decay group (norms, biases: runtime/optim.py) came back with weight decay: a 2 -> 1
-        # zero3_offload resume ended 3.2e-5 off in the weights. With the shared step counter below, a plain
-        # ZeRO-3 one moved the step 6 loss by 4.3e-3; with both fixed, both are exact
-        # (tests/e2e/test_resume_anywhere.py).
-        _restore_per_group_settings(engine, per_group)
-        _unshare_step_counters(engine)
     # The data position is the global count of sequences consumed, the same in every rank's file.
     state = json.loads(trainer_state_path(ckpt, rank if layout.same_layout else 0).read_text())
     stream.load_state_dict(state["data"], resume.allow_data_revision_change)

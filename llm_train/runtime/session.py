@@ -37,12 +37,11 @@ from llm_train.observability.console import quiet, startup_summary
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
-from llm_train.runtime import collectives, launcher
+from llm_train.runtime import collectives, compat, launcher
 from llm_train.runtime.checkpoint import Checkpointer
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine, process_group_timeout
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
-from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model import load_tokenizer
@@ -107,7 +106,7 @@ class Worker:
 
 def run_training(run: Resolved, options: RunOptions, plan: ResumePlan | None, say: Say) -> int:
     """Train `run` in this worker; `plan`: the resume planned before start (None without --resume)."""
-    prepare_process(run, options)
+    prepare_process(run, options, say)
     started, rank, out = time.perf_counter(), int(os.environ["RANK"]), run.recipe.output_dir
     clock = StartupClock.start(out)
     if not options.resume:
@@ -139,12 +138,14 @@ def run_training(run: Resolved, options: RunOptions, plan: ResumePlan | None, sa
     return 0
 
 
-def prepare_process(run: Resolved, options: RunOptions) -> None:
+def prepare_process(run: Resolved, options: RunOptions, say: Say) -> None:
     """The environment DeepSpeed and Accelerate read, before either is imported or logs anything."""
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
     launcher.use_pin_memory_backend(run.recipe.deepspeed.pinning)
     prepare_libraries(options.verbose)
+    if warning := compat.deepspeed_version_warning():
+        say(warning)
 
 
 def prepare_libraries(verbose: bool) -> None:
@@ -153,9 +154,9 @@ def prepare_libraries(verbose: bool) -> None:
     Also tests/workers.py's first step, before the imports its forked workers share.
     """
     quiet(verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
-    prepare_op_loads()
-    defer_muon_compile()
-    collectives.skip_unused_shm_op()
+    compat.prepare_op_loads()
+    compat.defer_muon_compile()
+    compat.skip_unused_shm_op()
 
 
 def settle_run(
