@@ -14,7 +14,7 @@ once, so only `from_pretrained` itself knows what a complete directory is. The c
    RUN_DIR/export_reference.safetensors, next to final/ so final/ stays a clean HF folder.
    The tolerance comes from the precision of the two computations (`logit_tolerance`).
 3. masters (checkpoints only, before any merge): each optimizer shard holds the fp32 master
-   weights some rank recorded a digest of at the save (runtime/master_digest.py): the check a
+   weights some rank recorded a digest of at the save (runtime/checkpointing/master_digest.py): the check a
    bf16 logit comparison cannot make at fine-tuning learning rates.
 """
 
@@ -33,11 +33,11 @@ import torch
 
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError
-from llm_train.runtime.checkpoint import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
+from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
+from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
+from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
 from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
-from llm_train.runtime.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
-from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

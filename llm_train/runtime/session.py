@@ -38,14 +38,8 @@ from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
 from llm_train.runtime import collectives, compat, launcher
-from llm_train.runtime.checkpoint import Checkpointer
-from llm_train.runtime.control import RunControl
-from llm_train.runtime.engine import Engine, process_group_timeout
-from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
-from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
-from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
-from llm_train.runtime.model import load_tokenizer
-from llm_train.runtime.resume import (
+from llm_train.runtime.checkpointing.commit import Checkpointer
+from llm_train.runtime.checkpointing.resume import (
     Resume,
     ResumePlan,
     TrainerState,
@@ -54,6 +48,12 @@ from llm_train.runtime.resume import (
     restore_run_state,
     truncate_metrics,
 )
+from llm_train.runtime.control import RunControl
+from llm_train.runtime.engine import Engine, process_group_timeout
+from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
+from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
+from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
+from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:

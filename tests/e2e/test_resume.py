@@ -133,7 +133,7 @@ def test_stop_signal_checkpoints_and_exits_resumable(
 def test_grace_budget_cuts_the_stop_short_and_latest_stays_complete(pretrained: Path, tmp_path: Path) -> None:
     """checkpoint.grace_s smaller than a step: the run exits 75 at once, without committing the stop
     checkpoint, and `latest` still names the previous complete one."""
-    from llm_train.runtime.checkpoint import verify
+    from llm_train.runtime.checkpointing.commit import verify
 
     run_dir = tmp_path / "grace"
     long_run = ["--max-steps=40", "checkpoint.every_steps=2", "checkpoint.grace_s=0.001"]

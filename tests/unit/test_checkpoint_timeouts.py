@@ -33,8 +33,8 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
 
     sys.path.insert(0, {repo!r})
-    import llm_train.runtime.checkpoint as checkpoint
-    from llm_train.runtime import resume
+    import llm_train.runtime.checkpointing.commit as checkpoint
+    from llm_train.runtime.checkpointing import resume
     from llm_train.runtime.collectives import WORLD
 
     rank, timeout_s, slow_s = int(os.environ["RANK"]), float(sys.argv[2]), float(sys.argv[3])

@@ -23,8 +23,9 @@ from llm_train.config import resolution
 from llm_train.config.hardware import Device
 from llm_train.config.resolution import Resolved, resolve_run, steps_for_epochs
 from llm_train.observability.profiling import flops_profiler_config
-from llm_train.runtime import resume, session
-from llm_train.runtime.resume import ResumePlan
+from llm_train.runtime import session
+from llm_train.runtime.checkpointing import resume
+from llm_train.runtime.checkpointing.resume import ResumePlan
 from llm_train.runtime.session import RunOptions
 
 CPU = Device("cpu", "cpu", True)

@@ -9,7 +9,7 @@ import pytest
 
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
-from llm_train.runtime.resume import (
+from llm_train.runtime.checkpointing.resume import (
     ResumeLayout,
     bridge,
     check_same_plan,

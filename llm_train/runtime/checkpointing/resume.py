@@ -3,7 +3,7 @@
 DeepSpeed's engine checkpoint carries the model, optimizer and LR schedule; next to it each
 rank writes a small JSON file (no pickle) with the step, its data position, its RNG states and
 the tracker's run id, and rank 0 writes the HF config and tokenizer so an export needs nothing
-else. How a checkpoint directory is committed, verified and listed is runtime/checkpoint.py's
+else. How a checkpoint directory is committed, verified and listed is runtime/checkpointing/commit.py's
 job; this module decides what goes in and what comes back out.
 
 A resume happens in three steps, each once:
@@ -23,7 +23,7 @@ The rules that compare layouts (`bridge`):
 
 - nothing that shards the state changed: DeepSpeed loads its own checkpoint as usual;
 - the data-parallel size, tensor-parallel degree, ZeRO stage or offload changed: the
-  checkpoint is converted once to DeepSpeed's universal format (runtime/universal.py) and
+  checkpoint is converted once to DeepSpeed's universal format (runtime/checkpointing/universal.py) and
   loaded from there;
 - the global batch would change: the gradient accumulation is adjusted to keep it (one
   notice), or, with --allow-batch-change, the new batch is used on purpose;
@@ -50,7 +50,7 @@ from llm_train.config.recipe import Recipe, recipe_to_yaml
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.runtime import collectives
-from llm_train.runtime.checkpoint import (
+from llm_train.runtime.checkpointing.commit import (
     CHECKPOINT_REFERENCE,
     DS_TAG,
     LATEST,
@@ -62,13 +62,13 @@ from llm_train.runtime.checkpoint import (
     resumable_candidates,
     verify_shared,
 )
+from llm_train.runtime.checkpointing.file_sync import FileSync
+from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, live_master_digest
+from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.compat import load_engine_checkpoint
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.export import write_reference_file
-from llm_train.runtime.file_sync import FileSync
-from llm_train.runtime.master_digest import DIGEST_KEY, live_master_digest
-from llm_train.runtime.universal import ensure_universal, universal_dir
 
 if TYPE_CHECKING:
     import torch
@@ -515,7 +515,7 @@ def convert_for_resume(
     """Rank 0 converts `chosen` to the universal format (once); the other ranks wait for it through a file.
 
     A 70B conversion takes about an hour (planning/checkpoint_cost.py): far beyond any
-    process-group timeout, so the others must not wait inside a collective (runtime/file_sync.py).
+    process-group timeout, so the others must not wait inside a collective (runtime/checkpointing/file_sync.py).
     A copy already there is verified by all ranks, a share each.
     """
     sync = FileSync.open(root, "convert", comm, rank, patience_s)

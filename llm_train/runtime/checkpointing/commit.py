@@ -1,7 +1,7 @@
 """Checkpoints that survive anything: atomic commit, verified load, retention.
 
 This module is the commit protocol only: what a checkpoint holds and how a run resumes from
-one is runtime/resume.py's (it hands `Checkpointer.save` a function that writes the files).
+one is runtime/checkpointing/resume.py's (it hands `Checkpointer.save` a function that writes the files).
 Layout under the run directory:
 
     checkpoints/step-00000100/      one committed checkpoint
@@ -23,7 +23,7 @@ warning. DeepSpeed's shards are pickles: they are only ever loaded from a direct
 manifest verifies.
 
 No rank waits for the hashing or the commit inside a collective: the digests and the outcome
-travel through files (runtime/file_sync.py), so a checkpoint of any size never meets the
+travel through files (runtime/checkpointing/file_sync.py), so a checkpoint of any size never meets the
 process-group timeout.
 """
 
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.errors import EXIT_CHECKPOINT_IO, UserError
-from llm_train.runtime.file_sync import FileSync
+from llm_train.runtime.checkpointing.file_sync import FileSync
 
 if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does not need it
     from llm_train.runtime.collectives import Collectives
