@@ -6,7 +6,7 @@ ZeRO-2 and ZeRO-3, and a 91M-parameter fp32 ZeRO-2 one):
   one file per data-parallel rank holding its partition (ZeRO-1/2/3; ZeRO-0: one file);
 - the model file: ZeRO-0/1/2 also write the whole module once, from data-parallel rank 0, in the
   training precision (2 bytes per parameter in bf16/fp16, 4 in fp32; a LoRA run leaves its frozen
-  base out, resume.save_run_state); ZeRO-3's per-rank model files are a few kB (its weights
+  base out, runtime/checkpointing/run_state.py); ZeRO-3's per-rank model files are a few kB (its weights
   are the fp32 partitions).
 
 Times, at the rates below (each says whether it was measured or assumed):

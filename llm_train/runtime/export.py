@@ -441,7 +441,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     reference.eval()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     # The check's reference: the logits the training engine itself computed at save time, from its
-    # live state, before any file existed (resume.save_run_state). It shares no code with the
+    # live state, before any file existed (checkpointing/run_state.py Saver). It shares no code with the
     # merge above (zero_to_fp32, the universal format, a ZeRO-0 load), so a bad merge or a stale
     # shard fails the check. A checkpoint without one (older llm_train) falls back to the merged
     # weights' own fp32 logits, which checks the writing only, and the report says so.

@@ -247,7 +247,7 @@ def build_pipeline_module(config: PretrainedConfig, stages: int, checkpoint_inte
         activation_checkpoint_func=partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
         checkpointable_layers=["DecoderPipe"],
     )
-    module.config = config  # checkpoints save it next to the engine state (resume.save_run_state)
+    module.config = config  # checkpoints save it next to the engine state (checkpointing/run_state.py Saver)
     return module
 
 

@@ -38,16 +38,8 @@ from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
 from llm_train.runtime import collectives, compat, launcher
-from llm_train.runtime.checkpointing.commit import Checkpointer
-from llm_train.runtime.checkpointing.resume import (
-    Resume,
-    ResumePlan,
-    TrainerState,
-    make_saver,
-    open_resume,
-    restore_run_state,
-    truncate_metrics,
-)
+from llm_train.runtime.checkpointing.resume import Resume, TrainerState
+from llm_train.runtime.checkpointing.run_state import Saver
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine, process_group_timeout
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
@@ -104,28 +96,28 @@ class Worker:
         return self.run.layout.dp_rank(self.rank)  # ranks of one TP group / one pipeline share one
 
 
-def run_training(run: Resolved, options: RunOptions, plan: ResumePlan | None, say: Say) -> int:
-    """Train `run` in this worker; `plan`: the resume planned before start (None without --resume)."""
+def run_training(run: Resolved, options: RunOptions, resume: Resume, say: Say) -> int:
+    """Train `run` in this worker; `resume`: planned before start (train.py; a fresh start without --resume)."""
     prepare_process(run, options, say)
     started, rank, out = time.perf_counter(), int(os.environ["RANK"]), run.recipe.output_dir
     clock = StartupClock.start(out)
     if not options.resume:
         check_output_dir(out, options.overwrite)  # every rank checks before rank 0 creates anything
-    run, data = settle_run(run, options, plan, run.layout.dp_rank(rank), say)
+    run, data = settle_run(run, options, resume, run.layout.dp_rank(rank), say)
     clock.mark("data")
     w = Worker(run, options, rank, say, clock, started)
     engine = start_world(w)
     check_same_data(data.stream, collectives.WORLD)
-    resume = open_resume(plan, run, data.stream, rank, say) if plan is not None else None
+    resume.open(run, data.stream, say)
     meter = build_engine(w, engine, data)
-    state = restore(w, resume, engine, data)
+    state = resume.restore(engine.ds, data.stream)
     tracker = open_trackers(
         run.recipe.tracking, out, tracker_config(run), rank == 0, state.tracker_run_id, state.step
     )
     cadence = run.recipe.checkpoint
     control = RunControl(cadence.every_steps, cadence.every_minutes, grace_s=cadence.grace_s)
     control.install_signal_handlers()
-    save = saver(w, engine, data, tracker, control)
+    save = Saver(run, rank, engine, data.stream, data.tokenizer, tracker, control, say)
     result = train(w, engine, data, state, tracker, control, save, meter)
     if result.preempted:  # the loop saved after the agreed stop step: exit resumable, no export
         tracker.close()
@@ -160,7 +152,7 @@ def prepare_libraries(verbose: bool) -> None:
 
 
 def settle_run(
-    run: Resolved, options: RunOptions, plan: ResumePlan | None, dp_rank: int, say: Say
+    run: Resolved, options: RunOptions, resume: Resume, dp_rank: int, say: Say
 ) -> tuple[Resolved, RunData]:
     """The run as this worker trains it, and its data: the values known only now, given by value.
 
@@ -168,22 +160,14 @@ def settle_run(
     optim.epochs depends on; the steps, universal loading and the flops profiler then change the
     DeepSpeed config, which must be final before the engine exists.
     """
-    if plan is not None:
-        for notice in plan.layout.notices:
-            say(f"notice: {notice}")
-        run = plan.refine(run)
+    run = resume.refine(run, say)
     data = build_data(run, dp_rank, say)
     steps_counted = run.recipe.optim.max_steps is None
     profiler = (
         flops_profiler_config(options.profile, run.recipe.output_dir) if options.flops_profiler else None
     )
-    universal = plan is not None and plan.layout.universal
-    if steps_counted or universal or profiler is not None:
-        run = run.refine(
-            max_steps=data.max_steps if steps_counted else None,
-            load_universal=universal or None,
-            flops_profiler=profiler,
-        )
+    if steps_counted or profiler is not None:
+        run = run.refine(max_steps=data.max_steps if steps_counted else None, flops_profiler=profiler)
     return run, data
 
 
@@ -280,19 +264,6 @@ def build_engine(w: Worker, engine: Engine, data: RunData) -> StepMeter:
     return StepMeter.for_run(w.run, engine.token_flops(), w.options.peak_tflops, w.clock)
 
 
-def restore(w: Worker, resume: Resume | None, engine: Engine, data: RunData) -> TrainerState:
-    """The step to start after (and the tracker's run id): the checkpoint's, or 0; metrics after it dropped."""
-    state = restore_run_state(resume, engine.ds, data.stream, w.rank, w.run.recipe.optim.seed)
-    if resume is not None:
-        w.say(f"resumed from {resume.checkpoint} at step {state.step}")
-    elif w.options.resume:
-        w.say("no complete checkpoint to resume from; starting at step 0")
-    if w.rank == 0:
-        truncate_metrics(w.run.recipe.output_dir / "metrics.jsonl", state.step)
-    collectives.WORLD.barrier()
-    return state
-
-
 def tracker_config(run: Resolved) -> dict[str, Any]:
     """What the trackers record as the run's configuration."""
     return {
@@ -300,33 +271,6 @@ def tracker_config(run: Resolved) -> dict[str, Any]:
         "ds_config": run.ds_config,
         "plan": run.layout.as_dict(),
     }
-
-
-def saver(
-    w: Worker, engine: Engine, data: RunData, tracker: Trackers, control: RunControl
-) -> Callable[[int], None]:
-    """The `save(step)` the loop calls: a committed checkpoint of this run."""
-    recipe = w.run.recipe
-    checkpointer = Checkpointer(
-        recipe.output_dir / "checkpoints",
-        w.rank,
-        recipe.checkpoint.keep_last_n,
-        collectives.WORLD,
-        patience_s=recipe.deepspeed.timeout_minutes * 60,
-    )
-    return make_saver(
-        checkpointer,
-        control,
-        engine.ds,
-        data.stream,
-        data.tokenizer,
-        w.rank,
-        w.run.layout,
-        recipe,
-        tracker,
-        w.say,
-        reference=lambda: engine.reference_logits(data.tokenizer),
-    )
 
 
 def train(

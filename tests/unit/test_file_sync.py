@@ -1,4 +1,4 @@
-"""Ranks waiting through files (runtime/checkpointing/file_sync.py), and the hashing split that uses them (checkpoint.py).
+"""Ranks waiting through files (runtime/checkpointing/file_sync.py), and the hashing split that uses them (checkpointing/commit.py).
 
 Two ranks are two FileSync objects on one directory, each in its own thread: the waiting logic
 is the same as across processes (files and a monotonic clock), without a process group.

@@ -1,29 +1,29 @@
-"""A run's state across a restart: what a checkpoint holds beside DeepSpeed's, and how a run resumes.
+"""How a run resumes: one `Resume`, planned before any worker starts, opened once the world exists,
+restored once the engine is built.
 
-DeepSpeed's engine checkpoint carries the model, optimizer and LR schedule; next to it each
-rank writes a small JSON file (no pickle) with the step, its data position, its RNG states and
-the tracker's run id, and rank 0 writes the HF config and tokenizer so an export needs nothing
-else. How a checkpoint directory is committed, verified and listed is runtime/checkpointing/commit.py's
-job; this module decides what goes in and what comes back out.
+    resume = Resume.plan(spec, root, layout)    train.py, before start: the bridge (layouts compared)
+    run = resume.refine(run, say)               the worker: the kept batch, universal loading
+    resume.open(run, batches, say)              the world exists: verify, convert, check the data position
+    state = resume.restore(engine, batches, ...)  the engine exists: DeepSpeed's state, data, RNGs
 
-A resume happens in three steps, each once:
-
-1. `plan_resume`, before any worker starts (train.py `check_before_start`, in the launching
+1. `Resume.plan`, before any worker starts (train.py `check_before_start`, in the launching
    process and again in each worker): the checkpoint a resume will most likely use is read
    without verifying it, and its layout is compared with this launch's (`bridge`). What cannot
    be bridged is refused in one line; a kept global batch gives the accumulation the run is
    refined with (config/resolution.py `Resolved.refine`) before the data and the engine exist.
-2. `open_resume`, once the world exists and before the model is built: every rank verifies its
+   Without --resume the plan is a fresh start, and each step below does only what a fresh start needs.
+2. `open`, once the world exists and before the model is built: every rank verifies its
    share of the checkpoint; a fallback to an older one must need the same bridge; the
    universal copy is made when the layout changed; the data position is checked against the
    stream.
-3. `restore_run_state`, once the engine is built: DeepSpeed's state, the data position, the RNGs.
+3. `restore`, once the engine is built: DeepSpeed's state (runtime/compat.py puts right what its load
+   leaves out), the data position, the RNGs; metrics logged after the checkpoint are dropped.
 
 The rules that compare layouts (`bridge`):
 
 - nothing that shards the state changed: DeepSpeed loads its own checkpoint as usual;
 - the data-parallel size, tensor-parallel degree, ZeRO stage or offload changed: the
-  checkpoint is converted once to DeepSpeed's universal format (runtime/checkpointing/universal.py) and
+  checkpoint is converted once to DeepSpeed's universal format (universal.py) and
   loaded from there;
 - the global batch would change: the gradient accumulation is adjusted to keep it (one
   notice), or, with --allow-batch-change, the new batch is used on purpose;
@@ -37,204 +37,46 @@ The data position needs nothing: it counts sequences consumed by all ranks toget
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config.layout import Layout
-from llm_train.config.recipe import Recipe, recipe_to_yaml
+from llm_train.config.recipe import Recipe
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.runtime import collectives
 from llm_train.runtime.checkpointing.commit import (
-    CHECKPOINT_REFERENCE,
     DS_TAG,
     LATEST,
-    Checkpointer,
-    SaveMeta,
     committed,
-    dir_size,
     read_manifest,
     resumable_candidates,
     verify_shared,
 )
 from llm_train.runtime.checkpointing.file_sync import FileSync
-from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, live_master_digest
+from llm_train.runtime.checkpointing.run_state import (
+    read_data_state,
+    recipe_hash,
+    reseed,
+    set_rng_state,
+    trainer_state_path,
+)
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.compat import load_engine_checkpoint
-from llm_train.runtime.control import RunControl
-from llm_train.runtime.export import write_reference_file
 
 if TYPE_CHECKING:
-    import torch
     from deepspeed import DeepSpeedEngine
-    from transformers import PreTrainedTokenizerBase
 
     from llm_train.data.stream import BatchStream
     from llm_train.data.streaming import StreamingBatches
-    from llm_train.observability.tracking import Trackers
 
     Stream = BatchStream | StreamingBatches
 
 Say = Callable[[str], None]
-
-# ------------------------------------------------------------ per-rank trainer state
-
-
-def trainer_state_path(ckpt_dir: Path, rank: int) -> Path:
-    return ckpt_dir / "trainer" / f"rank{rank:05d}.json"
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and CUDA) RNG states as JSON (loaded without pickle)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    # The legacy tuple form (numpy types get_state() as that tuple or a dict, by its `legacy` flag).
-    np_state = np.random.get_state(legacy=True)
-    assert isinstance(np_state, tuple)
-    state: dict[str, Any] = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available():
-        # This rank's device only: get_rng_state_all() would create a CUDA context on every GPU
-        # of the node from every rank (hundreds of MiB each, on GPUs other ranks are filling).
-        state["cuda_device"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda_device" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda_device"], dtype=torch.uint8))
-
-
-def reseed(seed: int, step: int, rank: int) -> None:
-    """Python, NumPy and torch RNGs from (seed, step, rank): a resumed rank with no saved state of its own."""
-    import random
-
-    import numpy as np
-    import torch
-
-    mixed = int(np.random.SeedSequence([seed & 0xFFFF_FFFF, step, rank]).generate_state(1)[0])
-    random.seed(mixed)
-    np.random.seed(mixed)
-    torch.manual_seed(mixed)  # seeds the CUDA generators too
-
-
-def recipe_hash(recipe: Recipe) -> str:
-    """What was trained, how: output location, checkpoint cadence and tracking do not count."""
-    what = recipe.model_dump(mode="json", exclude={"output", "checkpoint", "tracking"})
-    what["optim"].pop("grad_accum")  # the batch is compared on its own, through the layout (`bridge`)
-    what["deepspeed"].pop("timeout_minutes")  # how long ranks wait for each other: not what is trained
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ------------------------------------------------------------ saving
-
-
-def checkpoint_bytes_estimate(engine: DeepSpeedEngine, root: Path) -> int:
-    """The size of the previous checkpoint, or 16 bytes per parameter (fp32 weights + Adam m, v + slack)."""
-    previous = committed(root)
-    if previous:
-        converted = universal_dir(previous[0])  # a resume's universal copy is not part of the next save
-        return dir_size(previous[0]) - (dir_size(converted) if converted.is_dir() else 0)
-    # Frozen weights (a LoRA base) are not saved (save_run_state).
-    numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
-    return 16 * numel
-
-
-def save_run_state(
-    checkpointer: Checkpointer,
-    engine: DeepSpeedEngine,
-    step: int,
-    stream: Stream,
-    tokenizer: PreTrainedTokenizerBase,
-    rank: int,
-    layout: Layout,
-    recipe: Recipe,
-    extra: dict[str, Any],
-    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> Path:
-    """Commit a checkpoint; `reference`: (input ids, logits) of the live model on the export check's batch."""
-
-    def write(tmp: Path) -> None:
-        # LoRA: the frozen base is the one the run loads from model.name_or_path (seeded or
-        # pretrained, identical at every start), so only the adapters and their optimizer are saved:
-        # no 16-bit copy of the whole model through host RAM at every checkpoint (15 GiB for an 8B).
-        engine.save_checkpoint(
-            str(tmp / "state"),
-            tag=DS_TAG,
-            save_latest=False,
-            exclude_frozen_parameters=recipe.lora is not None,
-        )
-        state_file = trainer_state_path(tmp, rank)
-        state_file.parent.mkdir(parents=True, exist_ok=True)
-        # The fp32 masters as this rank holds them, for the export's stale-shard check (master_digest.py).
-        digest = live_master_digest(engine.optimizer, layout.offload_optimizer == "nvme")
-        state = {"step": step, "data": stream.state_dict(), "rng": rng_state(), DIGEST_KEY: digest, **extra}
-        state_file.write_text(json.dumps(state))
-        if rank == 0:
-            engine.module.config.save_pretrained(tmp / "hf")
-            tokenizer.save_pretrained(tmp / "hf")
-            (tmp / "hf" / "recipe.yaml").write_text(recipe_to_yaml(recipe))
-            if reference is not None:
-                write_reference_file(tmp / CHECKPOINT_REFERENCE, *reference)
-
-    meta = SaveMeta(
-        step, layout.world_size, recipe_hash(recipe), engine.zero_optimization_stage(), layout.as_dict()
-    )
-    return checkpointer.save(meta, write, checkpoint_bytes_estimate(engine, checkpointer.root))
-
-
-def make_saver(
-    checkpointer: Checkpointer,
-    control: RunControl,
-    engine: DeepSpeedEngine,
-    stream: Stream,
-    tokenizer: PreTrainedTokenizerBase,
-    rank: int,
-    layout: Layout,
-    recipe: Recipe,
-    tracker: Trackers,
-    say: Say,
-    reference: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> Callable[[int], None]:
-    """The `save(step)` the training loops call: commit a checkpoint, reset the time cadence, report.
-
-    `reference()`, called on every rank before each save, gives the live model's logits on the
-    export check's batch (a forward of 16 tokens: the collective a ZeRO-3 forward is).
-    """
-
-    def save(step: int) -> None:
-        started = time.perf_counter()
-        extra = {"tracker_run_id": tracker.run_id}  # W&B continues the same run after a resume
-        logits = reference() if reference is not None else None
-        path = save_run_state(
-            checkpointer, engine, step, stream, tokenizer, rank, layout, recipe, extra, logits
-        )
-        control.saved()
-        say(f"checkpoint {path.name} committed in {time.perf_counter() - started:.1f}s")
-
-    return save
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -421,52 +263,6 @@ def bridge(saved: dict[str, Any], now: Layout, allow_batch_change: bool) -> Resu
     return ResumeLayout(tuple(changes), universal, grad_accum, tuple(notices))
 
 
-@dataclass(frozen=True)
-class ResumePlan:
-    """What a --resume launch expects to resume, and how it bridges that checkpoint's layout."""
-
-    spec: str  # --resume: "auto" or a checkpoint directory
-    root: Path  # the run's checkpoints/
-    allow_batch_change: bool = False
-    allow_data_revision_change: bool = False
-    saved: dict[str, Any] | None = None  # the layout of the checkpoint peeked at (None: none found)
-    layout: ResumeLayout = ResumeLayout()
-
-    def refine(self, run: Resolved) -> Resolved:
-        """The run with the accumulation that keeps the checkpoint's global batch (unchanged if none)."""
-        if self.layout.grad_accum is None:
-            return run
-        return run.refine(grad_accum=self.layout.grad_accum)
-
-
-def plan_resume(
-    spec: str,
-    root: Path,
-    now: Layout,
-    allow_batch_change: bool = False,
-    allow_data_revision_change: bool = False,
-) -> ResumePlan:
-    """Before any worker starts: a --resume path that is not there, or a layout change that is refused."""
-    if spec != "auto" and not Path(spec).is_dir():
-        raise UserError(
-            f"--resume {spec}: not a directory; give a checkpoint directory (RUN_DIR/checkpoints/step-N) "
-            "or --resume auto for the newest complete one"
-        )
-    plan = ResumePlan(spec, root, allow_batch_change, allow_data_revision_change)
-    peeked = _peek(spec, root)
-    if peeked is None:
-        return plan
-    saved = saved_layout(peeked[1])
-    return ResumePlan(
-        spec,
-        root,
-        allow_batch_change,
-        allow_data_revision_change,
-        saved,
-        bridge(saved, now, allow_batch_change),
-    )
-
-
 def check_same_plan(chosen: Path, planned: ResumeLayout, verified: ResumeLayout) -> None:
     """The checkpoint that verified must need the bridge planned before start-up, and nothing more.
 
@@ -541,81 +337,137 @@ def check_recipe(ckpt: Path, manifest: dict[str, Any], recipe: Recipe, warn: Say
         )
 
 
-def read_data_state(ckpt: Path) -> dict[str, Any]:
-    """The checkpoint's data position: the global count of sequences consumed, the same in every rank's file."""
-    return json.loads(trainer_state_path(ckpt, 0).read_text())["data"]
-
-
-@dataclass(frozen=True)
-class Resume:
-    """The verified checkpoint a run resumes from, and how it loads it."""
-
-    checkpoint: Path
-    layout: ResumeLayout
-    allow_data_revision_change: bool = False
-
-
-def open_resume(plan: ResumePlan, run: Resolved, stream: Stream, rank: int, say: Say) -> Resume | None:
-    """The verified checkpoint to resume (the same on every rank), converted when the layout changed.
-
-    None when there is no complete checkpoint. `run` is the run as refined by the plan. Called
-    before the model is built: a data position that cannot continue is one line now.
-    """
-    comm = collectives.WORLD
-    patience_s = run.recipe.deepspeed.timeout_minutes * 60
-    chosen = choose_checkpoint(plan.spec, plan.root, rank, comm, say, patience_s)
-    if chosen is None:
-        return None
-    manifest = read_manifest(chosen)
-    check_recipe(chosen, manifest, run.recipe, say)
-    saved = saved_layout(manifest)
-    if saved != plan.saved:
-        # A fallback written with another layout than the one planned for: it must need the same bridge.
-        check_same_plan(chosen, plan.layout, bridge(saved, run.layout, plan.allow_batch_change))
-    if plan.layout.universal:
-        convert_for_resume(chosen, plan.root, rank, comm, patience_s, say)
-    for notice in stream.check_state(read_data_state(chosen), plan.allow_data_revision_change):
-        say(f"notice: {notice}")
-    return Resume(chosen, plan.layout, plan.allow_data_revision_change)
-
-
-# ------------------------------------------------------------ restoring, once the engine exists
-
-
 @dataclass(frozen=True)
 class TrainerState:
     step: int = 0  # the last optimizer step the checkpoint holds (0: a fresh start)
     tracker_run_id: str | None = None
 
 
-def restore_run_state(
-    resume: Resume | None, engine: DeepSpeedEngine, stream: Stream, rank: int, seed: int
-) -> TrainerState:
-    """Seed this rank, then load the engine state and the trainer state of `resume` (if any).
+class Resume:
+    """A run's resume: planned before start (`plan`), opened in the world (`open`), restored into the engine.
 
-    On the layout that wrote the checkpoint every rank restores its own RNG states. On
-    another layout a rank may have had no predecessor, so every rank reseeds its RNGs from
-    (seed, step, rank); the data order is not an RNG stream (data/stream.py) and carries
-    over exactly, as does everything in the DeepSpeed state (weights, Adam, LR schedule, step).
+    `spec` None is a fresh start (no --resume): nothing to open, and `restore` only seeds.
     """
-    import torch
 
-    torch.manual_seed(seed + rank)  # dropout differs per rank, reproducibly
-    if resume is None:
-        return TrainerState()
-    ckpt, layout = resume.checkpoint, resume.layout
-    # DeepSpeed's shards are pickles: `ckpt` (and its universal copy) verified against a manifest.
-    load_dir = universal_dir(ckpt) if layout.universal else ckpt / "state"
-    # A LoRA checkpoint holds the adapters only (save_run_state): the base already loaded stays.
-    frozen_left_out = any(not p.requires_grad for p in engine.module.parameters())
-    load_engine_checkpoint(
-        engine, str(load_dir), DS_TAG, universal=layout.universal, strict=not frozen_left_out
-    )
-    # The data position is the global count of sequences consumed, the same in every rank's file.
-    state = json.loads(trainer_state_path(ckpt, rank if layout.same_layout else 0).read_text())
-    stream.load_state_dict(state["data"], resume.allow_data_revision_change)
-    if layout.same_layout:
-        set_rng_state(state["rng"])
-    else:
-        reseed(seed, state["step"], rank)
-    return TrainerState(state["step"], state.get("tracker_run_id"))
+    def __init__(
+        self,
+        spec: str | None,
+        root: Path,
+        allow_batch_change: bool = False,
+        allow_data_revision_change: bool = False,
+        saved: dict[str, Any] | None = None,
+        layout: ResumeLayout = ResumeLayout(),
+    ) -> None:
+        self.spec = spec  # --resume: "auto" or a checkpoint directory; None: no --resume
+        self.root = root  # the run's checkpoints/
+        self.allow_batch_change = allow_batch_change
+        self.allow_data_revision_change = allow_data_revision_change
+        self.saved = saved  # the layout of the checkpoint peeked at (None: none found)
+        self.layout = layout  # the bridge from that layout to this launch's
+        self.checkpoint: Path | None = None  # the verified checkpoint, once opened (None: none)
+        self._opened: tuple[Resolved, Say] | None = None  # the run and the reporter `open` was given
+
+    @classmethod
+    def plan(
+        cls,
+        spec: str | None,
+        root: Path,
+        now: Layout,
+        allow_batch_change: bool = False,
+        allow_data_revision_change: bool = False,
+    ) -> Resume:
+        """Before any worker starts: a --resume path that is not there, or a layout change that is refused."""
+        flags = (allow_batch_change, allow_data_revision_change)
+        if spec is None:
+            return cls(None, root, *flags)
+        if spec != "auto" and not Path(spec).is_dir():
+            raise UserError(
+                f"--resume {spec}: not a directory; give a checkpoint directory (RUN_DIR/checkpoints/step-N) "
+                "or --resume auto for the newest complete one"
+            )
+        peeked = _peek(spec, root)
+        if peeked is None:
+            return cls(spec, root, *flags)
+        saved = saved_layout(peeked[1])
+        return cls(spec, root, *flags, saved, bridge(saved, now, allow_batch_change))
+
+    def refine(self, run: Resolved, say: Say) -> Resolved:
+        """The run as this resume trains it: the accumulation that keeps the checkpoint's global batch, and
+        DeepSpeed's universal loading when the layout changed (each notice said once)."""
+        for notice in self.layout.notices:
+            say(f"notice: {notice}")
+        if self.layout.grad_accum is None and not self.layout.universal:
+            return run
+        return run.refine(grad_accum=self.layout.grad_accum, load_universal=self.layout.universal or None)
+
+    def open(self, run: Resolved, batches: Stream, say: Say, world: Collectives = collectives.WORLD) -> None:
+        """Choose the verified checkpoint to resume (the same on every rank), converted when the layout changed.
+
+        No checkpoint when there is no complete one. `run` is the run as refined by the plan. Called
+        before the model is built: a data position that cannot continue is one line now.
+        """
+        self._opened = (run, say)
+        if self.spec is None:
+            return
+        rank = collectives.rank()
+        patience_s = run.recipe.deepspeed.timeout_minutes * 60
+        chosen = choose_checkpoint(self.spec, self.root, rank, world, say, patience_s)
+        if chosen is None:
+            return
+        manifest = read_manifest(chosen)
+        check_recipe(chosen, manifest, run.recipe, say)
+        saved = saved_layout(manifest)
+        if saved != self.saved:
+            # A fallback written with another layout than the one planned for: it must need the same bridge.
+            check_same_plan(chosen, self.layout, bridge(saved, run.layout, self.allow_batch_change))
+        if self.layout.universal:
+            convert_for_resume(chosen, self.root, rank, world, patience_s, say)
+        for notice in batches.check_state(read_data_state(chosen), self.allow_data_revision_change):
+            say(f"notice: {notice}")
+        self.checkpoint = chosen
+
+    def restore(self, engine: DeepSpeedEngine, batches: Stream) -> TrainerState:
+        """Seed this rank, load the engine and trainer state of the opened checkpoint (if any), drop the
+        rows of metrics.jsonl logged after it; every rank returns once all have. After `open`.
+
+        On the layout that wrote the checkpoint every rank restores its own RNG states. On
+        another layout a rank may have had no predecessor, so every rank reseeds its RNGs from
+        (seed, step, rank); the data order is not an RNG stream (data/stream.py) and carries
+        over exactly, as does everything in the DeepSpeed state (weights, Adam, LR schedule, step).
+        """
+        import torch
+
+        assert self._opened is not None, "Resume.restore before Resume.open"
+        run, say = self._opened
+        rank, seed = collectives.rank(), run.recipe.optim.seed
+        torch.manual_seed(seed + rank)  # dropout differs per rank, reproducibly
+        state = TrainerState()
+        if self.checkpoint is not None:
+            state = self._load(engine, batches, self.checkpoint, seed, rank)
+            say(f"resumed from {self.checkpoint} at step {state.step}")
+        elif self.spec is not None:
+            say("no complete checkpoint to resume from; starting at step 0")
+        if rank == 0:
+            truncate_metrics(run.recipe.output_dir / "metrics.jsonl", state.step)
+        collectives.WORLD.barrier()
+        return state
+
+    def _load(
+        self, engine: DeepSpeedEngine, batches: Stream, ckpt: Path, seed: int, rank: int
+    ) -> TrainerState:
+        layout = self.layout
+        # DeepSpeed's shards are pickles: `ckpt` (and its universal copy) verified against a manifest.
+        load_dir = universal_dir(ckpt) if layout.universal else ckpt / "state"
+        # A LoRA checkpoint holds the adapters only (run_state.Saver): the base already loaded stays.
+        frozen_left_out = any(not p.requires_grad for p in engine.module.parameters())
+        load_engine_checkpoint(
+            engine, str(load_dir), DS_TAG, universal=layout.universal, strict=not frozen_left_out
+        )
+        # The data position is the global count of sequences consumed, the same in every rank's file.
+        state = json.loads(trainer_state_path(ckpt, rank if layout.same_layout else 0).read_text())
+        batches.load_state_dict(state["data"], self.allow_data_revision_change)
+        if layout.same_layout:
+            set_rng_state(state["rng"])
+        else:
+            reseed(seed, state["step"], rank)
+        return TrainerState(state["step"], state.get("tracker_run_id"))
