@@ -8,7 +8,7 @@
     packing.py      over-long policy, best-fit-decreasing packing, statistics
     prepare.py      a recipe's data section -> packed train / eval splits
     batches.py      sequences -> model inputs (position ids restart per sample)
-    stream.py       epoch order, sharding by data-parallel rank, exact resume
+    dealer.py       epoch order, sharding by data-parallel rank, exact resume
     streaming.py    `streaming: true` sources: tokenised and packed on the fly, dealt and resumed the same way
     workers.py      loader workers that end with their training process
     volume.py       epochs a run implies; the data.max_epochs guard
@@ -22,13 +22,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real types for the checker (`X as X`: a re-export); at run time the lazy __getattr__
+    from llm_train.data.dealer import Batches as Batches
+    from llm_train.data.dealer import BatchStream as BatchStream
+    from llm_train.data.dealer import eval_batches as eval_batches
     from llm_train.data.prepare import PackedSplit as PackedSplit
     from llm_train.data.prepare import PreparedData as PreparedData
     from llm_train.data.prepare import load_blocks as load_blocks
     from llm_train.data.prepare import prepare_data as prepare_data
-    from llm_train.data.stream import Batches as Batches
-    from llm_train.data.stream import BatchStream as BatchStream
-    from llm_train.data.stream import eval_batches as eval_batches
     from llm_train.data.streaming import StreamingBatches as StreamingBatches
     from llm_train.data.streaming import StreamSpec as StreamSpec
     from llm_train.data.streaming import eval_split as eval_split
@@ -39,9 +39,9 @@ _EXPORTS = {
     "load_blocks": "llm_train.data.prepare",
     "PackedSplit": "llm_train.data.prepare",
     "PreparedData": "llm_train.data.prepare",
-    "Batches": "llm_train.data.stream",
-    "BatchStream": "llm_train.data.stream",
-    "eval_batches": "llm_train.data.stream",
+    "Batches": "llm_train.data.dealer",
+    "BatchStream": "llm_train.data.dealer",
+    "eval_batches": "llm_train.data.dealer",
     "StreamingBatches": "llm_train.data.streaming",
     "StreamSpec": "llm_train.data.streaming",
     "eval_split": "llm_train.data.streaming",

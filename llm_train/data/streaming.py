@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe import ChatSource, DataSection, Source
 from llm_train.data.batches import build_rows
+from llm_train.data.dealer import Batches, _fork_context
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
 from llm_train.data.prepare import PackedSplit, prepare_data
@@ -53,7 +54,6 @@ from llm_train.data.revision import resolve_revision
 from llm_train.data.rows import IDS, MASK, to_arrow
 from llm_train.data.sources import Located, check_revision, locate
 from llm_train.data.store import TokenStore
-from llm_train.data.stream import Batches, _fork_context
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError, first_line
 

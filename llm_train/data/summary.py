@@ -16,7 +16,7 @@ from llm_train.data.prepare import PackedSource, PackedSplit
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from llm_train.data.stream import EpochOrder
+    from llm_train.data.dealer import EpochOrder
 
 OPEN, CLOSE = "⟦", "⟧"
 

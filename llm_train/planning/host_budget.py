@@ -30,7 +30,7 @@ SUB_GROUP_CANDIDATES = (10**7, 2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8
 # Within half a GiB of the smallest host estimate, fewer and larger sub-groups win: the saving below
 # that is noise next to the estimate's own precision.
 SUB_GROUP_SLACK_BYTES = GiB // 2
-DEFAULT_CUDA_LOADER_WORKERS = 2  # data/stream.py's default on CUDA
+DEFAULT_CUDA_LOADER_WORKERS = 2  # data/dealer.py's default on CUDA
 
 
 @dataclass(frozen=True)

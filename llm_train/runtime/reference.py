@@ -17,7 +17,7 @@ forwards (under ZeRO-3 a forward gathers weights from every rank); every rank th
 log-probs (a few bytes per pair) and batches carry them (data/batches.py). Training holds one
 model. A resumed run reads the entry again; if the cache lost it, the pass runs again, still on
 the freshly built model and so never against trained weights, and the data stream compares the
-log-probs' digest with the one its checkpoint recorded (data/stream.py), refusing any difference.
+log-probs' digest with the one its checkpoint recorded (data/dealer.py), refusing any difference.
 
 `preference.reference: live` scores the reference every step instead: under LoRA the policy's own
 engine with the adapters disabled (no second copy); otherwise a frozen copy of the model, built

@@ -32,7 +32,7 @@ The rules that compare layouts (`bridge`):
   degree) is refused in one line that says what changed and what is possible.
 
 The data position needs nothing: it counts sequences consumed by all ranks together
-(data/stream.py), so the new data-parallel ranks are dealt the rest of the epoch exactly once.
+(data/dealer.py), so the new data-parallel ranks are dealt the rest of the epoch exactly once.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from llm_train.runtime.compat import load_engine_checkpoint
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-    from llm_train.data.stream import BatchStream
+    from llm_train.data.dealer import BatchStream
     from llm_train.data.streaming import StreamingBatches
 
     Stream = BatchStream | StreamingBatches
@@ -432,7 +432,7 @@ class Resume:
 
         On the layout that wrote the checkpoint every rank restores its own RNG states. On
         another layout a rank may have had no predecessor, so every rank reseeds its RNGs from
-        (seed, step, rank); the data order is not an RNG stream (data/stream.py) and carries
+        (seed, step, rank); the data order is not an RNG stream (data/dealer.py) and carries
         over exactly, as does everything in the DeepSpeed state (weights, Adam, LR schedule, step).
         """
         import torch

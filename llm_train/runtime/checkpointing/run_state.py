@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
-    from llm_train.data.stream import BatchStream
+    from llm_train.data.dealer import BatchStream
     from llm_train.data.streaming import StreamingBatches
     from llm_train.observability.tracking import Trackers
 
