@@ -8,8 +8,8 @@
     packing.py      over-long policy, best-fit-decreasing packing, statistics
     prepare.py      a recipe's data section -> packed train / eval splits
     batches.py      sequences -> model inputs (position ids restart per sample)
-    dealer.py       epoch order, sharding by data-parallel rank, exact resume
-    streaming.py    `streaming: true` sources: tokenised and packed on the fly, dealt and resumed the same way
+    dealer.py       the one dealer (`Batches`): epoch order, sharding by data-parallel rank, exact resume
+    streaming.py    `streaming: true` sources: tokenised and packed on the fly, dealt by the same dealer
     workers.py      loader workers that end with their training process
     volume.py       epochs a run implies; the data.max_epochs guard
     summary.py      statistics and decoded samples for `llm-train data inspect`

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from llm_train.config.layout import workers_for
 from llm_train.config.resolution import Resolved, steps_for_epochs
 from llm_train.data import (
+    Batches,
     BatchStream,
     StreamingBatches,
     StreamSpec,
@@ -75,7 +76,7 @@ class RunData:
     """This data-parallel rank's data, and the number of steps it makes."""
 
     tokenizer: PreTrainedTokenizerBase
-    stream: BatchStream | StreamingBatches
+    stream: Batches
     eval_blocks: PackedSplit | None
     max_steps: int
 
@@ -196,9 +197,7 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
         recipe.optim.epochs or 1.0, batches.per_epoch, layout.grad_accum
     )
     # Before any model is loaded: a run that would loop over a small corpus thousands of times stops here.
-    volume = DataVolume.of(
-        layout, batches.order.epoch_len, max_steps, recipe.data.seq_len, train_blocks.pairs
-    )
+    volume = DataVolume.of(layout, batches.epoch_len, max_steps, recipe.data.seq_len, train_blocks.pairs)
     requested = recipe.optim.epochs if recipe.optim.max_steps is None else None
     say(check_volume(volume, recipe.data.max_epochs, requested))
     return RunData(tokenizer, batches, eval_blocks, max_steps)
@@ -241,12 +240,11 @@ def start_world(w: Worker) -> Engine:
     return engine
 
 
-def check_same_data(stream: BatchStream | StreamingBatches, comm: collectives.Collectives) -> None:
-    """Every rank resolved its hub sources to the same commits (each asks the hub itself, at start-up)."""
-    revisions = getattr(getattr(stream, "spec", None), "revisions", None)
-    if revisions is None:
-        return
-    seen = comm.gather_objects(revisions)
+def check_same_data(batches: Batches, comm: collectives.Collectives) -> None:
+    """Every rank resolved its hub sources to the same commits (a stream asks the hub itself, at start-up)."""
+    if not batches.revisions:
+        return  # tokenised ahead: the data's fingerprint follows its content
+    seen = comm.gather_objects(batches.revisions)
     if any(r != seen[0] for r in seen):
         raise UserError(
             f"the ranks read different revisions of the streamed hub data ({seen[0]} vs "

@@ -71,10 +71,7 @@ from llm_train.runtime.compat import load_engine_checkpoint
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-    from llm_train.data.dealer import BatchStream
-    from llm_train.data.streaming import StreamingBatches
-
-    Stream = BatchStream | StreamingBatches
+    from llm_train.data.dealer import Batches
 
 Say = Callable[[str], None]
 
@@ -400,7 +397,7 @@ class Resume:
             return run
         return run.refine(grad_accum=self.layout.grad_accum, load_universal=self.layout.universal or None)
 
-    def open(self, run: Resolved, batches: Stream, say: Say, world: Collectives = collectives.WORLD) -> None:
+    def open(self, run: Resolved, batches: Batches, say: Say, world: Collectives = collectives.WORLD) -> None:
         """Choose the verified checkpoint to resume (the same on every rank), converted when the layout changed.
 
         No checkpoint when there is no complete one. `run` is the run as refined by the plan. Called
@@ -426,7 +423,7 @@ class Resume:
             say(f"notice: {notice}")
         self.checkpoint = chosen
 
-    def restore(self, engine: DeepSpeedEngine, batches: Stream) -> TrainerState:
+    def restore(self, engine: DeepSpeedEngine, batches: Batches) -> TrainerState:
         """Seed this rank, load the engine and trainer state of the opened checkpoint (if any), drop the
         rows of metrics.jsonl logged after it; every rank returns once all have. After `open`.
 
@@ -453,7 +450,7 @@ class Resume:
         return state
 
     def _load(
-        self, engine: DeepSpeedEngine, batches: Stream, ckpt: Path, seed: int, rank: int
+        self, engine: DeepSpeedEngine, batches: Batches, ckpt: Path, seed: int, rank: int
     ) -> TrainerState:
         layout = self.layout
         # DeepSpeed's shards are pickles: `ckpt` (and its universal copy) verified against a manifest.

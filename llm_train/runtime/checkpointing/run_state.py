@@ -38,11 +38,8 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
-    from llm_train.data.dealer import BatchStream
-    from llm_train.data.streaming import StreamingBatches
+    from llm_train.data.dealer import Batches
     from llm_train.observability.tracking import Trackers
-
-    Stream = BatchStream | StreamingBatches
 
 Say = Callable[[str], None]
 
@@ -136,7 +133,7 @@ class Saver:
         run: Resolved,
         rank: int,
         engine: Engine,
-        batches: Stream,
+        batches: Batches,
         tokenizer: PreTrainedTokenizerBase,
         tracker: Trackers,
         control: RunControl,
