@@ -32,7 +32,7 @@ from typing import Any
 
 from llm_train.commands.drive import measure_drive
 from llm_train.config import ds_json
-from llm_train.config.attention import choose_attention
+from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.ds_json import nvme_paths
 from llm_train.config.hardware import describe_pairs, find_gpu, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
@@ -282,7 +282,7 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
             )
     else:
         report.add(section, "flash-attn", "not installed (memory.attention=auto works without it)")
-    # What memory.attention=auto picks on this machine for one process per GPU (config/attention.py).
+    # What memory.attention=auto picks on this machine for one process per GPU (config/attention_kernel.py).
     report.add(section, "attention", choose_attention("auto", "cuda" if gpus else "cpu").why)
     if not flash and any(g[2] >= (8, 0) for g in gpus):
         report.warn(

@@ -3,7 +3,7 @@
 The training data is one endless list of sequences. Tokenised up front (a packed split, here)
 it is epoch after epoch, each a seeded permutation of every source's share (weight x its
 sequences; a fractional share takes the next slice of a per-source permutation, so weight 0.5
-covers the source every two epochs). Streamed (data/streaming.py) it is the packed windows of
+covers the source every two epochs). Streamed (data/stream_windows.py) it is the packed windows of
 the stream, in order. Either way global micro-step k hands positions [k*G, (k+1)*G),
 G = micro_batch x dp_size, to the data-parallel ranks in order: across ranks each sequence is
 served exactly once, ranks of one tensor/pipeline group (same dp rank) get identical batches,
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from llm_train.data.batches import build_rows
+from llm_train.data.model_inputs import build_rows
 from llm_train.data.packing import require_packing_support
 from llm_train.data.prepare import PackedSplit
 from llm_train.data.workers import exit_with_parent

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from llm_train.config.hardware import NVME_READ_BYTES_PER_S, NVME_WRITE_BYTES_PER_S
 from llm_train.planning.flops import training_flops_per_token
-from llm_train.planning.host_offload import nvme_optimizer_bytes
 from llm_train.planning.memory import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.offload_buffers import nvme_optimizer_bytes
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
@@ -203,7 +203,7 @@ def step_time(
     if inp.offload_optimizer == "nvme":
         # Every swapped sub-group: master, m, v and its large tensors' gradients read in at the step; the
         # gradients written out at the accumulation boundary and master, m, v written back after the
-        # update (planning/host_offload.py, its docstring on NVMe offload). The same bytes each way.
+        # update (planning/offload_buffers.py, its docstring on NVMe offload). The same bytes each way.
         swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
         nvme_read += swapped
         nvme_write += swapped

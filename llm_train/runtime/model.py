@@ -10,16 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config.attention import choose_attention
+from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
-from llm_train.runtime.attention import NAME as SDPA_FLEX
-from llm_train.runtime.attention import register_sdpa_flex
 from llm_train.runtime.compat import keep_training_layout
 from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.quantize import quantization_config, quantized
+from llm_train.runtime.qlora_base import quantization_config, quantized
+from llm_train.runtime.sdpa_flex import NAME as SDPA_FLEX
+from llm_train.runtime.sdpa_flex import register_sdpa_flex
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def build_model(
     `device` (e.g. "cuda:0"): pretrained weights are read from the checkpoint straight onto it,
     one tensor at a time, so the host never holds the whole model (transformers' device_map; the
     caller leaves it None where weights are created partitioned instead, under ZeRO-3's zero.Init).
-    With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantize.py).
+    With `lora.quantize` the base layers are quantised by bitsandbytes as they load (qlora_base.py).
     """
     import torch
     from transformers import AutoModelForCausalLM

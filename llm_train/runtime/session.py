@@ -181,7 +181,7 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
     tokenizer = load_tokenizer(recipe.model)
     workers = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
     if is_streaming(recipe.data):
-        # Tokenised and packed on the fly (data/streaming.py). A stream has no length: recipe.py demands
+        # Tokenised and packed on the fly (data/stream_windows.py). A stream has no length: recipe.py demands
         # optim.max_steps, and the data-volume guard has no epochs to count.
         spec = StreamSpec.build(recipe.data, tokenizer, recipe.optim.seed)
         stream = StreamingBatches(spec, layout.micro_batch_size, dp_rank, layout.dp, workers=workers)

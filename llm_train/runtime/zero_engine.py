@@ -42,7 +42,7 @@ from llm_train.runtime.objectives import (
     reference_forward,
 )
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
-from llm_train.runtime.quantize import describe_quantized, quantized
+from llm_train.runtime.qlora_base import describe_quantized, quantized
 from llm_train.runtime.reference import CachedReference, frozen_reference
 from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
 from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged

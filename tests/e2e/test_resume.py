@@ -110,7 +110,7 @@ def test_stop_signal_checkpoints_and_exits_resumable(
     proc = launch_popen(args)
     assert wait_for_step(run_dir, 1, proc)
     # SLURM signals the job's tasks; here: their launcher, which forwards the signal to every worker
-    # as accelerate's and torchrun's do (through `accelerate launch`: test_launch_train.py).
+    # as accelerate's and torchrun's do (through `accelerate launch`: test_train_command.py).
     sent = time.monotonic()
     if during == "save":
         _signal_during_save(run_dir, proc)

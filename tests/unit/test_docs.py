@@ -111,8 +111,8 @@ def test_the_link_check_catches_each_kind_of_break(tmp_path: Path) -> None:
         "other.md#nope (no heading with that anchor)",
         "#nope (no heading with that anchor)",
     ]
-    assert slug("Attention kernels (`memory.attention`, `llm_train/config/attention.py`)") == (
-        "attention-kernels-memoryattention-llm_trainconfigattentionpy"
+    assert slug("Attention kernels (`memory.attention`, `llm_train/config/attention_kernel.py`)") == (
+        "attention-kernels-memoryattention-llm_trainconfigattention_kernelpy"
     )
 
 

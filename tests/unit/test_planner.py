@@ -69,7 +69,7 @@ def test_unknown_gpu_is_one_line() -> None:
 # expectations are the textbook answers: small models need no partitioning; a 7B full fine-tune on
 # 24 GB needs the optimizer on the CPU, whose host buffers (fp32 master, m and v: 12 B/param, plus
 # DeepSpeed's two pinned gradient copies, rounded up to powers of two: ~124 GiB,
-# tests/unit/test_host_offload.py) fit 192 GiB of host RAM but not the 125.9 GiB of the H200 machine that
+# tests/unit/test_offload_buffers.py) fit 192 GiB of host RAM but not the 125.9 GiB of the H200 machine that
 # killed the first run (122.9 usable after the OS's 3 GiB), where it trains LoRA; an 8B
 # (128k vocabulary) does not fit 128 GiB with fp32 states and auto never picks bf16 ones (their
 # measured quality cost), so it trains LoRA; NVMe only when
@@ -381,7 +381,7 @@ def test_host_ram_guard_refuses_with_the_planners_numbers(monkeypatch: pytest.Mo
     with pytest.raises(UserError) as exc:
         check_host_ram(_offload_run(), available=64 * GiB)
     message = str(exc.value)
-    # deepspeed.pinning=auto, as native pinning on this CUDA device: exact sizes (planning/host_offload.py).
+    # deepspeed.pinning=auto, as native pinning on this CUDA device: exact sizes (planning/offload_buffers.py).
     assert re.match(
         r"host RAM: 7b-rtx4090 needs ~116\.4 GiB per node \(planner: offloaded optimizer states 75\.3, "
         r"offloaded fp32 gradients 25\.1, offload 16bit buffers 12\.6, optimizer step transient 0\.5",

@@ -45,9 +45,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe import ChatSource, DataSection, Source
-from llm_train.data.batches import build_rows
 from llm_train.data.dealer import Batches, Sequences, _fork_context
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
+from llm_train.data.model_inputs import build_rows
 from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
 from llm_train.data.prepare import PackedSplit, prepare_data
 from llm_train.data.revision import resolve_revision

@@ -15,7 +15,7 @@ from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.export import logit_tolerance
-from llm_train.runtime.quantize import check_bitsandbytes, quantization_config
+from llm_train.runtime.qlora_base import check_bitsandbytes, quantization_config
 from llm_train.units import GiB
 from tests.helpers import make_tiny_pretrained
 from tests.optional import import_or_skip
@@ -114,7 +114,7 @@ def _qlora(base: Path, dtype: torch.dtype, quantize: str = "nf4") -> torch.nn.Mo
 
 
 def test_the_base_is_4bit_and_only_adapters_train(tiny_base: Path) -> None:
-    from llm_train.runtime.quantize import is_quantized_linear
+    from llm_train.runtime.qlora_base import is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layers = [m for m in model.modules() if is_quantized_linear(m)]
@@ -182,7 +182,7 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
     """Without it, an eval forward on an AVX512-BF16 CPU rewrites every 4-bit weight in place."""
     from bitsandbytes.functional import has_avx512bf16
 
-    from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
+    from llm_train.runtime.qlora_base import dequantized_weight, is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layer = next(m for m in model.modules() if is_quantized_linear(m))
@@ -209,7 +209,7 @@ def _llama31_8b_arithmetic() -> tuple[int, int]:
 
 
 def test_nf4_and_int8_bases_by_hand() -> None:
-    from llm_train.planning.quantized import base_weight_bytes
+    from llm_train.planning.qlora_bytes import base_weight_bytes
     from llm_train.planning.shapes import shape_of
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
