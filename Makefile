@@ -37,11 +37,11 @@ test-fast: install
 	$(OFFLINE) $(VENV)/bin/pytest -q -m "not e2e" tests
 
 lint: install
-	$(VENV)/bin/ruff check llm_train tests bench
-	$(VENV)/bin/ruff format --check llm_train tests bench
+	$(VENV)/bin/ruff check llm_train tests bench tools
+	$(VENV)/bin/ruff format --check llm_train tests bench tools
 	$(VENV)/bin/mypy llm_train
 
 # Wheels for the GPU machine, which reaches no registry: what its image lacks, into .whl/, checked
-# complete for its Python 3.12 before they travel (bench/gpu_wheels.sh says how they are used there).
+# complete for its Python 3.12 before they travel (tools/gpu_wheels/build.sh says how they are used there).
 gpu-wheels: install
-	bash bench/gpu_wheels.sh
+	bash tools/gpu_wheels/build.sh

@@ -1,8 +1,8 @@
 """The peer a user would pick instead of llm_train: the Hugging Face Trainer on the same job, one process.
 
 bench/mfu_matrix.py runs it as one of its variants. Same job means: the same model config and the
-same initial weights (torch.manual_seed(seed), then `AutoModelForCausalLM.from_config`, as
-llm_train's runtime/model.py builds a random model), the same micro-batches in the same order
+same initial weights (torch.manual_seed(seed), then `AutoModelForCausalLM.from_config` on the device
+it trains on, as llm_train's runtime/model.py builds a random model), the same micro-batches in the same order
 (the rows llm_train's data layer deals to rank 0, saved by the matrix: packed rows keep their
 restarting position ids, as Trainer users pass them with DataCollatorWithFlattening), the same
 DeepSpeed JSON (the shipped ds_configs file, whose "auto" values the Trainer fills itself), the same
@@ -15,7 +15,7 @@ Writes OUT/metrics.jsonl: one row per optimizer step with the step, loss (the Tr
 rounded to 4 decimals), step time (between consecutive step ends, after a device synchronisation,
 as llm_train's loop measures it), tokens/s and the allocator's peak.
 
-    python bench/hf_trainer_peer.py --model-dir D --rows R.pt --ds-config ds_configs/zero2.json --out O ...
+    python -m bench.hf_trainer_peer --model-dir D --rows R.pt --ds-config ds_configs/zero2.json --out O ...
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GiB, free_port  # bench/ is this script's folder
+
+from llm_train.runtime.launcher import free_port
+from llm_train.units import GiB
 
 
 class Rows(torch.utils.data.Dataset):
@@ -82,10 +84,11 @@ def main() -> None:
 
     config = AutoConfig.from_pretrained(args.model_dir)
     config.use_cache = False
+    cuda = torch.cuda.is_available() and not args.cpu
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    cuda = torch.cuda.is_available() and not args.cpu
+    with torch.device("cuda" if cuda else "cpu"):  # where llm_train draws them: the same numbers
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     args.out.mkdir(parents=True, exist_ok=True)
     metrics = (args.out / "metrics.jsonl").open("w")
     tokens_per_step = args.micro_batch * int(Rows(args.rows).tensors["input_ids"].shape[1])

@@ -2,7 +2,7 @@
 runs with and without DeepSpeed ALST (Ulysses sequence parallelism, tiled MLP, tiled loss), next to
 what llm_train/planning/memory.py predicts for the same configurations (issue #15, "Memory").
 
-    .venv/bin/python bench/long_context_memory.py [--seq-len 8192] [--base-seq-len 256] [--configs A,B,C,D,E]
+    .venv/bin/python -m bench.long_context_memory [--seq-len 8192] [--base-seq-len 256] [--configs A,B,C,D,E]
         # ~8 min on 2 cores; writes bench/results/long-context-memory-<date>.txt
 
 Each configuration trains 2 steps of the tiny-cpu-sp2 recipe (tiny Llama, ZeRO-3, sdpa, fp32,
@@ -57,15 +57,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
-from common import OFFLINE_ENV, REPO, free_port, proc_kib_field, versions  # bench/ is this script's folder
 
-sys.path.insert(0, str(REPO))
-
-from llm_train.config.resolution import resolve_run  # noqa: E402
-from llm_train.planning.fit import CPU_PROCESS_HOST_BYTES, memory_inputs, needs  # noqa: E402
-from llm_train.planning.memory import ALLOCATOR_SLACK_FRACTION, estimate_memory  # noqa: E402
-from llm_train.planning.shapes import shape_from_config  # noqa: E402
-from llm_train.runtime.launcher import SPAWNED_ENV  # noqa: E402
+from bench.harness import OFFLINE_ENV, REPO, proc_kib_field, versions
+from llm_train.config.resolution import resolve_run
+from llm_train.planning.fit import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
+from llm_train.planning.memory import ALLOCATOR_SLACK_FRACTION, estimate_memory
+from llm_train.planning.shapes import shape_from_config
+from llm_train.runtime.launcher import SPAWNED_ENV, free_port
 
 MiB = 2**20
 RECIPE = "tiny-cpu-sp2"

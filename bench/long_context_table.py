@@ -4,7 +4,7 @@ with DeepSpeed ALST (Ulysses sequence parallelism, tiled MLP, tiled loss, checkp
 Pure planner arithmetic (llm_train/planning/long_context.py states the assumptions): no GPU, no
 download, under a second.
 
-    .venv/bin/python bench/long_context_table.py [--model meta-llama/Llama-3.1-8B]
+    .venv/bin/python -m bench.long_context_table [--model meta-llama/Llama-3.1-8B]
 """
 
 from __future__ import annotations

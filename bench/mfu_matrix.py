@@ -1,90 +1,89 @@
 """MFU and tokens/s of llm_train's speed switches on one GPU, against the Hugging Face Trainer on the same job.
 
-One prepared run of at most 8 minutes (its own deadline, --budget-s): one process per variant, the
-most important first, one JSON line each in OUT/mfu_matrix.jsonl the moment it is known (a kill
-leaves what was done), then OUT/mfu_matrix_summary.json; OUT/mfu_matrix.log holds each launch's
-command and output tail. The job is gpu_check's MFU shape: a Llama-3.2-1B-shaped model (random
-init), bf16, seq 4096, ZeRO-2 (ds_configs/zero2.json), micro-batch 4, one GPU.
+A list of cases on bench/harness.py: one process per variant, in order of value, each line written the
+moment it ends. bench/gpu_run.py runs them with the time its parts leave; alone:
 
-Data, generated here (no download), token ids drawn uniformly from the bundled tokenizer's 4,096:
-- `mix`: documents with log-normal lengths (median 600, sigma 1: mean ~990 tokens, a long tail, like
-  web text), the longer ones split at seq_len, packed by llm_train (best-fit decreasing, position ids
-  restarting per sample): ~4 documents per row;
+    python -m bench.mfu_matrix [--cpu-tiny] [--only baseline hf_trainer] [--out DIR]
+
+ends with llm_train's and the Trainer's tokens/s side by side. The job: a Llama-3.2-1B-shaped model
+(random init, drawn on the GPU), bf16, seq 4096, ZeRO-2 (ds_configs/zero2.json), micro-batch 4, one GPU.
+
+Data: the bundled corpus (real text), tokenised by the bundled tokenizer and cut into documents:
+- `mix`: log-normal lengths (median 600, sigma 1: mean ~990 tokens, a long tail, like web text), the
+  longer ones split at seq_len, packed by llm_train (best-fit decreasing, position ids restarting per
+  document): ~4 documents per row;
 - `full`: documents of exactly seq_len tokens: every row one sequence, no boundary.
 
-Variants, in this order (`VARIANTS`):
+Variants (`VARIANTS`, in order of value):
   baseline        mix,  memory.attention=sdpa: the dense [b,1,s,s] mask (the first H200 run's setup)
-  document_aware  mix,  memory.attention=auto (flash_attention_2 where installed, else sdpa_flex)
   hf_trainer      mix,  transformers.Trainer on the same rows, init, DS JSON and batch (bench/hf_trainer_peer.py)
+  doc_isolation   not a speed run: per-document logits of a packed row against each document alone, for
+                  every kernel the matrix uses, and a planted cross-document leak that must be seen
+                  (bench/doc_isolation.py): the check that a fast kernel is also an exact one
+  document_aware  mix,  memory.attention=auto (flash_attention_2 where installed, else sdpa_flex)
   liger           mix,  + memory.liger_kernels=true
   liger_compile   mix,  + memory.torch_compile=layers (regional: each decoder layer compiled in place)
   best_micro8     mix,  the fastest exact variant above at micro-batch 8
   full_baseline   full, memory.attention=sdpa (is_causal: no mask to build)
   full_best       full, the fastest exact combination
-  compile_model   mix,  document_aware + liger + memory.torch_compile=model (whole model), if time is
-                        left (optional: a deadline that leaves none fails nothing)
+  compile_model   mix,  document_aware + liger + memory.torch_compile=model (whole model)
 
-Each line: predicted step time (written in the `predictions` line before anything runs, and repeated),
-step time and tokens/s (medians after the warm-up steps), `mfu` (attention over the documents the
-rows really hold) and `mfu_seq_len` (over the whole row, as most tools count), the attention span,
-the GPU's peak, the kernel the run used, `compile_s` (first step minus a steady one: flex, Liger's
-Triton and torch.compile graphs), the first losses, and `checks`:
-- `ran`: all steps logged;
-- `exact`: the first LOSS_STEPS losses equal the baseline's on the same data within LOSS_RTOL (the
-  same rows, the same initial weights). With random weights and tokens this catches a broken kernel
-  (NaN, a wrong loss scale, lost tokens), not a subtle mask leak; the masks themselves are proven on
-  CPU (tests/unit/test_attention.py). Not checked at another micro-batch (other rows per step).
-- `peak_not_above_baseline`: at the baseline's micro-batch, GPU peak <= baseline's + PEAK_SLACK.
-Then two target lines: `target_mfu` (the best exact variant's document-aware MFU >= 45%) and
-`target_vs_hf_trainer` (the best exact variant at the Trainer's batch, tokens/s >= 1.3x the Trainer's,
-measured in this run). Neither target is checked by a timed test: they live here. A miss is a failed line; the exit code is 1 when any line failed (a variant the
-deadline left no time for is a failed "not run" line), 0 otherwise.
+Each speed line: predicted step time (GPU_PREDICTIONS, written before the first GPU run), step time and
+tokens/s (medians after the warm-up steps), `mfu` (attention over the documents the rows hold) and
+`mfu_seq_len` (over the whole row), the GPU's peak, the kernel the run used, `compile_s` (first step
+minus a steady one), the first losses, and `checks`: `ran`; `exact` (the first LOSS_STEPS losses equal
+the baseline's within LOSS_RTOL: catches a broken kernel, NaN or a wrong loss scale; the masks are
+doc_isolation's); `peak_not_above_baseline` (at the baseline's micro-batch). Then `llm_train_vs_hf_trainer`
+(baseline tokens/s over the Trainer's: llm_train's step must be no slower), `target_mfu` (the best exact
+variant's document-aware MFU >= 45%) and `target_vs_hf_trainer` (the best exact variant >= 1.3x the
+Trainer). The targets are judged on a GPU only; a target whose inputs were not measured in this run is a
+deferred line, not a failure.
 
-`--cpu-tiny` runs the same script end to end on CPU with the tiny-cpu model (seq 128, micro 2, a
-nominal --peak-tflops): CUDA-only switches (Liger) are dropped from the variants that name them, a
-variant that is then the same as an earlier one is skipped, and flex kernels are not chosen (auto ->
-sdpa on CPU); it trains in fp32 and leaves out compile_model (CPU_SIZES says why). Its numbers say
-nothing about a GPU, and its MFU target line fails by construction.
-
-    WHEELS=.whl OUT=$OUT bash bench/mfu_matrix.sh   # on the GPU machine (bench/gpu_env.sh: the wheels)
-    bash bench/mfu_matrix.sh --cpu-tiny --out DIR    # here (tests/e2e/test_mfu_matrix.py)
+`--cpu-tiny` runs the same cases on CPU with the tiny-cpu model (seq 128, micro 2, fp32, a nominal
+--peak-tflops): CUDA-only switches (Liger) are dropped, a variant that is then the same run as an
+earlier one is skipped, and auto picks sdpa on CPU. Its numbers say nothing about a GPU.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import signal
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import REPO, check_arguments, require_cuda, versions  # bench/ is this script's folder
-from gpu_check import (
-    RUNNING,
+from bench.harness import (
+    CORPUS,
+    REPO,
+    TOKENIZER,
+    TRAIN,
     Budget,
+    Case,
+    Context,
+    GpuMemorySampler,
+    Judging,
     Results,
-    _on_stop_signal,
+    check_arguments,
+    injected,
+    judge,
     launch,
     median,
     metrics_rows,
+    module_cmd,
     peak,
-    round_floats,
+    run_cases,
 )
 
-TRAIN = REPO / "llm_train" / "train.py"
-PEER = REPO / "bench" / "hf_trainer_peer.py"
 DS_CONFIG = REPO / "ds_configs" / "zero2.json"
 MFU_TARGET = 0.45
 PEER_RATIO_TARGET = 1.3
 # bf16 weights and activations round at 2^-8 relative; kernels that add in another order (flex vs.
-# flash, Liger's chunked cross-entropy, inductor's fusions) move a mean loss of ~11 by ~1e-3
-# relative at the first step, and two small updates (constant lr, Adam) keep it there. 1% is ten
-# times that, and far below what a broken kernel does (NaN, a loss off by a constant factor).
+# flash, Liger's chunked cross-entropy, inductor's fusions) move a mean loss of ~8 by ~1e-3 relative at
+# the first step, and two small updates (constant lr, Adam) keep it there. 1% is ten times that, and far
+# below what a broken kernel does (NaN, a loss off by a constant factor).
 LOSS_RTOL = 0.01
 LOSS_STEPS = 3
 # Two runs of the same job on the first H200 reached the same allocator peak within 1e-4 GiB
@@ -92,21 +91,12 @@ LOSS_STEPS = 3
 PEAK_SLACK = 0.005
 MIX_MEDIAN_FRACTION = 600 / 4096  # log-normal median of the mix's document lengths, as a fraction of seq_len
 MIX_SIGMA = 1.0
-MIN_TIME_S = 30.0  # less than this left of the budget: the variant is reported as not run
 
-COMMON = [
-    "output.log_every=1",
-    "eval.every=0",
-    "data.eval_fraction=0",
-    "output.sample_prompt=null",
-    "tracking.mode=disabled",
-    "checkpoint.at_end=false",
-    "data.max_epochs=1000",  # a speed probe of a few steps over generated rows, not a fine-tune
-    "optim.grad_accum=1",
-    "optim.schedule=constant",
-    "optim.warmup_steps=0",
-    "optim.weight_decay=0.0",
-]
+COMMON = [  # a speed probe of a few steps over the corpus, not a fine-tune
+    "output.log_every=1", "eval.every=0", "data.eval_fraction=0", "output.sample_prompt=null",
+    "tracking.mode=disabled", "checkpoint.at_end=false", "data.max_epochs=1000", "optim.grad_accum=1",
+    "optim.schedule=constant", "optim.warmup_steps=0", "optim.weight_decay=0.0",
+]  # fmt: skip
 GPU_MODEL = [
     "hardware.device=cuda",
     "model.init=random",
@@ -127,15 +117,40 @@ class Sizes:
     steps: int
     warmup: int  # steps left out of the medians: allocator warm-up, compilation, autotuning
     documents: int  # per data set: enough rows for the longest variant, with room
-    timeout_s: float  # per variant
-    budget_s: float
     extra_args: list[str]
-    predictions: dict[str, float | None]
     precision: str = "bf16"
     skip: dict[str, str] = field(default_factory=dict)  # variants this size does not run, and why
 
 
-# Predicted step times on one H200 (seconds), written before the first GPU run of this script. Basis:
+GPU_SIZES = Sizes(
+    gpu=True,
+    model=GPU_MODEL,
+    seq_len=4096,
+    micro=4,
+    big_micro=8,
+    steps=12,
+    warmup=4,
+    documents=600,
+    extra_args=[],
+)
+CPU_SIZES = Sizes(
+    gpu=False,
+    model=CPU_MODEL,
+    seq_len=128,
+    micro=2,
+    big_micro=4,
+    steps=4,
+    warmup=1,
+    documents=300,
+    extra_args=["--peak-tflops", "1.0"],  # nominal: MFU is computed, and means nothing
+    # fp32: torch's bf16 kernels on CPU are several times slower, and this size checks the script only
+    # (bf16 training on CPU has its own e2e tests).
+    precision="fp32",
+    # The whole-model compile differs from liger_compile only in the switch, and costs a minute more of CPU.
+    skip={"compile_model": "measured on GPUs only (the same launch as liger_compile, another switch)"},
+)
+
+# Predicted step times on one H200 (seconds), written before the first GPU run of this matrix. Basis:
 # the first H200 run's 0.453 s for this job with sdpa on packed rows (30.1% MFU at seq_len); ~150 ms of
 # it attributed to the dense-mask attention (the whole 4096^2 square, K/V repeated to 32 heads), the
 # other ~0.30 s to the weights' matmuls, the fp32 logits and loss, and the optimizer.
@@ -149,53 +164,10 @@ class Sizes:
 # - full rows: sdpa is_causal over the whole row (805 MFLOP per token of attention at T=4096, on
 #   flash/cuDNN at ~60% of peak: ~22 ms) -> 0.33 s; with Liger and compile -> 0.29 s.
 # - compile_model: like liger_compile, with a longer compile -> 0.28 s.
-GPU_PREDICTIONS: dict[str, float | None] = {
-    "baseline": 0.45,
-    "document_aware": 0.32,
-    "hf_trainer": 0.46,
-    "liger": 0.29,
-    "liger_compile": 0.28,
-    "best_micro8": 0.55,
-    "full_baseline": 0.33,
-    "full_best": 0.29,
-    "compile_model": 0.28,
-}
-
-GPU_SIZES = Sizes(
-    gpu=True,
-    model=GPU_MODEL,
-    seq_len=4096,
-    micro=4,
-    big_micro=8,
-    steps=12,
-    warmup=4,
-    documents=600,
-    timeout_s=150,
-    budget_s=480,
-    extra_args=[],
-    predictions=GPU_PREDICTIONS,
-)
-CPU_SIZES = Sizes(
-    gpu=False,
-    model=CPU_MODEL,
-    seq_len=128,
-    micro=2,
-    big_micro=4,
-    steps=4,
-    warmup=1,
-    documents=300,
-    timeout_s=300,
-    budget_s=1200,
-    extra_args=["--peak-tflops", "1.0"],  # nominal: MFU is computed, and means nothing
-    predictions=dict.fromkeys(
-        GPU_PREDICTIONS
-    ),  # a CPU step says nothing a GPU prediction could be checked on
-    # fp32: torch's bf16 kernels on CPU are several times slower, and this size checks the script only
-    # (bf16 training on CPU has its own e2e tests). The whole-model compile differs from liger_compile
-    # only in the switch, and costs a minute more of CPU compilation.
-    precision="fp32",
-    skip={"compile_model": "measured on GPUs only (the same launch as liger_compile, another switch)"},
-)
+GPU_PREDICTIONS: dict[str, float] = {
+    "baseline": 0.45, "document_aware": 0.32, "hf_trainer": 0.46, "liger": 0.29, "liger_compile": 0.28,
+    "best_micro8": 0.55, "full_baseline": 0.33, "full_best": 0.29, "compile_model": 0.28,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -204,40 +176,73 @@ class Variant:
     data: str  # "mix" | "full"
     overrides: tuple[str, ...] = ()
     big: bool = False  # the larger micro-batch
-    peer: bool = False  # the HF Trainer instead of llm_train
     best: bool = False  # takes the fastest exact combination measured before it
     baseline: str | None = None  # the variant its losses and peak are compared with
-    optional: bool = False  # run only if the budget leaves time: not running it is no failure
+    cost_s: float = 60.0  # on the H200: start-up (~15 s), 14 steps, compilation
+    box_s: float = 120.0
 
 
 DOC = ("memory.attention=auto",)
 LIGER = (*DOC, "memory.liger_kernels=true")
 VARIANTS = [
-    Variant("baseline", "mix", ("memory.attention=sdpa",)),
-    Variant("document_aware", "mix", DOC, baseline="baseline"),
-    Variant("hf_trainer", "mix", peer=True, baseline="baseline"),
+    Variant("baseline", "mix", ("memory.attention=sdpa",), cost_s=40, box_s=80),
+    Variant("document_aware", "mix", DOC, baseline="baseline", cost_s=70),
     Variant("liger", "mix", LIGER, baseline="baseline"),
-    Variant("liger_compile", "mix", (*LIGER, "memory.torch_compile=layers"), baseline="baseline"),
-    Variant("best_micro8", "mix", big=True, best=True),
-    Variant("full_baseline", "full", ("memory.attention=sdpa",)),
-    Variant("full_best", "full", best=True, baseline="full_baseline"),
     Variant(
-        "compile_model", "mix", (*LIGER, "memory.torch_compile=model"), baseline="baseline", optional=True
+        "liger_compile",
+        "mix",
+        (*LIGER, "memory.torch_compile=layers"),
+        baseline="baseline",
+        cost_s=100,
+        box_s=150,
+    ),
+    Variant("best_micro8", "mix", big=True, best=True),
+    Variant("full_baseline", "full", ("memory.attention=sdpa",), cost_s=40, box_s=80),
+    Variant("full_best", "full", best=True, baseline="full_baseline", cost_s=70),
+    Variant(
+        "compile_model",
+        "mix",
+        (*LIGER, "memory.torch_compile=model"),
+        baseline="baseline",
+        cost_s=120,
+        box_s=150,
     ),
 ]
 BEST_CANDIDATES = ("document_aware", "liger", "liger_compile")
 CUDA_ONLY = ("memory.liger_kernels=true",)
 
 
-# --- the data -----------------------------------------------------------------------------------------------
+# --- the data and what the peer processes read --------------------------------------------------------
 
 
-def generate_data(folder: Path, sizes: Sizes, vocab: int, seed: int = 0) -> dict[str, Path]:
-    """The two token-id corpora as parquet (format: tokenized); returns {"mix": path, "full": path}."""
+@dataclass
+class Matrix:
+    """What the matrix's cases share in one run: the sizes, the data, the peer's rows (made once)."""
+
+    sizes: Sizes
+    data: dict[str, Path]
+    cache: Path
+    peer: tuple[Path, Path, Any] | None = None
+
+
+def state(ctx: Context) -> Matrix:
+    if "mfu" not in ctx.state:
+        sizes = GPU_SIZES if ctx.gpu else CPU_SIZES
+        ctx.state["mfu"] = Matrix(sizes, generate_data(ctx.work / "mfu_data", sizes), ctx.work / "mfu_cache")
+    matrix: Matrix = ctx.state["mfu"]
+    return matrix
+
+
+def generate_data(folder: Path, sizes: Sizes, seed: int = 0) -> dict[str, Path]:
+    """The two corpora as parquet of token ids (format: tokenized), cut from the bundled text."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
 
+    tokenizer = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    lines = [line for line in CORPUS.read_text().splitlines() if line.strip()]
+    stream = np.array([i for encoding in tokenizer.encode_batch(lines) for i in encoding.ids], dtype=np.int64)
     rng = np.random.default_rng(seed)
     median_len = MIX_MEDIAN_FRACTION * sizes.seq_len
     lengths = np.maximum(8, rng.lognormal(np.log(median_len), MIX_SIGMA, sizes.documents)).astype(np.int64)
@@ -245,7 +250,10 @@ def generate_data(folder: Path, sizes: Sizes, vocab: int, seed: int = 0) -> dict
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, lens in corpora.items():
-        ids = [rng.integers(3, vocab, n).tolist() for n in lens]  # 0-2: the bundled tokenizer's pad/bos/eos
+        ends = np.cumsum(lens)
+        # Documents are consecutive slices of the corpus, which is repeated as often as they need.
+        text = np.tile(stream, int(ends[-1] // len(stream)) + 1)
+        ids = [text[end - n : end].tolist() for n, end in zip(lens, ends, strict=True)]
         path = folder / f"{name}.parquet"
         pq.write_table(pa.table({"input_ids": ids}), path)
         paths[name] = path
@@ -260,27 +268,52 @@ def data_overrides(path: Path, sizes: Sizes, cache: Path) -> list[str]:
     ]
 
 
-# --- one variant ---------------------------------------------------------------------------------------------
+def baseline_overrides(matrix: Matrix) -> list[str]:
+    sizes = matrix.sizes
+    return [
+        *COMMON,
+        *sizes.model,
+        *data_overrides(matrix.data["mix"], sizes, matrix.cache),
+        f"optim.micro_batch_size={sizes.micro}",
+        f"precision={sizes.precision}",
+        "memory.attention=sdpa",
+    ]
 
 
-@dataclass
-class Context:
-    sizes: Sizes
-    work: Path
-    data: dict[str, Path]
-    results: Results
-    budget: Budget
-    done: dict[str, dict[str, Any]] = field(default_factory=dict)
+def baseline_run(matrix: Matrix) -> Any:
+    """The baseline's resolved run (recipe tiny-cpu + the matrix's overrides), as a worker resolves it."""
+    from llm_train.config.hardware import Device
+    from llm_train.config.resolution import resolve_run
+
+    device = "cuda" if matrix.sizes.gpu else "cpu"
+    overrides = baseline_overrides(matrix)
+    return resolve_run("tiny-cpu", overrides, 1, Device(kind=device, name=device, bf16=True), str(DS_CONFIG))
 
 
-def effective_overrides(variant: Variant, ctx: Context) -> tuple[list[str], list[str]]:
-    """(the variant's switches, the ones dropped: CUDA-only switches under --cpu-tiny)."""
-    switches = list(variant.overrides)
-    if variant.best:
-        switches = list(best_switches(ctx) or [])
-    if ctx.sizes.gpu:
-        return switches, []
-    return [s for s in switches if s not in CUDA_ONLY], [s for s in switches if s in CUDA_ONLY]
+def prepare_peer(ctx: Context) -> tuple[Path, Path, Any]:
+    """(model config folder, the rows rank 0 trains on in llm_train's order, the optimizer section)."""
+    matrix = state(ctx)
+    if matrix.peer is None:
+        import torch
+
+        from llm_train.data import BatchStream, load_blocks
+        from llm_train.runtime.model import load_tokenizer, model_config
+
+        run = baseline_run(matrix)
+        recipe, sizes = run.recipe, matrix.sizes
+        model_dir = ctx.work / "mfu_peer_model"
+        model_config(recipe.model).save_pretrained(model_dir)
+        train, _ = load_blocks(recipe.data, load_tokenizer(recipe.model), recipe.optim.seed)
+        stream = BatchStream(train, sizes.micro, 0, 1, recipe.optim.seed, workers=0, pin_memory=False)
+        batches = [next(stream) for _ in range(sizes.steps + 2)]
+        keys = [k for k, v in batches[0].items() if isinstance(v, torch.Tensor)]
+        rows = ctx.work / "mfu_peer_rows.pt"
+        torch.save({k: torch.cat([b[k] for b in batches]) for k in keys}, rows)
+        matrix.peer = (model_dir, rows, recipe.optim)
+    return matrix.peer
+
+
+# --- one variant ------------------------------------------------------------------------------------------
 
 
 def best_switches(ctx: Context) -> tuple[str, ...] | None:
@@ -288,31 +321,7 @@ def best_switches(ctx: Context) -> tuple[str, ...] | None:
     passed = [ctx.done[n] for n in BEST_CANDIDATES if ctx.done.get(n, {}).get("passed")]
     if not passed:
         return None
-    fastest = max(passed, key=lambda r: r["tokens_per_s"] or 0.0)
-    return tuple(fastest["switches"])
-
-
-def llm_train_cmd(variant: Variant, switches: list[str], ctx: Context, run_dir: Path) -> list[str]:
-    sizes = ctx.sizes
-    micro = sizes.big_micro if variant.big else sizes.micro
-    return [
-        sys.executable,
-        str(TRAIN),
-        "--recipe",
-        "tiny-cpu",
-        "--output-dir",
-        str(run_dir),
-        f"--max-steps={sizes.steps + 2}",  # stopped once `steps` are logged: never in its export
-        "--ds-config",
-        str(DS_CONFIG),
-        *sizes.extra_args,
-        *COMMON,
-        *sizes.model,
-        *data_overrides(ctx.data[variant.data], sizes, ctx.work / "cache"),
-        f"optim.micro_batch_size={micro}",
-        f"precision={sizes.precision}",
-        *switches,
-    ]
+    return tuple(max(passed, key=lambda r: r.get("tokens_per_s") or 0.0)["switches"])
 
 
 def kernel_used(output: str) -> str | None:
@@ -321,16 +330,16 @@ def kernel_used(output: str) -> str | None:
     return f"{match.group(1)} ({match.group(2)})" if match else None
 
 
-def measure(variant: Variant, ctx: Context, cmd: list[str], run_dir: Path, log: str) -> dict[str, Any]:
+def measure(name: str, ctx: Context, cmd: list[str], run_dir: Path) -> dict[str, Any]:
     """Launch, stop after `steps` logged rows, and read the medians and first losses."""
-    sizes = ctx.sizes
+    sizes = state(ctx).sizes
     run = launch(
         cmd,
-        ctx.budget.timeout(sizes.timeout_s),
-        ctx.work / f"{variant.name}.log",
+        ctx.timeout(),
+        ctx.work / f"{name}.log",
         kill_when=lambda: len(metrics_rows(run_dir)) >= sizes.steps,
     )
-    ctx.results.log_launch(log, run)
+    ctx.results.log_launch(name, run)
     rows = metrics_rows(run_dir)[: sizes.steps]
     steady = [r for r in rows if r["step"] > sizes.warmup]
     step_time = median(steady, "step_time_s")
@@ -349,16 +358,53 @@ def measure(variant: Variant, ctx: Context, cmd: list[str], run_dir: Path, log: 
         "stopped": run.action,
     }
     if len(rows) < sizes.steps or not steady:
-        what = "timed out" if run.timed_out else f"exit {run.rc}"
-        record["error"] = f"{what} after {len(rows)} of {sizes.steps} steps"
-        record["tail"] = run.tail
+        record.update(error=run.failure(len(rows), sizes.steps), tail=run.tail)
     record["output"] = run.output
     return record
 
 
-def run_llm_train(variant: Variant, switches: list[str], ctx: Context) -> dict[str, Any]:
+def run_variant(variant: Variant, ctx: Context) -> dict[str, Any]:
+    matrix = state(ctx)
+    sizes = matrix.sizes
+    micro = sizes.big_micro if variant.big else sizes.micro
+    record: dict[str, Any] = {
+        "data": variant.data,
+        "micro_batch": micro,
+        "predicted_step_time_s": GPU_PREDICTIONS.get(variant.name) if sizes.gpu else None,
+    }
+    if variant.name in sizes.skip:
+        return {**record, "passed": None, "skipped": sizes.skip[variant.name]}
+    switches = list(variant.overrides)
+    if variant.best:
+        best = best_switches(ctx)
+        if best is None:
+            return {**record, "passed": None, "deferred": f"none of {', '.join(BEST_CANDIDATES)} passed yet"}
+        switches = list(best)
+    dropped = [] if sizes.gpu else [s for s in switches if s in CUDA_ONLY]
+    switches = [s for s in switches if s not in dropped]
+    record["switches"] = switches
+    if dropped:
+        record["dropped"] = [f"{s} (needs CUDA)" for s in dropped]
+        same = next((n for n, r in ctx.done.items() if r.get("switches") == switches and r.get("data") == variant.data
+                     and r.get("micro_batch") == micro), None)  # fmt: skip
+        if same is not None:
+            return {**record, "passed": None, "skipped": f"without CUDA the same run as {same}"}
     run_dir = ctx.work / variant.name
-    record = measure(variant, ctx, llm_train_cmd(variant, switches, ctx, run_dir), run_dir, variant.name)
+    cmd = [
+        sys.executable,
+        str(TRAIN),
+        *("--recipe", "tiny-cpu", "--output-dir", str(run_dir)),
+        f"--max-steps={sizes.steps + 2}",  # stopped once `steps` are logged: never in its export
+        *("--ds-config", str(DS_CONFIG)),
+        *sizes.extra_args,
+        *COMMON,
+        *sizes.model,
+        *data_overrides(matrix.data[variant.data], sizes, matrix.cache),
+        f"optim.micro_batch_size={micro}",
+        f"precision={sizes.precision}",
+        *switches,
+    ]
+    record.update(measure(variant.name, ctx, cmd, run_dir))
     output = record.pop("output")
     record["kernel"] = kernel_used(output)
     record["notices"] = [
@@ -366,80 +412,48 @@ def run_llm_train(variant: Variant, switches: list[str], ctx: Context) -> dict[s
         for line in output.splitlines()
         if line.startswith(("Liger kernels on", "torch.compile on"))
     ]
-    return record
+    return checks(variant, record, ctx, micro)
 
 
-def run_peer(variant: Variant, ctx: Context) -> dict[str, Any]:
+def run_peer(ctx: Context) -> dict[str, Any]:
     """The HF Trainer on llm_train's own rows, init and optimizer settings (bench/hf_trainer_peer.py)."""
-    sizes = ctx.sizes
+    sizes = state(ctx).sizes
     model_dir, rows, optim = prepare_peer(ctx)
-    out = ctx.work / variant.name
-    cmd = [
-        sys.executable,
-        str(PEER),
-        "--model-dir",
-        str(model_dir),
-        "--rows",
-        str(rows),
-        "--ds-config",
-        str(DS_CONFIG),
-        "--out",
-        str(out),
+    out = ctx.work / "hf_trainer"
+    cmd = module_cmd(
+        "bench.hf_trainer_peer",
+        *(
+            "--model-dir",
+            str(model_dir),
+            "--rows",
+            str(rows),
+            "--ds-config",
+            str(DS_CONFIG),
+            "--out",
+            str(out),
+        ),
         f"--micro-batch={sizes.micro}",
         f"--steps={sizes.steps + 2}",
         f"--lr={optim.lr}",
-        "--betas",
-        *map(str, optim.betas),
+        *("--betas", *map(str, optim.betas)),
         f"--eps={optim.eps}",
         f"--weight-decay={optim.weight_decay}",
         f"--grad-clip={optim.grad_clip}",
         f"--seed={optim.seed}",
         f"--precision={sizes.precision}",
         *([] if sizes.gpu else ["--cpu"]),
-    ]
-    record = measure(variant, ctx, cmd, out, variant.name)
+    )
+    record: dict[str, Any] = {
+        "data": "mix",
+        "micro_batch": sizes.micro,
+        "predicted_step_time_s": GPU_PREDICTIONS["hf_trainer"] if sizes.gpu else None,
+        "switches": ["transformers.Trainer"],
+    }
+    record.update(measure("hf_trainer", ctx, cmd, out))
     record.pop("output")
     record["kernel"] = "sdpa (transformers' default)"
     record.update(peer_mfu(record, ctx))
-    return record
-
-
-def baseline_run(ctx: Context) -> Any:
-    """The baseline's resolved run (recipe tiny-cpu + the matrix's overrides), as a worker resolves it."""
-    from llm_train.config.hardware import Device
-    from llm_train.config.resolution import resolve_run
-
-    sizes = ctx.sizes
-    overrides = [
-        *COMMON,
-        *sizes.model,
-        *data_overrides(ctx.data["mix"], sizes, ctx.work / "cache"),
-        f"optim.micro_batch_size={sizes.micro}",
-        f"precision={sizes.precision}",
-        "memory.attention=sdpa",
-    ]
-    device = "cuda" if sizes.gpu else "cpu"
-    return resolve_run("tiny-cpu", overrides, 1, Device(kind=device, name=device, bf16=True), str(DS_CONFIG))
-
-
-def prepare_peer(ctx: Context) -> tuple[Path, Path, Any]:
-    """(model config folder, the rows rank 0 trains on in llm_train's order, the optimizer section)."""
-    import torch
-
-    from llm_train.data import BatchStream, load_blocks
-    from llm_train.runtime.model import load_tokenizer, model_config
-
-    run = baseline_run(ctx)
-    recipe, sizes = run.recipe, ctx.sizes
-    model_dir = ctx.work / "peer_model"
-    model_config(recipe.model).save_pretrained(model_dir)
-    train, _ = load_blocks(recipe.data, load_tokenizer(recipe.model), recipe.optim.seed)
-    stream = BatchStream(train, sizes.micro, 0, 1, recipe.optim.seed, workers=0, pin_memory=False)
-    batches = [next(stream) for _ in range(sizes.steps + 2)]
-    keys = [k for k, v in batches[0].items() if isinstance(v, torch.Tensor)]
-    rows = ctx.work / "peer_rows.pt"
-    torch.save({k: torch.cat([b[k] for b in batches]) for k in keys}, rows)
-    return model_dir, rows, recipe.optim
+    return checks(Variant("hf_trainer", "mix", baseline="baseline"), record, ctx, sizes.micro, peer=True)
 
 
 def peer_mfu(record: dict[str, Any], ctx: Context) -> dict[str, Any]:
@@ -448,213 +462,212 @@ def peer_mfu(record: dict[str, Any], ctx: Context) -> dict[str, Any]:
     from llm_train.observability.metrics import shape_token_flops
     from llm_train.planning.shapes import shape_from_config
 
-    baseline = ctx.done.get("baseline", {})
-    span = baseline.get("attention_span")
+    matrix = state(ctx)
+    span = ctx.done.get("baseline", {}).get("attention_span")
     tokens_per_s = record.get("tokens_per_s")
-    run = baseline_run(ctx)
-    flops = shape_token_flops(shape_from_config(run.model_fields))
-    device_peak = 1.0 if not ctx.sizes.gpu else gpu_peak_tflops(peak_tflops)  # --cpu-tiny: the nominal 1.0
+    flops = shape_token_flops(shape_from_config(baseline_run(matrix).model_fields))
+    device = ctx.done.get("probe", {}).get("device") or GpuMemorySampler().name()
+    device_peak = peak_tflops(device) if matrix.sizes.gpu and device else 1.0  # --cpu-tiny: the nominal 1.0
     if not (tokens_per_s and span and device_peak):
         return {}
     per_s = tokens_per_s / (device_peak * 1e12)
     return {
         "attention_span": span,
         "mfu": per_s * flops.at(span),
-        "mfu_seq_len": per_s * flops.at(ctx.sizes.seq_len),
+        "mfu_seq_len": per_s * flops.at(matrix.sizes.seq_len),
     }
 
 
-def gpu_peak_tflops(table: Callable[[str], float | None]) -> float | None:
-    import torch
-
-    return table(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
-
-
-def judge(variant: Variant, record: dict[str, Any], ctx: Context, micro: int) -> dict[str, Any]:
+def checks(
+    variant: Variant, record: dict[str, Any], ctx: Context, micro: int, peer: bool = False
+) -> dict[str, Any]:
     """The line's checks; `passed` is all of them."""
     predicted = record.get("predicted_step_time_s")
     if predicted and record.get("step_time_s"):
         record["measured_over_predicted"] = record["step_time_s"] / predicted
-    checks: dict[str, bool] = {"ran": "error" not in record}
+    checked: dict[str, bool] = {"ran": "error" not in record}
     base = ctx.done.get(variant.baseline or "")
     if base and not variant.big and base.get("first_losses"):
         ours, theirs = record.get("first_losses") or [], base["first_losses"]
-        checks["exact"] = len(ours) == len(theirs) and all(
+        checked["exact"] = len(ours) == len(theirs) and all(
             abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(ours, theirs, strict=True)
         )
         record["baseline_first_losses"] = theirs
-    if base and micro == ctx.sizes.micro and not variant.peer:
+    if base and micro == state(ctx).sizes.micro and not peer:
         ours_peak, base_peak = record.get("gpu_mem_peak_gib"), base.get("gpu_mem_peak_gib")
         if ours_peak is not None and base_peak is not None:
-            checks["peak_not_above_baseline"] = ours_peak <= base_peak * (1 + PEAK_SLACK)
+            checked["peak_not_above_baseline"] = ours_peak <= base_peak * (1 + PEAK_SLACK)
             record["baseline_gpu_mem_peak_gib"] = base_peak
-    record["checks"] = checks
-    record["passed"] = all(checks.values())
+    record["checks"] = checked
+    record["passed"] = all(checked.values())
     if not record["passed"] and "error" not in record:
-        record["error"] = "failed checks: " + ", ".join(k for k, ok in checks.items() if not ok)
+        record["error"] = "failed checks: " + ", ".join(k for k, ok in checked.items() if not ok)
     return record
 
 
-def run_variant(variant: Variant, ctx: Context) -> dict[str, Any]:
-    sizes = ctx.sizes
-    micro = sizes.big_micro if variant.big else sizes.micro
-    predicted = sizes.predictions.get(variant.name)
-    record: dict[str, Any] = {
-        "measurement": variant.name,
-        "data": variant.data,
-        "micro_batch": micro,
-        "predicted_step_time_s": predicted,
-    }
-    if variant.name in sizes.skip:
-        return {**record, "passed": None, "skipped": sizes.skip[variant.name]}
-    if ctx.budget.left() < MIN_TIME_S:
-        left = f"not run: {max(0.0, ctx.budget.left()):.0f}s of the budget left"
-        if variant.optional:
-            return {**record, "passed": None, "skipped": left}
-        return {**record, "passed": False, "error": left}
-    if variant.peer:
-        record["switches"] = ["transformers.Trainer"]
-        record.update(run_peer(variant, ctx))
-        return judge(variant, record, ctx, micro)
-    switches, dropped = effective_overrides(variant, ctx)
-    if variant.best and best_switches(ctx) is None:
-        return {**record, "passed": False, "error": f"not run: none of {', '.join(BEST_CANDIDATES)} passed"}
-    record["switches"] = switches
-    if dropped:
-        record["dropped"] = [f"{s} (needs CUDA)" for s in dropped]
-        same = next((n for n, r in ctx.done.items() if r.get("switches") == switches and r["data"] == variant.data
-                     and r["micro_batch"] == micro), None)  # fmt: skip
-        if same is not None:
-            return {**record, "passed": None, "skipped": f"without CUDA the same run as {same}"}
-    record.update(run_llm_train(variant, switches, ctx))
-    return judge(variant, record, ctx, micro)
+def doc_isolation(ctx: Context) -> dict[str, Any]:
+    """Every kernel the matrix uses keeps packed documents apart, and the check sees a planted leak."""
+    import importlib.util
+
+    sizes = state(ctx).sizes
+    model_dir, rows, _ = prepare_peer(ctx)
+    kernels = ["sdpa"]
+    if sizes.gpu:
+        kernels.append("sdpa_flex")
+        if importlib.util.find_spec("flash_attn") is not None:
+            kernels.append("flash_attention_2")
+    cmd = module_cmd(
+        "bench.doc_isolation",
+        *("--model-dir", str(model_dir), "--rows", str(rows), "--kernels", *kernels),
+        f"--precision={sizes.precision}",
+        *([] if sizes.gpu else ["--cpu"]),
+    )
+    run = launch(cmd, ctx.timeout(), ctx.work / "doc_isolation.log")
+    ctx.results.log_launch("doc_isolation", run)
+    line = next((ln for ln in reversed(run.output.splitlines()) if ln.startswith("ISOLATION ")), None)
+    if line is None:
+        failed = "timed out" if run.timed_out else f"exit {run.rc}"
+        return {"passed": False, "error": f"{failed} before a result", "tail": run.tail}
+    found = json.loads(line.removeprefix("ISOLATION "))
+    bad = [
+        f"{k}: "
+        + (
+            v["error"]
+            if "error" in v
+            else "documents see each other"
+            if not v["isolated"]
+            else "the planted leak is not seen"
+        )
+        for k, v in found.items()
+        if isinstance(v, dict) and ("error" in v or not (v["isolated"] and v["leak_seen"]))
+    ]
+    record = {**found, "kernels": kernels, "wall_s": run.wall_s, "passed": not bad}
+    if bad:
+        record["error"] = "; ".join(bad)
+    return record
 
 
-# --- the targets -----------------------------------------------------------------------------------------------
+# --- the comparison lines ---------------------------------------------------------------------------------
 
 
-def target_lines(ctx: Context) -> list[dict[str, Any]]:
-    exact = [
+def exact_mix(ctx: Context) -> list[dict[str, Any]]:
+    """Passed llm_train variants on the mix, other than the baseline."""
+    return [
         r
         for n, r in ctx.done.items()
-        if r.get("passed") and r["data"] == "mix" and n not in ("baseline", "hf_trainer")
+        if n in {v.name for v in VARIANTS} - {"baseline"} and r.get("passed") and r.get("data") == "mix"
     ]
-    best_mfu = max(exact, key=lambda r: r.get("mfu") or 0.0, default=None)
-    mfu = best_mfu.get("mfu") if best_mfu else None
-    lines = [
-        {
-            "measurement": "target_mfu",
-            "target": MFU_TARGET,
-            "best": best_mfu["measurement"] if best_mfu else None,
-            "mfu": mfu,
-            "mfu_seq_len": best_mfu.get("mfu_seq_len") if best_mfu else None,
-            "passed": mfu is not None and mfu >= MFU_TARGET,
-        }
-    ]
+
+
+def side_by_side(ctx: Context) -> dict[str, Any]:
+    """llm_train's baseline against the HF Trainer on the same rows: llm_train's step must be no slower."""
+    ours, theirs = ctx.done.get("baseline", {}), ctx.done.get("hf_trainer", {})
+    if not (ours.get("passed") and theirs.get("passed")):
+        return {"passed": None, "deferred": "baseline and hf_trainer were not both measured"}
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    record = {
+        "llm_train_tokens_per_s": ours["tokens_per_s"],
+        "hf_trainer_tokens_per_s": theirs["tokens_per_s"],
+        "ratio": ratio,
+        "llm_train_step_time_s": ours["step_time_s"],
+        "hf_trainer_step_time_s": theirs["step_time_s"],
+        "passed": True,
+    }
+
+    return judge(record, [ctx.judging.against("llm_train_vs_hf_trainer", "ratio", ratio, target=1.0)])
+
+
+def target_mfu(ctx: Context) -> dict[str, Any]:
+    best = max(exact_mix(ctx), key=lambda r: r.get("mfu") or 0.0, default=None)
+    if best is None:
+        return {"passed": None, "deferred": "no document-aware variant measured in this run"}
+    record = {
+        "best": best["measurement"],
+        "mfu": best["mfu"],
+        "mfu_seq_len": best.get("mfu_seq_len"),
+        "passed": True,
+    }
+
+    return judge(record, [ctx.judging.against("target_mfu", "mfu", best["mfu"], target=MFU_TARGET)])
+
+
+def target_vs_hf_trainer(ctx: Context) -> dict[str, Any]:
     peer = ctx.done.get("hf_trainer", {})
-    same_batch = [r for r in exact if r["micro_batch"] == ctx.sizes.micro]
-    fastest = max(same_batch, key=lambda r: r.get("tokens_per_s") or 0.0, default=None)
-    ratio = None
-    if fastest and fastest.get("tokens_per_s") and peer.get("passed") and peer.get("tokens_per_s"):
-        ratio = fastest["tokens_per_s"] / peer["tokens_per_s"]
-    lines.append(
-        {
-            "measurement": "target_vs_hf_trainer",
-            "target": PEER_RATIO_TARGET,
-            "best": fastest["measurement"] if fastest else None,
-            "tokens_per_s": fastest.get("tokens_per_s") if fastest else None,
-            "hf_trainer_tokens_per_s": peer.get("tokens_per_s"),
-            "ratio": ratio,
-            "passed": ratio is not None and ratio >= PEER_RATIO_TARGET,
-        }
+    micro = state(ctx).sizes.micro
+    fastest = max(
+        (r for r in exact_mix(ctx) if r["micro_batch"] == micro),
+        key=lambda r: r["tokens_per_s"],
+        default=None,
     )
-    for line in lines:
-        if not line["passed"]:
-            line["error"] = (
-                "target missed" if line.get("mfu") or line.get("ratio") else "nothing to measure it on"
-            )
-    return lines
+    if fastest is None or not peer.get("passed"):
+        return {"passed": None, "deferred": "no exact variant and the Trainer measured in this run"}
+    ratio = fastest["tokens_per_s"] / peer["tokens_per_s"]
+    record = {
+        "best": fastest["measurement"],
+        "tokens_per_s": fastest["tokens_per_s"],
+        "ratio": ratio,
+        "passed": True,
+    }
+
+    return judge(
+        record, [ctx.judging.against("target_vs_hf_trainer", "ratio", ratio, target=PEER_RATIO_TARGET)]
+    )
 
 
-# --- main ------------------------------------------------------------------------------------------------------
+# --- the cases ------------------------------------------------------------------------------------------
+
+
+def variant_case(variant: Variant) -> Case:
+    def run(ctx: Context) -> dict[str, Any]:
+        return run_variant(variant, ctx)
+
+    return Case(variant.name, run, cost_s=variant.cost_s, box_s=variant.box_s, optional=True)
+
+
+def line(name: str, fn: Callable[[Context], dict[str, Any]]) -> Case:
+    """A line computed from the others (no launch): it costs nothing."""
+    return Case(name, fn, cost_s=0.0, box_s=0.0, optional=True)
+
+
+BY_NAME: dict[str, Case] = {
+    "baseline": variant_case(VARIANTS[0]),
+    "hf_trainer": Case("hf_trainer", run_peer, cost_s=45, box_s=90, optional=True),
+    "llm_train_vs_hf_trainer": line("llm_train_vs_hf_trainer", side_by_side),
+    "doc_isolation": Case("doc_isolation", doc_isolation, cost_s=40, box_s=80, optional=True),
+    **{v.name: variant_case(v) for v in VARIANTS[1:]},
+    "target_mfu": line("target_mfu", target_mfu),
+    "target_vs_hf_trainer": line("target_vs_hf_trainer", target_vs_hf_trainer),
+}
+ORDER = list(BY_NAME)  # in order of value
+
+
+def cases(names: list[str] | None = None) -> list[Case]:
+    """The matrix's cases, in order of value (`names`: only these, in that order)."""
+    return [BY_NAME[n] for n in (names or ORDER)]
 
 
 def main() -> None:
-    parser = check_arguments(
-        __doc__.splitlines()[0],
-        [v.name for v in VARIANTS],
-        "Run only these, in order.",
-        "Deadline for the whole matrix (default 480 GPU, 1200 CPU).",
-    )
+    parser = check_arguments(__doc__.splitlines()[0])
     args = parser.parse_args()
-    sizes = CPU_SIZES if args.cpu_tiny else GPU_SIZES
-    require_cuda("mfu_matrix", args.cpu_tiny)
-    signal.signal(signal.SIGTERM, _on_stop_signal)
-    signal.signal(signal.SIGINT, _on_stop_signal)
-    started = time.time()
-    budget = Budget(args.budget_s or sizes.budget_s)
-    suffix = "_cpu_tiny" if args.cpu_tiny else ""
-    results = Results.for_check("mfu_matrix", args.out, args.cpu_tiny)
-    wanted = [v for v in VARIANTS if args.only is None or v.name in args.only]
-    results.add(
-        {
-            "measurement": "predictions",
-            "predicted_step_time_s": {v.name: sizes.predictions.get(v.name) for v in wanted},
-            "basis": "module source, GPU_PREDICTIONS" if sizes.gpu else "none on CPU",
-        }
-    )
+    names = args.only or ORDER
+    if unknown := [n for n in names if n not in BY_NAME]:
+        parser.error(f"--only {unknown[0]}: not a case of the matrix; the cases are {', '.join(ORDER)}")
+    gpu = not args.cpu_tiny
+    results = Results("mfu_matrix", args.out, "" if gpu else "_cpu_tiny")
+    results.stop_on_signals()
+    budget = Budget(args.budget_s or (480.0 if gpu else 1800.0))
     with tempfile.TemporaryDirectory(prefix="llm_train_mfu_matrix_") as tmp:
-        work = Path(tmp)
-        data = generate_data(work / "data", sizes, vocab=4096)
-        ctx = Context(sizes, work, data, results, budget)
-        for variant in wanted:
-            try:
-                record = run_variant(variant, ctx)
-            except Exception as exc:  # a broken variant must not take the others with it
-                record = {
-                    "measurement": variant.name,
-                    "data": variant.data,
-                    "passed": False,
-                    "error": repr(exc),
-                }
-            ctx.done[variant.name] = record
-            results.add(record)
-        for line in target_lines(ctx):
-            results.add(line)
-        assert not RUNNING
-    failed = [r["measurement"] for r in results.records if r.get("passed") is False]
-    summary = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "benchmark": f"mfu_matrix{suffix}",
-        "setup": "CPU script check: tiny-cpu model, bf16, seq 128 (numbers say nothing about a GPU)"
-        if args.cpu_tiny
-        else "one GPU: Llama-3.2-1B shape, random init, bf16, seq 4096, ZeRO-2, micro 4 (8 for best_micro8)",
-        "passed": not failed,
-        "failed": failed,
-        "wall_s": round(time.time() - started, 1),
-        "budget_s": args.budget_s or sizes.budget_s,
-        "lines": {
-            r["measurement"]: {
-                k: r.get(k)
-                for k in (
-                    "step_time_s",
-                    "predicted_step_time_s",
-                    "tokens_per_s",
-                    "mfu",
-                    "mfu_seq_len",
-                    "gpu_mem_peak_gib",
-                    "kernel",
-                    "passed",
-                )
-            }
-            for r in results.records
-            if r["measurement"] != "predictions"
-        },  # fmt: skip
-        "versions": versions(),
-    }
-    results.summary.write_text(json.dumps(round_floats(summary), indent=2) + "\n")
-    print(f"mfu_matrix: wrote {results.jsonl}, {results.summary.name}, {results.log.name}", flush=True)
-    sys.exit(1 if failed else 0)
+        ctx = Context(gpu, Path(tmp), budget, results, Judging(gpu, injected(parser, args.expect)))
+        run_cases(cases(names), ctx)
+    results.write_summary()
+    side = ctx.done.get("llm_train_vs_hf_trainer", {})
+    if side.get("ratio"):
+        print(
+            f"mfu_matrix: llm_train {side['llm_train_tokens_per_s']:,.0f} tokens/s, HF Trainer "
+            f"{side['hf_trainer_tokens_per_s']:,.0f} tokens/s on the same job: {side['ratio']:.2f}x",
+            flush=True,
+        )
+    sys.exit(1 if results.failed else 0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What each pinning choice (deepspeed.pinning: torch, native, off) costs in copy time, side by side.
 
-    .venv/bin/python bench/pinning_copy_time.py [--mib 512] [--repeats 5] [--out DIR]
+    .venv/bin/python -m bench.pinning_copy_time [--mib 512] [--repeats 5] [--out DIR]
 
 One host buffer per choice, allocated the way DeepSpeed allocates it: torch's pinned allocator
 (`tensor.pin_memory()`, CUDA only: rounded up to a power of two), DeepSpeed's native pinning
@@ -11,8 +11,7 @@ and a plain pageable tensor (`pin_memory: false`). For each it times:
 - on a GPU, device -> host and host -> device copies of it, non_blocking as DeepSpeed issues them
   (only pinned memory is a DMA target; a pageable copy is staged through a driver buffer and
   blocks the stream).
-A CPU run reports the first two and says the rest needs a GPU (bench/full_ft_check.py measures them
-on one). One JSON object, written to OUT/pinning-copy-time.json (default bench/results/, dated).
+A CPU run reports the first two and says the rest needs a GPU (run it on one for them). One JSON object, written to OUT/pinning-copy-time.json (default bench/results/, dated).
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO, versions  # bench/ is this script's folder
+
+from bench.harness import REPO, versions
 
 MiB = 2**20
 

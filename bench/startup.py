@@ -12,7 +12,7 @@ RUN_DIR/startup.json); this script notes the time it launched, so the split is:
     resume, trackers  checkpoint lookup, metrics.jsonl / TensorBoard / W&B
     first step      forward + backward + optimizer step 1
 
-    .venv/bin/python bench/startup.py [--repeats 3]
+    .venv/bin/python -m bench.startup [--repeats 3]
 
 Prints each phase in seconds and as a share of the total (medians over the repeats) and
 writes bench/results/startup-<date>.json.
@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import accelerate_launch, run, versions, write_result  # bench/ is this script's folder
+from bench.harness import accelerate_launch, versions, write_result
+from bench.harness import run_or_exit as run
 
 
 def one_launch(run_dir: Path) -> dict[str, float]:

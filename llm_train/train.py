@@ -77,6 +77,12 @@ def build_parser(recipe_positional: bool = False, add_help: bool = True) -> argp
         "checkpoint read (its saved offsets then point at other rows).",
     )
     parser.add_argument(
+        "--allow-base-change",
+        action="store_true",
+        help="With --resume of a LoRA run: continue its adapters on a base model other than the one they were "
+        "trained on.",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="Print the resolved recipe, DS JSON, plan, memory; exit."
     )
     parser.add_argument("--world-size", type=int, help="With --dry-run: plan for this many processes.")
@@ -235,6 +241,8 @@ def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: 
         run.layout,
         args.allow_batch_change,
         args.allow_data_revision_change,
+        run.recipe,
+        args.allow_base_change,
     )
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)

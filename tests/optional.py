@@ -83,6 +83,11 @@ PARTS = {
         Part("trl", "pip install -e '.[dev]' (make install does)", _imports("trl")),
         Part("setpriv", "apt-get install util-linux", lambda: shutil.which("setpriv") is not None),
         Part("tomllib", "Python >= 3.11", lambda: sys.version_info >= (3, 11)),
+        Part(
+            "smaps_rollup",
+            "Linux >= 4.14 (/proc/PID/smaps_rollup)",
+            lambda: Path("/proc/self/smaps_rollup").exists(),
+        ),
         Part("a CUDA GPU", "run the gpu tier on a machine with one", _cuda, ci_installs=False),
     )
 }

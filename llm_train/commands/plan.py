@@ -16,9 +16,8 @@ from pathlib import Path
 
 from llm_train import train as train_module
 from llm_train.config.hardware import DriveSpeeds, hardware_for
-from llm_train.config.recipe import load_recipe
 from llm_train.errors import UserError
-from llm_train.planning.auto import auto_recipe_yaml, choose_auto, render_auto
+from llm_train.planning.auto import auto_recipe_yaml, choose_auto, render_auto, written_evaluation
 from llm_train.planning.report import plan_recipe, render
 from llm_train.train import main as train_main
 
@@ -133,21 +132,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError("--recipe auto needs --model ID_OR_PATH (a known id or a directory with config.json)")
     hw = dataclasses.replace(hardware_for(args.gpus, args.gpu, args.gpu_mem, args.host_ram, None), **speeds)
     mode = "always" if args.lora else "never" if args.no_lora else "fallback"
-    auto = choose_auto(args.model, hw, args.seq_len, args.global_batch, lora=mode, nvme_gib=args.nvme_gib)
+    auto = choose_auto(
+        args.model,
+        hw,
+        args.seq_len,
+        args.global_batch,
+        lora=mode,
+        nvme_gib=args.nvme_gib,
+        overrides=args.overrides,
+    )
     out_dir = Path(
         args.output_dir or f"runs/auto-{re.sub(r'[^a-z0-9]+', '-', args.model.lower()).strip('-')[-40:]}"
     )
     path = Path(args.write) if args.write else (out_dir / "recipe.yaml" if args.train else None)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(auto_recipe_yaml(auto))
-
-        load_recipe(str(path), args.overrides)  # the generated recipe, with overrides, must validate
+        path.write_text(auto_recipe_yaml(auto))  # the overrides are in it
+        # Resolved in full (layout, parallel and QLoRA rules), as `llm-train plan --recipe FILE` would: the
+        # numbers printed are the written recipe's own.
+        auto.evaluation = written_evaluation(auto, path)
     print(render_auto(auto, path))
     if not args.train:
         return 0
     assert path is not None
-    train_args = ["--recipe", str(path), "--output-dir", str(out_dir / "run"), *args.overrides]
+    train_args = ["--recipe", str(path), "--output-dir", str(out_dir / "run")]  # it trains what was planned
     if hw.gpus > 1:
         import subprocess
 

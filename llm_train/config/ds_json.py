@@ -386,6 +386,29 @@ def fill_autos(config: dict[str, Any], values: RecipeValues, source: str) -> dic
     return resolved
 
 
+# The zero_optimization keys effective_config rewrites for Ulysses sequence parallelism under ZeRO-3.
+SP_ZERO3_KEYS = ("reduce_scatter", "contiguous_gradients", "reduce_bucket_size")
+
+
+def rewrite_notice(config: dict[str, Any], effective: dict[str, Any], source: str) -> str | None:
+    """One notice when the effective JSON changes a value the user's DS JSON sets (not "auto", not absent):
+    the keys Ulysses under ZeRO-3 needs (effective_config says why), with what they were and are."""
+    written = config.get("zero_optimization") or {}
+    made = effective.get("zero_optimization") or {}
+    changed = [
+        f"{key} {json.dumps(written[key])} -> {json.dumps(made.get(key))}"
+        for key in SP_ZERO3_KEYS
+        if key in written and written[key] != "auto" and written[key] != made.get(key)
+    ]
+    if not changed:
+        return None
+    return (
+        f"{source}: zero_optimization {', '.join(changed)} for Ulysses sequence parallelism under ZeRO-3 "
+        "(DeepSpeed 0.19's reduce-scatter path averages gradients over every rank, not only the "
+        "data-parallel ones; the contiguous all-reduce path sums each sequence's share)"
+    )
+
+
 def effective_config(config: dict[str, Any], values: RecipeValues, source: str) -> dict[str, Any]:
     """The JSON DeepSpeed gets, made from the file's `config` (never edited) and `values`, in one place.
 

@@ -35,34 +35,62 @@ class GPUSpec:
     peak_tflops: float
     """Dense 16-bit tensor TFLOP/s (bf16, or fp16 where bf16 is missing), fp32 accumulate."""
     compute_capability: tuple[int, int]
+    pcie: tuple[int, int]
+    """(PCIe generation, lanes) of the card's host link: what offload and host copies cross."""
+    memory_gbs: float
+    """Memory bandwidth in GB/s: what bitsandbytes' dequantisation (memory-bound) streams at."""
+    source: str
+    """Where peak, memory bandwidth and link come from (docs/consumer-cards.md lists them)."""
     nvlink: bool = False
     """GPUs of one node talk over NVLink (SXM boards); else PCIe."""
     aliases: tuple[str, ...] = ()
 
 
+# Sources (the full list with links: docs/consumer-cards.md#the-card-table):
+TURING = "Turing whitepaper (TU102, FP16 tensor with FP32 accumulate); NVIDIA product page"
+AMPERE = "Ampere GA102 whitepaper appendix A (BF16 tensor, FP32 accumulate, dense); NVIDIA product page"
+ADA = "Ada Lovelace whitepaper appendix A (FP16/BF16 tensor, FP32 accumulate, dense); NVIDIA product page"
+BLACKWELL = "RTX Blackwell whitepaper (FP16/BF16 tensor, FP32 accumulate, dense); NVIDIA product page"
+
 GPUS: tuple[GPUSpec, ...] = (
-    GPUSpec("RTX 2080 Ti", 11264 / 1024, False, 53.8, (7, 5), aliases=("2080ti", "rtx2080ti")),
-    GPUSpec("RTX 3060", 12288 / 1024, True, 12.7, (8, 6), aliases=("3060", "rtx3060", "rtx306012gb")),
-    GPUSpec("RTX 3090", 24576 / 1024, True, 71.0, (8, 6), aliases=("3090", "rtx3090")),
+    GPUSpec("RTX 2080 Ti", 11264 / 1024, False, 53.8, (7, 5), (3, 16), 616, TURING, aliases=("2080ti", "rtx2080ti")),
+    # GA106, 28 SMs x 1.777 GHz x 512 dense 16-bit FLOP/clock/SM at fp32 accumulate (GeForce rate) = 25.5;
+    # 12.7 is its FP32 CUDA-core rate, not a tensor rate.
+    GPUSpec("RTX 3060", 12288 / 1024, True, 25.5, (8, 6), (4, 16), 360, AMPERE, aliases=("3060", "rtx3060", "rtx306012gb")),
+    GPUSpec("RTX 3090", 24576 / 1024, True, 71.0, (8, 6), (4, 16), 936, AMPERE, aliases=("3090", "rtx3090")),
+    # AD106 is wired for 8 lanes: half the host bandwidth of the other cards of its generation.
     GPUSpec(
-        "RTX 4060 Ti 16GB", 16380 / 1024, True, 44.2, (8, 9), aliases=("4060ti", "rtx4060ti", "rtx4060ti16")
+        "RTX 4060 Ti 16GB", 16380 / 1024, True, 44.2, (8, 9), (4, 8), 288, ADA, aliases=("4060ti", "rtx4060ti", "rtx4060ti16")
     ),
-    GPUSpec("RTX 4070", 12282 / 1024, True, 58.4, (8, 9), aliases=("4070", "rtx4070")),
-    GPUSpec("RTX 4080", 16376 / 1024, True, 97.5, (8, 9), aliases=("4080", "rtx4080")),
-    GPUSpec("RTX 4090", 24564 / 1024, True, 165.2, (8, 9), aliases=("4090", "rtx4090")),
-    GPUSpec("RTX 5090", 32607 / 1024, True, 209.5, (12, 0), aliases=("5090", "rtx5090")),
-    GPUSpec("T4", 15360 / 1024, False, 65.0, (7, 5), aliases=("teslat4",)),
-    GPUSpec("V100", 32768 / 1024, False, 125.0, (7, 0), nvlink=True, aliases=("v10032gb", "teslav100")),
-    GPUSpec("A10", 23028 / 1024, True, 125.0, (8, 6), aliases=("a10g",)),
-    GPUSpec("L4", 23034 / 1024, True, 121.0, (8, 9)),
-    GPUSpec("L40S", 46068 / 1024, True, 362.0, (8, 9)),
-    GPUSpec("A100-40GB", 40960 / 1024, True, 312.0, (8, 0), nvlink=True, aliases=("a10040", "a10040gb")),
+    GPUSpec("RTX 4070", 12282 / 1024, True, 58.4, (8, 9), (4, 16), 504, ADA, aliases=("4070", "rtx4070")),
+    GPUSpec("RTX 4080", 16376 / 1024, True, 97.5, (8, 9), (4, 16), 717, ADA, aliases=("4080", "rtx4080")),
+    GPUSpec("RTX 4090", 24564 / 1024, True, 165.2, (8, 9), (4, 16), 1008, ADA, aliases=("4090", "rtx4090")),
+    GPUSpec("RTX 5090", 32607 / 1024, True, 209.5, (12, 0), (5, 16), 1792, BLACKWELL, aliases=("5090", "rtx5090")),
+    GPUSpec("T4", 15360 / 1024, False, 65.0, (7, 5), (3, 16), 320, "T4 datasheet (FP16/FP32 mixed)", aliases=("teslat4",)),
     GPUSpec(
-        "A100-80GB", 81920 / 1024, True, 312.0, (8, 0), nvlink=True, aliases=("a100", "a10080", "a10080gb")
+        "V100", 32768 / 1024, False, 125.0, (7, 0), (3, 16), 900, "V100 datasheet (SXM2, tensor)", nvlink=True,
+        aliases=("v10032gb", "teslav100"),
     ),
-    GPUSpec("H100", 81559 / 1024, True, 989.0, (9, 0), nvlink=True, aliases=("h10080gb", "h100sxm")),
-    GPUSpec("H200", 143771 / 1024, True, 989.0, (9, 0), nvlink=True, aliases=("h200sxm",)),
-)
+    GPUSpec("A10", 23028 / 1024, True, 125.0, (8, 6), (4, 16), 600, "A10 datasheet (BF16 tensor, dense)", aliases=("a10g",)),
+    GPUSpec("L4", 23034 / 1024, True, 121.0, (8, 9), (4, 16), 300, "L4 datasheet (BF16 tensor, 242 with sparsity)"),
+    GPUSpec("L40S", 46068 / 1024, True, 362.0, (8, 9), (4, 16), 864, "L40S datasheet (BF16 tensor, dense)"),
+    GPUSpec(
+        "A100-40GB", 40960 / 1024, True, 312.0, (8, 0), (4, 16), 1555, "A100 datasheet (BF16 tensor, dense)",
+        nvlink=True, aliases=("a10040", "a10040gb"),
+    ),
+    GPUSpec(
+        "A100-80GB", 81920 / 1024, True, 312.0, (8, 0), (4, 16), 2039, "A100 datasheet (BF16 tensor, dense; SXM)",
+        nvlink=True, aliases=("a100", "a10080", "a10080gb"),
+    ),
+    GPUSpec(
+        "H100", 81559 / 1024, True, 989.0, (9, 0), (5, 16), 3350, "H100 datasheet (SXM, BF16 tensor, dense)",
+        nvlink=True, aliases=("h10080gb", "h100sxm"),
+    ),
+    GPUSpec(
+        "H200", 143771 / 1024, True, 989.0, (9, 0), (5, 16), 4800, "H200 datasheet (SXM, BF16 tensor, dense)",
+        nvlink=True, aliases=("h200sxm",),
+    ),
+)  # fmt: skip
 
 
 def _key(text: str) -> str:
@@ -118,9 +146,15 @@ HOST_RESERVE_BYTES = 3 * GiB
 # per parameter, 100+ GB for 7B) run at about half the read speed on such drives.
 NVME_READ_BYTES_PER_S = 6e9
 NVME_WRITE_BYTES_PER_S = 3e9
-# Speed model stand-ins when the hardware's peak is unknown (only ratios matter there).
+# Speed model stand-ins when the hardware's peak is unknown (only ratios matter there): a card between an
+# RTX 4070 and a 4080 on a PCIe 4.0 x16 slot.
 UNKNOWN_GPU_PEAK_TFLOPS = 100.0
+UNKNOWN_GPU_MEMORY_GBS = 500.0
+UNKNOWN_GPU_PCIE = (4, 16)
 CPU_PEAK_TFLOPS = 0.2
+# Bytes per second per lane and direction of each PCIe generation after line coding (PCI-SIG base
+# specifications: 8 GT/s for 3.0, 16 for 4.0, 32 for 5.0, all 128b/130b): x16 gives 15.75 / 31.5 / 63 GB/s.
+PCIE_LANE_BYTES_PER_S = {3: 8e9 * 128 / 130 / 8, 4: 16e9 * 128 / 130 / 8, 5: 32e9 * 128 / 130 / 8}
 
 
 def native_bf16(capability: tuple[int, int]) -> bool:
@@ -192,6 +226,16 @@ class Hardware:
     """Sequential read speed of the node's NVMe drive (ZeRO-Infinity's swap-ins)."""
     nvme_write_bytes_per_s: float = NVME_WRITE_BYTES_PER_S
     """Sustained sequential write speed of that drive (swap-outs)."""
+    pcie: tuple[int, int] = UNKNOWN_GPU_PCIE
+    """(PCIe generation, lanes) of each GPU's host link."""
+    memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_GBS * 1e9
+    """Each GPU's memory bandwidth."""
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        """The raw rate of one GPU's host link, per direction (what a copy can at best reach)."""
+        generation, lanes = self.pcie
+        return PCIE_LANE_BYTES_PER_S[generation] * lanes
 
     @property
     def host_limit_bytes(self) -> int:
@@ -211,7 +255,10 @@ class Hardware:
             where = f"{self.gpus} CPU process(es)"
         else:
             bf16 = "bf16" if self.bf16 else "no bf16: fp16"
-            where = f"{self.gpus} x {self.name} ({self.gpu_mem_bytes / GiB:.2f} GiB, {bf16})"
+            where = (
+                f"{self.gpus} x {self.name} ({self.gpu_mem_bytes / GiB:.2f} GiB, {bf16}, "
+                f"PCIe {self.pcie[0]}.0 x{self.pcie[1]})"
+            )
             if self.gpus > self.gpus_per_node:
                 where += f" on {-(-self.gpus // self.gpus_per_node)} nodes"
         text = f"{where}; host RAM {self.host_ram_bytes / GiB:.2f} GiB per node"
@@ -354,4 +401,6 @@ def hardware_for(
         nvlink=bool(spec and spec.nvlink),
         compute_capability=cc,
         sources=tuple(sources),
+        pcie=spec.pcie if spec else UNKNOWN_GPU_PCIE,
+        memory_bytes_per_s=(spec.memory_gbs if spec else UNKNOWN_GPU_MEMORY_GBS) * 1e9,
     )

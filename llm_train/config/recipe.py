@@ -564,7 +564,8 @@ class DeepSpeedSection(Section):
         "(DeepSpeed's default: torch's pinned allocator rounds each up to a power of two), 'native' (exact "
         "size, mlocked: DS_PIN_MEMORY_BACKEND=native; needs a memlock limit (ulimit -l) that large, checked "
         "before start), 'off' (pin_memory false everywhere: exact, pageable, slower copies), 'auto' ('native' "
-        "when the memlock limit allows it, else 'off' with a notice).",
+        "when the memlock limit allows it, else 'torch' when its rounded total fits the host RAM, else 'off'; "
+        "with a notice).",
     )
 
     @field_validator("pinning", mode="before")
@@ -926,13 +927,25 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         raise UserError(f"recipe {path}: expected a mapping of sections at the top level")
     data.setdefault("name", path.stem)
     _anchor_paths(data, path.parent)
+    return recipe_from_data(data, overrides, f"recipe {path.name}")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """`data` (a recipe's mapping, paths anchored) with `key.sub=value` overrides applied in place; paths
+    in overrides are taken relative to the working directory."""
     for text in overrides or []:
         parts, value = parse_override(text)
         single: dict[str, Any] = {parts[0]: {}} if len(parts) > 1 else {}
         _apply_override(single, parts, value, text)
         _anchor_paths(single, Path.cwd())
         _apply_override(data, parts, _dig(single, parts), text)
-    source = f"recipe {path.name}" if not overrides else f"recipe {path.name} (with overrides)"
+    return data
+
+
+def recipe_from_data(data: dict[str, Any], overrides: list[str] | None, source: str) -> Recipe:
+    """A recipe from its mapping (paths anchored) and overrides, validated; `source` names it in errors."""
+    apply_overrides(data, overrides)
+    source = source if not overrides else f"{source} (with overrides)"
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:

@@ -167,7 +167,11 @@ def resolve_run(
         extra.append(
             f"deepspeed.config={Path(ds_config_path).resolve() if Path(ds_config_path).exists() else ds_config_path}"
         )
-    recipe = load_recipe(recipe_name, extra)
+    return resolve_recipe(load_recipe(recipe_name, extra), world_size, device)
+
+
+def resolve_recipe(recipe: Recipe, world_size: int | None, device: Device | None = None) -> Resolved:
+    """The run of a loaded recipe (`resolve_run` without the command line's strings)."""
     device = device or Device.declared(recipe)
     ds_path, raw = ds_json.load_ds_config(recipe.deepspeed.config)
     world = recipe.hardware.world_size if world_size is None else world_size
@@ -214,7 +218,8 @@ def _derive(basis: RunBasis) -> Resolved:
     effective = ds_json.effective_config(raw, values, str(ds_path))
     # Last: DeepSpeed's own config classes see exactly the JSON the workers will hand it.
     check_with_deepspeed(effective, str(ds_path))
-    notices = "; ".join(n for n in (notice, *basis.notes) if n) or None
+    rewritten = ds_json.rewrite_notice(raw, effective, str(ds_path))
+    notices = "; ".join(n for n in (notice, rewritten, *basis.notes) if n) or None
     return Resolved(recipe, ds_path, effective, layout, hidden, fields, notices, attention.why, basis)
 
 

@@ -118,13 +118,38 @@ def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:
     return rows * width * width, rows * width
 
 
+def real_tokens(batch: Mapping[str, Any]) -> int:
+    """Tokens of the micro-batch's rows that are not padding: what tokens/s and MFU count (not its slots).
+
+    Padded rows (and preference pairs, at the width they were built to): their 0/1 attention mask. Packed
+    rows: the documents (runs of consecutive position ids) that carry a trained label; the unused tail of
+    a row restarts its positions and is all IGNORE, a sample never is (its labels are its tokens, or its
+    responses). A row with neither: every token.
+    """
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return int(np.asarray(mask).sum())
+    positions, labels = batch.get("position_ids"), batch.get("labels")
+    if positions is None or labels is None:
+        return int(np.asarray(batch["input_ids"] if positions is None else positions).size)
+    pos, labels = np.asarray(positions), np.asarray(labels)
+    new = np.ones(pos.shape, dtype=bool)
+    new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    document = np.cumsum(new.reshape(-1)) - 1  # each token's document number (rows never merge)
+    trained = np.zeros(int(document[-1]) + 1, dtype=bool)
+    trained[document[labels.reshape(-1) != IGNORE]] = True
+    return int(trained[document].sum())
+
+
 class SpanTally:
-    """Passes micro-batches through unchanged and sums their `span_sums` until `take` (one per logged window)."""
+    """Passes micro-batches through unchanged and sums their `span_sums` and `real_tokens` until `take`
+    (one per logged window)."""
 
     def __init__(self, batches: Iterator[dict[str, Any]]) -> None:
         self.batches = batches
         self.squared = 0
         self.tokens = 0
+        self.real = 0
 
     def __iter__(self) -> SpanTally:
         return self
@@ -134,10 +159,11 @@ class SpanTally:
         squared, tokens = span_sums(batch)
         self.squared += squared
         self.tokens += tokens
+        self.real += real_tokens(batch)
         return batch
 
-    def take(self) -> tuple[int, int]:
-        """(sum of n^2, sum of n) since the last take."""
-        out = (self.squared, self.tokens)
-        self.squared = self.tokens = 0
+    def take(self) -> tuple[int, int, int]:
+        """(sum of n^2, sum of n, real tokens) since the last take."""
+        out = (self.squared, self.tokens, self.real)
+        self.squared = self.tokens = self.real = 0
         return out

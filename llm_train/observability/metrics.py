@@ -15,11 +15,20 @@ hold one sequence): `mfu`. `mfu_seq_len` counts T = data.seq_len, the row width,
 (and as llm_train did before), so the two can be compared. It is measured against the device's
 dense bf16 peak (llm_train.config.hardware) or `--peak-tflops`; without a known peak (CPU) there
 is no MFU. Activation recomputation is not counted: that is hardware FLOPs utilisation, not MFU.
+
+Tokens are the rows' real tokens, not their slots (data/batches.real_tokens: padding and a packed row's
+unused tail are not trained on; preference pairs count at the width they were built to): `tokens_per_s`
+and `mfu` count those, this rank's times the data-parallel ranks (each trains its own share of the global
+batch). `slot_tokens_per_s` beside them counts global batch x seq_len, as most tools report throughput.
+A bitsandbytes 4-bit weight counts by its logical shape, `quant_state.shape` (its packed storage holds a
+fraction of the weights' elements: a quarter with bf16 storage, an eighth with fp32, measured with
+bitsandbytes 0.50.2), so a QLoRA run's MFU is comparable with the same model's 16-bit one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -49,7 +58,12 @@ def shape_flops_per_token(shape: ModelShape, seq_len: float) -> float:
 
 
 def _numel(param: torch.nn.Parameter) -> int:
-    # Under ZeRO-3 the local tensor is an empty shard; DeepSpeed keeps the full size in ds_numel.
+    # A bitsandbytes Params4bit stores packed codes (a quarter of the weights' elements in bf16 storage); its
+    # logical shape is quant_state.shape (bitsandbytes 0.50). Under ZeRO-3 the local tensor is an empty
+    # shard; DeepSpeed keeps the full size in ds_numel.
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    if shape is not None:
+        return math.prod(shape)
     return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
@@ -198,8 +212,11 @@ class StepMeter:
         peak_tflops: float | None = None,
         cuda: bool = False,
         clock: StartupClock | None = None,
+        data_parallel: int = 1,
     ) -> None:
         self.tokens_per_step = tokens_per_step
+        self.data_parallel = max(1, data_parallel)
+        """Ranks that each train their own share of the batch: this rank's real tokens x this is the world's."""
         self.samples_per_step = samples_per_step
         self.world_size = max(1, world_size)
         self.flops = flops
@@ -212,6 +229,7 @@ class StepMeter:
         self._seconds = 0.0
         self._squared = 0
         self._span_tokens = 0
+        self._real_tokens = 0
         self._first_step_seen = False
         self._startup_logged = False
 
@@ -240,12 +258,16 @@ class StepMeter:
             peak_tflops=peak_tflops_for(peak_tflops, cuda),
             cuda=cuda,
             clock=clock,
+            data_parallel=layout.dp,
         )
 
-    def record(self, step_time: float, squared_lengths: int = 0, span_tokens: int = 0) -> None:
+    def record(
+        self, step_time: float, squared_lengths: int = 0, span_tokens: int = 0, real_tokens: int = 0
+    ) -> None:
         """One optimizer step took `step_time` seconds (forward, backward and update; nothing else) on
         micro-batches whose documents' lengths n give sum(n^2) = `squared_lengths`, sum(n) = `span_tokens`
-        (data/batches.span_sums; 0, 0 when not measured: the span is then seq_len)."""
+        (data/batches.span_sums; 0, 0 when not measured: the span is then seq_len), `real_tokens` of them
+        not padding (data/batches.real_tokens; 0 when not measured: every slot counts)."""
         if not self._first_step_seen:
             self._first_step_seen = True
             if self.clock is not None:
@@ -255,14 +277,21 @@ class StepMeter:
         self._seconds += step_time
         self._squared += squared_lengths
         self._span_tokens += span_tokens
+        self._real_tokens += real_tokens
 
     def flush(self) -> dict[str, float]:
         """Metrics over the steps recorded since the last flush (throughput), and now (memory)."""
         row: dict[str, float] = {}
         if self._steps and self._seconds > 0:
             step_time = self._seconds / self._steps
-            tokens_per_s = self.tokens_per_step / step_time
+            slot_tokens_per_s = self.tokens_per_step / step_time
+            tokens_per_s = (
+                self._real_tokens * self.data_parallel / self._seconds
+                if self._real_tokens
+                else slot_tokens_per_s
+            )
             row["tokens_per_s"] = tokens_per_s
+            row["slot_tokens_per_s"] = slot_tokens_per_s
             row["tokens_per_s_per_gpu"] = tokens_per_s / self.world_size
             if self.samples_per_step:
                 row["samples_per_s"] = self.samples_per_step / step_time
@@ -273,7 +302,10 @@ class StepMeter:
             if self.flops is not None and self.peak_flops and span:
                 per_gpu = tokens_per_s / self.world_size / self.peak_flops
                 row["mfu"] = per_gpu * self.flops.at(span)
-                row["mfu_seq_len"] = per_gpu * self.flops.at(self.seq_len)
+                # As most tools count it: every slot, at the row width.
+                row["mfu_seq_len"] = (
+                    slot_tokens_per_s / self.world_size / self.peak_flops * self.flops.at(self.seq_len)
+                )
         if self.cuda:
             row.update(gpu_memory_gib())
         row["host_rss_gib"] = host_rss_gib()
@@ -281,5 +313,5 @@ class StepMeter:
         if self.clock is not None and self._first_step_seen and not self._startup_logged:
             self._startup_logged = True
             row["startup_s"] = self.clock.total()  # process start to the end of the first step, once
-        self._steps, self._seconds, self._squared, self._span_tokens = 0, 0.0, 0, 0
+        self._steps, self._seconds, self._squared, self._span_tokens, self._real_tokens = 0, 0.0, 0, 0, 0
         return row

@@ -115,6 +115,7 @@ class JsonlTracker:
 
 PERF_KEYS = (
     "tokens_per_s",
+    "slot_tokens_per_s",
     "tokens_per_s_per_gpu",
     "samples_per_s",
     "step_time_s",

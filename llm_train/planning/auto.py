@@ -1,50 +1,80 @@
 """`--recipe auto`: the fastest configuration of a model that fits given hardware, as a recipe.
 
-Preference, in order: a full fine-tune without NVMe, then NVMe offload (only with --nvme-gib).
-Optimizer states stay fp32: bf16 states (optim.state_dtype=bf16) halve the offloaded optimizer's
-host RAM, but their measured quality cost is too high to pick them for anyone
-(bench/results/bf16-states-quality-*.txt: at lr 1e-5 they kept 8% of fp32's eval-loss gain), so
-`plan` only reports what they would save. A full fine-tune that fits but is impractical
-(search.judge) gives way to LoRA unless --no-lora; the choice carries its verdict.
+One search over the knobs of planning/knobs.py (DS JSON and its pinning, micro-batch, checkpointing,
+LoRA and QLoRA, the long-context switches), each candidate a variation of one base: the recipe auto
+writes, with the user's overrides applied, resolved as any recipe is (config/resolution.py,
+planning/fit.memory_inputs). So an override is planned: a knob it sets stays at the value it resolves
+to, any other key reaches the estimate through the same resolution, and one the planner does not model
+is refused in one line (knobs.NOT_PLANNED). The written recipe is that base with the chosen knobs; its
+own plan (`llm-train plan --recipe FILE`) gives the same numbers, which `--write` prints.
 
-Long sequences: when no configuration of a kind (full fine-tune, or LoRA) fits at --seq-len, the
-DeepSpeed ALST techniques join the candidates: Ulysses sequence parallelism (search.
-sequence_parallel_degrees) and the tiled MLP, tiled loss and checkpoint-offload switches. They
-train exactly the same model, so a full fine-tune with them comes before LoRA.
+Kinds, in order: a full fine-tune without NVMe, then NVMe offload (only with --nvme-gib); a full
+fine-tune that fits but is impractical (search.judge) gives way to adapters unless --no-lora. Adapters
+are 16-bit LoRA or QLoRA (the same adapters on a 4-bit base, bitsandbytes, CUDA only), weighed by the
+same speed model: the fastest that fits is chosen, and the "why" names the runner-up with both step
+times. Optimizer states stay fp32: bf16 states (optim.state_dtype=bf16) halve the offloaded
+optimizer's host RAM, but their measured quality cost is too high to pick them for anyone
+(bench/results/bf16-states-quality-*.txt: at lr 1e-5 they kept 8% of fp32's eval-loss gain), so
+`plan` only reports what they would save.
+
+Pinning is a knob of the offloading candidates: native (exact size, needs the memlock limit of this
+shell: planning/pinning.py), torch (DeepSpeed's default, rounded up to powers of two, no limit) or off
+(pageable: slower copies that hide behind nothing, planning/speed.py). The chosen one is written as it
+is, not as `auto`, so the run gets the pinning its plan assumed.
+
+The attention kernel is planned and written too: sdpa_flex on CUDA where torch has flex_attention
+(no dense s x s mask), sdpa under sequence parallelism or without it.
+
+Long sequences: when no configuration of a kind fits at --seq-len, the DeepSpeed ALST techniques join
+the candidates: Ulysses sequence parallelism (search.sequence_parallel_degrees) and the tiled MLP,
+tiled loss and checkpoint-offload switches. They train exactly the same model, so a full fine-tune with
+them comes before adapters.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llm_train import RECIPES_DIR
+from llm_train.config.attention_kernel import FLEX_KERNELS, Installed
+from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import default_precision
+from llm_train.config.recipe import Recipe, apply_overrides, recipe_from_data
+from llm_train.config.resolution import resolve_recipe, resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.fit import (
     AUTO_MICRO_BATCHES,
     SHIPPED_DS_CONFIGS,
     SUGGESTED_LORA_RANK,
     Evaluation,
+    ds_fields,
     evaluate,
+    loader_forks_for,
+    memory_inputs,
     shipped_settings,
+    zero_init_for,
 )
+from llm_train.planning.knobs import pinned_fields, recipe_values, set_key
 from llm_train.planning.memory import GiB
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.pinning import MemlockLimit, memlock_limit
 from llm_train.planning.report import config_line, verdict
 from llm_train.planning.search import (
-    LONG_CONTEXT_SWITCHES,
     Practicality,
     judge,
     long_context_options,
     long_context_text,
     short_config,
 )
-from llm_train.planning.shapes import ModelShape, shape_of
+from llm_train.planning.shapes import ModelShape, shape_from_config, shape_of
+
+# The pinning choices of an offloading candidate (recipe values of deepspeed.pinning).
+PINNING_CHOICES = ("native", "torch", "off")
 
 # --- `--recipe auto` ----------------------------------------------------------------------------------
 
@@ -60,6 +90,9 @@ class AutoChoice:
     reasons: list[str]
     practicality: Practicality
     nvme_bytes: int = 0
+    overrides: list[str] = field(default_factory=list)
+    user_ds_config: str | None = None
+    """The user's deepspeed.config when an override pinned it (written as given), else None."""
 
     @property
     def inputs(self) -> MemoryInputs:
@@ -67,11 +100,11 @@ class AutoChoice:
 
     @property
     def ds_config(self) -> str:
-        return SHIPPED_DS_CONFIGS[self.inputs.ds_key]
+        return self.user_ds_config or SHIPPED_DS_CONFIGS[self.inputs.ds_key]
 
     @property
     def precision(self) -> str:
-        return default_precision(self.hardware.kind, self.hardware.bf16)
+        return self.inputs.precision
 
 
 def choose_auto(
@@ -81,34 +114,58 @@ def choose_auto(
     global_batch: int = 64,
     lora: str = "fallback",
     nvme_gib: float | None = None,
+    overrides: list[str] | None = None,
+    memlock: MemlockLimit | None = None,
 ) -> AutoChoice:
     """The fastest configuration (by the speed model) that fits `hw`, in the order of the module docstring.
 
-    lora: "fallback" = LoRA only when no full fine-tune fits, or the one that fits is impractical;
+    lora: "fallback" = adapters only when no full fine-tune fits, or the one that fits is impractical;
     "never"; "always". nvme_gib: NVMe space per node (--nvme-gib); without it no NVMe offload.
+    overrides: the user's `key=value`s, planned (module docstring). memlock: the limit native pinning
+    must fit (default: this process's).
     A composer: the request, the candidates of each kind evaluated, the pick, then why.
     """
-    ask = auto_request(model, hw, seq_len, global_batch, nvme_gib)
-    full_tried = [] if lora == "always" else fitting_search(ask, None)
-    lora_all = lora_search(ask)
-    lora_tried = [] if lora == "never" else lora_all
-    tried = full_tried + lora_tried
-    # A verdict judges the configuration against everything this hardware could run instead, LoRA
+    ask = auto_request(model, hw, seq_len, global_batch, nvme_gib, overrides or [], lora, memlock)
+    full_tried = fitting_search(ask, FULL) if FULL in ask.kinds else []
+    adapters_all = lora_search(ask)
+    adapters_tried = adapters_all if lora != "never" else []
+    tried = full_tried + adapters_tried
+    # A verdict judges the configuration against everything this hardware could run instead, adapters
     # included even under --no-lora: the flag says what to choose, not how fast the choice is.
-    alternatives = full_tried + lora_all
-    chosen, fitting, reasons = pick(ask, full_tried, lora_tried, alternatives, lora)
+    alternatives = full_tried + adapters_all
+    chosen, fitting, reasons = pick(ask, full_tried, adapters_tried, alternatives, lora)
     practicality = judge(chosen, alternatives)
-    reasons.append(f"the fastest of {len(fitting)} fitting configurations (of {len(tried)} estimated)")
+    reasons.append(
+        f"the fastest of {len(fitting)} fitting configurations (of {len(tried)} estimated), by the step time "
+        "that counts every host copy whole (that prefetch hides them is assumed, not measured)"
+    )
+    reasons += runner_up(chosen, fitting)
     reasons += lighter_misses(ask, chosen, tried)
     reasons += technique_reasons(ask, chosen, tried, lora)
     return AutoChoice(
-        chosen, hw, model, ask.shape, ask.seq_len, global_batch, reasons, practicality, ask.nvme_bytes
+        chosen,
+        hw,
+        model,
+        ask.shape,
+        chosen.inputs.seq_len,
+        ask.global_batch,
+        reasons,
+        practicality,
+        ask.nvme_bytes,
+        list(overrides or []),
+        ask.recipe.deepspeed.config if "ds_key" in ask.pins else None,
     )
+
+
+# (lora rank, quantize): what a candidate trains.
+Kind = tuple[int | None, str]
+FULL: Kind = (None, "none")
 
 
 @dataclass(frozen=True)
 class AutoRequest:
-    """What `--recipe auto` is asked: a model on hardware, at a sequence length and global batch."""
+    """What `--recipe auto` is asked: a model on hardware, at a sequence length and global batch, with the
+    user's overrides, as the base recipe they make (resolved: `base`)."""
 
     model: str
     shape: ModelShape
@@ -117,103 +174,239 @@ class AutoRequest:
     global_batch: int
     nvme_bytes: int
     """NVMe space per node the user declared (--nvme-gib); 0: NVMe offload never fits."""
+    base: MemoryInputs
+    """The base recipe's own estimate inputs: every candidate varies its knobs."""
+    recipe: Recipe
+    """The base recipe (defaults, the user's overrides applied)."""
+    pins: frozenset[str]
+    """The MemoryInputs fields the user's overrides fix."""
+    kinds: tuple[Kind, ...]
+    memlock: MemlockLimit
+    overrides: tuple[str, ...] = ()
 
     @property
     def precision(self) -> str:
-        return default_precision(self.hw.kind, self.hw.bf16)
+        return self.base.precision
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.hw.kind == "cuda"
 
     @property
     def modes(self) -> list[tuple[int, str, str]]:
-        """The shipped DS JSONs' (stage, optimizer offload, parameter offload); offload only on CUDA."""
-        return [k for k in SHIPPED_DS_CONFIGS if self.hw.kind == "cuda" or k[1:] == ("none", "none")]
+        """The DS JSONs to try: the user's, or the shipped ones' (stage, optimizer, parameter offload);
+        offload only on CUDA."""
+        if "ds_key" in self.pins:
+            return [self.base.ds_key]
+        return [k for k in SHIPPED_DS_CONFIGS if self.on_gpu or k[1:] == ("none", "none")]
+
+    def pinnings(self, mode: tuple[int, str, str]) -> tuple[str, ...]:
+        """deepspeed.pinning values to try with a DS JSON: the user's, or each where something is offloaded."""
+        if "pinning" in self.pins:
+            return (self.recipe.deepspeed.pinning,)
+        if not self.on_gpu:
+            return ("off",)
+        return PINNING_CHOICES if mode[1:] != ("none", "none") else ("torch",)
+
+    def ds_settings(self, mode: tuple[int, str, str], pinning: str) -> dict[str, Any]:
+        """The MemoryInputs fields a DS JSON sets (buckets, overlap, swap, pinning of its offload sections)."""
+        if "ds_key" in self.pins:
+            _, raw = load_ds_config(self.recipe.deepspeed.config)
+            return ds_fields(raw, pinning, self.on_gpu, mode[0])
+        return shipped_settings(mode, pinning, self.on_gpu)
+
+
+def planned_attention(hw: Hardware) -> str:
+    """The kernel auto writes: sdpa_flex on CUDA where torch has flex_attention (no dense mask for packed
+    rows), else sdpa; sequence-parallel candidates switch to sdpa (Ulysses wraps sdpa)."""
+    return "sdpa_flex" if hw.kind == "cuda" and Installed.here().flex else "sdpa"
 
 
 def auto_request(
-    model: str, hw: Hardware, seq_len: int | None, global_batch: int, nvme_gib: float | None
+    model: str,
+    hw: Hardware,
+    seq_len: int | None,
+    global_batch: int,
+    nvme_gib: float | None,
+    overrides: list[str] | None = None,
+    lora: str = "fallback",
+    memlock: MemlockLimit | None = None,
 ) -> AutoRequest:
-    """The request with its defaults filled (seq_len: min(2048, the model's maximum)), or UserError
-    when no micro-batch divides the global batch over the GPUs."""
+    """The request with its defaults filled (seq_len: min(2048, the model's maximum)) and the user's overrides
+    resolved into the base recipe; UserError when no micro-batch divides the global batch over the GPUs,
+    or an override cannot be planned."""
+    overrides = list(overrides or [])
+    shape_of(model)  # an unknown model is one line naming it, before any recipe is made
+    pins = frozenset(pinned_fields(overrides))
     nvme_bytes = int((nvme_gib or 0) * GiB)
-    shape = shape_of(model)
-    seq = seq_len or min(2048, shape.max_position_embeddings)
+    precision = default_precision(hw.kind, hw.bf16)
+    adapters = lora == "always" or bool(pins & {"lora_rank", "quantize"})
+    data = base_recipe_data(model, hw, seq_len or 2048, global_batch, precision, adapters)
+    recipe = recipe_from_data(data, overrides, "--recipe auto")
+    if not seq_len and "seq_len" not in pins:
+        fields_shape = shape_from_config(resolve_recipe(recipe, hw.gpus, hw.device()).model_fields)
+        if fields_shape.max_position_embeddings < 2048:
+            set_key(data, "data.seq_len", fields_shape.max_position_embeddings)
+            recipe = recipe_from_data(data, [], "--recipe auto")
+    run = resolve_recipe(recipe, hw.gpus, hw.device())
+    shape = shape_from_config(run.model_fields)
+    base = memory_inputs(run, shape, hw.gpus_per_node)
+    batch = base.layout.global_batch_size
     dp = hw.gpus
-    if not any(global_batch % (m * dp) == 0 for m in AUTO_MICRO_BATCHES):
-        raise UserError(
-            f"--global-batch {global_batch} is not a multiple of --gpus {dp}; pick a multiple of {dp}"
-        )
-    return AutoRequest(model, shape, hw, seq, global_batch, nvme_bytes)
+    if not any(batch % (m * dp) == 0 for m in AUTO_MICRO_BATCHES):
+        raise UserError(f"--global-batch {batch} is not a multiple of --gpus {dp}; pick a multiple of {dp}")
+    return AutoRequest(
+        model,
+        shape,
+        hw,
+        base.seq_len,
+        batch,
+        nvme_bytes,
+        base,
+        run.recipe,
+        pins,
+        _kinds(lora, pins, base, hw),
+        memlock or memlock_limit(),
+        tuple(overrides),
+    )
+
+
+def _kinds(lora: str, pins: frozenset[str], base: MemoryInputs, hw: Hardware) -> tuple[Kind, ...]:
+    """Full fine-tune, 16-bit LoRA and QLoRA (CUDA: bitsandbytes' GPU kernels), as the policy and pins allow."""
+    rank = base.lora_rank if "lora_rank" in pins else SUGGESTED_LORA_RANK
+    kinds: list[Kind] = [FULL, (rank, "none"), (rank, "nf4")]
+    # lora="never" still estimates adapters: the verdict judges a full fine-tune against them (choose_auto).
+    if lora == "always" or "lora_rank" in pins:
+        kinds = [k for k in kinds if k[0]]
+    if "quantize" in pins:
+        kinds = [k for k in kinds if k[1] == base.quantize] or [(rank, base.quantize)]
+    elif hw.kind != "cuda":
+        kinds = [k for k in kinds if k[1] == "none"]
+    return tuple(kinds)
+
+
+def base_recipe_data(
+    model: str, hw: Hardware, seq_len: int, global_batch: int, precision: str, adapters: bool
+) -> dict[str, Any]:
+    """The recipe auto writes, before its knobs are chosen: the knobs at their lightest, the rest as
+    written for every choice."""
+    corpus = str((RECIPES_DIR / "../llm_train/assets/tiny/corpus.txt").resolve())
+    slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[-40:]
+    body: dict[str, Any] = {
+        "name": f"auto-{slug}",
+        "description": "",
+        "hardware": {
+            "device": hw.kind,
+            "nodes": -(-hw.gpus // hw.gpus_per_node),
+            "processes_per_node": hw.gpus_per_node,
+            **(
+                {"gpu_name": hw.name, "gpu_mem_gib": round(hw.gpu_mem_bytes / GiB, 2)}
+                if hw.kind == "cuda"
+                else {}
+            ),
+        },
+        "model": {"name_or_path": model},
+        "data": {"train": [corpus], "eval_fraction": 0.02, "seq_len": seq_len},
+        "optim": {
+            "lr": 2.0e-4 if adapters else 1.0e-5,
+            "weight_decay": 0.0,
+            "warmup_steps": 10,
+            "schedule": "cosine",
+            "grad_clip": 1.0,
+            "micro_batch_size": 1,
+            "global_batch_size": global_batch,
+            "epochs": 1,
+            "seed": 42,
+        },
+        "precision": precision,
+        "memory": {"activation_checkpointing": False, "attention": planned_attention(hw)},
+        **(
+            {"lora": {"rank": SUGGESTED_LORA_RANK, "alpha": 2.0 * SUGGESTED_LORA_RANK, "dropout": 0.05}}
+            if adapters
+            else {}
+        ),
+        "deepspeed": {"config": "zero0"},
+        "output": {"dir": "runs/{name}", "log_every": 10},
+        "tracking": {"mode": "disabled"},
+    }
+    return body
 
 
 # (sp, tiled_mlp, tiled_loss, offload_checkpoints) without any DeepSpeed ALST technique.
 NO_ALST = (1, False, False, False)
+LONG_CONTEXT_PINS = {"sp", "tiled_mlp", "tiled_loss", "offload_checkpoints"}
 
 
 def candidates(
-    ask: AutoRequest, lora_rank: int | None, long_context: list[tuple[int, bool, bool, bool]], quantize: str
+    ask: AutoRequest, kind: Kind, long_context: list[tuple[int, bool, bool, bool]]
 ) -> list[MemoryInputs]:
-    """Every shipped DS JSON x micro-batch x checkpointing x long-context option that the layout (and
-    sequence-parallel) rules accept and whose micro-batch divides the global batch."""
-    hw, dp = ask.hw, ask.hw.gpus
+    """Every DS JSON x pinning x micro-batch x checkpointing x long-context option of one kind that the layout
+    (and sequence-parallel) rules accept and whose micro-batch divides the global batch; pinned knobs stay."""
+    base, _hw, dp = ask.base, ask.hw, ask.hw.gpus
+    rank, quantize = kind
+    micros = [base.micro_batch] if "micro_batch" in ask.pins else list(AUTO_MICRO_BATCHES)
+    ckpts = [base.activation_checkpointing] if "activation_checkpointing" in ask.pins else [False, True]
     out = []
-    states = ("fp32",)  # never bf16 states: see the module docstring
-    for mode, micro, ckpt, state, (sp, tiled_mlp, tiled_loss, offload_ckpt) in itertools.product(
-        ask.modes, AUTO_MICRO_BATCHES, (False, True), states, long_context
+    for mode, micro, ckpt, (sp, tiled_mlp, tiled_loss, offload_ckpt) in itertools.product(
+        ask.modes, micros, ckpts, long_context
     ):
         ranks = dp // sp  # data-parallel ranks: sp of the GPUs share each sequence
         if ask.global_batch % (micro * ranks):
             continue
-        try:
-            candidate = MemoryInputs.of(
-                shape=ask.shape,
-                world_size=dp,
-                zero_stage=mode[0],
-                offload_optimizer=mode[1],
-                offload_params=mode[2],
-                precision=ask.precision,
-                micro_batch=micro,
-                grad_accum=ask.global_batch // (micro * ranks),
-                sp=sp,
-                gpus_per_node=hw.gpus_per_node,
-                seq_len=ask.seq_len,
-                activation_checkpointing=ckpt,
-                lora_rank=lora_rank,
-                quantize=quantize,
-                overlap_comm=True,
-                state_dtype=state,
-                tiled_mlp=tiled_mlp,
-                tiled_loss=tiled_loss,
-                offload_checkpoints=offload_ckpt,
-                # The generated recipe asks for deepspeed.pinning=auto: exact-size buffers.
-                pinning="native" if mode[1] != "none" else "torch",
-                param_pinning="native" if mode[2] != "none" else "torch",
-                **shipped_settings(mode),
-            )
-        except MemoryInputError:
-            continue  # a combination the layout (or sequence-parallel) rules refuse
-        out.append(candidate)
+        attention = base.attn_impl
+        if sp > 1 and attention in FLEX_KERNELS and "attn_impl" not in ask.pins:
+            attention = "sdpa"  # Ulysses wraps sdpa or flash-attention only
+        for pinning in ask.pinnings(mode):
+            try:
+                candidate = base.vary(
+                    **ask.ds_settings(mode, pinning),
+                    zero_stage=mode[0],
+                    offload_optimizer=mode[1],
+                    offload_params=mode[2],
+                    micro_batch_size=micro,
+                    grad_accum=ask.global_batch // (micro * ranks),
+                    sp=sp,
+                    activation_checkpointing=ckpt,
+                    lora_rank=rank,
+                    quantize=quantize,
+                    zero_init=zero_init_for(quantize),
+                    attn_impl=attention,
+                    tiled_mlp=tiled_mlp,
+                    tiled_loss=tiled_loss,
+                    offload_checkpoints=offload_ckpt,
+                    loader_forks=loader_forks_for(ask.recipe.data.loader_workers, mode[1], ask.on_gpu),
+                )
+            except MemoryInputError:
+                continue  # a combination the layout (or sequence-parallel, or QLoRA) rules refuse
+            out.append(candidate)
     return out
 
 
-def fitting_search(ask: AutoRequest, lora_rank: int | None, quantize: str = "none") -> list[Evaluation]:
-    """The candidates of one kind evaluated: without ALST; with it too when nothing fits without
-    (only a long sequence needs it)."""
-    out = [evaluate(c, ask.hw, ask.nvme_bytes) for c in candidates(ask, lora_rank, [NO_ALST], quantize)]
-    if not any(e.fits for e in out):
-        probe = MemoryInputs.of(
-            shape=ask.shape, world_size=ask.hw.gpus, gpus_per_node=ask.hw.gpus_per_node, seq_len=ask.seq_len
-        )
-        options = long_context_options(probe)[1:]
-        out += [evaluate(c, ask.hw, ask.nvme_bytes) for c in candidates(ask, lora_rank, options, quantize)]
+def fitting_search(ask: AutoRequest, kind: Kind) -> list[Evaluation]:
+    """The candidates of one kind evaluated: without ALST; with it too when nothing fits without (only a long
+    sequence needs it). Native pinning that would lock more than the memlock limit allows is left out."""
+    first = [ask.base.long_context] if ask.pins & LONG_CONTEXT_PINS else [NO_ALST]
+    out = _evaluate(ask, candidates(ask, kind, first))
+    if not any(e.fits for e in out) and not ask.pins & LONG_CONTEXT_PINS:
+        options = long_context_options(ask.base)[1:]
+        out += _evaluate(ask, candidates(ask, kind, options))
+    return out
+
+
+def _evaluate(ask: AutoRequest, inputs: list[MemoryInputs]) -> list[Evaluation]:
+    out = []
+    for c in inputs:
+        ev = evaluate(c, ask.hw, ask.nvme_bytes)
+        native = "native" in (c.pinning, c.param_pinning)
+        if native and "pinning" not in ask.pins and not ask.memlock.allows(ev.estimate.locked_per_rank):
+            continue  # this shell could not lock it: torch's allocator or pageable buffers instead
+        out.append(ev)
     return out
 
 
 def lora_search(ask: AutoRequest) -> list[Evaluation]:
-    """LoRA candidates evaluated, and QLoRA's (the same adapters on a 4-bit base, bitsandbytes) on CUDA
-    when no 16-bit base fits."""
-    lora_all = fitting_search(ask, SUGGESTED_LORA_RANK)
-    if not any(e.fits for e in lora_all) and ask.hw.kind == "cuda":
-        lora_all += fitting_search(ask, SUGGESTED_LORA_RANK, "nf4")
-    return lora_all
+    """Adapter candidates evaluated: 16-bit LoRA and QLoRA (the same adapters on a 4-bit base) side by side."""
+    return [e for kind in ask.kinds if kind[0] for e in fitting_search(ask, kind)]
 
 
 def fastest_fitting(tried: list[Evaluation]) -> tuple[Evaluation | None, list[Evaluation]]:
@@ -269,10 +462,39 @@ def lora_reasons(
         )
     if best_lora.inputs.quantize != "none":
         reasons.append(
-            "16-bit LoRA does not fit either, so the frozen base loads in 4 bits (QLoRA, lora.quantize=nf4; "
-            "pip install 'llm_train[qlora]')"
+            "the frozen base loads in 4 bits (QLoRA, lora.quantize=nf4; pip install 'llm_train[qlora]'): it is "
+            "the fastest adapter configuration that fits"
         )
     return reasons
+
+
+def runner_up(chosen: Evaluation, fitting: list[Evaluation]) -> list[str]:
+    """The fastest fitting configuration of another kind (full, LoRA, QLoRA), else of another DS JSON that is not
+    just as fast (ZeRO-1 on one GPU is ZeRO-0), with both step times."""
+    others = [e for e in fitting if _kind(e.inputs) != _kind(chosen.inputs)]
+    if not others:
+        others = [e for e in fitting if e.time.total > chosen.time.total * 1.001]
+    if not others:
+        return []
+    second = min(others, key=_auto_key)
+
+    def seconds(e: Evaluation) -> str:
+        hidden = (
+            f" ({e.time.overlapped:,.1f} if prefetch hides the copies)" if e.time.pcie_hideable > 0.05 else ""
+        )
+        return f"~{e.time.total:,.1f} s/step{hidden}"
+
+    return [
+        f"runner-up: {short_config(second.inputs)}{_pinning_text(second.inputs)}: {seconds(second)}, against "
+        f"{seconds(chosen)} for this one"
+    ]
+
+
+def _pinning_text(c: MemoryInputs) -> str:
+    if c.offload_optimizer == "none" and c.offload_params == "none":
+        return ""
+    pinning = c.pinning if c.offload_optimizer != "none" else c.param_pinning
+    return f", {'pageable' if pinning == 'off' else pinning + '-pinned'} host buffers"
 
 
 def lighter_misses(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluation]) -> list[str]:
@@ -281,7 +503,7 @@ def lighter_misses(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluation]
     hw = ask.hw
     by_mode: dict[tuple[int, str, str], list[Evaluation]] = {}
     for e in tried:
-        if bool(e.inputs.lora_rank) == bool(chosen.inputs.lora_rank):
+        if _kind(e.inputs) == _kind(chosen.inputs):
             by_mode.setdefault(e.inputs.ds_key, []).append(e)
     misses = [
         min(evs, key=lambda e: _overflow(e, hw))
@@ -300,8 +522,12 @@ def technique_reasons(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluati
     """Why the choice turns on what costs speed: activation checkpointing, DeepSpeed ALST, NVMe offload."""
     c = chosen.inputs
     reasons = []
-    if c.activation_checkpointing:
+    if ask.pins:
+        reasons.append(f"planned with your overrides as written: {' '.join(ask.overrides)}")
+    if c.activation_checkpointing and "activation_checkpointing" not in ask.pins:
         reasons.append("activation checkpointing is on because the faster splits without it do not fit")
+    if _pinning_text(c) and "pinning" not in ask.pins:
+        reasons.append(_pinning_reason(ask, c))
     if c.uses_long_context:
         reasons.append(_long_context_reason(ask, chosen, tried))
     if c.uses_nvme and not c.lora_rank and lora != "never":
@@ -309,6 +535,27 @@ def technique_reasons(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluati
             "NVMe offload is slow; --lora trains LoRA adapters instead, without NVMe and much faster"
         )
     return reasons
+
+
+def _pinning_reason(ask: AutoRequest, c: MemoryInputs) -> str:
+    """Why the offload buffers are pinned the way the recipe says (deepspeed.pinning, planning/pinning.py)."""
+    pinning = c.pinning if c.offload_optimizer != "none" else c.param_pinning
+    native = c.vary(pinning="native", param_pinning="native")
+    locked = evaluate(native, ask.hw).estimate.locked_per_rank
+    limit = f"this shell's memlock limit is {ask.memlock.describe()}"
+    if pinning == "native":
+        return f"deepspeed.pinning=native: exact-size pinned host buffers (~{locked / GiB:.1f} GiB locked per process; {limit})"
+    why = (
+        f"native pinning would lock ~{locked / GiB:.1f} GiB per process and {limit}"
+        if not ask.memlock.allows(locked)
+        else "it is the fastest that fits"
+    )
+    what = (
+        "torch's pinned allocator (rounded up to powers of two)"
+        if pinning == "torch"
+        else "pageable (slower copies)"
+    )
+    return f"deepspeed.pinning={pinning}: host buffers {what}: {why}"
 
 
 def _long_context_reason(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluation]) -> str:
@@ -399,7 +646,7 @@ def _nowhere(model: str, hw: Hardware, tried: list[Evaluation], lora: str, nvme_
 
 def _auto_key(ev: Evaluation) -> tuple[bool, bool, float, int]:
     # Without NVMe before with it, fp32 optimizer states before bf16 ones (module docstring), then
-    # fastest; among equally fast ones (same step time to the millisecond) the one that needs
+    # fastest (StepTime.total counts every host copy whole); among equally fast ones (same step time to the millisecond) the one that needs
     # less memory, e.g. ZeRO-0 over ZeRO-1/2 on a single GPU.
     c = ev.inputs
     return (c.uses_nvme, c.state_dtype == "bf16", round(ev.time.total, 3), ev.device_bytes + ev.host_bytes)
@@ -411,67 +658,36 @@ def _kind(c: MemoryInputs) -> str:
     return "QLoRA" if c.quantize != "none" else "LoRA"
 
 
+def auto_recipe_data(auto: AutoChoice, data: str | None = None) -> dict[str, Any]:
+    """The chosen configuration as a recipe mapping: the base recipe with the chosen knobs, then the user's
+    overrides (which pinned the knobs they set)."""
+    hw, c, ev = auto.hardware, auto.inputs, auto.evaluation
+    body = base_recipe_data(auto.model, hw, c.seq_len, auto.global_batch, c.precision, bool(c.lora_rank))
+    body["description"] = f"Auto-planned {_kind(c)} fine-tune of {auto.model} on {hw.gpus} x {hw.name}"
+    body["hardware"]["host_ram_gib"] = round(ev.host_bytes / GiB + 0.5, 0)
+    if data is not None:
+        body["data"]["train"] = [data]
+    for key, value in recipe_values(c, auto.ds_config).items():
+        if key == "deepspeed.sequence_parallel" and value == 1:
+            continue
+        if key.startswith("memory.") and value is False and key != "memory.activation_checkpointing":
+            continue  # the ALST switches: written only when on
+        if key == "optim.state_dtype" and value == "fp32":
+            continue
+        set_key(body, key, value)
+    if c.sp > 1:
+        body["data"]["packing"] = "padded"  # under sequence parallelism sdpa sees one causal sequence per row
+    if c.quantize == "none" and c.lora_rank:
+        body["lora"].pop("quantize", None)
+    return apply_overrides(body, auto.overrides)
+
+
 def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
     """A complete recipe for the chosen configuration, with a header like the shipped ones."""
     import yaml
 
-    hw, c, ev = auto.hardware, auto.inputs, auto.evaluation
-    corpus = data or str((RECIPES_DIR / "../llm_train/assets/tiny/corpus.txt").resolve())
-    # Under sequence parallelism sdpa sees one causal sequence per row: one sample per row.
-    packing = {"packing": "padded"} if c.sp > 1 else {}
-    switches = {name: True for name, _ in LONG_CONTEXT_SWITCHES if getattr(c, name)}
-    slug = re.sub(r"[^a-z0-9]+", "-", auto.model.lower()).strip("-")[-40:]
-    body: dict[str, Any] = {
-        "name": f"auto-{slug}",
-        "description": f"Auto-planned {_kind(c)} fine-tune of {auto.model} on {hw.gpus} x {hw.name}",
-        "hardware": {
-            "device": hw.kind,
-            "nodes": -(-hw.gpus // hw.gpus_per_node),
-            "processes_per_node": hw.gpus_per_node,
-            **(
-                {"gpu_name": hw.name, "gpu_mem_gib": round(hw.gpu_mem_bytes / GiB, 2)}
-                if hw.kind == "cuda"
-                else {}
-            ),
-            "host_ram_gib": round(ev.host_bytes / GiB + 0.5, 0),
-        },
-        "model": {"name_or_path": auto.model},
-        "data": {"train": [corpus], "eval_fraction": 0.02, "seq_len": auto.seq_len, **packing},
-        "optim": {
-            "lr": 2.0e-4 if c.lora_rank else 1.0e-5,
-            "weight_decay": 0.0,
-            "warmup_steps": 10,
-            "schedule": "cosine",
-            "grad_clip": 1.0,
-            "micro_batch_size": c.micro_batch,
-            "global_batch_size": auto.global_batch,
-            "epochs": 1,
-            "seed": 42,
-            **({"state_dtype": "bf16"} if c.state_dtype == "bf16" else {}),
-        },
-        "precision": auto.precision,
-        "memory": {"activation_checkpointing": c.activation_checkpointing, "attention": "auto", **switches},
-        **(
-            {
-                "lora": {
-                    "rank": c.lora_rank,
-                    "alpha": 2.0 * c.lora_rank,
-                    "dropout": 0.05,
-                    **({"quantize": c.quantize} if c.quantize != "none" else {}),
-                }
-            }
-            if c.lora_rank
-            else {}
-        ),
-        "deepspeed": {
-            "config": auto.ds_config,
-            **({"sequence_parallel": c.sp} if c.sp > 1 else {}),
-            # Exact-size host buffers when offloading (planning/pinning.py), as the plan assumed.
-            **({"pinning": "auto"} if c.offload_optimizer != "none" or c.offload_params != "none" else {}),
-        },
-        "output": {"dir": "runs/{name}", "log_every": 10},
-        "tracking": {"mode": "disabled"},
-    }
+    hw, ev = auto.hardware, auto.evaluation
+    body = auto_recipe_data(auto, data)
     gpu_line = f"{ev.device_bytes / GiB:.1f} GiB per GPU, " if hw.kind == "cuda" else ""
     header = [
         f"# {body['name']}: generated by `llm-train plan --recipe auto --model {auto.model}`.",
@@ -485,6 +701,29 @@ def auto_recipe_yaml(auto: AutoChoice, data: str | None = None) -> str:
     return "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 
+def written_evaluation(auto: AutoChoice, path: Path) -> Evaluation:
+    """The plan of the written recipe itself, resolved as `llm-train plan --recipe FILE` resolves it (the full
+    resolution: layout, parallel and QLoRA rules): what `--write` prints, and what a test holds equal to the
+    search's."""
+    hw = auto.hardware
+    run = resolve_run(str(path), [], world_size=hw.gpus, device=hw.device())
+    return evaluate(
+        memory_inputs(run, shape_from_config(run.model_fields), hw.gpus_per_node), hw, auto.nvme_bytes
+    )
+
+
+def _speed_parts(ev: Evaluation) -> str:
+    t = ev.time
+    parts = [("compute", t.compute), ("4-bit dequantisation", t.dequantize), ("ZeRO comm", t.communication)]
+    parts += [("PCIe", t.pcie), ("CPU Adam", t.cpu_optimizer), ("NVMe", t.nvme)]
+    text = ", ".join(
+        f"{name} {seconds:.1f}s" for name, seconds in parts if seconds >= 0.05 or name == "compute"
+    )
+    return text + (
+        f"; ~{t.overlapped:.1f}s/step if prefetch hides the copies" if t.pcie_hideable >= 0.05 else ""
+    )
+
+
 def render_auto(auto: AutoChoice, path: Path | None) -> str:
     ev, hw = auto.evaluation, auto.hardware
     lines = [
@@ -492,7 +731,7 @@ def render_auto(auto: AutoChoice, path: Path | None) -> str:
         f"hardware: {hw.describe()}",
         f"chosen:   {config_line(ev.inputs, ev.inputs.grad_accum)}; deepspeed.config={auto.ds_config}",
         f"needs:    {verdict(ev, hw, auto.practicality, auto.nvme_bytes)}",
-        f"speed:    ~{ev.time.total:.2f} s/step, ~{ev.time.tokens_per_s:,.0f} tokens/s (rough model)",
+        f"speed:    ~{ev.time.total:.2f} s/step, ~{ev.time.tokens_per_s:,.0f} tokens/s (rough model: {_speed_parts(ev)})",
         *([f"instead:  {auto.practicality.instead}"] if auto.practicality.instead else []),
         "why:",
         *(f"  - {r}" for r in auto.reasons),

@@ -29,7 +29,7 @@ from llm_train.planning.memory import (
 from llm_train.planning.memory_inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GROUP_SIZE, MemoryInputs
 from llm_train.planning.offload_buffers import SwapSettings
 from llm_train.planning.shapes import ModelShape
-from llm_train.planning.speed import StepTime, step_time
+from llm_train.planning.speed import StepTime, step_time_on
 
 # Host RSS of one CPU-only training process before model state (torch, DeepSpeed,
 # transformers, tokenizer): ~0.7 GiB measured for tiny-cpu; no CUDA libraries.
@@ -82,20 +82,8 @@ TYPICAL_COST = {
 
 def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None) -> MemoryInputs:
     """MemoryInputs for a resolved run, bucket sizes and overlap read from its final DS config."""
-    zero = run.ds_config.get("zero_optimization", {}) or {}
     layout, recipe = run.layout, run.recipe
-
-    def number(key: str, default: int | None) -> int | None:
-        value = zero.get(key)
-        return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
-
     on_gpu = layout.device != "cpu"
-    swap = swap_settings(run.ds_config)
-    # config/layout.workers_for: data.loader_workers, else none with the optimizer offloaded, else the stream's
-    # 2 worker processes on CUDA, forked at the first batch.
-    asked = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
-    workers = 2 if asked is None else asked
-    forked = workers > 0 and on_gpu
     quantize = recipe.lora.quantize if recipe.lora else "none"
     return MemoryInputs(
         shape=shape,
@@ -107,31 +95,59 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         dense_mask=True,  # packed rows (block-diagonal) and padded rows both carry one
         lora_rank=recipe.lora.rank if recipe.lora else None,
         quantize=quantize,
-        # transformers loads a quantised base whole on each GPU, not under zero.Init (memory.py).
-        zero_init=False if quantize != "none" else None,
+        zero_init=zero_init_for(quantize),
         direct_load=recipe.model.init == "pretrained",
-        reduce_bucket_size=number("reduce_bucket_size", None),
-        prefetch_bucket_size=number("stage3_prefetch_bucket_size", None),
-        # DeepSpeed turns overlap_comm on by default for stage 3 only.
-        overlap_comm=bool(zero.get("overlap_comm", layout.zero_stage == 3)),
-        allgather_bucket_size=number("allgather_bucket_size", DS_ALLGATHER_BUCKET_SIZE)
-        or DS_ALLGATHER_BUCKET_SIZE,
-        param_persistence_threshold=number("stage3_param_persistence_threshold", None),
-        sub_group_size=number("sub_group_size", DS_SUB_GROUP_SIZE) or DS_SUB_GROUP_SIZE,
         state_dtype=recipe.optim.state_dtype,
         export_adapter_only=bool(recipe.lora and recipe.lora.export == "adapter"),
         tiled_mlp=recipe.memory.tiled_mlp,
         tiled_loss=recipe.memory.tiled_loss,
         offload_checkpoints=recipe.memory.offload_checkpoints,
-        pinning=section_pinning(zero.get("offload_optimizer"), recipe.deepspeed.pinning, on_gpu),
-        param_pinning=section_pinning(zero.get("offload_param"), recipe.deepspeed.pinning, on_gpu),
         # save_on_cpu(pin_memory=True) on CUDA only (runtime/model.py), through torch's allocator.
         checkpoint_pinning="torch" if on_gpu else "off",
-        swap=swap,
-        loader_forks=forked,
+        loader_forks=loader_forks_for(recipe.data.loader_workers, layout.offload_optimizer, on_gpu),
         sequences_per_sample=recipe.sequences_per_sample,
         reference=recipe.preference.reference if recipe.objective == "dpo" else "none",
+        **ds_fields(run.ds_config, recipe.deepspeed.pinning, on_gpu, layout.zero_stage),
     )
+
+
+def zero_init_for(quantize: str) -> bool | None:
+    """MemoryInputs.zero_init of a run: transformers loads a quantised base outside zero.Init (memory.py);
+    None (= ZeRO-3) otherwise."""
+    return False if quantize != "none" else None
+
+
+def loader_forks_for(loader_workers: int | None, offload_optimizer: str, on_gpu: bool) -> bool:
+    """Whether DataLoader workers fork after DeepSpeed's set-up: config/layout.workers_for (data.loader_workers,
+    else none with the optimizer offloaded, else the stream's 2 worker processes on CUDA)."""
+    asked = workers_for(loader_workers, offload_optimizer != "none")
+    workers = 2 if asked is None else asked
+    return workers > 0 and on_gpu
+
+
+def ds_fields(ds_config: dict[str, Any], pinning: str, on_gpu: bool, stage: int) -> dict[str, Any]:
+    """The MemoryInputs fields a DS JSON decides beyond its stage and offload: buckets, overlap, sub-groups,
+    NVMe swap settings, and the pinning of its offload sections under deepspeed.pinning (section_pinning).
+    "auto" values (HF's) are left to MemoryInputs, which fills them the way the effective JSON does."""
+    zero = ds_config.get("zero_optimization", {}) or {}
+
+    def number(key: str, default: int | None) -> int | None:
+        value = zero.get(key)
+        return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+    return {
+        "reduce_bucket_size": number("reduce_bucket_size", None),
+        "prefetch_bucket_size": number("stage3_prefetch_bucket_size", None),
+        # DeepSpeed turns overlap_comm on by default for stage 3 only.
+        "overlap_comm": bool(zero.get("overlap_comm", stage == 3)),
+        "allgather_bucket_size": number("allgather_bucket_size", DS_ALLGATHER_BUCKET_SIZE)
+        or DS_ALLGATHER_BUCKET_SIZE,
+        "param_persistence_threshold": number("stage3_param_persistence_threshold", None),
+        "sub_group_size": number("sub_group_size", DS_SUB_GROUP_SIZE) or DS_SUB_GROUP_SIZE,
+        "swap": swap_settings(ds_config),
+        "pinning": section_pinning(zero.get("offload_optimizer"), pinning, on_gpu),
+        "param_pinning": section_pinning(zero.get("offload_param"), pinning, on_gpu),
+    }
 
 
 def swap_settings(ds_config: dict[str, Any]) -> SwapSettings:
@@ -148,15 +164,19 @@ def swap_settings(ds_config: dict[str, Any]) -> SwapSettings:
 
 
 @functools.cache
-def shipped_settings(ds_key: tuple[int, str, str]) -> dict[str, Any]:
-    """MemoryInputs fields a shipped DS JSON fixes beyond its stage and offload: sub_group_size and the
-    swap settings (what the planner's candidates of that JSON run with)."""
+def shipped_settings(
+    ds_key: tuple[int, str, str], pinning: str | None = None, on_gpu: bool = True
+) -> dict[str, Any]:
+    """MemoryInputs fields a shipped DS JSON fixes beyond its stage and offload (`ds_fields`): what the
+    planner's candidates of that JSON run with. pinning None: the caller's own pinning fields stay."""
     name = SHIPPED_DS_CONFIGS.get(ds_key)
     if name is None:
         return {}
     _, raw = load_ds_config(name)
-    size = (raw.get("zero_optimization") or {}).get("sub_group_size", DS_SUB_GROUP_SIZE)
-    return {"sub_group_size": int(size), "swap": swap_settings(raw)}
+    fields = ds_fields(raw, pinning or "torch", on_gpu, ds_key[0])
+    if pinning is None:
+        del fields["pinning"], fields["param_pinning"]
+    return fields
 
 
 def section_pinning(offload: dict[str, Any] | None, pinning: str, on_gpu: bool) -> str:
@@ -164,8 +184,8 @@ def section_pinning(offload: dict[str, Any] | None, pinning: str, on_gpu: bool) 
 
     DeepSpeed pins when the section says so (pin_memory defaults to true, offload_config.py); its CPU
     accelerator pins nothing through torch (cpu_accelerator.py), but native pinning mlocks on any
-    device. 'auto' becomes native or off before a run starts (planning/pinning.choose_auto); both
-    size the buffers exactly, and the planner counts it as native.
+    device. 'auto' becomes native, torch or off before a run starts (planning/pinning.choose_auto); a plan
+    made before that counts it as native (`llm-train plan --recipe auto` writes the choice it planned).
     """
     if not bool((offload or {}).get("pin_memory", True)) or pinning == "off":
         return "off"
@@ -213,7 +233,5 @@ def evaluate(inp: MemoryInputs, hw: Hardware, nvme_bytes: int = 0) -> Evaluation
     fits_device = hw.kind == "cpu" or device_bytes <= hw.gpu_limit_bytes
     fits_host = host_bytes <= hw.host_limit_bytes
     fits_nvme = est.nvme_bytes <= nvme_bytes
-    speed = step_time(
-        inp, inp.grad_accum, hw.peak_tflops, hw.nvlink, hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s
-    )
+    speed = step_time_on(inp, hw)
     return Evaluation(inp, est, device_bytes, host_bytes, speed, fits_device, fits_host, fits_nvme)

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from llm_train.config import ds_json
-from llm_train.config.hardware import host_ram_bytes
+from llm_train.config.hardware import HOST_RESERVE_BYTES, host_ram_bytes
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.planning.fit import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
@@ -108,8 +108,11 @@ def memory_rows(run: Resolved) -> list[tuple[str, str]]:
 # --- pinned host memory: the allocator deepspeed.pinning=auto gets, the memlock limit ---------------------
 
 
-def auto_pinning(run: Resolved, limit: MemlockLimit | None = None) -> tuple[str, str]:
-    """What deepspeed.pinning=auto becomes on this machine, and the notice that says why."""
+def auto_pinning(
+    run: Resolved, limit: MemlockLimit | None = None, host_limit_bytes: int | None = None
+) -> tuple[str, str]:
+    """What deepspeed.pinning=auto becomes on this machine, and the notice that says why (host_limit_bytes:
+    usable host RAM; default this machine's less the OS reserve)."""
     try:
         shape = shape_from_config(run.model_fields)
     except UserError:
@@ -117,7 +120,9 @@ def auto_pinning(run: Resolved, limit: MemlockLimit | None = None) -> tuple[str,
             "off",
             "deepspeed.pinning=auto: off (the model's shape is unknown, so its locked bytes are too)",
         )
-    return choose_auto(memory_inputs(run, shape), run.layout.device, limit)
+    if host_limit_bytes is None:
+        host_limit_bytes = max(0, host_ram_bytes() - HOST_RESERVE_BYTES)
+    return choose_auto(memory_inputs(run, shape), run.layout.device, limit, host_limit_bytes)
 
 
 def check_memlock(run: Resolved, gpus_per_node: int | None = None, limit: MemlockLimit | None = None) -> None:

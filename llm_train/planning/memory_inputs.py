@@ -174,6 +174,13 @@ class MemoryInputs:
             )
         if self.quantize != "none" and self.lora_rank is None:
             raise MemoryInputError("quantize needs lora_rank: a quantised base trains adapters only (QLoRA)")
+        # The run's QLoRA rules (config/parallel.py), so the planner never proposes what a run refuses.
+        if self.quantize != "none" and self.offload_params != "none":
+            raise MemoryInputError(
+                "quantize cannot offload parameters (bitsandbytes keeps 4/8-bit weights on the GPU)"
+            )
+        if self.quantize != "none" and self.sp > 1:
+            raise MemoryInputError("quantize is not supported with sp > 1")
         if self.state_dtype not in STATE_DTYPES:
             raise MemoryInputError(
                 f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got '{self.state_dtype}'"

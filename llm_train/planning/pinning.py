@@ -11,11 +11,13 @@ on most distributions) unless the process holds CAP_IPC_LOCK (root usually does)
 is too small DeepSpeed's allocator fails deep inside the engine's set-up (page_alloc.cpp prints
 "mlock failed" and returns a null buffer), minutes after the model loaded. So the planner's locked
 bytes are compared with the limit before start (planning/guards.check_memlock), and
-`deepspeed.pinning=auto` takes native pinning only when the limit allows it, else `off`.
+`deepspeed.pinning=auto` takes native pinning when the limit allows it, else torch's allocator when its
+rounded total fits the host RAM (the CUDA driver pins those blocks; RLIMIT_MEMLOCK does not bound them),
+else `off`.
 
 Which is better where both fit was measured, not assumed: bench/pinning_copy_time.py times the
 host side of each choice on CPU (allocation and copies into each kind of buffer), and the GPU
-check (bench/full_ft_check.py) times host<->GPU copies from each (on a GPU only DMA tells them
+check (bench/gpu_run.sh B, bench/pinning_copy_time.py on the GPU) times host<->GPU copies from each (on a GPU only DMA tells them
 apart: a pageable copy is staged through a driver buffer and does not overlap).
 """
 
@@ -96,12 +98,19 @@ def memlock_problem(inp: MemoryInputs, source: str, limit: MemlockLimit | None =
     )
 
 
-def choose_auto(inp: MemoryInputs, device_kind: str, limit: MemlockLimit | None = None) -> tuple[str, str]:
-    """`deepspeed.pinning=auto` on this machine: ('native' | 'off', the notice that says why).
+def choose_auto(
+    inp: MemoryInputs,
+    device_kind: str,
+    limit: MemlockLimit | None = None,
+    host_limit_bytes: int | None = None,
+) -> tuple[str, str]:
+    """`deepspeed.pinning=auto` on this machine: ('native' | 'torch' | 'off', the notice that says why).
 
     Native pinning sizes every buffer exactly and keeps the fast pinned copies; it needs the
-    memlock limit to allow what it locks. On a CPU run there are no device copies to speed up,
-    and nothing is gained by locking pages: 'off'.
+    memlock limit to allow what it locks. Where it does not, torch's pinned allocator keeps the fast
+    copies without mlock (the CUDA driver pins its blocks, not bound by RLIMIT_MEMLOCK) when its
+    power-of-two rounded total still fits the host (`host_limit_bytes`, usable RAM); else 'off'. On a CPU
+    run there are no device copies to speed up, and nothing is gained by locking pages: 'off'.
     """
     if device_kind == "cpu":
         return "off", "deepspeed.pinning=auto: off on CPU (no device copies to speed up)"
@@ -116,6 +125,18 @@ def choose_auto(inp: MemoryInputs, device_kind: str, limit: MemlockLimit | None 
             f"deepspeed.pinning=auto: native (exact-size pinned buffers, ~{_size(locked)} locked per process; "
             f"memlock limit {limit.describe()})"
         )
+    if host_limit_bytes is not None:
+        rounded = inp.vary(
+            pinning="torch" if inp.pinning != "off" else "off",
+            param_pinning="torch" if inp.param_pinning != "off" else "off",
+        )
+        estimate = estimate_memory(rounded)
+        if estimate.host_bytes <= host_limit_bytes and limit.allows(estimate.locked_per_rank):
+            return "torch", (
+                f"deepspeed.pinning=auto: torch (pinned by torch's allocator, rounded up to powers of two: "
+                f"{estimate.host_bytes / GiB:.1f} GiB of host RAM fit {host_limit_bytes / GiB:.1f} usable); native "
+                f"pinning would lock ~{_size(locked)} per process and the memlock limit is {limit.describe()}"
+            )
     return "off", (
         f"deepspeed.pinning=auto: off, unpinned buffers (exact size, slower host copies): native pinning would "
         f"lock ~{_size(locked)} per process and the memlock limit is {limit.describe()}; to pin, {MEMLOCK_FIX}"

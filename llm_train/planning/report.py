@@ -128,8 +128,9 @@ def render(report: PlanReport) -> str:
     t = ev.time
     parts = [f"compute {t.compute:.2f}s"]
     for label, seconds in (
+        ("4-bit dequantisation", t.dequantize),
         ("ZeRO comm", t.communication),
-        ("PCIe", t.pcie),
+        (f"PCIe {t.pcie_bytes / 1e9:.0f} GB", t.pcie),
         ("CPU Adam", t.cpu_optimizer),
         ("NVMe", t.nvme),
     ):
@@ -140,8 +141,9 @@ def render(report: PlanReport) -> str:
             f": read {t.nvme_read_bytes / 1e9:.0f} GB at {hw.nvme_read_bytes_per_s / 1e9:g} GB/s, write "
             f"{t.nvme_write_bytes / 1e9:.0f} GB at {hw.nvme_write_bytes_per_s / 1e9:g} GB/s"
         )
+    overlap = f"; ~{t.overlapped:.2f} s/step if prefetch hides the copies" if t.pcie_hideable >= 0.005 else ""
     lines.append(
-        f"speed (rough model): ~{t.total:.2f} s/step, ~{t.tokens_per_s:,.0f} tokens/s ({', '.join(parts)})"
+        f"speed (rough model): ~{t.total:.2f} s/step, ~{t.tokens_per_s:,.0f} tokens/s ({', '.join(parts)}{overlap})"
     )
     lines.append("")
     lines.append("verdict: " + verdict(ev, hw, report.practicality, report.nvme_bytes))

@@ -40,7 +40,7 @@ from llm_train.planning.fit import (
     shipped_settings,
 )
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.speed import step_time
+from llm_train.planning.speed import step_time_on
 
 # A configuration this many times slower per step than the fastest that fits without NVMe, or
 # slower than this many tokens/s (a 7B full fine-tune on one 24 GB card does ~400-500), is one
@@ -307,9 +307,7 @@ def search(
     nvme_bytes: NVMe space per node (--nvme-gib); NVMe configurations need it.
     """
     start = base if base.grad_accum == grad_accum else base.vary(grad_accum=grad_accum)
-    reference = step_time(
-        base, grad_accum, hw.peak_tflops, hw.nvlink, hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s
-    ).total
+    reference = step_time_on(base, hw, grad_accum).total
     per_rank = start.micro_batch * start.grad_accum  # sequences per rank per step: kept fixed
     if faster:
         checkpointing = [start.activation_checkpointing, not start.activation_checkpointing]

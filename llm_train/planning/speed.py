@@ -3,10 +3,25 @@
 `llm-train plan` has to say *which* change makes a run fit at the smallest cost, and
 `--recipe auto` has to pick the fastest configuration that fits. Both need relative
 speeds, not a benchmark: this model adds up the time of the work that does not overlap
-well on a single node (compute, host<->GPU copies, the CPU optimizer, NVMe traffic, the
+(compute, the exposed part of host<->GPU copies, the CPU optimizer, NVMe traffic, the
 exposed part of ZeRO communication). It ranks correctly the cases that matter
 (activation checkpointing ~ +1/3 compute; parameter offload pays PCIe per micro-batch,
 optimizer offload per step; NVMe is slowest) and its absolute numbers are rough (+-50%).
+
+The consumer path, where the choice between QLoRA and 16-bit LoRA with offload is made (every choice
+ranks by `StepTime.total`, which counts every copy whole; `StepTime.overlapped` is the figure if
+prefetch hides what it can, printed beside it until a GPU run measures which one holds):
+- host<->GPU copies run at the card's own link (PCIe generation x lanes, config/hardware.py), at
+  PINNED_COPY_EFFICIENCY of its raw rate from pinned buffers (deepspeed.pinning native or torch) and
+  PAGEABLE_COPY_EFFICIENCY from pageable ones (off);
+- ZeRO-3 prefetches the next module's weights while the current one computes, so a pinned fetch costs
+  only what exceeds the part of its pass's compute it can hide behind (FETCH_OVERLAP), plus the first module's fetch that nothing hides (`_exposed`);
+  a pageable copy is synchronous and hides behind nothing. The same holds for gradients streamed to the
+  host during backward and for offloaded activation checkpoints;
+- QLoRA: bitsandbytes dequantises each 4/8-bit weight to 16 bits for every matmul that uses it (forward,
+  the input gradient in backward, and the recompute): per micro-batch, whatever its size, it reads the
+  packed bytes and writes the 16-bit copy at the card's memory bandwidth (`dequantize_seconds`).
+docs/planning.md lists every constant with its source.
 
 Pure arithmetic on `MemoryInputs`; no torch import.
 """
@@ -15,20 +30,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_train.config.hardware import NVME_READ_BYTES_PER_S, NVME_WRITE_BYTES_PER_S
+from llm_train.config.hardware import (
+    NVME_READ_BYTES_PER_S,
+    NVME_WRITE_BYTES_PER_S,
+    PCIE_LANE_BYTES_PER_S,
+    UNKNOWN_GPU_MEMORY_GBS,
+    Hardware,
+)
 from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.memory import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes
+from llm_train.planning.qlora_bytes import base_weight_bytes, quantized_weight_params
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
 PEAK_EFFICIENCY = 0.40
 # Small micro-batches starve the tensor cores: efficiency falls as tokens / (tokens + this).
 EFFICIENCY_HALF_TOKENS = 256
-# Host<->GPU copies from pinned memory over PCIe 4.0 x16: ~25 GB/s peak, ~12 sustained
-# for ZeRO-Offload's many mid-sized transfers.
-PCIE_BYTES_PER_S = 12e9
+# Host<->GPU copies, as a fraction of the link's raw rate (PCIE_LANE_BYTES_PER_S x lanes). From pinned
+# memory the copy engine streams at ~80% of it (CUDA samples' bandwidthTest: ~26 GB/s of 31.5 on PCIe 4.0
+# x16, ~12-13 of 15.75 on 3.0 x16); DeepSpeed's offload moves mid-sized tensors, one module's at a time, so
+# we take 0.7. Pageable memory is staged by the CPU through a pinned driver buffer, chunk by chunk, and the
+# copy blocks the host (CUDA C++ Best Practices Guide, "Pinned Memory"; "How to Optimize Data Transfers in
+# CUDA C/C++", NVIDIA developer blog): about half the pinned rate, 0.35, and no overlap with compute.
+PINNED_COPY_EFFICIENCY = 0.7
+PAGEABLE_COPY_EFFICIENCY = 0.35
+# The link of a PCIe 4.0 x16 card (callers that name no hardware).
+DEFAULT_PCIE_BYTES_PER_S = PCIE_LANE_BYTES_PER_S[4] * 16
+# bitsandbytes' dequantisation kernels are elementwise and memory-bound: they stream at a fraction of the
+# card's memory bandwidth; 0.7 is what elementwise kernels typically reach (an assumption until
+# bench/gpu_run.sh A measures QLoRA against 16-bit LoRA on a GPU).
+DEQUANTIZE_BANDWIDTH_EFFICIENCY = 0.7
+# How much of a pass's compute a pinned ZeRO-3 parameter fetch can hide behind: DeepSpeed prefetches at
+# most stage3_prefetch_bucket_size elements ahead (0.9 h^2: a fraction of one decoder layer), each module's
+# hook waits for its own fetch, and with more than one GPU the partition is copied with a blocking .to()
+# (deepspeed/runtime/zero/partition_parameters.py, all_gather_coalesced, 0.19.8; one GPU copies
+# non_blocking). Half is an assumption until a GPU run measures it.
+FETCH_OVERLAP = 0.5
 # GPU<->GPU bus bandwidth for collectives: NVLink (SXM boards), PCIe switch, or the
 # network between nodes (a 200 Gb/s InfiniBand/RoCE link per GPU).
 NVLINK_BYTES_PER_S = 150e9
@@ -46,10 +85,6 @@ CPU_ADAM_BF16_BYTES_PER_PARAM = 16
 OVERLAPPED_COMM_EXPOSED = 0.5
 # ZeRO-3's per-module gather/release hooks and bookkeeping cost time even on one GPU.
 ZERO3_COMPUTE_OVERHEAD = 0.05
-# QLoRA: bitsandbytes dequantises every 4/8-bit weight to 16 bits for each matmul (forward, the
-# recompute, and the input gradient in backward) instead of reading it: assumed ~30% more step time
-# than 16-bit LoRA, until bench/consumer_check.sh measures both on a GPU.
-QUANTIZED_COMPUTE_OVERHEAD = 0.30
 
 
 @dataclass(frozen=True)
@@ -59,16 +94,31 @@ class StepTime:
     compute: float
     communication: float
     pcie: float
+    """Host<->GPU copies, all of them: ranking counts them whole (the overlap below is assumed, not measured)."""
     cpu_optimizer: float
     nvme: float
     tokens_per_step: int
     nvme_read_bytes: float = 0.0
     """Bytes read from the NVMe drive per step (per node)."""
     nvme_write_bytes: float = 0.0
+    dequantize: float = 0.0
+    """QLoRA: bitsandbytes turning the 4/8-bit weights into 16-bit ones for every matmul."""
+    pcie_bytes: float = 0.0
+    """Bytes each rank moves over its host link per step (both directions)."""
+    pcie_hideable: float = 0.0
+    """Seconds of those copies that prefetch and streaming could hide behind compute (FETCH_OVERLAP)."""
+
+    @property
+    def overlapped(self) -> float:
+        """Seconds per step if prefetch hides what it can: the optimistic figure, printed beside `total`.
+        Choices rank by `total`, which holds whether or not the overlap happens."""
+        return self.total - self.pcie_hideable
 
     @property
     def total(self) -> float:
-        return self.compute + self.communication + self.pcie + self.cpu_optimizer + self.nvme
+        return (
+            self.compute + self.dequantize + self.communication + self.pcie + self.cpu_optimizer + self.nvme
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,6 +167,54 @@ def reference_pass_seconds(inp: MemoryInputs, grad_accum: int, peak_tflops: floa
     return tokens * reference_flops_per_token(inp) / (peak_tflops * 1e12 * efficiency)
 
 
+def step_time_on(inp: MemoryInputs, hw: Hardware, grad_accum: int | None = None) -> StepTime:
+    """`step_time` on `hw`: its peak, interconnect, drive, host link and memory bandwidth."""
+    return step_time(
+        inp,
+        inp.grad_accum if grad_accum is None else grad_accum,
+        hw.peak_tflops,
+        hw.nvlink,
+        hw.nvme_read_bytes_per_s,
+        hw.nvme_write_bytes_per_s,
+        pcie_bytes_per_s=hw.pcie_bytes_per_s if hw.kind == "cuda" else DEFAULT_PCIE_BYTES_PER_S,
+        memory_bytes_per_s=hw.memory_bytes_per_s,
+    )
+
+
+def copy_bytes_per_s(pinning: str, pcie_bytes_per_s: float) -> float:
+    """What host<->GPU copies from buffers of this pinning (offload_buffers.PINNINGS) reach on the link."""
+    return pcie_bytes_per_s * (PAGEABLE_COPY_EFFICIENCY if pinning == "off" else PINNED_COPY_EFFICIENCY)
+
+
+def _exposed(transfer: float, compute: float, layers: int, pinned: bool) -> float:
+    """Seconds a transfer adds to `compute` it runs beside. Pinned, it is prefetched (or streamed) module by
+    module behind the compute: what exceeds FETCH_OVERLAP of the compute
+    shows, plus the first module's share, which nothing
+    hides. Pageable, the copy blocks the host and hides behind nothing."""
+    if not pinned:
+        return transfer
+    return max(0.0, transfer - FETCH_OVERLAP * compute) + transfer / max(1, layers)
+
+
+def dequantize_seconds(inp: MemoryInputs, grad_accum: int, memory_bytes_per_s: float) -> float:
+    """QLoRA: seconds per step bitsandbytes spends turning the packed base into 16-bit weights.
+
+    Every quantised weight is dequantised for each matmul that uses it: forward, the input gradient in
+    backward (bitsandbytes' MatMul4Bit.backward dequantises again), the recompute under checkpointing, and
+    DPO's live reference forward; each time the kernel reads the packed bytes and writes the 16-bit copy.
+    The count is per micro-batch, whatever its tokens: small micro-batches pay it most.
+    """
+    if inp.quantize == "none":
+        return 0.0
+    shape = inp.shape
+    wbytes = 2 if inp.precision != "fp32" else 4
+    quantized = quantized_weight_params(shape)
+    packed = base_weight_bytes(shape, inp.quantize, wbytes) - (shape.num_params - quantized) * wbytes
+    passes = 2 + (1 if inp.activation_checkpointing else 0) + (1 if inp.reference == "live" else 0)
+    per_pass = (packed + quantized * wbytes) / (inp.tp * inp.pp)
+    return grad_accum * passes * per_pass / (memory_bytes_per_s * DEQUANTIZE_BANDWIDTH_EFFICIENCY)
+
+
 def step_time(
     inp: MemoryInputs,
     grad_accum: int,
@@ -124,6 +222,8 @@ def step_time(
     nvlink: bool = False,
     nvme_read_bytes_per_s: float = NVME_READ_BYTES_PER_S,
     nvme_write_bytes_per_s: float = NVME_WRITE_BYTES_PER_S,
+    pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S,
+    memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_GBS * 1e9,
 ) -> StepTime:
     """Estimated seconds per optimizer step on each rank for `inp` with `grad_accum` micro-batches.
 
@@ -137,6 +237,10 @@ def step_time(
     shard = inp.tp * inp.pp
     weights = shape.num_params / shard
     trainable = (shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params) / shard
+    # Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed.
+    stored = (base_weight_bytes(shape, inp.quantize, wbytes) / shard) + (
+        trainable * wbytes if inp.lora_rank else 0
+    )
     # ZeRO partitions (and communicates) over the data- and sequence-parallel ranks together.
     dp, ranks, stage = inp.zero_partitions, inp.ranks_per_node, inp.zero_stage
     tokens_micro = inp.rows * inp.seq_len  # a preference pair trains two rows
@@ -150,8 +254,7 @@ def step_time(
     compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
     if stage == 3:
         compute *= 1 + ZERO3_COMPUTE_OVERHEAD
-    if inp.quantize != "none":
-        compute *= 1 + QUANTIZED_COMPUTE_OVERHEAD
+    dequantize = dequantize_seconds(inp, grad_accum, memory_bytes_per_s)
 
     # ZeRO collectives (ring: each GPU sends/receives ~(dp-1)/dp of the tensor per pass).
     comm_bytes = 0.0
@@ -164,7 +267,7 @@ def step_time(
             # Gradients are reduce-scattered every micro-batch, weights all-gathered once per step.
             comm_bytes = (grad_accum * trainable + weights) * wbytes * ring
         else:
-            comm_bytes = grad_accum * (passes * weights + trainable) * wbytes * ring
+            comm_bytes = grad_accum * (passes * stored + trainable * wbytes) * ring
             if inp.reference_copy:  # the sharded frozen reference is gathered for its forward
                 comm_bytes += grad_accum * weights * wbytes * ring
     if inp.num_nodes > 1:
@@ -181,25 +284,45 @@ def step_time(
         intra = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
         communication += grad_accum * shape.num_layers * passes * a2a / intra
 
-    # Host <-> GPU traffic of ZeRO-Offload / ZeRO-Infinity, per rank over its own PCIe link.
-    pcie_bytes = 0.0
+    # Host <-> GPU traffic of ZeRO-Offload / ZeRO-Infinity, per rank over its own PCIe link: each kind of
+    # copy at its buffers' pinning, and hidden behind the compute it runs beside where it can be (_exposed).
+    layers = shape.num_layers
+    pcie = pcie_bytes = pcie_raw = 0.0
     nvme_read = nvme_write = 0.0
     fetches = 3 if inp.activation_checkpointing else 2  # forward, backward (+ recompute)
     if inp.offload_optimizer != "none":
-        # 16-bit gradients leave the GPU every micro-batch (ZeRO-2/3 accumulate on the host);
-        # updated 16-bit weights come back once per step unless the parameters live on the host.
-        pcie_bytes += grad_accum * trainable / dp * wbytes
+        # 16-bit gradients leave the GPU every micro-batch during backward (ZeRO-2/3 accumulate on the
+        # host; the backward is ~2/3 of the compute); the updated 16-bit weights come back once per step,
+        # after CPU Adam, with nothing to hide behind, unless the parameters live on the host.
+        grads = grad_accum * trainable / dp * wbytes
+        rate = copy_bytes_per_s(inp.pinning, pcie_bytes_per_s)
+        pinned = inp.pinning != "off" and inp.overlap_comm
+        pcie += _exposed(grads / rate, compute * 2 / 3, layers, pinned)
+        pcie_bytes += grads
+        pcie_raw += grads / rate
         if inp.offload_params == "none":
+            pcie += trainable / dp * wbytes / rate
             pcie_bytes += trainable / dp * wbytes
+            pcie_raw += trainable / dp * wbytes / rate
     if inp.offload_params != "none":
-        pcie_bytes += grad_accum * fetches * weights / dp * wbytes
+        fetched = grad_accum * fetches * stored / dp
+        seconds = fetched / copy_bytes_per_s(inp.param_pinning, pcie_bytes_per_s)
+        pcie += _exposed(seconds, compute, layers, inp.param_pinning != "off")
+        pcie_bytes += fetched
+        pcie_raw += seconds
     if inp.offload_checkpoints:
-        # Each layer's 16-bit checkpoint goes to the host in forward and comes back in backward.
-        pcie_bytes += grad_accum * shape.num_layers * 2 * (2 * tokens_rank * shape.hidden_size)
+        # Each layer's 16-bit checkpoint goes to the host in forward and comes back in backward, copied on
+        # a side stream from pinned memory (save_on_cpu(pin_memory=True)): it overlaps the compute.
+        moved = grad_accum * layers * 2 * (2 * tokens_rank * shape.hidden_size)
+        pinned = inp.checkpoint_pinning != "off"
+        seconds = moved / copy_bytes_per_s(inp.checkpoint_pinning, pcie_bytes_per_s)
+        pcie += _exposed(seconds, compute, layers, pinned)
+        pcie_bytes += moved
+        pcie_raw += seconds
     if inp.offload_params == "nvme":
         # Swapped in from the drive (shared by the node's ranks) for every pass; written back once a step.
-        nvme_read += ranks * grad_accum * fetches * weights / dp * wbytes
-        nvme_write += ranks * weights / dp * wbytes
+        nvme_read += ranks * grad_accum * fetches * stored / dp
+        nvme_write += ranks * stored / dp
     if inp.offload_optimizer == "nvme":
         # Every swapped sub-group: master, m, v and its large tensors' gradients read in at the step; the
         # gradients written out at the accumulation boundary and master, m, v written back after the
@@ -207,7 +330,6 @@ def step_time(
         swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
         nvme_read += swapped
         nvme_write += swapped
-    pcie = pcie_bytes / PCIE_BYTES_PER_S
     nvme = nvme_read / nvme_read_bytes_per_s + nvme_write / nvme_write_bytes_per_s
 
     cpu_optimizer = 0.0
@@ -223,10 +345,13 @@ def step_time(
     return StepTime(
         compute=compute,
         communication=communication,
-        pcie=pcie,
+        pcie=pcie_raw,
         cpu_optimizer=cpu_optimizer,
         nvme=nvme,
         tokens_per_step=grad_accum * tokens_micro * inp.dp,
         nvme_read_bytes=nvme_read,
         nvme_write_bytes=nvme_write,
+        dequantize=dequantize,
+        pcie_bytes=pcie_bytes,
+        pcie_hideable=pcie_raw - pcie,
     )

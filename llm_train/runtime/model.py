@@ -7,6 +7,7 @@ This module knows nothing of DeepSpeed. Under ZeRO-3 the caller registers an
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,11 +16,11 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
+from llm_train.runtime.attention import NAME as SDPA_FLEX
+from llm_train.runtime.attention import register_sdpa_flex
 from llm_train.runtime.compat import keep_training_layout
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.qlora_base import quantization_config, quantized
-from llm_train.runtime.sdpa_flex import NAME as SDPA_FLEX
-from llm_train.runtime.sdpa_flex import register_sdpa_flex
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
 
 if TYPE_CHECKING:
@@ -86,8 +87,9 @@ def build_model(
     """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set.
 
     `device` (e.g. "cuda:0"): pretrained weights are read from the checkpoint straight onto it,
-    one tensor at a time, so the host never holds the whole model (transformers' device_map; the
-    caller leaves it None where weights are created partitioned instead, under ZeRO-3's zero.Init).
+    one tensor at a time, so the host never holds the whole model (transformers' device_map), and
+    random weights are drawn there; the caller leaves it None where weights are created
+    partitioned instead, under ZeRO-3's zero.Init.
     With `lora.quantize` the base layers are quantised by bitsandbytes as they load (qlora_base.py).
     """
     import torch
@@ -97,8 +99,8 @@ def build_model(
     if memory.attention == "auto":
         # A resolved run never gets here with "auto" (config/resolution.py picks the kernel for its layout);
         # a caller that builds a model on its own (tests, tools) gets what auto picks for one process here.
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        memory = memory.model_copy(update={"attention": choose_attention("auto", device).kernel})
+        here = "cuda" if torch.cuda.is_available() else "cpu"
+        memory = memory.model_copy(update={"attention": choose_attention("auto", here).kernel})
     if memory.attention == SDPA_FLEX:
         register_sdpa_flex()  # transformers looks the kernel up by name while building the model
     if model.init == "pretrained":
@@ -124,15 +126,21 @@ def build_model(
                 f"model.name_or_path: cannot load '{model.name_or_path}' ({first_line(exc)})"
             ) from None
     else:
-        # Same seed, same initial weights on every rank and in every parity run.
+        # Same seed, same initial weights on every rank and in every parity run (on one kind of device:
+        # a GPU draws other numbers than the CPU from the same seed).
         torch.manual_seed(seed)
         config = model_config(model)
-        lm = AutoModelForCausalLM.from_config(
-            config,
-            dtype=dtype,
-            attn_implementation=memory.attention,
-            trust_remote_code=model.trust_remote_code,
-        )
+        # Drawn where they train: on the CPU a 1B shape took ~50 s per launch on the first H200 run
+        # (bench/results/gpu_check-h200-20261130-1904.log: set-up 64.8 s under ZeRO-2, 13.0 s under
+        # ZeRO-3, whose zero.Init builds on the GPU), on the GPU about a second; DeepSpeed would move
+        # them there anyway.
+        with torch.device(device) if device else contextlib.nullcontext():
+            lm = AutoModelForCausalLM.from_config(
+                config,
+                dtype=dtype,
+                attn_implementation=memory.attention,
+                trust_remote_code=model.trust_remote_code,
+            )
     if quantized(lora):
         keep_training_layout(lm)
     if memory.activation_checkpointing:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -44,20 +43,3 @@ def test_tiny_cpu_estimate_bounds_measured_peak_rss(tmp_path: Path) -> None:
     assert peak <= estimate, f"measured {peak / GiB:.2f} GiB > estimate {estimate / GiB:.2f} GiB per process"
     # ... and not absurdly loose (the estimate is dominated by the per-process runtime allowance).
     assert estimate < 4 * peak, f"estimate {estimate / GiB:.2f} GiB vs measured {peak / GiB:.2f} GiB"
-
-
-@pytest.mark.e2e
-def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path: Path) -> None:
-    """bench/gpu_memory_7b.py is prepared for an H200; its --tiny mode runs the same code path here."""
-    cmd = [sys.executable, "bench/gpu_memory_7b.py", "--tiny", "--steps", "2", "--out", str(tmp_path)]
-    result = run_cmd(cmd, timeout=900)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    lines = (tmp_path / "gpu_memory_7b.jsonl").read_text().splitlines()
-    record = json.loads(lines[-1])
-    assert record["mode"] == "tiny-cpu" and record["steps"] == 2 and "error" not in record
-    # precision=auto is fp32 on a CPU; on the GPU the same recipe trains in bf16.
-    # 7b-rtx4090 offloads the optimizer only: its 16-bit weights stay on the GPU.
-    assert (record["zero_stage"], record["offload"], record["precision"]) == (3, ["cpu", "none"], "fp32")
-    assert record["step_time_s_median"] > 0 and record["host_rss_peak_gib"] > 0
-    assert record["estimate_host_gib"] > 0 and record["host_ratio_estimate_over_measured"] > 1.0
-    assert all(loss == loss for loss in record["losses"])  # finite, not NaN

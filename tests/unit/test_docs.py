@@ -164,7 +164,7 @@ def test_the_code_map_covers_every_package_and_names_files_that_exist() -> None:
         f"llm_train/{p.name}"
         for p in package.iterdir()
         if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()
-    } | {"bench", "docs", "ds_configs", "launch", "recipes", "tests"}
+    } | {"bench", "docs", "ds_configs", "launch", "recipes", "tests", "tools"}
     assert set(mapped) == expected
     for where, answer in mapped.items():
         folder = REPO / where

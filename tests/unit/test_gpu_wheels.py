@@ -1,4 +1,4 @@
-"""The completeness check of `make gpu-wheels` (bench/gpu_wheels.py), on synthetic wheels.
+"""The completeness check of `make gpu-wheels` (tools/gpu_wheels/check.py), on synthetic wheels.
 
 The real download needs a registry and stays in `make gpu-wheels`; these tests keep the checking
 logic honest without one: each rule is shown to pass a good set and to name the fault in a bad one.
@@ -6,8 +6,6 @@ logic honest without one: each rule is shown to pass a good set and to name the 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import zipfile
 from pathlib import Path
 
@@ -15,12 +13,11 @@ import pytest
 from packaging.tags import parse_tag
 from packaging.version import Version
 
+from tools.gpu_wheels import check as gpu_wheels
+from tools.gpu_wheels.slim_wheel import slim
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_wheels", REPO / "bench" / "gpu_wheels.py")
-assert _spec is not None and _spec.loader is not None
-gpu_wheels = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_wheels"] = gpu_wheels  # dataclasses look their module up by name
-_spec.loader.exec_module(gpu_wheels)
+TOOLS = REPO / "tools" / "gpu_wheels"
 
 PRESENT = gpu_wheels.read_present(
     [
@@ -179,11 +176,6 @@ def test_read_wheel_takes_tags_from_the_name_and_requirements_from_metadata(tmp_
 
 
 def test_slim_wheel_drops_the_libraries_and_their_record_lines(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        from slim_wheel import slim
-    finally:
-        sys.path.remove(str(REPO / "bench"))
     source = tmp_path / "in" / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
     source.parent.mkdir()
     members = {
@@ -216,8 +208,8 @@ def test_slim_wheel_drops_the_libraries_and_their_record_lines(tmp_path: Path) -
 def test_liger_travels_and_finds_torch_and_triton_on_the_machine() -> None:
     """memory.liger_kernels on the GPU machine: liger-kernel 0.8.5 is shipped (pure Python), and what it
     requires (its METADATA's lines, extras included) is met by the image's packages file."""
-    assert "liger-kernel==0.8.5" in (REPO / "bench" / "gpu_wheels.sh").read_text()
-    present = gpu_wheels.read_present((REPO / "bench" / "gpu_machine_packages.txt").read_text().splitlines())
+    assert "liger-kernel==0.8.5" in (TOOLS / "build.sh").read_text()
+    present = gpu_wheels.read_present((TOOLS / "machine_packages.txt").read_text().splitlines())
     liger = wheel(
         "liger_kernel",
         "0.8.5",

@@ -112,7 +112,8 @@ def test_packed_rows_count_the_attention_their_documents_span() -> None:
     assert span_sums({"input_ids": torch.zeros(2, 8, dtype=torch.long)}) == (2 * 64, 16)
 
     flops = TokenFlops(weights=100.0, attention=10.0)
-    meter = StepMeter(tokens_per_step=16, flops=flops, seq_len=8, peak_tflops=1e-12)  # peak 1 FLOP/s
+    # Two micro-batches of 16 slots per step (rows without labels: every token is real).
+    meter = StepMeter(tokens_per_step=32, flops=flops, seq_len=8, peak_tflops=1e-12)  # peak 1 FLOP/s
     tally = SpanTally(iter([packed, packed]))
     for batch in tally:
         assert batch is packed  # passed through unchanged
@@ -120,9 +121,39 @@ def test_packed_rows_count_the_attention_their_documents_span() -> None:
     row = meter.flush()
     span = (9 + 25 + 64) / 16
     assert row["attention_span"] == pytest.approx(span)
-    assert row["mfu"] == pytest.approx(16 * (100 + 10 * span))  # 16 tokens/s x FLOPs per token at the span
-    assert row["mfu_seq_len"] == pytest.approx(16 * (100 + 10 * 8))
-    assert tally.take() == (0, 0)
+    assert row["mfu"] == pytest.approx(32 * (100 + 10 * span))  # 32 tokens/s x FLOPs per token at the span
+    assert row["mfu_seq_len"] == pytest.approx(32 * (100 + 10 * 8))
+    assert tally.take() == (0, 0, 0)
+
+
+def test_tokens_per_s_counts_real_tokens_not_padding_slots() -> None:
+    """A packed row [3 | 5] and one [6 | tail of 2]; padded rows of 8 holding 6 and 3; DPO pairs built at width 4.
+
+    Over 2 data-parallel ranks (each trains its own share): real tokens x 2 per second; the slot count beside.
+    """
+    ignore = -100
+    packed = {
+        "input_ids": torch.ones(2, 8, dtype=torch.long),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]]),
+        # A sample's first label is IGNORE; the tail's are all IGNORE.
+        "labels": torch.tensor([[ignore, 1, 1, ignore, 1, 1, 1, 1], [ignore, 1, 1, 1, 1, 1, ignore, ignore]]),
+    }
+    padded = {
+        "input_ids": torch.ones(2, 8),
+        "attention_mask": torch.tensor([[1] * 6 + [0] * 2, [1] * 3 + [0] * 5]),
+    }
+    pairs = {
+        "input_ids": torch.ones(4, 4),
+        "attention_mask": torch.tensor([[1, 1, 1, 0]] * 2 + [[1, 1, 0, 0]] * 2),
+    }
+    for batch, real, slots in ((packed, 8 + 6, 16), (padded, 6 + 3, 16), (pairs, 3 * 2 + 2 * 2, 16)):
+        tally = SpanTally(iter([batch]))
+        next(tally)
+        meter = StepMeter(tokens_per_step=2 * slots, world_size=2, data_parallel=2)
+        meter.record(2.0, *tally.take())
+        row = meter.flush()
+        assert row["tokens_per_s"] == pytest.approx(real * 2 / 2.0)
+        assert row["slot_tokens_per_s"] == pytest.approx(2 * slots / 2.0)
 
 
 def test_peak_on_cpu_only_from_the_flag() -> None:

@@ -283,7 +283,9 @@ def test_consumer_recipes_fit_their_declared_hardware(recipe: str) -> None:
     report = plan_recipe(recipe, [], detect=False)
     assert report.word == "FITS"
     if recipe.startswith("7b"):
-        assert report.faster == []  # nothing faster fits: it is the fastest configuration
+        # Nothing faster fits with the same training: it is the fastest configuration (bf16 optimizer
+        # states may be offered, at their measured quality cost).
+        assert [f for f in report.faster if not f.changes_training] == []
 
 
 def test_7b_rtx4090_optimizer_only_offload_is_faster_than_offloading_the_weights_too() -> None:

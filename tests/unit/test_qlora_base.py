@@ -113,6 +113,23 @@ def _qlora(base: Path, dtype: torch.dtype, quantize: str = "nf4") -> torch.nn.Mo
     return model.eval()
 
 
+def test_nf4_mfu_equals_the_16bit_mfu_at_equal_step_time(tiny_base: Path) -> None:
+    # A Params4bit holds a fraction of its weights' elements (bf16 storage: a quarter; fp32: an eighth): MFU
+    # counts its logical shape, so the same model at the same step time has the same MFU either way.
+    from llm_train.observability.metrics import StepMeter, model_token_flops
+
+    quantized = _qlora(tiny_base, torch.float32)
+    sixteen = _qlora(tiny_base, torch.float32, quantize="none")
+    packed = sum(p.numel() for p in quantized.parameters())
+    assert packed < sum(p.numel() for p in sixteen.parameters())  # the storage really is smaller
+    rows = []
+    for model in (quantized, sixteen):
+        meter = StepMeter(tokens_per_step=4096, flops=model_token_flops(model), seq_len=512, peak_tflops=1.0)
+        meter.record(0.5)
+        rows.append(meter.flush())
+    assert rows[0]["mfu"] == pytest.approx(rows[1]["mfu"], rel=1e-12) and rows[0]["mfu"] > 0
+
+
 def test_the_base_is_4bit_and_only_adapters_train(tiny_base: Path) -> None:
     from llm_train.runtime.qlora_base import is_quantized_linear
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +167,22 @@ def test_the_shares_of_a_group_add_up_to_the_whole_rows_loss() -> None:
             )
         )
     assert abs(float(sum(shares)) - float(whole)) < 1e-6
+
+
+def test_a_rewritten_deepspeed_key_is_said_in_one_notice(tmp_path: Path) -> None:
+    # Ulysses under ZeRO-3 needs the contiguous all-reduce path: a DS JSON that asks for reduce_scatter (and a
+    # small bucket) gets them changed, and the run says so, with the values, instead of changing them silently.
+    import json
+
+    from llm_train.config.ds_json import load_ds_config
+
+    _, raw = load_ds_config("zero3")
+    raw["zero_optimization"].update({"reduce_scatter": True, "reduce_bucket_size": 1000})
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(raw))
+    run = resolve_run("tiny-cpu-sp2", [f"deepspeed.config={path}"], world_size=2)
+    assert run.ds_config["zero_optimization"]["reduce_scatter"] is False
+    notice = run.notice or ""
+    assert "zero_optimization reduce_scatter true -> false, reduce_bucket_size 1000 -> " in notice
+    assert "mine.json" in notice and "Ulysses" in notice
+    assert "reduce_scatter" not in (resolve_run("tiny-cpu-sp2", [], world_size=2).notice or "")

@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = sorted(
-    p for folder in ("llm_train", "bench", "tests", "launch") for p in (REPO / folder).rglob("*.py")
+    p for folder in ("llm_train", "bench", "tests", "launch", "tools") for p in (REPO / folder).rglob("*.py")
 )
 
 

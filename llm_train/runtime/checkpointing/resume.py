@@ -58,6 +58,8 @@ from llm_train.runtime.checkpointing.commit import (
 )
 from llm_train.runtime.checkpointing.file_sync import FileSync
 from llm_train.runtime.checkpointing.run_state import (
+    base_identity,
+    check_base,
     read_data_state,
     recipe_hash,
     reseed,
@@ -148,7 +150,7 @@ def peek_manifest(spec: str, root: Path) -> dict[str, Any] | None:
 
     The batch and the DeepSpeed config must be settled before the engine exists, which is
     before the checkpoint is verified (that needs the process group); the verified choice is
-    compared again afterwards (`open_resume`).
+    compared again afterwards (`Resume.open`).
     """
     peeked = _peek(spec, root)
     return None if peeked is None else peeked[1]
@@ -372,8 +374,11 @@ class Resume:
         now: Layout,
         allow_batch_change: bool = False,
         allow_data_revision_change: bool = False,
+        recipe: Recipe | None = None,
+        allow_base_change: bool = False,
     ) -> Resume:
-        """Before any worker starts: a --resume path that is not there, or a layout change that is refused."""
+        """Before any worker starts: a --resume path that is not there, a layout change that is refused, or a
+        LoRA base that is not the checkpoint's (`recipe` given)."""
         flags = (allow_batch_change, allow_data_revision_change)
         if spec is None:
             return cls(None, root, *flags)
@@ -386,6 +391,12 @@ class Resume:
         if peeked is None:
             return cls(spec, root, *flags)
         saved = saved_layout(peeked[1])
+        if recipe is not None:
+            try:
+                recorded = json.loads(trainer_state_path(peeked[0], 0).read_text()).get("base")
+            except (OSError, ValueError):
+                recorded = None  # verification will pick another checkpoint, or none
+            check_base(recorded, base_identity(recipe), peeked[0].name, allow_base_change)
         return cls(spec, root, *flags, saved, bridge(saved, now, allow_batch_change))
 
     def refine(self, run: Resolved, say: Say) -> Resolved:

@@ -2,9 +2,16 @@
 
 DeepSpeed's engine checkpoint carries the model, optimizer and LR schedule; next to it each
 rank writes a small JSON file (no pickle) with the step, its data position, its RNG states, the
-digest of its fp32 masters (master_digest.py) and the tracker's run id, and rank 0 writes the
+digest of its fp32 masters (master_digest.py), the LoRA base's identity and the tracker's run id, and
+rank 0 writes the
 HF config, the tokenizer, the recipe and the live model's logits on the export check's batch, so
-an export needs nothing else. How the directory is committed, verified and listed is commit.py's;
+an export needs nothing else.
+
+A LoRA (or QLoRA) checkpoint holds the adapters, not the frozen base they were trained on: the base
+is loaded again from model.name_or_path at every start. So each checkpoint records the base's
+identity (`base_identity`: the hub commit it resolves to in the local cache, or a digest of the
+directory's config and weight index / safetensors headers, or the seed and config of a random one),
+and a resume onto another base is refused in one line unless --allow-base-change says so. How the directory is committed, verified and listed is commit.py's;
 how the state comes back is resume.py's.
 """
 
@@ -19,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from llm_train.config.recipe import Recipe, recipe_to_yaml
 from llm_train.config.resolution import Resolved
+from llm_train.errors import UserError
 from llm_train.runtime import collectives
 from llm_train.runtime.checkpointing.commit import (
     CHECKPOINT_REFERENCE,
@@ -120,6 +128,69 @@ def checkpoint_bytes_estimate(engine: DeepSpeedEngine, root: Path) -> int:
     return 16 * numel
 
 
+# Bytes of each weight file's values that go into a local base's digest: enough to tell two checkpoints of
+# the same shapes apart, little enough to read at every save.
+BASE_SAMPLE_BYTES = 1 << 16
+
+
+def base_identity(recipe: Recipe) -> dict[str, Any] | None:
+    """What identifies a LoRA run's frozen base (module docstring); None without LoRA.
+
+    Read from files, without loading the model: a directory's config.json and weight index, each safetensors
+    file's size, header (names, dtypes, shapes) and first BASE_SAMPLE_BYTES of values; a hub id's commit as
+    the local cache resolves model.revision (huggingface_hub's snapshot folder is named by it); a random
+    base's seed and config.
+    """
+    if recipe.lora is None:
+        return None
+    model = recipe.model
+    if model.init == "random":
+        config = json.dumps(model.config, sort_keys=True)
+        return {
+            "init": "random",
+            "seed": recipe.optim.seed,
+            "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+        }
+    name = str(model.name_or_path)
+    local = Path(name).expanduser()
+    if local.is_dir():
+        digest = hashlib.sha256()
+        for path in sorted(local.glob("*.json")) + sorted(local.glob("*.safetensors")):
+            if path.name in ("config.json",) or path.name.endswith(".index.json"):
+                digest.update(path.name.encode() + path.read_bytes())
+            elif path.suffix == ".safetensors":
+                with path.open(
+                    "rb"
+                ) as handle:  # the header: 8 bytes of length, then JSON (dtypes, shapes, offsets)
+                    size = int.from_bytes(handle.read(8), "little")
+                    digest.update(path.name.encode() + str(path.stat().st_size).encode() + handle.read(size))
+        return {"name_or_path": name, "digest": digest.hexdigest()[:16]}
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json", revision=model.revision)
+    except ImportError:
+        cached = None
+    commit = Path(cached).parent.name if isinstance(cached, str) else None
+    return {"name_or_path": name, "revision": commit or model.revision}
+
+
+def check_base(saved: dict[str, Any] | None, now: dict[str, Any] | None, ckpt: str, allow: bool) -> None:
+    """A LoRA resume onto another base than its checkpoint's: one line (unless --allow-base-change)."""
+    if saved is None or now is None or saved == now or allow:
+        return
+    what = ", ".join(
+        f"{k} {saved.get(k)} -> {now.get(k)}"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    )
+    raise UserError(
+        f"--resume: checkpoint {ckpt} trained LoRA adapters on another base model ({what}); the adapters only "
+        "fit the base they were trained on: point model.name_or_path (and model.revision) at that base, or pass "
+        "--allow-base-change to continue on this one"
+    )
+
+
 class Saver:
     """The `save(step)` the training loops call: commit a checkpoint, reset the time cadence, report.
 
@@ -161,6 +232,7 @@ class Saver:
         engine, recipe, layout, rank = self.engine.ds, self.run.recipe, self.run.layout, self.rank
         reference = self.engine.reference_logits(self.tokenizer)
         extra = {"tracker_run_id": self.tracker.run_id}  # W&B continues the same run after a resume
+        base = base_identity(recipe)
 
         def write(tmp: Path) -> None:
             # LoRA: the frozen base is the one the run loads from model.name_or_path (seeded or
@@ -177,7 +249,14 @@ class Saver:
             # The fp32 masters as this rank holds them, for the export's stale-shard check (master_digest.py).
             digest = live_master_digest(engine.optimizer, layout.offload_optimizer == "nvme")
             data = self.batches.state_dict()
-            state = {"step": step, "data": data, "rng": rng_state(), DIGEST_KEY: digest, **extra}
+            state = {
+                "step": step,
+                "data": data,
+                "rng": rng_state(),
+                "base": base,
+                DIGEST_KEY: digest,
+                **extra,
+            }
             state_file.write_text(json.dumps(state))
             if rank == 0:
                 engine.module.config.save_pretrained(tmp / "hf")

@@ -1,8 +1,9 @@
-"""Tokenise + pack throughput of llm_train's data pipeline against a naive one-sample-at-a-time loop.
+"""The data layer's two benchmarks, side by side in one run each: tokenise + pack, and streaming.
 
-    .venv/bin/python bench/data_pipeline.py [--mb 50] [--seq-len 2048] [--corpus paragraphs|python-files]
+    .venv/bin/python -m bench.data pipeline [--mb 50] [--seq-len 2048] [--corpus paragraphs|python-files]
+    .venv/bin/python -m bench.data streaming [--mb 20] [--seq-len 2048] [--files 4]
 
-Writes a ~50 MB JSON-lines corpus with a realistic length spread (log-normal, median ~230
+`pipeline` writes a ~50 MB JSON-lines corpus with a realistic length spread (log-normal, median ~230
 tokens, a long tail past seq_len) built from the bundled Python-reference paragraphs, then
 measures, in the same run and on the same file:
 
@@ -19,6 +20,22 @@ Prints wall-clock tokens/s and its ratio to naive, CPU seconds (this process and
 the work done, whatever else the machine is running) and packing efficiency (real tokens /
 sequence slots). The tokenizer's own threads are switched off so every variant uses the
 cores it names (one, or num_proc). A benchmark, not a test: it prints ratios, never fails.
+
+`streaming` writes a JSON-lines corpus (`pipeline`'s: the bundled paragraphs, log-normal lengths)
+split into --files shards, then serves one pass of it as micro-batches of 8 sequences on one
+data-parallel rank:
+
+  tokenise-first, cold   prepare_data on an empty cache (tokenise + pack everything, automatic
+                         num_proc), then BatchStream: what a first run pays before and while training;
+  tokenise-first, warm   BatchStream on the cached arrays: every later run;
+  streaming, W workers   StreamingBatches (`streaming: true`): windows read through datasets'
+                         streaming mode, tokenised and packed on the fly by W DataLoader workers
+                         (0: in the training process itself).
+
+For each: wall seconds to the first batch and for the pass, trained tokens/s (label positions,
+counted the same way for both paths), the training process's own CPU seconds (what the model
+competes with; workers' CPU is not in it), and trained tokens per sequence slot (packing). A benchmark, not a test:
+it prints numbers, never fails. Writes bench/results/streaming-throughput-<date>.txt.
 """
 
 from __future__ import annotations
@@ -30,17 +47,28 @@ import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.harness import ASSETS, REPO, TOKENIZER
 
-ASSETS = REPO / "llm_train" / "assets" / "tiny"
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from llm_train.config.recipe import DataSection  # noqa: E402 - after the offline switches
+from llm_train.data import BatchStream, StreamingBatches, StreamSpec, prepare_data  # noqa: E402
+
+PIPELINE = (
+    "Tokenise + pack throughput of llm_train's data pipeline against a naive one-sample-at-a-time loop."
+)
+STREAMING = "Streaming sources against the tokenise-first path: trained tokens/s served, side by side."
 
 
 def write_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -160,8 +188,9 @@ def pipeline(
     return store_tokens, cold, warm, stats["efficiency"], stream_digest(store.input_ids[:store_tokens])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def pipeline_main(argv: list[str]) -> int:
+    """`pipeline`: tokenise + pack throughput against the naive loop (the module docstring)."""
+    parser = argparse.ArgumentParser(prog="bench.data pipeline", description=PIPELINE)
     parser.add_argument("--mb", type=float, default=50.0, help="Corpus size in MB (default 50).")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument(
@@ -226,6 +255,138 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+# --- streaming --------------------------------------------------------------------------------
+
+MICRO = 8
+
+
+def shard(corpus: Path, folder: Path, files: int) -> None:
+    lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
+    folder.mkdir()
+    per = -(-len(lines) // files)
+    for f in range(files):
+        (folder / f"part-{f:02d}.jsonl").write_text("".join(lines[f * per : (f + 1) * per]), encoding="utf-8")
+
+
+def serve(stream: Any, sequences: int, seq_len: int) -> dict[str, float]:
+    """Pull micro-batches until `sequences` are served; wall and this process's CPU, first batch apart."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    first = None
+    trained = served = 0
+    while served < sequences:
+        batch = next(stream)
+        if first is None:
+            first = time.perf_counter() - wall0
+        labels = batch["labels"]
+        trained += int((labels != -100).sum())
+        served += labels.shape[0]
+    wall = time.perf_counter() - wall0
+    return {
+        "first": first or 0.0,
+        "wall": wall,
+        "cpu": time.process_time() - cpu0,
+        "trained": trained,
+        "sequences": served,
+        "slots": served * seq_len,
+    }
+
+
+def line(name: str, r: dict[str, float], before: float = 0.0, base: float | None = None) -> str:
+    wall = r["wall"] + before
+    rate = r["trained"] / wall
+    ratio = f"  {rate / base:5.2f}x tokenise-first cold" if base else ""
+    return (
+        f"{name:<28}{rate:>12,.0f} trained tokens/s  first batch {r['first'] + before:6.2f}s  pass {wall:6.1f}s "
+        f"wall  {r['cpu']:6.1f}s CPU in the training process{ratio}"
+    )
+
+
+def streaming_main(argv: list[str]) -> int:
+    """`streaming`: streaming sources against the tokenise-first path (the module docstring)."""
+    parser = argparse.ArgumentParser(prog="bench.data streaming", description=STREAMING)
+    parser.add_argument("--mb", type=float, default=20.0)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER), local_files_only=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+    started = datetime.now(timezone.utc)
+    load = os.getloadavg()[0]
+    try:
+        corpus = tmp / "corpus.jsonl"
+        rows = write_corpus(corpus, args.mb)
+        folder = tmp / "shards"
+        shard(corpus, folder, args.files)
+        common = {"seq_len": args.seq_len, "eval_fraction": 0.0, "cache_dir": str(tmp / "cache")}
+
+        data = DataSection.model_validate({"train": [str(folder)], **common})
+        t0, c0 = time.perf_counter(), time.process_time()
+        split = prepare_data(data, tokenizer, seed=0).train
+        prepare_s, prepare_cpu = time.perf_counter() - t0, time.process_time() - c0
+        n = split.n_sequences
+        cold = serve(BatchStream(split, MICRO, 0, 1, seed=0, workers=0), n, args.seq_len)
+        cold["cpu"] += prepare_cpu  # num_proc workers' CPU is not counted, as for streaming's
+        warm = serve(BatchStream(split, MICRO, 0, 1, seed=0, workers=0), n, args.seq_len)
+        base = cold["trained"] / (cold["wall"] + prepare_s)
+        out = [
+            f"# .venv/bin/python -m bench.streaming_throughput --mb {args.mb:g} --seq-len {args.seq_len} "
+            f"--files {args.files}   ({started:%Y-%m-%dT%H:%MZ}; commit {_commit()}; {os.cpu_count()} CPUs, "
+            f"load average {load:.2f} at start)",
+            f"corpus: {args.mb:g} MB in {args.files} jsonl files, {rows:,} rows; seq_len {args.seq_len}; "
+            f"one pass = {n:,} packed sequences, micro-batch {MICRO}, one data-parallel rank",
+            line("tokenise-first, cold", cold, prepare_s) + f"  (prepare_data {prepare_s:.1f}s of it)",
+            line("tokenise-first, warm", warm, 0.0, base),
+        ]
+        efficiency = {"tokenise-first": cold["trained"] / cold["slots"]}
+        stream_data = DataSection.model_validate(
+            {"train": [{"path": str(folder), "streaming": True}], **common}
+        )
+        for workers in args.workers:
+            spec = StreamSpec.build(stream_data, tokenizer, 0)
+            result = serve(StreamingBatches(spec, MICRO, 0, 1, workers=workers), n, args.seq_len)
+            out.append(line(f"streaming, {workers} workers", result, 0.0, base))
+            efficiency["streaming"] = result["trained"] / result["slots"]
+        out.append(
+            "trained tokens per sequence slot: "
+            + ", ".join(f"{k} {v:.1%}" for k, v in efficiency.items())
+            + " (streaming packs per window of 1000 rows, tokenise-first per source)"
+        )
+        out.append(
+            f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (shared machine)"
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    text = "\n".join(out) + "\n"
+    print(text, end="")
+    results = REPO / "bench" / "results" / f"streaming-throughput-{started:%Y%m%d-%H%M}.txt"
+    results.write_text(text)
+    print(f"written to {results.relative_to(REPO)}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    commands = {"pipeline": pipeline_main, "streaming": streaming_main}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(
+            f"usage: python -m bench.data {{{'|'.join(commands)}}} [options]  (--help after one)",
+            file=sys.stderr,
+        )
+        return 2
+    return commands[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ torch.version.cuda) and, without a GPU, `libbitsandbytes_cpu.so`. The rest would
 64 MiB that may travel there. The copy keeps the wheel's name and every other file; the dropped
 files' lines leave its RECORD, so what pip installs is what RECORD lists.
 
-    python bench/slim_wheel.py WHEEL --keep 'libbitsandbytes_(cpu|cuda130)\\.so$' --drop '\\.so$' -o DIR
+    python tools/gpu_wheels/slim_wheel.py WHEEL --keep 'libbitsandbytes_(cpu|cuda130)\\.so$' --drop '\\.so$' -o DIR
 """
 
 from __future__ import annotations

@@ -2,27 +2,27 @@
 # `make gpu-wheels`: the wheels the GPU machine lacks, in .whl/, checked complete before they travel.
 #
 # The GPU machine runs a fixed Python 3.12 image with torch, accelerate,
-# transformers and friends (bench/gpu_machine_packages.txt) and reaches no package registry. It lacks
+# transformers and friends (tools/gpu_wheels/machine_packages.txt) and reaches no package registry. It lacks
 # deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection,
 # bitsandbytes, wandb and liger-kernel, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
 # pure Python; the versions this .venv runs, so what is tested here is what travels) into .whl/. There:
 #
 #   pip install --no-index --no-deps --target DIR .whl/*.whl
-#   PYTHONPATH=DIR bash bench/gpu_check.sh
+#   PYTHONPATH=DIR bash bench/gpu_run.sh A   # (bench/gpu_run.sh does both, given WHEELS=.whl)
 #
-# `--no-deps` means no resolver runs there, so bench/gpu_wheels.py runs one here at the end: every
+# `--no-deps` means no resolver runs there, so tools/gpu_wheels/check.py runs one here at the end: every
 # wheel's Requires-Dist met by another wheel or by the image, tags for cp312 manylinux, one version
 # per project, under the size budget; then pip's own resolver offline over the same set. A failure
 # here is cheaper than one in the GPU machine's 15 minutes.
 #
-#   bash bench/gpu_wheels.sh          # or: make gpu-wheels
+#   bash tools/gpu_wheels/build.sh          # or: make gpu-wheels
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root
 
 PY=${PYTHON:-.venv/bin/python}
 OUT=.whl
 BUDGET_MIB=40
-PRESENT=bench/gpu_machine_packages.txt
+PRESENT=tools/gpu_wheels/machine_packages.txt
 
 # What pip on the GPU machine accepts: CPython 3.12, manylinux up to glibc 2.28, or pure Python.
 TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
@@ -53,7 +53,7 @@ ls "$OUT"/deepspeed-*-py3-none-any.whl >/dev/null || {
 # every 1.x (>= 0.25, < 2.0). Checked on a Python 3.12 with huggingface-hub 1.5.0: 5.2.0 fails at import
 # (HfFileSystemResolvedBucketPath), 5.0.1 imports, loads JSON, maps with 2 processes, saves and loads
 # from disk, also with fsspec 2026.9.0 above its own cap (<= 2026.6.0) and pyarrow 21 at its floor.
-# Its other requirements are assumed met by the image; gpu_wheels.py prints each such assumption.
+# Its other requirements are assumed met by the image; check.py prints each such assumption.
 # typing-extensions ships although the image has one: pydantic wants >= 4.16, torch 2.11 only >= 4.10,
 # and a newer typing-extensions earlier on PYTHONPATH is safe for the image's packages (it only adds).
 # msgpack: deepspeed requires it and nothing in the image does.
@@ -66,7 +66,7 @@ pip_ download "${TARGET[@]}" -d "$OUT" datasets==5.0.1 \
 # torch.version.cuda, so only libbitsandbytes_cuda130.so and the CPU one travel (~3.4 MiB).
 BNB=$(mktemp -d)
 pip_ download "${TARGET[@]}" -d "$BNB" "$(pins bitsandbytes)"
-"$PY" bench/slim_wheel.py "$BNB"/bitsandbytes-*.whl --drop '\.so$' --keep 'libbitsandbytes_(cpu|cuda130)\.so$' -o "$OUT"
+"$PY" tools/gpu_wheels/slim_wheel.py "$BNB"/bitsandbytes-*.whl --drop '\.so$' --keep 'libbitsandbytes_(cpu|cuda130)\.so$' -o "$OUT"
 rm -rf "$BNB"
 
 # Liger's kernels (memory.liger_kernels) are Triton and run on GPUs only, so this .venv has no copy to
@@ -101,5 +101,5 @@ else
   echo "gpu-wheels: wandb left out: ${with_wandb} MiB with it is over ${BUDGET_MIB} MiB (${core} MiB without)"
 fi
 
-"$PY" bench/gpu_wheels.py "$OUT" --present "$PRESENT" --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
+"$PY" tools/gpu_wheels/check.py "$OUT" --present "$PRESENT" --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
   --resolve 'llm_train[qlora]' liger-kernel

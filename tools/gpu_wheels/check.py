@@ -1,7 +1,7 @@
 """Proves, without a GPU and without the GPU machine, that a folder of wheels completes that machine.
 
 The GPU machine runs a fixed Python 3.12 image and reaches no package
-registry. `bench/gpu_wheels.sh` (`make gpu-wheels`) fills `.whl/` with what the image lacks; there they
+registry. `tools/gpu_wheels/build.sh` (`make gpu-wheels`) fills `.whl/` with what the image lacks; there they
 are installed with `pip install --no-index --no-deps --target DIR .whl/*.whl` and used with
 `PYTHONPATH=DIR`. `--no-deps` means no resolver runs there, so nothing would tell us there that a
 dependency is missing or at the wrong version: this module is that resolver, run here.
@@ -13,7 +13,7 @@ dependency is missing or at the wrong version: this module is that resolver, run
 - one version per project (two would overwrite each other in DIR, silently);
 - every Requires-Dist (markers evaluated for CPython 3.12 on Linux x86_64, not for the Python running
   this check; requirements behind an extra only when that extra is asked for) is met by another wheel
-  in the folder or by a package the image has (`bench/gpu_machine_packages.txt`);
+  in the folder or by a package the image has (`tools/gpu_wheels/machine_packages.txt`);
 - the folder stays under a size budget (it travels to that machine).
 
 What the image has is only partly known. Each line of the packages file is a requirement: a bare
