@@ -18,7 +18,7 @@ TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -e ".[dev,tensorboard,lora,qlora,report]"
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -e ".[dev,tensorboard,lora,qlora,report,eval]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -22,7 +22,8 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 
-from llm_train.commands import convert, data, doctor, plan, report
+from llm_train.commands import convert, data, doctor, generate, plan, report
+from llm_train.commands import eval as eval_command
 from llm_train.commands import train as train_command
 from llm_train.config.recipe import available_recipes, load_recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
@@ -129,6 +130,8 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = [
     report.register_cli,
     data.register_cli,
     convert.register_cli,
+    generate.register_cli,
+    eval_command.register_cli,
 ]
 
 

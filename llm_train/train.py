@@ -15,6 +15,8 @@ if __package__ in (None, ""):
     # Run as a script: import the package, not this folder's modules as top-level names.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from llm_train.config import accelerate_launch
+from llm_train.config.accelerate_launch import AccelerateLaunch
 from llm_train.config.hardware import Device, gpus_without_p2p
 from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.volume import planned_volume
@@ -29,6 +31,7 @@ from llm_train.planning.guards import (
     memory_rows,
 )
 from llm_train.runtime import launcher
+from llm_train.runtime.benchmark import check_recipe_tasks
 from llm_train.runtime.checkpointing.resume import Resume
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv) if args is None else args
     try:
-        spawn = None
+        spawn, accelerate = None, None
         if args.dry_run:
             world_size = args.world_size
             if world_size is not None and world_size < 1:
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 raise UserError(
                     "--world-size only applies to --dry-run; the launcher decides the real world size"
                 )
+            accelerate = launcher.accelerate_launch()  # the user's accelerate config and flags, if any
+            accelerate_launch.refuse(accelerate)
             spawn = launcher.world_from_accelerate_parent()
             world_size = launcher.world_from_env() or (spawn.world_size if spawn else 1)
 
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             # NCCL reads its P2P switch when the process group starts (later, in the session).
             if p2p_notice := disable_nccl_p2p(gpus_without_p2p()):
                 say(f"notice: {p2p_notice}")
-        run = resolve(args, world_size, device)
+        run = resolve(args, world_size, device, accelerate)
         if args.dry_run:
             print_dry_run(run)
             return 0
@@ -174,6 +179,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         resume = check_before_start(run, args, spawn.nproc_per_node if spawn is not None else None)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
+            if accelerate is not None:  # the workers' parent is this process, not the launcher
+                os.environ[accelerate_launch.ENV] = accelerate.to_json()
             return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
 
         options = RunOptions(
@@ -194,9 +201,16 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         return exc.exit_code
 
 
-def resolve(args: argparse.Namespace, world_size: int | None, device: Device | None) -> Resolved:
+def resolve(
+    args: argparse.Namespace,
+    world_size: int | None,
+    device: Device | None,
+    accelerate: AccelerateLaunch | None = None,
+) -> Resolved:
     """The run these arguments ask for on `world_size` processes (None: the hardware the recipe declares).
 
+    `accelerate`: what the user's accelerate config and launch flags say (its deepspeed_config_file
+    stands for --ds-config; its other what-fields are reported against the recipe's in one notice).
     `llm-train train` calls this too, before it starts any launcher, so that a bad input is one line.
     """
     run = resolve_run(
@@ -204,10 +218,12 @@ def resolve(args: argparse.Namespace, world_size: int | None, device: Device | N
         args.overrides,
         world_size=world_size or None,
         device=device,
-        ds_config_path=args.ds_config,
+        ds_config_path=accelerate_launch.ds_config(accelerate, args.ds_config),
         max_steps=args.max_steps,
         output_dir=args.output_dir,
     )
+    if notice := accelerate_launch.reconcile(accelerate, run, args.ds_config):
+        run = run.refine(notice=notice)
     if run.recipe.deepspeed.pinning == "auto":
         # Decided once, here: the run (its DS JSON, the run directory's recipe.yaml, the checkpoints'
         # recipe hash) carries the allocator it decided on from now on.
@@ -246,6 +262,7 @@ def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: 
     )
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)
+    check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
     if not args.skip_ram_check:
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)

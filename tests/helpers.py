@@ -196,3 +196,24 @@ def assert_resumed(output: str, checkpoint_or_run_dir: Path, step: int) -> None:
     assert found, f"the launch did not say it resumed (expected {target} at step {step}):\n{output[-3000:]}"
     path, at = found[-1]
     assert (Path(path).resolve(), int(at)) == (target.resolve(), step), (found, target, step)
+
+
+def wizard_config(path: Path, distributed_type: str, num_processes: int = 1, **fields: object) -> Path:
+    """An accelerate config as `accelerate config` writes it: the ClusterConfig its wizard returns, saved.
+
+    accelerate 1.15 commands/config/cluster.py: the questions fill a ClusterConfig, `to_yaml_file` writes
+    it. `fields` are the wizard's answers (mixed_precision, use_cpu, deepspeed_config, mpirun_config, ...).
+    """
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    answers: dict[str, object] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": distributed_type,
+        "num_processes": num_processes,
+        "mixed_precision": "no",
+        "use_cpu": distributed_type == "MULTI_CPU",
+        "debug": False,
+        **fields,
+    }
+    ClusterConfig(**answers).to_yaml_file(str(path))  # type: ignore[arg-type]
+    return path

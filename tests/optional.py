@@ -81,6 +81,7 @@ PARTS = {
         Part("bitsandbytes", "pip install -e '.[qlora]' (make install does)", _imports("bitsandbytes")),
         Part("peft", "pip install -e '.[lora]' (make install does)", _imports("peft")),
         Part("trl", "pip install -e '.[dev]' (make install does)", _imports("trl")),
+        Part("lm_eval", "pip install -e '.[eval]' (make install does)", _imports("lm_eval")),
         Part("setpriv", "apt-get install util-linux", lambda: shutil.which("setpriv") is not None),
         Part("tomllib", "Python >= 3.11", lambda: sys.version_info >= (3, 11)),
         Part(

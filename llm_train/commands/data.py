@@ -16,7 +16,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.data.dealer import EpochOrder
 from llm_train.data.prepare import prepare_data
 from llm_train.data.stream_windows import is_streaming
-from llm_train.data.summary import describe_split, sample_views
+from llm_train.data.summary import describe_split, mapped_conversations, sample_views
 from llm_train.runtime.model import load_tokenizer
 
 
@@ -73,6 +73,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for split in (prepared.train, prepared.eval):
         if split is not None:
             print("\n".join(describe_split(split)))
+    if mapped := mapped_conversations(recipe.data):
+        print("\n" + "\n".join(mapped))
     train = prepared.train
     order = EpochOrder([p.n_sequences for p in train.parts], train.weights, recipe.optim.seed)
     per_sample = 2 if train.pairs else 1  # a preference pair shows its chosen and its rejected row

@@ -9,9 +9,12 @@ way to keep a bad input to one line). So this command
 1. resolves the recipe, overrides, DeepSpeed JSON and layout for the world size it will launch,
    and runs the start-up checks train.py runs (the same functions, `train.resolve` and
    `train.check_before_start`): a bad input is one line and exit 2, and no launcher starts;
-2. runs `accelerate launch` as a child, with the number of processes and machines taken from the
-   recipe's `hardware:` section or from `--num-processes` / `--num-machines`, and nothing else
-   that would change what Accelerate does (no config file: the README's launch contract);
+2. runs `accelerate launch` as a child, with the number of processes and machines taken from
+   `--num-processes` / `--num-machines`, else from the user's accelerate config (`--config-file`, or
+   the default one `accelerate config` wrote), else from the recipe's `hardware:` section; the
+   config's what-fields are read first, as the workers will read them
+   (config/accelerate_launch.py): a kind llm_train cannot train under is one line here, and the
+   rest reach the run's start-up notice;
 3. streams the launcher's stderr through, and when the workers ended with one of llm_train's own
    exit codes (each of which has printed its one line) drops the launcher's traceback or failure
    report that follows, and exits with the workers' code instead of the launcher's 1;
@@ -41,9 +44,19 @@ import psutil
 from accelerate.commands.config import default_config_file
 
 from llm_train import train
+from llm_train.config import accelerate_launch
+from llm_train.config.accelerate_launch import AccelerateLaunch
 from llm_train.config.hardware import Device
 from llm_train.config.recipe import load_recipe
-from llm_train.errors import EXIT_CHECKPOINT_IO, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from llm_train.errors import (
+    EXIT_CHECKPOINT_IO,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    EXIT_USER_ERROR,
+    UserError,
+    first_line,
+)
+from llm_train.runtime.launcher import read_accelerate_launch
 
 # Exit codes after which a worker has already said what happened in its own words.
 SELF_EXPLAINED = frozenset({EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_CHECKPOINT_IO, EXIT_PREEMPTED})
@@ -72,6 +85,7 @@ class LaunchOptions:
     main_process_ip: str | None = None
     main_process_port: int | None = None
     max_restarts: int | None = None
+    config_file: str | None = None  # the user's accelerate config, handed to accelerate as given
 
     @property
     def per_machine(self) -> int:
@@ -97,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="Machines (default: the recipe's hardware.nodes, or 1 with --num-processes).",
     )
-    parser.add_argument("--machine-rank", type=int, default=0, help="This machine's rank (multi-node).")
+    parser.add_argument("--machine-rank", type=int, help="This machine's rank (multi-node; default 0).")
     parser.add_argument("--main-process-ip", help="Address of machine 0 (multi-node).")
     parser.add_argument(
         "--main-process-port", type=int, help="Rendezvous port (default: accelerate's 29500)."
@@ -106,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts",
         type=int,
         help="Passed to accelerate: restarts of failed workers (torchrun launchers).",
+    )
+    parser.add_argument(
+        "--config-file",
+        help="An accelerate config (what `accelerate config` writes; default: its default file, if any). "
+        "Its processes and machines are used; its DeepSpeed fields and mixed_precision are reconciled "
+        "with the recipe (one notice at start; its deepspeed_config_file stands for --ds-config).",
     )
     return parser
 
@@ -116,7 +136,7 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def launch_options(flags: argparse.Namespace, nodes: int, world_size: int) -> LaunchOptions:
-    """The processes to start: flags first, then the recipe's hardware (`nodes` x per node = `world_size`)."""
+    """The processes to start: flags first, then `nodes` x per node = `world_size` (config or recipe)."""
     explicit = flags.num_processes is not None
     num_processes = flags.num_processes if explicit else world_size
     # A process count on the command line is for this machine unless machines are named too.
@@ -135,15 +155,17 @@ def launch_options(flags: argparse.Namespace, nodes: int, world_size: int) -> La
             f"{num_machines} machines need --main-process-ip (machine 0's address) and --machine-rank on "
             "each machine; on one machine pass --num-processes N (see launch/README.md)"
         )
-    if not 0 <= flags.machine_rank < num_machines:
-        raise UserError(f"--machine-rank {flags.machine_rank}: must be in 0..{num_machines - 1}")
+    machine_rank = int(flags.machine_rank or 0)
+    if not 0 <= machine_rank < num_machines:
+        raise UserError(f"--machine-rank {machine_rank}: must be in 0..{num_machines - 1}")
     return LaunchOptions(
         num_processes=num_processes,
         num_machines=num_machines,
-        machine_rank=flags.machine_rank,
+        machine_rank=machine_rank,
         main_process_ip=flags.main_process_ip,
         main_process_port=flags.main_process_port,
         max_restarts=flags.max_restarts,
+        config_file=getattr(flags, "config_file", None),
     )
 
 
@@ -158,6 +180,8 @@ def accelerate_argv(
     would otherwise default with a five-line warning; they are its defaults, so nothing changes.
     """
     cmd = [sys.executable, str(accelerate), "launch", "--num_processes", str(options.num_processes)]
+    if options.config_file is not None:
+        cmd += ["--config_file", options.config_file]
     cmd += ["--num_machines", str(options.num_machines)]
     if options.num_machines > 1:
         cmd += [
@@ -187,9 +211,39 @@ def find_accelerate() -> Path:
     return found
 
 
-def _has_accelerate_config() -> bool:
-    """Whether this machine has a default accelerate config (then its values stand, warning and all)."""
-    return os.path.isfile(default_config_file)
+def _has_accelerate_config(flags: argparse.Namespace) -> bool:
+    """Whether accelerate will read a config (then its values stand, warning and all)."""
+    return flags.config_file is not None or os.path.isfile(default_config_file)
+
+
+def read_launch(args: list[str], config_file: str | None) -> tuple[argparse.Namespace, AccelerateLaunch]:
+    """Accelerate's reading of an `accelerate launch` line (runtime/launcher.py), its refusals as one line."""
+    try:
+        return read_accelerate_launch(args)
+    except (ValueError, OSError, TypeError) as exc:
+        # accelerate 1.15 raises these for a config it cannot load (unknown keys, a missing file) or
+        # flags that contradict each other; it would print them as a traceback.
+        where = f"accelerate config {config_file or default_config_file}"
+        raise UserError(f"{where}: {first_line(exc)}") from None
+
+
+def config_world(flags: argparse.Namespace, script: str) -> tuple[int, int] | None:
+    """(machines, processes) the user's accelerate config sets, if accelerate will read one that does.
+
+    The config's machine rank, address and port also become the defaults of `flags` (this command
+    passes them on the accelerate line, which would otherwise override the config's with its own).
+    """
+    if not _has_accelerate_config(flags):
+        return None
+    args = ["--config_file", flags.config_file] if flags.config_file is not None else []
+    parsed, _ = read_launch([*args, script], flags.config_file)
+    for name in ("machine_rank", "main_process_ip", "main_process_port"):
+        if getattr(flags, name) is None:
+            setattr(flags, name, getattr(parsed, name, None))
+    processes = int(parsed.num_processes or 0)
+    if processes < 1:  # a config that leaves it to the command line (-1, as for SLURM)
+        return None
+    return int(parsed.num_machines or 1), processes
 
 
 class LauncherOutput:
@@ -314,11 +368,16 @@ def main(argv: list[str]) -> int:
     if args.world_size is not None:
         raise UserError("--world-size only applies to --dry-run; llm-train train takes --num-processes")
     recipe = load_recipe(args.recipe, args.overrides)
-    options = launch_options(flags, recipe.hardware.nodes, recipe.hardware.world_size)
-    run = train.resolve(args, options.num_processes, Device.detect())
-    train.check_before_start(run, args, options.per_machine)
+    script = str(Path(train.__file__).resolve())
+    nodes, world_size = config_world(flags, script) or (recipe.hardware.nodes, recipe.hardware.world_size)
+    options = launch_options(flags, nodes, world_size)
     accelerate = find_accelerate()
-    cmd = accelerate_argv(options, rest, accelerate, quiet_defaults=not _has_accelerate_config())
+    cmd = accelerate_argv(options, rest, accelerate, quiet_defaults=not _has_accelerate_config(flags))
+    # What accelerate will make of exactly this command line: refused here, before any launcher starts.
+    _, settings = read_launch(cmd[3:], flags.config_file)
+    accelerate_launch.refuse(settings)
+    run = train.resolve(args, options.num_processes, Device.detect(), settings)
+    train.check_before_start(run, args, options.per_machine)
     # The command itself, so that a user can see (and rerun) exactly what was started.
     print(f"llm-train: launching {run.layout.world_size} process(es): {' '.join(cmd[1:])}", flush=True)
     return run_launcher(cmd, accelerate, _stderr_bytes)

@@ -157,14 +157,94 @@ class InstructionSource(_SourceFields):
         return self
 
 
+# The roles a conversation's messages may have once mapped (what chat templates are written for), and
+# `tool_call`: an assistant message whose content is a function call (JSON {name, arguments}).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython")
+TOOL_CALL = "tool_call"
+# What each named shape sets; a source's own keys override these, its `roles` extend the preset's.
+# ShareGPT as axolotl and LLaMA-Factory read it (`conversations: [{from: human|gpt|system, value}]`,
+# LLaMA-Factory's function_call / observation turns for tools, a `system` column).
+CHAT_PRESETS: dict[str, dict[str, Any]] = {
+    "openai": {"messages_field": "messages", "role_field": "role", "content_field": "content", "roles": {}},
+    "sharegpt": {
+        "messages_field": "conversations",
+        "role_field": "from",
+        "content_field": "value",
+        "system_field": "system",
+        "roles": {
+            "human": "user",
+            "user": "user",
+            "gpt": "assistant",
+            "assistant": "assistant",
+            "system": "system",
+            "function_call": TOOL_CALL,
+            "observation": "tool",
+            "tool": "tool",
+        },
+    },
+}
+
+
 class ChatSource(_SourceFields):
-    """OpenAI-style `messages` lists rendered with the chat template; loss only on assistant turns."""
+    """Conversations rendered with the chat template; loss only on assistant turns.
+
+    OpenAI-style `messages: [{role, content}]` by default; other shapes through the field names and a
+    mapping of role values (`preset: sharegpt` sets them for ShareGPT). Tool messages (role `tool`,
+    `tool_calls`) pass through to the template.
+    """
 
     format: Literal["chat"] = "chat"
-    messages_field: str = Field("messages", description="Field with the list of {role, content} messages.")
+    preset: Literal["openai", "sharegpt"] = Field(
+        "openai",
+        description="A named shape: 'openai' (messages[].role/content) or 'sharegpt' (conversations[].from/value, "
+        "human->user, gpt->assistant, system->system, function_call->tool call, observation->tool, a 'system' "
+        "column). The keys below override it.",
+    )
+    messages_field: str = Field(
+        "messages", description="Field with the list of messages (default: the preset's)."
+    )
+    role_field: str = Field("role", description="Key of a message's role (default: the preset's).")
+    content_field: str = Field("content", description="Key of a message's text (default: the preset's).")
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="Role values -> system, user, assistant, tool, developer, ipython or tool_call (an assistant "
+        "function call, content JSON {name, arguments}); added to the preset's, e.g. {bot: assistant}.",
+    )
+    system_field: str | None = Field(
+        None,
+        description="Field with a system prompt put before the conversation when non-empty (sharegpt: system).",
+    )
     overlong: Overlong = Field(
         "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_defaults(cls, data: Any) -> Any:
+        """The preset's values for the keys the source leaves out; its roles under the source's own."""
+        if not isinstance(data, dict):
+            return data
+        preset = CHAT_PRESETS.get(data.get("preset", "openai"))
+        if preset is None:
+            return data  # the Literal check names the valid presets
+        data = dict(data)
+        for key, value in preset.items():
+            if key == "roles":
+                data["roles"] = {**value, **(data.get("roles") or {})}
+            else:
+                data.setdefault(key, value)
+        return data
+
+    @field_validator("roles")
+    @classmethod
+    def _roles_are_known(cls, roles: dict[str, str]) -> dict[str, str]:
+        for value, role in roles.items():
+            if role not in (*CHAT_ROLES, TOOL_CALL):
+                raise ValueError(
+                    f"roles.{value}: '{role}' is not a role chat templates know; map it to one of "
+                    f"{', '.join((*CHAT_ROLES, TOOL_CALL))}"
+                )
+        return roles
 
 
 class TokenizedSource(_SourceFields):
@@ -600,6 +680,24 @@ class DeepSpeedSection(Section):
 class EvalSection(Section):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at the end.")
     batches: int = Field(8, ge=1, description="Micro-batches per evaluation (per data-parallel rank).")
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks run on the live model during training (needs llm_train[eval]), "
+        "e.g. [llm_train_tiny] (bundled, offline) or [hellaswag, arc_easy]; results logged as bench/TASK/METRIC.",
+    )
+    tasks_every: int = Field(
+        0,
+        ge=0,
+        description="Run eval.tasks every N optimizer steps (and at the end); 0 = at eval.every's steps.",
+    )
+    tasks_limit: float | None = Field(
+        None, gt=0, description="Documents per task for eval.tasks (a fraction below 1); default: all."
+    )
+    tasks_batch_size: int = Field(8, ge=1, description="Requests per forward pass for eval.tasks.")
+    tasks_include_path: list[str] = Field(
+        default_factory=list,
+        description="Folders of lm-eval YAML tasks for eval.tasks, beside the bundled ones.",
+    )
 
 
 class OutputSection(Section):
@@ -847,7 +945,7 @@ _PATH_FIELDS = (("model", "tokenizer"), ("model", "name_or_path"), ("deepspeed",
 # Fields that can only be local paths, so a bare relative name ('nvme') is anchored too; workers may
 # start in another directory, and DeepSpeed receives the absolute path.
 _LOCAL_PATH_FIELDS = (("deepspeed", "nvme_path"),)
-_PATH_LIST_FIELDS = (("data", "train"), ("data", "eval"))
+_PATH_LIST_FIELDS = (("data", "train"), ("data", "eval"), ("eval", "tasks_include_path"))
 
 
 def _anchor_path(value: str, base: Path) -> str:

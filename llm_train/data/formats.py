@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from llm_train.config.recipe import (
+    CHAT_ROLES,
+    TOOL_CALL,
     ChatSource,
     InstructionSource,
     PreferenceSource,
@@ -69,6 +72,8 @@ def fields_read(source: Source, columns: list[str]) -> list[str]:
         optional.append(source.labels_field)
     if isinstance(source, PreferenceSource):
         optional.append(source.prompt_field)
+    if isinstance(source, ChatSource) and source.system_field:
+        optional.append(source.system_field)
     return required_fields(source) + [c for c in optional if c in columns]
 
 
@@ -93,6 +98,8 @@ def check_fields(columns: list[str], source: Source, key: str, where: str) -> No
         )
         if hint.endswith(source.format):
             hint = ""
+        if isinstance(source, ChatSource) and "conversations" in columns and source.preset != "sharegpt":
+            hint = "; a 'conversations' column is ShareGPT's shape: set preset: sharegpt on this source"
         raise UserError(
             f"{key}: {where}: no field '{name}' for format {source.format} (fields: {', '.join(columns)}); "
             f"set {setting}{hint}"
@@ -209,20 +216,96 @@ def chat_template_for(tokenizer: PreTrainedTokenizerBase, override: str | None, 
     return template
 
 
-def _clean_messages(conversation: Any, row: int, key: str) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class ChatMapping:
+    """How a row's messages read: the keys of role and text, and role values -> the template's roles."""
+
+    role_field: str = "role"
+    content_field: str = "content"
+    roles: dict[str, str] = field(default_factory=dict)
+    messages_field: str = "messages"
+
+    @classmethod
+    def of(cls, source: ChatSource) -> ChatMapping:
+        return cls(source.role_field, source.content_field, dict(source.roles), source.messages_field)
+
+
+OPENAI = ChatMapping()
+# Keys a message keeps as they are once role and text are mapped (OpenAI's tool-calling shape).
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def map_messages(
+    conversation: Any, row: int, key: str, mapping: ChatMapping = OPENAI, system: Any = None
+) -> list[dict[str, Any]]:
+    """A row's messages as the chat template reads them: `{role, content, ...}` with the template's roles.
+
+    Every refusal is one line naming the row, the message, the field and the source key to set.
+    """
     if not isinstance(conversation, list) or not conversation:
         raise UserError(
-            f"{key}: row {row + 1}: messages must be a non-empty list of {{role, content}} objects"
+            f"{key}: row {row + 1}: '{mapping.messages_field}' must be a non-empty list of messages "
+            f"({{{mapping.role_field}, {mapping.content_field}}} objects)"
         )
-    messages = []
+    messages: list[dict[str, Any]] = (
+        [{"role": "system", "content": _as_text(system)}] if _as_text(system).strip() else []
+    )
     for i, message in enumerate(conversation):
-        if not isinstance(message, dict) or "role" not in message or message.get("content") is None:
-            fields = ", ".join(message) if isinstance(message, dict) else type(message).__name__
-            raise UserError(f"{key}: row {row + 1}: message {i} needs 'role' and 'content' (has: {fields})")
         # Arrow gives every message every key seen in the file (None where absent); templates test
         # for presence, so absent keys must stay absent.
-        messages.append({k: v for k, v in message.items() if v is not None})
+        present = {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else None
+        calls = present is not None and bool(present.get("tool_calls"))
+        needed = [mapping.role_field] + ([] if calls else [mapping.content_field])
+        if present is None or any(name not in present for name in needed):
+            has = ", ".join(present) if present is not None else type(message).__name__
+            missing = (
+                mapping.role_field
+                if present is None or mapping.role_field not in present
+                else mapping.content_field
+            )
+            hint = (
+                "set preset: sharegpt on this source"
+                if present is not None and {"from", "value"} <= set(present)
+                else "set role_field / content_field on this source"
+            )
+            raise UserError(f"{key}: row {row + 1}: message {i} has no '{missing}' (has: {has}); {hint}")
+        value = _as_text(present.pop(mapping.role_field))
+        role = mapping.roles.get(value, value)
+        content = present.pop(mapping.content_field, None)
+        if role == TOOL_CALL:
+            messages.append(
+                {"role": "assistant", "content": "", "tool_calls": [_tool_call(content, row, i, key)]}
+            )
+            continue
+        if role not in CHAT_ROLES:
+            raise UserError(
+                f"{key}: row {row + 1}: message {i}: role '{value}' (field '{mapping.role_field}') is not one of "
+                f"{', '.join(CHAT_ROLES)}; map it on this source, e.g. roles: {{{value}: assistant}}"
+            )
+        out = {"role": role, "content": content if content is not None or not calls else ""}
+        out.update({k: present[k] for k in _TOOL_KEYS if k in present})
+        messages.append(out)
     return messages
+
+
+def _tool_call(content: Any, row: int, i: int, key: str) -> dict[str, Any]:
+    """A ShareGPT function_call turn (JSON {name, arguments}) as an OpenAI tool call."""
+    import json
+
+    try:
+        call = json.loads(content) if isinstance(content, str) else content
+    except json.JSONDecodeError:
+        call = None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise UserError(
+            f"{key}: row {row + 1}: message {i} is a tool call (role tool_call) but its text is not JSON "
+            '{"name": ..., "arguments": ...}; fix the row or map its role to assistant (roles on this source)'
+        )
+    return {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+
+
+def _uses_tools(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
 
 def _chat_fn(
@@ -248,10 +331,25 @@ def _chat_fn(
         pairs = [_mask_by_prefixes(tokenizer, template, conv) for conv in conversations]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
+    mapping = ChatMapping.of(source)
+    # Templates that render tools mention them (HF's tool-use templates test `tool_calls` and the `tool`
+    # role); one that does not would drop them or fail on the row, so it is refused by name instead.
+    renders_tools = "tool" in template
+
     def tokenize(batch: Batch, indices: list[int]) -> Batch:
+        systems = batch.get(source.system_field) if source.system_field else None
         conversations = [
-            _clean_messages(c, row, key) for c, row in zip(batch[source.messages_field], indices, strict=True)
+            map_messages(c, row, key, mapping, systems[n] if systems is not None else None)
+            for n, (c, row) in enumerate(zip(batch[source.messages_field], indices, strict=True))
         ]
+        if not renders_tools:
+            for conversation, row in zip(conversations, indices, strict=True):
+                if _uses_tools(conversation):
+                    raise UserError(
+                        f"{key}: row {row + 1}: the conversation has tool messages (role tool or tool_calls) and "
+                        "the chat template does not render tools; set data.chat_template to one that does, or "
+                        "map those roles to user/assistant (roles on this source)"
+                    )
         try:
             ids, masks = render(conversations)
         except UserError:
@@ -413,7 +511,7 @@ def _preference_fn(
                     "give the prompt"
                 )
             context = (
-                _clean_messages(prompt, row, key)
+                map_messages(prompt, row, key)
                 if isinstance(prompt, list)
                 else [{"role": "user", "content": _as_text(prompt)}]
             )
@@ -468,5 +566,5 @@ def _preference_fn(
 
 def _side_messages(value: Any, row: int, key: str) -> list[dict[str, Any]]:
     if isinstance(value, list):
-        return _clean_messages(value, row, key)
+        return map_messages(value, row, key)
     return [{"role": "assistant", "content": _as_text(value)}]  # a text response after a message prompt

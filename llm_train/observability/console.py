@@ -122,6 +122,22 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, Any], eta_s: flo
     return " | ".join(parts)
 
 
+def bench_line(step: int, measured: dict[str, float]) -> str:
+    """`step 20: bench llm_train_tiny acc 0.3125 ± 0.0830, acc_norm 0.4062 ± 0.0882 (4.1s, not in tokens/s)`."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in measured.items():
+        parts = key.split("/")  # bench/TASK/METRIC
+        if len(parts) != 3 or parts[2].endswith("_stderr"):
+            continue
+        stderr = measured.get(f"{key}_stderr")
+        tasks.setdefault(parts[1], []).append(
+            f"{parts[2]} {value:.4f}" + (f" \u00b1 {stderr:.4f}" if stderr is not None else "")
+        )
+    said = "; ".join(f"{task} {', '.join(values)}" for task, values in tasks.items())
+    seconds = measured.get("bench/time_s", float("nan"))
+    return f"step {step}: bench {said} ({seconds:.1f}s, not in tokens/s)"
+
+
 def eval_line(step: int, metrics: dict[str, float]) -> str:
     """`step 50: eval loss 2.3456 (ppl 10.4)`, or with a preference objective its reward accuracy and margin."""
     line = f"step {step}: eval loss {metrics['eval_loss']:.4f}"

@@ -27,6 +27,7 @@ from llm_train.config.recipe import TrackingSection
 from llm_train.errors import UserError
 
 REDACTED = "<redacted>"
+BENCH = "bench/"  # benchmark results' keys: bench/TASK/METRIC
 
 
 def secret_values() -> list[str]:
@@ -127,7 +128,12 @@ PERF_KEYS = (
 
 
 def tensorboard_tag(key: str) -> str:
-    """Group the flat metric names into TensorBoard sections (train/, eval/, perf/, memory/)."""
+    """Group the flat metric names into TensorBoard sections (train/, eval/, perf/, memory/).
+
+    A name that has its sections already (bench/TASK/METRIC: runtime/benchmark.py) keeps them.
+    """
+    if "/" in key:
+        return key
     if key.startswith("eval_"):
         return f"eval/{key[5:]}"
     if key.startswith(("gpu_mem", "host_rss")):
@@ -185,6 +191,13 @@ class WandbTracker:
         self.run_id: str | None = self.run.id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        if metrics and all(key.startswith(BENCH) for key in metrics):
+            # Benchmark results (runtime/benchmark.py) may come after the run has logged later steps
+            # (`llm-train eval` of an older checkpoint), and W&B drops a step below its last: they
+            # carry their own x-axis, the step of the weights they measure.
+            self.run.define_metric(f"{BENCH}*", step_metric=f"{BENCH}step")
+            self.run.log({**metrics, f"{BENCH}step": step})
+            return
         self.run.log(metrics, step=step)
 
     def close(self) -> None:

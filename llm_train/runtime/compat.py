@@ -18,11 +18,12 @@ repairs), re-read each workaround's source location, then raise the window and e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -87,6 +88,13 @@ WORKAROUNDS = (
     Workaround(
         "keep_training_layout", "bitsandbytes", "0.50.2", "an eval forward on CPU repacks 4-bit weights"
     ),
+    Workaround(
+        "without_hf_zero3_config",
+        "transformers",
+        "5.24",
+        "a plain model built during a ZeRO-3 run is built partitioned, inside zero.Init",
+    ),
+    Workaround("no_progress_bars", "lm_eval", "0.4.13", "lm-eval draws its request bars on every rank 0"),
 )
 
 
@@ -458,3 +466,47 @@ def keep_training_layout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if is_quantized_linear(module) and hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+# ------------------------------------------------------------ transformers, lm-eval
+
+
+@contextlib.contextmanager
+def without_hf_zero3_config() -> Iterator[None]:
+    """Build a plain (unpartitioned) model while a ZeRO-3 run is registered with transformers.
+
+    transformers builds every model inside zero.Init while a ZeRO-3 config is registered
+    (integrations/deepspeed.py is_deepspeed_zero3_enabled, transformers 5.24): the registration
+    (a module-level weak reference) is removed while the block runs, and put back after it.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """lm-eval's request bars off: lm_eval 0.4.13 makes them with tqdm(disable=rank != 0), which nothing
+    else switches.
+
+    tqdm reads TQDM_DISABLE when it is imported (long before lm-eval), so the bars are disabled by
+    giving tqdm's constructor that default while lm-eval runs.
+    """
+    from tqdm import tqdm
+
+    original = tqdm.__init__
+
+    def quiet_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    tqdm.__init__ = quiet_init
+    try:
+        yield
+    finally:
+        tqdm.__init__ = original

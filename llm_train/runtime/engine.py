@@ -14,6 +14,7 @@ runtime/objectives.py), then `train_step` / `evaluate` run,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -97,6 +98,13 @@ class Engine(Protocol):
 
     def export(self, final: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         """Write a plain Hugging Face model directory (every rank takes part)."""
+
+    def benchmark_model(self) -> AbstractContextManager[Any]:
+        """The model as it trains now, in eval mode, for rank 0 to run lm-eval on (None on the other ranks).
+
+        Every rank enters it (under ZeRO-3 the weights are gathered, a collective); training resumes
+        unchanged when it exits. Only for layouts runtime/benchmark.py `unavailable` lets through.
+        """
 
     def finish(self) -> None:
         """End training and tear the process group down."""

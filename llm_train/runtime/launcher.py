@@ -20,6 +20,7 @@ initialise DeepSpeed's process group ("Default process group has not been initia
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -29,7 +30,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from llm_train.config.accelerate_launch import ENV as ACCELERATE_ENV
+from llm_train.config.accelerate_launch import FIELDS, AccelerateLaunch
 
 SPAWNED_ENV = "LLM_TRAIN_SPAWNED"
 
@@ -73,26 +77,95 @@ def _accelerate_launch_args() -> list[str] | None:
     return None
 
 
-def world_from_accelerate_parent() -> LocalWorld | None:
-    """The world `accelerate launch` asked for when it left starting the workers to us."""
-    if os.environ.get(SPAWNED_ENV) or world_from_env() is not None:
-        return None
-    args = _accelerate_launch_args()
-    if args is None:
-        return None
+def read_accelerate_launch(args: list[str]) -> tuple[Any, AccelerateLaunch]:
+    """Accelerate's own reading of an `accelerate launch` command line: its flags and config file.
+
+    Returns accelerate's parsed namespace (every value merged, as its launcher sees them) and the
+    what-fields llm_train reconciles with the recipe (config/accelerate_launch.py), each with its
+    origin. Raises accelerate's ValueError for a config or flags accelerate itself would refuse.
+    """
     import logging
 
+    import yaml
+    from accelerate.commands.config import default_config_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     parsed, _ = launch_command_parser().parse_known_args(args)
+    flags = set(getattr(parsed, "nondefault", ()))  # accelerate records the options given on the line
+    # Which file accelerate reads: --config_file, else its default one unless --cpu (launch.py, 1.15).
+    path = parsed.config_file or (
+        default_config_file if os.path.isfile(default_config_file) and not parsed.cpu else None
+    )
+    raw = (yaml.safe_load(open(path, encoding="utf-8")) or {}) if path else {}  # noqa: SIM115
     # It logs its "values were not passed" warning again; accelerate launch already printed it.
     launch_logger = logging.getLogger("accelerate.commands.launch")
     level = launch_logger.level
     launch_logger.setLevel(logging.ERROR)
     try:
-        parsed, _, _ = _validate_launch_command(parsed)  # applies the accelerate config file, if any
+        parsed, defaults, _ = _validate_launch_command(parsed)  # applies the config file, if any
     finally:
         launch_logger.setLevel(level)
+    # The wizard writes `mixed_precision: null` beside a deepspeed_config_file: not a setting.
+    in_file = {k for k, v in (raw.get("deepspeed_config") or {}).items() if v is not None}
+    in_file |= {"mixed_precision"} if raw.get("mixed_precision") is not None else set()
+    values, origins = {}, {}
+    for name in FIELDS:
+        value = getattr(parsed, name, None)
+        if value is None or not (name in flags or name in in_file):
+            continue
+        values[name] = str(value)
+        origins[name] = f"accelerate launch --{name}" if name in flags else f"accelerate config {path}"
+    return parsed, AccelerateLaunch(
+        kind=_launch_kind(parsed, defaults),
+        values=values,
+        origins=origins,
+        mpirun=getattr(parsed, "mpirun_hostfile", None) is not None,
+    )
+
+
+def _launch_kind(parsed: Any, defaults: Any) -> str:
+    """The launcher `accelerate launch` picks (its launch_command's order, 1.15), as a DistributedType name."""
+    if defaults is not None and str(defaults.compute_environment).endswith("AMAZON_SAGEMAKER"):
+        return "SAGEMAKER"
+    for flag, kind in (
+        ("use_deepspeed", "DEEPSPEED"),
+        ("use_fsdp", "FSDP"),
+        ("use_megatron_lm", "MEGATRON_LM"),
+        ("multi_gpu", "MULTI_GPU"),
+        ("tpu", "XLA"),
+    ):
+        if getattr(parsed, flag, False) and not parsed.cpu:
+            return kind
+    # The simple launcher: one process, or (on CPU) the workers llm_train starts itself.
+    return "MULTI_CPU" if int(parsed.num_processes or 1) > 1 or int(parsed.num_machines or 1) > 1 else "NO"
+
+
+@functools.cache
+def _from_accelerate_parent() -> tuple[Any, AccelerateLaunch] | None:
+    args = _accelerate_launch_args()
+    return None if args is None else read_accelerate_launch(args)
+
+
+def accelerate_launch() -> AccelerateLaunch | None:
+    """What the `accelerate launch` that started this run says about it (None: not started by one).
+
+    Workers that llm_train started itself read it from the first process (ENV), whose parent was
+    the launcher; under torchrun each worker's parent is the `accelerate launch` process itself.
+    """
+    if text := os.environ.get(ACCELERATE_ENV):
+        return AccelerateLaunch.from_json(text)
+    found = _from_accelerate_parent()
+    return None if found is None else found[1]
+
+
+def world_from_accelerate_parent() -> LocalWorld | None:
+    """The world `accelerate launch` asked for when it left starting the workers to us."""
+    if os.environ.get(SPAWNED_ENV) or world_from_env() is not None:
+        return None
+    found = _from_accelerate_parent()
+    if found is None:
+        return None
+    parsed = found[0]
     total = int(parsed.num_processes or 1)
     nnodes = int(parsed.num_machines or 1)
     if total <= 1 and nnodes <= 1:
@@ -122,7 +195,26 @@ def set_single_process_env() -> None:
     )
 
 
+# What accelerate's launchers leave in the environment for the Accelerator to read (accelerate 1.15
+# utils/launch.py). Each was reconciled with the recipe before the run was resolved
+# (config/accelerate_launch.py), and the recipe's values reach Accelerate explicitly; these copies
+# must not act behind them: ACCELERATE_USE_CPU (a MULTI_CPU config) makes Accelerate skip DeepSpeed's
+# process group, so DeepSpeed counts a world of 1 and refuses the batch ("16 != 8 * 1 * 1");
+# ACCELERATE_CONFIG_DS_FIELDS beside our DS JSON fails Accelerate's "will be ignored" check.
+_ACCELERATE_WHAT_ENV = (
+    "ACCELERATE_USE_CPU",
+    "ACCELERATE_CONFIG_DS_FIELDS",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "ACCELERATE_GRADIENT_CLIPPING",
+    "ACCELERATE_MIXED_PRECISION",
+)
+_ACCELERATE_WHAT_PREFIX = "ACCELERATE_DEEPSPEED_"  # zero stage, offload, config file, zero3 init, ...
+
+
 def use_deepspeed_in_accelerate() -> None:
+    """Accelerate drives DeepSpeed with the recipe's settings, and with nothing its launcher left behind."""
+    for key in [k for k in os.environ if k in _ACCELERATE_WHAT_ENV or k.startswith(_ACCELERATE_WHAT_PREFIX)]:
+        del os.environ[key]
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 
 

@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from llm_train.data.model_inputs import SpanTally
-from llm_train.observability.console import eval_line, progress_line
+from llm_train.observability.console import bench_line, eval_line, progress_line
 from llm_train.observability.metrics import StepMeter
 from llm_train.observability.profiling import NullProfiler, StepProfiler
 from llm_train.observability.tracking import Trackers
+from llm_train.runtime.benchmark import PeriodicBench
 from llm_train.runtime.collectives import WORLD
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Batch, Engine, NonFiniteLoss
@@ -49,6 +50,7 @@ def train_loop(
     say: Callable[[str], None],
     meter: StepMeter,
     profiler: StepProfiler | NullProfiler | None = None,
+    bench: PeriodicBench | None = None,
 ) -> LoopResult:
     profiler = profiler or NullProfiler()
     batches = SpanTally(batches)  # the documents' lengths in the batches trained on: MFU's attention span
@@ -92,6 +94,11 @@ def train_loop(
             tracker.log(evaluated, step)
             say(eval_line(step, evaluated))
             metrics["eval_loss"] = evaluated["eval_loss"]
+
+        if bench is not None and bench.due(step, cfg.max_steps):  # recipe eval.tasks, through lm-eval
+            measured = bench.run(step)
+            tracker.log(measured, step)
+            say(bench_line(step, measured))
 
         save_now, stop_now = control.decide(step, flags)
         if save_now and step < cfg.max_steps:  # the final checkpoint is the caller's

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llm_train.config.resolution import Resolved
+from llm_train.errors import UserError
 from llm_train.observability.metrics import shape_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.planning.shapes import shape_from_config
@@ -187,6 +189,10 @@ class PipelineEngine:
         holder = self.ds.is_last_stage() and self.ds.grid.get_data_parallel_id() == 0
         gathered = collectives.WORLD.gather_objects(logits.detach().cpu() if holder else None)
         return input_ids, next(t for t in gathered if t is not None)
+
+    def benchmark_model(self) -> AbstractContextManager[Any]:
+        # Never called: each stage holds part of the model (runtime/benchmark.py `unavailable`).
+        raise UserError("eval.tasks cannot run on pipeline stages")
 
     def finish(self) -> None:
         collectives.destroy()

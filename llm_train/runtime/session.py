@@ -39,6 +39,8 @@ from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
 from llm_train.runtime import collectives, compat, launcher
+from llm_train.runtime.benchmark import PeriodicBench, recipe_options
+from llm_train.runtime.benchmark import unavailable as benchmark_unavailable
 from llm_train.runtime.checkpointing.resume import Resume, TrainerState
 from llm_train.runtime.checkpointing.run_state import Saver
 from llm_train.runtime.control import RunControl
@@ -300,8 +302,35 @@ def train(
     profiler = make_profiler(
         options.profile, options.flops_profiler, recipe.output_dir, w.rank, state.step, data.max_steps, w.say
     )
+    bench = periodic_bench(w, engine, data)
     with profiler:
-        return train_loop(engine, data.stream, evals, cfg, tracker, control, save, w.say, meter, profiler)
+        return train_loop(
+            engine, data.stream, evals, cfg, tracker, control, save, w.say, meter, profiler, bench
+        )
+
+
+def periodic_bench(w: Worker, engine: Engine, data: RunData) -> PeriodicBench | None:
+    """eval.tasks during training, on the schedule its steps give (a resumed run keeps it); None without."""
+    section, run = w.run.recipe.eval, w.run
+    if not section.tasks:
+        return None
+    if why := benchmark_unavailable(run):
+        w.say(
+            f"notice: eval.tasks skipped: {why}; evaluate the export afterwards with "
+            f"`llm-train eval {run.recipe.output_dir} --tasks {','.join(section.tasks)}`"
+        )
+        return None
+    patience = process_group_timeout(run.recipe.deepspeed.timeout_minutes).total_seconds()
+    return PeriodicBench(
+        recipe_options(section),
+        section.tasks_every or section.every,
+        data.tokenizer,
+        engine.benchmark_model,
+        run.recipe.output_dir / "checkpoints",  # beside the checkpoints' own exchanges (file_sync.py)
+        collectives.WORLD,
+        w.rank,
+        patience,
+    )
 
 
 def finish(

@@ -10,6 +10,7 @@ cached, the policy's own engine with its adapters disabled, or a frozen copy (re
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -19,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llm_train.config.resolution import Resolved
-from llm_train.errors import UserError
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
+from llm_train.runtime.compat import without_hf_zero3_config
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
 from llm_train.runtime.export import (
     EXPORT_DTYPES,
@@ -31,7 +32,7 @@ from llm_train.runtime.export import (
     write_reference,
 )
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
-from llm_train.runtime.lora import is_peft_model
+from llm_train.runtime.lora import apply_lora, is_peft_model
 from llm_train.runtime.model import build_model
 from llm_train.runtime.objectives import (
     LanguageModeling,
@@ -55,13 +56,6 @@ if TYPE_CHECKING:
 MAX_SKIPS = 8  # with on_nonfinite=skip: more than this means the run itself is broken
 
 _MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-# Multi-node launcher fields say *where* (launch/ uses them); any other DeepSpeed field says *what*.
-_WHERE_FIELDS = {
-    "deepspeed_multinode_launcher",
-    "deepspeed_hostfile",
-    "deepspeed_inclusion_filter",
-    "deepspeed_exclusion_filter",
-}
 
 
 class ZeroEngine:
@@ -81,17 +75,6 @@ class ZeroEngine:
         from accelerate.utils import InitProcessGroupKwargs
 
         run = self.run
-        what = [
-            f
-            for f in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
-            if f and f not in _WHERE_FIELDS
-        ]
-        if what:
-            raise UserError(
-                "your accelerate config sets DeepSpeed fields "
-                f"({','.join(what)}); with llm_train the recipe and its DeepSpeed JSON "
-                "own them: keep only machines/processes/rendezvous in the accelerate config (see launch/)"
-            )
         if run.layout.zero_stage == 3:
             # Registered before the model exists, so transformers builds it inside zero.Init and no
             # rank materialises the full model. The reference must stay alive while the model is built.
@@ -329,6 +312,48 @@ class ZeroEngine:
         # No barrier after the last shard, as for a full export: nothing the other ranks do next needs
         # final/. Between ZeRO-3's per-module gathers rank 0 writes at most one shard (EXPORT_SHARD_BYTES)
         # while the others wait in the next gather: seconds, far inside the process group's timeout.
+
+    @contextlib.contextmanager
+    def benchmark_model(self) -> Iterator[Any]:
+        """The live model for rank 0's benchmark: itself under ZeRO-0..2, a gathered copy under ZeRO-3.
+
+        ZeRO-0..2 keep the whole model on every rank: rank 0 evaluates it in place, in eval mode (no
+        dropout), with no gradient, and hands it back in train mode. Under ZeRO-3 a forward on one rank
+        would wait on the others' shards, so the weights are gathered as the export gathers them
+        (`get_state_dict`: every rank takes part, rank 0 holds the result on the host) into a plain copy
+        built on rank 0 (a PEFT model again for LoRA), freed on exit.
+        """
+        unwrapped = self.accelerator.unwrap_model(self.ds)
+        main = self.accelerator.is_main_process
+        if self.run.layout.zero_stage != 3:
+            unwrapped.eval()
+            try:
+                with torch.no_grad():
+                    yield unwrapped if main else None
+            finally:
+                unwrapped.train()
+            return
+        state_dict = self.accelerator.get_state_dict(self.ds)
+        copy = self._plain_copy(unwrapped, state_dict) if main else None
+        del state_dict
+        try:
+            with torch.no_grad():
+                yield copy
+        finally:
+            del copy
+
+    def _plain_copy(self, unwrapped: Any, state_dict: dict[str, torch.Tensor]) -> Any:
+        """A model without ZeRO-3's partitioning, holding `state_dict`, on this rank's device."""
+        from transformers import AutoModelForCausalLM
+
+        with without_hf_zero3_config():  # else transformers would build it partitioned, under zero.Init
+            dtype = next(iter(state_dict.values())).dtype
+            model = AutoModelForCausalLM.from_config(unwrapped.config, dtype=dtype)
+            if is_peft_model(unwrapped):
+                assert self.run.recipe.lora is not None
+                model = apply_lora(model, self.run.recipe.lora)
+        model.load_state_dict(state_dict, strict=True)
+        return model.to(self.ds.device).eval()
 
     @staticmethod
     def _gather(params: list[torch.nn.Parameter]) -> AbstractContextManager[Any]:

@@ -1,7 +1,8 @@
 """Every data format trains end to end: real 2-process DeepSpeed on CPU through llm_train/train.py.
 
 One launch trains on a mixture of all four formats at once (text, instruction, chat,
-tokenized; packed); a second runs the shipped tiny-cpu-chat recipe in padded mode. Both
+tokenized; packed); a second runs the shipped tiny-cpu-chat recipe in padded mode, a third the same
+recipe on its chat examples in ShareGPT's shape (preset: sharegpt). Each
 use their own cache folder, so tokenisation runs inside the launch (both ranks racing for
 the same cache entry: one builds, the other waits and reads).
 """
@@ -98,10 +99,39 @@ def test_all_formats_in_one_mixture_train(tmp_path: Path) -> None:
         assert _prepared_line(fmt, result.stdout), fmt
 
 
-def test_shipped_chat_recipe_trains_padded(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def padded_chat(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The shipped tiny-cpu-chat recipe in padded mode: its run directory and output."""
+    tmp = tmp_path_factory.mktemp("padded")
+    run_dir = tmp / "run"
     args = ["--recipe", "tiny-cpu-chat", "--output-dir", str(run_dir), *SHORT]
+    result = launch([*args, "data.packing=padded", f"data.cache_dir={tmp / 'cache'}"])
+    assert_ok(result)
+    return run_dir, result.stdout
+
+
+def test_shipped_chat_recipe_trains_padded(padded_chat: tuple[Path, str]) -> None:
+    run_dir, stdout = padded_chat
+    _world_ok(run_dir)
+    assert _prepared_line("chat", stdout)
+
+
+def test_a_sharegpt_file_trains_through_tiny_cpu_chat_with_the_preset(
+    tmp_path: Path, padded_chat: tuple[Path, str]
+) -> None:
+    # The bundled chat examples as ShareGPT writes them: conversations[].from/value, human/gpt/system.
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    shared = tmp_path / "sharegpt.jsonl"
+    with shared.open("w") as out:
+        for line in (ASSETS / "chat.jsonl").read_text().splitlines():
+            turns = [{"from": names[m["role"]], "value": m["content"]} for m in json.loads(line)["messages"]]
+            out.write(json.dumps({"conversations": turns}) + "\n")
+    run_dir = tmp_path / "run"
+    source = f"data.train=[{{path: {shared}, format: chat, preset: sharegpt}}]"
+    args = ["--recipe", "tiny-cpu-chat", "--output-dir", str(run_dir), *SHORT, source]
     result = launch([*args, "data.packing=padded", f"data.cache_dir={tmp_path / 'cache'}"])
     assert_ok(result)
     _world_ok(run_dir)
-    assert _prepared_line("chat", result.stdout)
+    # Mapped, the same conversations train on the same tokens with the same loss mask (the assistant
+    # turns only: tests/unit/test_data_chat_mapping.py), so every step's loss is the OpenAI file's.
+    assert losses(run_dir) == losses(padded_chat[0])

@@ -49,10 +49,12 @@ def test_the_extras_are_the_ones_the_cli_names() -> None:
         "peft": "lora",
         "bitsandbytes": "qlora",
         "matplotlib": "report",
+        "lm-eval": "eval",
     }
     for package, extra in OPTIONAL.items():
         assert cli.missing_dependency_fix(package) == f"pip install 'llm_train[{extra}]'"
     assert cli.missing_dependency_fix("matplotlib.pyplot") == "pip install 'llm_train[report]'"
+    assert cli.missing_dependency_fix("lm_eval") == "pip install 'llm_train[eval]'"  # lm-eval's module
     assert "reinstall" in (cli.missing_dependency_fix("deepspeed") or "")
     assert cli.missing_dependency_fix("pytest") is None  # a developer tool, not the user's business
     assert cli.missing_dependency_fix("no_such_module") is None
@@ -128,7 +130,7 @@ WITH_OVERRIDES = {
     "data prepare": ([A, "--recipe", "tiny-cpu", B, C], {"recipe": "tiny-cpu"}),
     "data inspect": (["--recipe", "tiny-cpu", A, "-n", "5", B, C], {"recipe": "tiny-cpu", "n": 5}),
 }
-WITHOUT_OVERRIDES = {"recipes", "export", "report", "convert"}
+WITHOUT_OVERRIDES = {"recipes", "export", "report", "convert", "generate", "chat", "eval"}
 
 
 def test_every_subcommand_says_whether_it_takes_overrides() -> None:

@@ -29,6 +29,8 @@ EXPECTED = {
     "clip_fp32_across_stages": "deepspeed",
     "keep_fp32_rope_buffers": "deepspeed",
     "keep_training_layout": "bitsandbytes",
+    "without_hf_zero3_config": "transformers",
+    "no_progress_bars": "lm_eval",
 }
 
 
@@ -156,6 +158,8 @@ def test_only_compat_patches_a_library() -> None:
         "cpp_extension.load",
         "compiler.compile",
         "deepspeed_torch_backend.build_shm_op",
+        "hf_deepspeed._hf_deepspeed_config_weak_ref",
+        "tqdm.__init__",
     }
 
 

@@ -76,7 +76,7 @@ def test_malformed_messages_name_the_row(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     _fails(
         tmp_path,
-        r"row 2: message 0 needs 'role' and 'content'",
+        r"row 2: message 0 has no 'content' \(has: role, text\); set role_field / content_field on this source",
         train=[{"path": str(path), "format": "chat"}],
     )
 
@@ -84,12 +84,12 @@ def test_malformed_messages_name_the_row(tmp_path: Path) -> None:
 def test_chat_template_failure_names_the_row(tmp_path: Path) -> None:
     rows = [
         {"messages": [{"role": "user", "content": "ok"}]},
-        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "developer", "content": "x"}]},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     _fails(
         tmp_path,
-        r"row 2: the chat template failed \(Unsupported chat role: tool\)",
+        r"row 2: the chat template failed \(Unsupported chat role: developer\)",
         train=[{"path": str(path), "format": "chat"}],
     )
 

@@ -1,0 +1,191 @@
+"""Which model `llm-train eval | generate | chat` run: an export, a run directory or a checkpoint, loaded.
+
+    an export (a Hugging Face model directory, or PEFT adapter files)   used as it is
+    a run directory                                                    its final/, else its newest checkpoint
+    a checkpoint (RUN_DIR/checkpoints/step-N)                          exported first, into RUN_DIR/exports/step-N
+
+A checkpoint goes through `llm-train export`'s own verified export (runtime/export.py
+`export_checkpoint`: keys and logits against the training engine's), never a second conversion
+path; the export is kept and reused. A run's own `config/recipe.yaml` supplies what the export
+alone does not say: the chat template the run trained with (`data.chat_template`) and, for an
+adapter export, whether the base was quantised (`lora.quantize`: loaded in 4 or 8 bits again when
+bitsandbytes imports).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llm_train.commands.convert import checkpoint_of
+from llm_train.config.recipe import LoraSection, Recipe, load_recipe
+from llm_train.data.formats import chat_template_for
+from llm_train.errors import UserError, first_line
+from llm_train.runtime.export import export_checkpoint
+from llm_train.runtime.lora import is_adapter_export
+from llm_train.runtime.qlora_base import quantization_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+EXPORTS = "exports"  # RUN_DIR/exports/step-N: checkpoints exported for eval / generate
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to run, and the run it comes from (None: a bare export)."""
+
+    model_dir: Path
+    run_dir: Path | None
+    step: int | None  # the optimizer step the weights are from, when known
+    recipe: Recipe | None  # the run's config/recipe.yaml
+
+    @property
+    def adapter(self) -> bool:
+        return is_adapter_export(self.model_dir)
+
+
+def resolve_source(path: Path, say: Callable[[str], None] = print) -> ModelSource:
+    """The model `path` names (an export, a run directory, a checkpoint), a checkpoint exported first."""
+    if not path.is_dir():
+        raise UserError(f"{path}: not a directory; give a run directory, a checkpoint or an exported model")
+    if _is_export(path):
+        run_dir = path.parent if _is_run_dir(path.parent) else None
+        step = _last_step(run_dir) if run_dir is not None and path.name == "final" else None
+        if run_dir is not None and path.parent.name == EXPORTS:  # RUN_DIR/exports/step-N
+            run_dir = path.parent.parent
+            step = _step_of(path.name)
+        return ModelSource(path, run_dir, step, _recipe(run_dir))
+    if _is_run_dir(path) and _is_export(path / "final"):
+        return ModelSource(path / "final", path, _last_step(path), _recipe(path))
+    if (path / "manifest.json").is_file() or (path / "checkpoints").is_dir():
+        return _exported_checkpoint(path, say)
+    raise UserError(
+        f"{path}: neither an exported model (config.json or adapter_config.json), a run directory (final/ or "
+        "checkpoints/) nor a checkpoint (checkpoints/step-N)"
+    )
+
+
+def _exported_checkpoint(path: Path, say: Callable[[str], None]) -> ModelSource:
+    ckpt = checkpoint_of(path, "eval")
+    run_dir = ckpt.parent.parent  # RUN_DIR/checkpoints/step-N
+    out = run_dir / EXPORTS / ckpt.name
+    if not (out / "export_check.json").is_file():  # written last by the verified export
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)  # an export that did not finish
+        result = export_checkpoint(ckpt, out, "fp32")
+        say(f"exported {ckpt} -> {out}: {result['tensors']} tensors; {result['verified']}")
+    return ModelSource(out, run_dir, _step_of(ckpt.name), _recipe(run_dir))
+
+
+def _is_export(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / "config" / "recipe.yaml").is_file()
+
+
+def _step_of(name: str) -> int | None:
+    digits = name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else None
+
+
+def _last_step(run_dir: Path | None) -> int | None:
+    """The last step the run logged: the step its final/ holds."""
+    path = None if run_dir is None else run_dir / "metrics.jsonl"
+    if path is None or not path.is_file():
+        return None
+    steps = [json.loads(line).get("step") for line in path.read_text().splitlines() if line.strip()]
+    return max((s for s in steps if isinstance(s, int)), default=None)
+
+
+def _recipe(run_dir: Path | None) -> Recipe | None:
+    if run_dir is None:
+        return None
+    return load_recipe(str(run_dir / "config" / "recipe.yaml"), [])
+
+
+def torch_dtype(name: str) -> Any:
+    """`--dtype`: auto = bf16 on a GPU that has it, else fp32 (CPUs and older GPUs)."""
+    import torch
+
+    if name == "auto":
+        return (
+            torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        )
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The export's tokenizer with the chat template the run trained with (the recipe's data.chat_template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    override = source.recipe.data.chat_template if source.recipe is not None else None
+    if override:
+        tokenizer.chat_template = chat_template_for(tokenizer, override, "data.chat_template")
+    return tokenizer
+
+
+def load_model(source: ModelSource, dtype: Any, quantize: str = "auto") -> tuple[Any, str]:
+    """The model (a transformers PreTrainedModel, or PEFT's model around one) in eval mode on this
+    machine's device, and one line saying how it was loaded.
+
+    quantize: auto = an adapter export's base as the run had it (its lora.quantize) when bitsandbytes
+    imports; none, nf4 or int8 = that, for the base of an adapter or for a merged model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lora = source.recipe.lora if source.recipe is not None else None
+    kind = _quantize(quantize, lora.quantize if lora is not None and source.adapter else "none")
+    options: dict[str, Any] = {"dtype": dtype}
+    if kind != "none":
+        base_lora = (lora or LoraSection()).model_copy(update={"quantize": kind})
+        options["quantization_config"] = quantization_config(base_lora, dtype)
+        options["device_map"] = {"": device}
+    how = f"{str(dtype).removeprefix('torch.')} on {device}" + (f", base in {kind}" if kind != "none" else "")
+    model: Any
+    if source.adapter:
+        from peft import PeftModel
+
+        config = json.loads((source.model_dir / "adapter_config.json").read_text())
+        base_path = config.get("base_model_name_or_path")
+        if not base_path:
+            raise UserError(f"{source.model_dir}: adapter_config.json names no base_model_name_or_path")
+        try:
+            base = AutoModelForCausalLM.from_pretrained(base_path, **options)
+        except OSError as exc:
+            raise UserError(
+                f"{source.model_dir}: the adapter's base {base_path} does not load ({first_line(exc)}); export the run "
+                "merged (lora.export=merged) or make the base available"
+            ) from None
+        model = PeftModel.from_pretrained(base, source.model_dir)
+        how = f"PEFT adapter on {base_path}, {how}"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.model_dir, **options)
+    if kind == "none":
+        model.to(device)
+    model.eval()
+    return model, how
+
+
+def _quantize(requested: str, runs: str) -> str:
+    if requested != "auto":
+        return requested
+    if runs == "none":
+        return "none"
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return "none"  # the base in full precision: the same model, more memory
+    return runs

@@ -1,0 +1,146 @@
+"""`llm-train generate | chat`: the model's own greedy text through the recipe's tokenizer and template.
+
+On a tiny Llama saved with save_pretrained (tests/helpers.py), so nothing trains here: greedy output
+is deterministic, and the command must give exactly what transformers' own `generate` gives on the
+same model and token ids. Run directories and checkpoints: tests/e2e/test_eval.py.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from llm_train import cli
+from llm_train.commands.model_source import load_model, resolve_source
+from llm_train.config.recipe import load_recipe
+from tests.helpers import make_tiny_pretrained
+from tests.optional import require
+
+PROMPT = "The import statement"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_pretrained(tmp_path_factory.mktemp("gen") / "tiny", seed=3)
+
+
+def _greedy(model: torch.nn.Module, tokenizer: object, ids: list[int]) -> str:
+    inputs = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(  # type: ignore[operator]
+            input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW, do_sample=False
+        )
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+def _hf(path: Path) -> tuple[torch.nn.Module, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert cli.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_greedy_generate_equals_transformers_generate(
+    pretrained: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _cli(["generate", str(pretrained), "--prompt", PROMPT, "--max-new-tokens", str(NEW)], capsys)
+    model, tokenizer = _hf(pretrained)
+    want = _greedy(model, tokenizer, tokenizer(PROMPT)["input_ids"])  # type: ignore[operator]
+    assert want.strip() and out == want + "\n"
+
+
+def test_a_prompt_file_gives_one_answer_per_prompt(
+    pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The import statement\n\nA list is\n")
+    out = _cli(
+        ["generate", str(pretrained), "--prompt-file", str(prompts), "--max-new-tokens", str(NEW)], capsys
+    )
+    model, tokenizer = _hf(pretrained)
+    want = "".join(
+        f"### {p}\n{_greedy(model, tokenizer, tokenizer(p)['input_ids'])}\n"  # type: ignore[operator]
+        for p in ("The import statement", "A list is")
+    )
+    assert out == want
+
+
+def test_chat_reads_stdin_keeps_the_conversation_and_stops_at_eof(
+    pretrained: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is a list?\n\nAnd a tuple?\n"))  # then EOF
+    out = _cli(["chat", str(pretrained), "--max-new-tokens", str(NEW), "--system", "Be brief."], capsys)
+    model, tokenizer = _hf(pretrained)
+    messages = [{"role": "system", "content": "Be brief."}]
+    want = []
+    for question in ("What is a list?", "And a tuple?"):  # the blank line is no message
+        messages.append({"role": "user", "content": question})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # type: ignore[attr-defined]
+        answer = _greedy(model, tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+        messages.append({"role": "assistant", "content": answer})
+        want.append(answer)
+    assert out == "".join(f"{a}\n" for a in want)
+
+
+def test_a_lora_adapter_export_runs_through_peft(
+    pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = _hf(pretrained)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)  # type: ignore[attr-defined]
+    assert cli.main(["generate", str(adapter), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
+    out, err = capsys.readouterr()
+    assert f"PEFT adapter on {pretrained}" in err
+    peft_model.eval()
+    want = _greedy(peft_model, tokenizer, tokenizer(PROMPT)["input_ids"])  # type: ignore[operator]
+    assert out == want + "\n"
+    # The adapter changes the answer: the base alone gives another text (else the test shows nothing).
+    assert want != _greedy(_hf(pretrained)[0], tokenizer, tokenizer(PROMPT)["input_ids"])  # type: ignore[operator]
+
+
+def test_a_qlora_runs_base_loads_in_4_bits_when_bitsandbytes_is_there(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    require("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = _hf(pretrained)
+    run = tmp_path / "run"
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(run / "final")
+    tokenizer.save_pretrained(run / "final")  # type: ignore[attr-defined]
+    overrides = [
+        "lora.quantize=nf4",
+        "lora.export=adapter",
+        "model.init=pretrained",
+        f"model.name_or_path={pretrained}",
+    ]
+    recipe = load_recipe("tiny-cpu-lora", overrides)
+    (run / "config").mkdir()
+    (run / "config" / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    source = resolve_source(run)
+    assert source.model_dir == run / "final" and source.adapter
+    loaded, how = load_model(source, torch.float32)
+    assert "base in nf4" in how
+    import bitsandbytes as bnb
+
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in loaded.modules())
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])  # type: ignore[operator]
+    with torch.no_grad():
+        assert torch.isfinite(loaded(input_ids=ids).logits).all()
