@@ -52,6 +52,19 @@ ESTIMATE_TOLERANCE = 0.15  # the planner's stated precision (~15% on memory and 
 NOT_JUDGED = "cpu-tiny: the planner's estimates and the targets are for GPUs"
 
 
+def as_a_training_worker() -> None:
+    """The library set-up every training worker makes first (runtime/session.py prepare_libraries).
+
+    For a benchmark that runs DeepSpeed in its own process: with DeepSpeed's default build flags and
+    another ninja it would JIT-build the ops again (pin_memory, cpu_adam: minutes on 2 cores), and the
+    next training run would rebuild them back (seen in CI: bench.pinning_copy_time's 16 MiB case spent
+    its time box building pin_memory). Also skips the unused shm op and quiets library logs.
+    """
+    from llm_train.runtime.session import prepare_libraries
+
+    prepare_libraries(verbose=False)
+
+
 def module_cmd(module: str, *args: str) -> list[str]:
     """`python -m bench.X ...`: run from the repository root, bench is a package there."""
     return [sys.executable, "-m", module, *args]

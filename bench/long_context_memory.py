@@ -58,7 +58,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.harness import OFFLINE_ENV, REPO, proc_kib_field, versions
+from bench.harness import OFFLINE_ENV, REPO, as_a_training_worker, proc_kib_field, versions
 from llm_train.config.resolution import resolve_run
 from llm_train.planning.fit import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
 from llm_train.planning.memory import ALLOCATOR_SLACK_FRACTION, estimate_memory
@@ -341,6 +341,7 @@ def report(
 
 
 def main() -> None:
+    as_a_training_worker()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--base-seq-len", type=int, default=256, help="Short run subtracted from each peak.")

@@ -44,7 +44,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bench.harness import REPO, accelerate_launch, versions, write_result
+from bench.harness import REPO, accelerate_launch, as_a_training_worker, versions, write_result
 from bench.harness import run_or_exit as run_offline
 from llm_train.config.recipe import TrackingSection
 from llm_train.config.resolution import resolve_run
@@ -352,6 +352,7 @@ def interleaved() -> None:
 
 
 def main() -> None:
+    as_a_training_worker()
     if len(sys.argv) > 1 and sys.argv[1] in ("minimal", "interleaved"):
         role = sys.argv.pop(1)
         run_and_exit(minimal if role == "minimal" else interleaved)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.harness import REPO, versions
+from bench.harness import REPO, as_a_training_worker, versions
 
 MiB = 2**20
 
@@ -113,6 +113,7 @@ def run(nbytes: int, repeats: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    as_a_training_worker()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512, help="Buffer size in MiB (default 512).")
     parser.add_argument("--repeats", type=int, default=5)

@@ -36,7 +36,7 @@ from llm_train.runtime.checkpointing.resume import Resume
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
-from llm_train.runtime.qlora_base import check_bitsandbytes
+from llm_train.runtime.quantize import check_bitsandbytes
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 

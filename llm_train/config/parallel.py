@@ -66,18 +66,20 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
 def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: str) -> None:
     """QLoRA (lora.quantize): what bitsandbytes layers cannot do under DeepSpeed, refused before anything loads.
 
-    Pipeline stages and AutoTP are refused for every LoRA run above. bitsandbytes keeps each
-    quantised weight with its quantisation state (absmax, code book) on the GPU that computes with
-    it: ZeRO-3 may partition the packed storage (its dtype is the compute dtype, so DeepSpeed
-    flattens it like any 16-bit tensor), but offloading it to CPU or NVMe would move the bytes
-    without the state.
+    Pipeline stages and AutoTP are refused for every LoRA run above. ZeRO-3 partitions the packed
+    nf4 storage like any 16-bit tensor (its dtype is the compute dtype), and with offload_param on
+    the CPU keeps the partitions in host RAM and fetches them per module, like any weight; the
+    quantisation state (absmax, code book) is not a parameter: the run puts it on the GPU once,
+    whole (runtime/quantize.py), so both travel as they must. NVMe swapping of the packed storage
+    and int8 (whose scales live beside the weight) are not verified.
     """
     asked = f"lora.quantize={recipe.lora.quantize if recipe.lora else 'none'}"
-    if layout.offload_params != "none":
+    quantize = recipe.lora.quantize if recipe.lora else "none"
+    if layout.offload_params != "none" and (layout.offload_params != "cpu" or quantize != "nf4"):
         raise UserError(
-            f"{asked} cannot offload parameters (offload_param.device={layout.offload_params} in {ds_source}): "
-            "bitsandbytes keeps 4/8-bit weights on the GPU; use ds_configs/zero2, zero3 or "
-            "zero3_offload_optimizer (the adapters' optimizer may go to the CPU)"
+            f"{asked} cannot offload parameters to {layout.offload_params} (offload_param.device in {ds_source}): "
+            "only nf4 weights go to the CPU (ds_configs/zero3_offload); use lora.quantize=nf4 with "
+            "zero3_offload, or zero2, zero3 or zero3_offload_optimizer (the adapters' optimizer on the CPU)"
         )
     if layout.sp > 1:
         raise UserError(

@@ -99,9 +99,16 @@ safetensors shard being read (CHECKPOINT_SHARD_BYTES), never the model. Only a r
 model (`direct_load=False`) is built whole on the host first.
 
 QLoRA (`quantize`): the decoder layers' linear weights in 4 or 8 bits, the rest 16-bit
-(planning/qlora_bytes.py), plus one dequantised 16-bit copy of the layer computing. transformers
-loads a quantised model whole on each GPU (it skips zero.Init); ZeRO-3 partitions it afterwards, so
-the GPU's peak is the larger of that load and training.
+(planning/quantized.py), plus one dequantised 16-bit copy of the layer computing. Under ZeRO-0/1/2
+the base loads straight onto each GPU. Under ZeRO-3 an nf4 base is staged on the host, whole on every
+rank (transformers skips zero.Init for a quantised model), and zero.Init(module=...) partitions it from
+there tensor by tensor (runtime/quantize.py): the host's load peak is ranks x (the staged base + the
+quantiser's working set and the loader's freed temporaries, measured: QUANTIZE_*_BYTES_PER_WEIGHT), the GPU never
+holds more than one whole tensor of it (less than the gathered module training holds). The packed
+codes are partitioned like any weight (and offloaded with offload_param: cpu); the quantisation state
+(absmax, NF4_STATE_BYTES_PER_WEIGHT) is no parameter and stays whole on every GPU. An int8 base under
+ZeRO-3 still loads whole onto each GPU first (its scales are not moved off it), so there the GPU's peak
+is the larger of that load and training.
 
 Units: bytes everywhere; `GiB` (2**30) in tables. GPU terms are per GPU (the
 busiest one: first pipeline stage); host terms and NVMe are per node.
@@ -123,7 +130,13 @@ from llm_train.planning.offload_buffers import (
     nvme_optimizer_buffers,
     nvme_optimizer_bytes,
 )
-from llm_train.planning.qlora_bytes import base_weight_bytes, dequantized_layer_bytes
+from llm_train.planning.quantized import (
+    base_weight_bytes,
+    dequantized_layer_bytes,
+    largest_quantized_weight,
+    quantization_state_bytes,
+    quantized_weight_params,
+)
 from llm_train.planning.shapes import ModelShape
 from llm_train.units import GiB
 
@@ -152,6 +165,18 @@ DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
 
+# The staged load's peak over the staged base itself (bench/qlora_staged_load.py; bench/results/
+# qlora-staged-load-*: 2- and 4-layer models of Llama-3-8B's layer shape on CPU, transformers 5.24,
+# bitsandbytes 0.50, glibc malloc). bitsandbytes' CPU quantiser works on fp32 copies of the weight it
+# quantises (the copy, its scaled values, int32 codes, then the packed bytes) while transformers' loader
+# reads the next tensors: ~16 B per weight of the largest quantised tensor. And the freed temporaries of
+# the smaller tensors stay in glibc's arenas, growing with the model: ~0.28 B per quantised weight (the
+# two models' peaks exceeded the staged base by 1.03 and 1.16 GB; a straight line through two points,
+# extrapolated to 70B). The run hands those back to the OS once the base is loaded (runtime/quantize.py
+# `release_freed_host_memory`: after malloc_trim the excess measured ~0.15 GB at both sizes), so they are
+# a load-phase term only.
+QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT = 16
+QUANTIZE_RETAINED_BYTES_PER_WEIGHT = 0.28
 # Tiled loss: each tile holds at most 1 GiB of fp32 logits per row of the batch (ALST's slices;
 # runtime/tiling.py cuts its tiles by this same constant).
 LOSS_TILE_LOGITS_BYTES = GiB
@@ -235,6 +260,7 @@ def sequence_parallel_buffer_bytes(
 _LABELS = {
     "parameters": "parameters",
     "dequantized_weight": "dequantised 4/8-bit weight (transient)",
+    "quantization_state": "4-bit quantisation state (absmax; whole on every GPU)",
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "activations": "activations",
@@ -347,7 +373,10 @@ class ModelSplit:
     on_gpu_weights: float
     """The elements of weights this GPU holds during training."""
     quantized_base: float
-    """Bytes of the base at its stored precision (4/8-bit under QLoRA, else weight_bytes each)."""
+    """Bytes of the base at its stored precision (4/8-bit under QLoRA, else weight_bytes each), its
+    quantisation state included."""
+    quantization_state: float
+    """Of those, the nf4 quantisation state: not a parameter, so never partitioned or offloaded."""
 
 
 def model_split(inp: MemoryInputs) -> ModelSplit:
@@ -384,6 +413,7 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
         partitioned=partitioned,
         on_gpu_weights=on_gpu_weights,
         quantized_base=base_weight_bytes(shape, inp.quantize, weight_bytes) / shard,
+        quantization_state=quantization_state_bytes(shape, inp.quantize) / shard,
     )
 
 
@@ -406,6 +436,8 @@ def gpu_terms(
         terms["dequantized_weight"] = dequantized_layer_bytes(
             inp.shape, inp.quantize, split.weight_bytes, inp.tp
         )
+    if split.quantization_state:
+        terms["quantization_state"] = split.quantization_state
     if inp.dense_mask and inp.attn_impl == "sdpa" and inp.sp == 1:
         terms["attention_mask"] = attention_mask_bytes(inp)
     if inp.sp > 1:
@@ -423,9 +455,11 @@ def gpu_model_state_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, flo
     params = split.on_gpu_weights * split.weight_bytes
     if inp.quantize != "none":
         # The base's share of what this GPU holds, at the quantised bytes (ZeRO-3 partitions the
-        # packed storage like any weight); adapters stay in the training dtype.
+        # packed storage like any weight); adapters stay in the training dtype. The quantisation
+        # state is a term of its own (gpu_terms): whole on every GPU.
         base_on_gpu = split.on_gpu_weights * split.base / split.weights
-        params += base_on_gpu * (split.quantized_base / split.base - split.weight_bytes)
+        stored = split.quantized_base - split.quantization_state
+        params += base_on_gpu * (stored / split.base - split.weight_bytes)
     # Under ZeRO-2/3 offload, gradients stream through the reduce buckets to the host
     # optimizer. Stage 1 with offload is counted as keeping its full 16-bit gradients
     # until the step (conservative: DeepSpeed's estimator only covers stage 2).
@@ -541,12 +575,12 @@ def attention_mask_bytes(inp: MemoryInputs) -> float:
 
 
 def gpu_peak_bytes(inp: MemoryInputs, split: ModelSplit, training: int) -> int:
-    """The GPU's peak: training, or the QLoRA load when it is larger.
+    """The GPU's peak: training, or an int8 QLoRA load under ZeRO-3 when it is larger.
 
-    transformers loads the quantised base whole onto each GPU (it skips zero.Init); the ZeRO-3 engine
-    then partitions it.
+    transformers loads an int8 base whole onto each GPU (it skips zero.Init); the ZeRO-3 engine then
+    partitions it. An nf4 base is staged on the host instead (module docstring).
     """
-    if inp.quantize != "none" and inp.zero_stage == 3 and inp.zero_partitions > 1:
+    if inp.quantize == "int8" and inp.zero_stage == 3 and inp.zero_partitions > 1:
         return max(training, int(split.quantized_base + CUDA_CONTEXT_BYTES))
     return training
 
@@ -628,6 +662,12 @@ def model_load_peak_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
     """Host bytes per node while the model loads (see the module docstring's Loading)."""
     ranks, weight_bytes = inp.ranks_per_node, split.weight_bytes
     full_model = inp.shape.num_params * weight_bytes
+    if inp.quantize == "nf4" and inp.zero_stage == 3:
+        # Staged on the host, whole on every rank, then partitioned from there (module docstring).
+        staged = base_weight_bytes(inp.shape, inp.quantize, weight_bytes)
+        workspace = QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT * largest_quantized_weight(inp.shape)
+        retained = QUANTIZE_RETAINED_BYTES_PER_WEIGHT * quantized_weight_params(inp.shape)
+        return ranks * (staged + workspace + retained)
     if inp.zero_init or (inp.direct_load and inp.pp == 1):
         # zero.Init, or straight onto the GPU: no rank materialises the model on the host; each
         # reads one checkpoint shard at a time and keeps only its own tensors, on its device.
@@ -686,6 +726,7 @@ def offload_rank(inp: MemoryInputs) -> OffloadRank:
         grad_accum=inp.grad_accum,
         pinning=inp.pinning,
         params_offloaded=inp.offload_params != "none",
+        quantize=inp.quantize,
         loader_forks=inp.loader_forks,
         param_pinning=inp.param_pinning,
         swap=inp.swap,

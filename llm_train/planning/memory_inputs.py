@@ -24,7 +24,7 @@ from llm_train.config.layout import (
 )
 from llm_train.errors import UserError
 from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
-from llm_train.planning.qlora_bytes import QUANTIZE_MODES
+from llm_train.planning.quantized import QUANTIZE_MODES
 from llm_train.planning.shapes import ModelShape
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py) the inputs start from.
@@ -175,9 +175,10 @@ class MemoryInputs:
         if self.quantize != "none" and self.lora_rank is None:
             raise MemoryInputError("quantize needs lora_rank: a quantised base trains adapters only (QLoRA)")
         # The run's QLoRA rules (config/parallel.py), so the planner never proposes what a run refuses.
-        if self.quantize != "none" and self.offload_params != "none":
+        offloaded = self.offload_params != "none"
+        if self.quantize != "none" and offloaded and (self.offload_params, self.quantize) != ("cpu", "nf4"):
             raise MemoryInputError(
-                "quantize cannot offload parameters (bitsandbytes keeps 4/8-bit weights on the GPU)"
+                "quantize can offload parameters only as nf4 to the cpu (offload_params 'cpu')"
             )
         if self.quantize != "none" and self.sp > 1:
             raise MemoryInputError("quantize is not supported with sp > 1")

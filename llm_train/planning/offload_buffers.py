@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llm_train.planning.quantized import QUANTIZED_MODULES, packed_numel
 from llm_train.planning.shapes import ModelShape
 
 PINNINGS = ("torch", "native", "off")
@@ -148,6 +149,23 @@ def trainable_tensors(shape: ModelShape, lora_rank: int | None) -> tuple[list[in
     return matrices, vectors
 
 
+def stored_tensors(shape: ModelShape, quantize: str, storage_bytes: int) -> list[int]:
+    """Numels of every tensor of the base as the run stores it: an nf4 projection's weight packed into
+    the storage dtype (quantized.packed_numel), everything else as it is."""
+    if quantize != "nf4":
+        return [n for group in trainable_tensors(shape, None) for n in group]
+    embed, *layer, norm, head = shape.modules()
+    out = list(embed[1])
+    for _ in range(shape.num_layers):
+        for name, numels, _count in layer:
+            out += [
+                packed_numel(n, quantize, storage_bytes) if k == 0 and name in QUANTIZED_MODULES else n
+                for k, n in enumerate(numels)
+            ]
+    out += list(norm[1]) + (list(head[1]) if head[2] else [])
+    return out
+
+
 def zero3_sub_groups(numels: list[int], sub_group_size: int) -> list[int]:
     """Elements of each ZeRO-3 optimizer sub-group of one parameter group (stage3.py 1210-1233,
     `_create_fp16_sub_groups`): a sub-group closes at the first tensor that brings it to
@@ -208,6 +226,8 @@ class OffloadRank:
     param_pinning: str = "torch"
     """How the offload_param buffers are pinned (PINNINGS)."""
     swap: SwapSettings = SwapSettings()
+    quantize: str = "none"
+    """QLoRA's base (planning/quantized.py): nf4 projections are stored packed, in fewer elements."""
 
     def part(self, numel: int) -> int:
         """This rank's ZeRO-3 partition of one tensor (padded up to a multiple of the partition count)."""
@@ -417,12 +437,13 @@ def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
     group (stage3.py 906-907 and 881-883, `_move_to_flat_buffer`). The blocks it leaves stay
     allocated when pinned: torch's pinned cache keeps them (fact 1), and under native pinning they
     are still referenced (measured on CPU: all 39 blocks of tiny-cpu alive after the optimizer's
-    set-up). Unpinned they are freed, and only the frozen tensors' blocks (LoRA's base) remain.
+    set-up). Unpinned they are freed, and only the frozen tensors' blocks (LoRA's base) remain. An nf4
+    base's blocks hold its packed codes (`stored_tensors`): a quarter of the elements in bf16 storage.
     """
     low = rank.model_bytes
     groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank) if g]
     trainable = [rank.part(n) for g in groups for n in g]
-    every = [rank.part(n) for g in trainable_tensors(rank.shape, None) for n in g]
+    every = [rank.part(n) for n in stored_tensors(rank.shape, rank.quantize, low)]
     if rank.lora_rank:
         every += trainable  # LoRA's adapters are created after the base model, outside zero.Init's blocks
     blocks = every if rank.param_pinning != "off" else every[: len(every) - len(trainable)]

@@ -41,7 +41,11 @@ from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.memory import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes
-from llm_train.planning.qlora_bytes import base_weight_bytes, quantized_weight_params
+from llm_train.planning.quantized import (
+    base_weight_bytes,
+    quantization_state_bytes,
+    quantized_weight_params,
+)
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
@@ -237,10 +241,12 @@ def step_time(
     shard = inp.tp * inp.pp
     weights = shape.num_params / shard
     trainable = (shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params) / shard
-    # Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed.
-    stored = (base_weight_bytes(shape, inp.quantize, wbytes) / shard) + (
-        trainable * wbytes if inp.lora_rank else 0
-    )
+    # Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed; its
+    # quantisation state stays on every GPU (memory.py), so it never travels.
+    stored = (
+        base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
+    ) / shard
+    stored += trainable * wbytes if inp.lora_rank else 0
     # ZeRO partitions (and communicates) over the data- and sequence-parallel ranks together.
     dp, ranks, stage = inp.zero_partitions, inp.ranks_per_node, inp.zero_stage
     tokens_micro = inp.rows * inp.seq_len  # a preference pair trains two rows

@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
-from llm_train.runtime.qlora_base import is_quantized_linear
+from llm_train.runtime.quantize import is_quantized_linear
 
 if TYPE_CHECKING:
     import torch

@@ -20,7 +20,7 @@ from llm_train.runtime.attention import NAME as SDPA_FLEX
 from llm_train.runtime.attention import register_sdpa_flex
 from llm_train.runtime.compat import keep_training_layout
 from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.qlora_base import quantization_config, quantized
+from llm_train.runtime.quantize import quantization_config, quantized
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_loss, enable_tiled_mlp
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def build_model(
     one tensor at a time, so the host never holds the whole model (transformers' device_map), and
     random weights are drawn there; the caller leaves it None where weights are created
     partitioned instead, under ZeRO-3's zero.Init.
-    With `lora.quantize` the base layers are quantised by bitsandbytes as they load (qlora_base.py).
+    With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantize.py).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -108,8 +108,8 @@ def build_model(
         placement: dict[str, Any] = {"device_map": {"": device}} if device else {}
         if quantized(lora):
             assert lora is not None
-            # Without a device_map (ZeRO-3, CPU) transformers' bitsandbytes quantizer loads onto the
-            # current CUDA device, or the CPU: still one tensor at a time, never a full 16-bit copy.
+            # Quantised one tensor at a time as it loads, never a full 16-bit copy, onto `device` (the
+            # host, for a base ZeRO-3 partitions: quantize.py) or, without one, the current CUDA device.
             placement["quantization_config"] = quantization_config(lora, dtype)
         try:
             lm = AutoModelForCausalLM.from_pretrained(

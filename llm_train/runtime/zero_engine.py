@@ -43,7 +43,14 @@ from llm_train.runtime.objectives import (
     reference_forward,
 )
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
-from llm_train.runtime.qlora_base import describe_quantized, quantized
+from llm_train.runtime.quantize import (
+    describe_quantized,
+    place_quantization_state,
+    quantized,
+    quantized_base,
+    release_freed_host_memory,
+    staged_on_host,
+)
 from llm_train.runtime.reference import CachedReference, frozen_reference
 from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
 from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
@@ -115,12 +122,22 @@ class ZeroEngine:
         recipe, layout = self.run.recipe, self.run.layout
         if notice := apply_liger(recipe.memory, self.run.model_fields.get("model_type"), layout.zero_stage):
             self.say(notice)
-        self.model = build_model(
-            recipe.model, recipe.memory, layout.precision, recipe.optim.seed, recipe.lora, self._load_device()
-        )
+        staged = staged_on_host(recipe.lora, layout.zero_stage)
+        with self._outside_zero3() if staged else contextlib.nullcontext():
+            self.model = build_model(
+                recipe.model,
+                recipe.memory,
+                layout.precision,
+                recipe.optim.seed,
+                recipe.lora,
+                self._load_device(),
+            )
+        if staged:
+            self._partition_staged_base()
         if quantized(recipe.lora):
             assert recipe.lora is not None
-            self.say(describe_quantized(self.model, recipe.lora))
+            held = WORLD.gather_objects(quantized_base(self.model).held)
+            self.say(describe_quantized(self.model, recipe.lora, held))
         mark("model build")
         self.ds = self._prepare(max_steps)
         self.ds.train()  # from_pretrained returns the model in eval mode (dropout off)
@@ -139,11 +156,46 @@ class ZeroEngine:
         """Where pretrained weights load to: this rank's GPU, except under ZeRO-3 (zero.Init partitions them).
 
         Read onto the GPU tensor by tensor, the host never holds the model (the planner's load
-        peak is one checkpoint shard); DeepSpeed would move it there anyway.
+        peak is one checkpoint shard); DeepSpeed would move it there anyway. A 4-bit base under
+        ZeRO-3 loads onto the host, whole on each rank, to be partitioned from there (quantize.py).
         """
+        recipe = self.run.recipe
+        if staged_on_host(recipe.lora, self.run.layout.zero_stage):
+            return "cpu"
         if not torch.cuda.is_available() or self.run.layout.zero_stage == 3:
             return None
         return f"cuda:{torch.cuda.current_device()}"
+
+    @contextlib.contextmanager
+    def _outside_zero3(self) -> Iterator[None]:
+        """transformers without the ZeRO-3 config Accelerate registered, while a 4-bit base loads onto the host.
+
+        transformers refuses a device_map while a ZeRO-3 config is registered (integrations/accelerate.py,
+        5.24), and for a quantised model that config changes nothing else (zero.Init is skipped for it);
+        without a device_map its bitsandbytes quantizer would load the whole base onto the GPU.
+        """
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            self.accelerator.state.deepspeed_plugin.set_deepspeed_weakref()  # Accelerate's own, as before
+
+    def _partition_staged_base(self) -> None:
+        """ZeRO-3's partitions of the host-staged 4-bit base, before the engine would move it whole to the GPU.
+
+        `deepspeed.zero.Init(module=...)` partitions an already-built model as if it had been built in the
+        context (DeepSpeed's own path for such models, run by the engine only after its `module.to(device)`):
+        tensor by tensor, each moved to this rank's device, broadcast from rank 0 and cut, its partition
+        kept there or, under offload_param, on the host. The engine then sees a zero.Init model and leaves it
+        in place.
+        """
+        import deepspeed
+
+        release_freed_host_memory()
+        place_quantization_state(self.model, self.accelerator.device)
+        deepspeed.zero.Init(module=self.model, config_dict_or_path=self.run.ds_config)
 
     def _prepare(self, max_steps: int) -> Any:
         """The DeepSpeed engine, with the optimizer and LR schedule it steps at each accumulation boundary."""

@@ -4,13 +4,17 @@ bitsandbytes' CPU backend runs the same Linear4bit layers a GPU run uses. The ba
 Llama saved with save_pretrained (quantisation happens as a checkpoint loads). Checked here:
 the loss falls, the base stays 4-bit and frozen, only adapters change, the merged export loads
 in plain transformers, the adapter export reloads with PEFT onto the quantised base and gives
-the run's own logits, and a kill -9 + `--resume auto` continues bit for bit.
+the run's own logits, and a kill -9 + `--resume auto` continues bit for bit. Under ZeRO-3 the run
+is the 70B two-card recipe's path (recipes/70b-qlora-2x4090.yaml): the base staged on the host,
+partitioned by zero.Init(module=...) with its partitions offloaded (zero3_offload), each rank
+holding half of the packed bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -68,7 +72,7 @@ def _quantized_base(base: Path) -> torch.nn.Module:
 
     from llm_train.config.recipe import LoraSection
     from llm_train.runtime.compat import keep_training_layout
-    from llm_train.runtime.qlora_base import quantization_config
+    from llm_train.runtime.quantize import quantization_config
 
     model = AutoModelForCausalLM.from_pretrained(
         base,
@@ -79,24 +83,33 @@ def _quantized_base(base: Path) -> torch.nn.Module:
     return model
 
 
-def test_qlora_zero3_trains_only_adapters_and_exports_a_plain_model(base: Path, tmp_path: Path) -> None:
+HELD = re.compile(r"held ([\d.]+)% / ([\d.]+)% by ranks 0 / 1 \(on (\w+)\)")
+
+
+def test_qlora_zero3_offload_partitions_the_base_trains_resumes_exactly_and_exports_a_plain_model(
+    base: Path, tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "z3"
-    result = launch(
-        _args(
-            out,
-            base,
-            "deepspeed.config=zero3",
-            "memory.activation_checkpointing=true",
-            "checkpoint.every_steps=3",
-        )
+    extra = (
+        "deepspeed.config=zero3_offload",
+        "memory.activation_checkpointing=true",
+        "checkpoint.every_steps=2",
+        "--resume",
+        "auto",
     )
+    out, killed = tmp_path / "z3", tmp_path / "killed"
+    result = launch(_args(out, base, *extra))
     assert_ok(result)
     world = json.loads((out / "world.json").read_text())
     assert world["world_size"] == 2 and [r["rank"] for r in world["ranks"]] == [0, 1]
-    # Every projection of the 4 layers is a bitsandbytes 4-bit layer on each rank.
-    assert "base model: 28 linear layers in nf4 (bitsandbytes" in result.stdout, result.stdout[-3000:]
+    # Every projection of the 4 layers is a bitsandbytes 4-bit layer, and ZeRO-3 partitioned their packed
+    # bytes: each rank's share, measured on its parameters' partitions, is half (ZeRO pads each tensor to a
+    # multiple of the 2 ranks, a few bytes in 425,984; the log rounds to 0.1%), kept on the host (offload).
+    assert "base model: 28 linear layers in nf4 (bitsandbytes)" in result.stdout, result.stdout[-3000:]
+    held = HELD.search(result.stdout)
+    assert held is not None, result.stdout[-3000:]
+    assert abs(float(held[1]) - 50) <= 0.1 and abs(float(held[2]) - 50) <= 0.1 and held[3] == "cpu", held[0]
     run_losses = list(losses(out).values())
     assert len(run_losses) == STEPS and run_losses[-1] < run_losses[0], run_losses
     # Checkpoints carry the adapters, not the frozen 4-bit base.
@@ -121,6 +134,19 @@ def test_qlora_zero3_trains_only_adapters_and_exports_a_plain_model(base: Path, 
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(untouched)
     assert all(torch.equal(weights[n], start[n]) for n in untouched)
     assert all(not torch.equal(weights[n], start[n]) for n in weights if "q_proj" in n)
+
+    # kill -9 mid-run, `--resume auto`: the same losses and the same exported weights, bit for bit.
+    _kill_after(killed, _args(killed, base, *extra), step=3)
+    last = committed_step(killed)
+    assert last is not None, "killed before the first checkpoint: nothing to resume"
+    resumed = launch(_args(killed, base, *extra))
+    assert_ok(resumed)
+    assert_resumed(resumed.stdout, killed, last)
+    assert losses(killed) == losses(out)  # exact float equality, every step logged once
+    mine = dict(
+        AutoModelForCausalLM.from_pretrained(killed / "final", dtype=torch.float32).named_parameters()
+    )
+    assert mine.keys() == weights.keys() and all(torch.equal(mine[n], weights[n]) for n in mine)
 
     # `llm-train export` of a checkpoint (adapters and optimizer only) gives the adapter, for PEFT.
     from llm_train.cli import main as cli_main

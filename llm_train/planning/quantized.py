@@ -18,13 +18,19 @@ computed exists at a time.
 
 from __future__ import annotations
 
+import math
+
 from llm_train.planning.shapes import ModelShape
 
 QUANTIZE_MODES = ("none", "nf4", "int8")
 QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
-NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_NESTED_BLOCK)
+NF4_PACKED_BYTES_PER_WEIGHT = 0.5
+# The quantisation state (absmax per block, fp32 absmax per nested block): not a parameter, so ZeRO-3
+# never partitions or offloads it; the run keeps it whole on every GPU (runtime/quantize.py).
+NF4_STATE_BYTES_PER_WEIGHT = 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_NESTED_BLOCK)
+NF4_BYTES_PER_WEIGHT = NF4_PACKED_BYTES_PER_WEIGHT + NF4_STATE_BYTES_PER_WEIGHT
 
 
 def _in_features(shape: ModelShape, module: str) -> int:
@@ -53,9 +59,29 @@ def base_weight_bytes(shape: ModelShape, quantize: str, weight_bytes: int) -> fl
     return quantized + (shape.num_params - quantized_weight_params(shape)) * weight_bytes
 
 
+def largest_quantized_weight(shape: ModelShape) -> int:
+    """Weights of the largest tensor bitsandbytes quantises (an MLP projection, for these models)."""
+    return max(numels[0] for name, numels, _ in shape.modules() if name in QUANTIZED_MODULES)
+
+
 def dequantized_layer_bytes(shape: ModelShape, quantize: str, weight_bytes: int, tp: int = 1) -> float:
     """The 16-bit copy of the largest quantised weight while it computes (0 when nothing is quantised)."""
     if quantize == "none":
         return 0.0
-    largest = max(numels[0] for name, numels, _ in shape.modules() if name in QUANTIZED_MODULES)
-    return largest * weight_bytes / tp
+    return largest_quantized_weight(shape) * weight_bytes / tp
+
+
+def quantization_state_bytes(shape: ModelShape, quantize: str) -> float:
+    """Bytes of the nf4 quantisation state of the whole base (0 otherwise: int8's scales are counted with
+    its weights, which ZeRO-3 does not partition apart from them here)."""
+    if quantize != "nf4":
+        return 0.0
+    return quantized_weight_params(shape) * NF4_STATE_BYTES_PER_WEIGHT
+
+
+def packed_numel(numel: int, quantize: str, storage_bytes: int) -> int:
+    """Elements of the tensor bitsandbytes stores an nf4 weight of `numel` weights in: 4 bits each, packed
+    into the storage dtype (the compute dtype: bf16 a quarter of the weights, fp32 an eighth)."""
+    if quantize != "nf4":
+        return numel
+    return math.ceil(numel * NF4_PACKED_BYTES_PER_WEIGHT / storage_bytes)

@@ -15,7 +15,7 @@ from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.export import logit_tolerance
-from llm_train.runtime.qlora_base import check_bitsandbytes, quantization_config
+from llm_train.runtime.quantize import check_bitsandbytes, quantization_config
 from llm_train.units import GiB
 from tests.helpers import make_tiny_pretrained
 from tests.optional import import_or_skip
@@ -44,8 +44,12 @@ def test_a_random_base_is_refused_in_one_line() -> None:
     ("overrides", "message"),
     [
         (
-            ["deepspeed.config=zero3_offload"],
-            r"lora.quantize=nf4 cannot offload parameters \(offload_param.device=cpu",
+            ["deepspeed.config=zero3_offload_nvme"],
+            r"lora.quantize=nf4 cannot offload parameters to nvme \(offload_param.device in ",
+        ),
+        (
+            ["lora.quantize=int8", "deepspeed.config=zero3_offload"],
+            r"lora.quantize=int8 cannot offload parameters to cpu",
         ),
         (
             ["memory.torch_compile=layers"],
@@ -76,6 +80,13 @@ def test_sequence_parallel_is_refused() -> None:
 def test_the_optimizer_may_go_to_the_cpu() -> None:
     run = resolve_run("tiny-cpu-lora", QLORA + ["deepspeed.config=zero3_offload_optimizer"], world_size=2)
     assert run.layout.offload_optimizer == "cpu" and run.layout.offload_params == "none"
+
+
+def test_nf4_weights_may_go_to_the_cpu_under_zero3() -> None:
+    # ZeRO-3 partitions the packed storage and offloads the partitions like any weight; the quantisation
+    # state goes to the GPU whole (runtime/quantize.py): the 70B two-card recipe's layout.
+    run = resolve_run("tiny-cpu-lora", QLORA + ["deepspeed.config=zero3_offload"], world_size=2)
+    assert run.layout.offload_params == "cpu" and run.layout.zero_stage == 3
 
 
 def test_missing_bitsandbytes_is_one_line_that_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +142,7 @@ def test_nf4_mfu_equals_the_16bit_mfu_at_equal_step_time(tiny_base: Path) -> Non
 
 
 def test_the_base_is_4bit_and_only_adapters_train(tiny_base: Path) -> None:
-    from llm_train.runtime.qlora_base import is_quantized_linear
+    from llm_train.runtime.quantize import is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layers = [m for m in model.modules() if is_quantized_linear(m)]
@@ -199,7 +210,7 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
     """Without it, an eval forward on an AVX512-BF16 CPU rewrites every 4-bit weight in place."""
     from bitsandbytes.functional import has_avx512bf16
 
-    from llm_train.runtime.qlora_base import dequantized_weight, is_quantized_linear
+    from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layer = next(m for m in model.modules() if is_quantized_linear(m))
@@ -226,7 +237,7 @@ def _llama31_8b_arithmetic() -> tuple[int, int]:
 
 
 def test_nf4_and_int8_bases_by_hand() -> None:
-    from llm_train.planning.qlora_bytes import base_weight_bytes
+    from llm_train.planning.quantized import base_weight_bytes
     from llm_train.planning.shapes import shape_of
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
@@ -258,9 +269,10 @@ def test_8b_qlora_plan_by_hand() -> None:
     projections, rest = _llama31_8b_arithmetic()
     r, h, inter, layers, kv = 16, 4096, 14336, 32, 1024
     adapters = layers * r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))
-    nf4 = projections * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2
+    nf4, state = projections * 0.5 + rest * 2, projections * (1 / 64 + 4 / (64 * 256))
     gpu = est.gpu_terms
     assert gpu["parameters"] == pytest.approx(nf4 + 2 * adapters, abs=2)  # bf16 adapters on top of the base
+    assert gpu["quantization_state"] == pytest.approx(state, abs=2)  # absmax of each block, whole
     assert gpu["optimizer_states"] == pytest.approx(
         12 * adapters, abs=2
     )  # fp32 master, m, v of adapters only
@@ -295,3 +307,47 @@ def test_16bit_lora_host_ram_by_hand() -> None:
         memory_inputs(resolve_run("8b-lora-rtx4090", ["lora.export=adapter"], world_size=1), shape)
     )
     assert adapter.host_terms["export_peak"] == 2 * shape.lora_params(16)  # the bf16 adapters only
+
+
+def test_70b_two_card_qlora_plan_by_hand() -> None:
+    """70b-qlora-2x4090's terms from their definitions: the 4-bit base staged whole on each rank's host, then
+    partitioned by ZeRO-3 onto the host (offload_param), its quantisation state whole on each GPU."""
+    from llm_train.planning.fit import memory_inputs
+    from llm_train.planning.memory import (
+        PROCESS_HOST_BYTES,
+        QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
+        QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
+        estimate_memory,
+    )
+    from llm_train.planning.shapes import shape_of
+
+    run = resolve_run("70b-qlora-2x4090", [], world_size=2)
+    assert run.layout.zero_stage == 3 and run.layout.offload_params == "cpu" and run.recipe.lora is not None
+    shape = shape_of("meta-llama/Llama-3.1-70B")
+    est = estimate_memory(memory_inputs(run, shape))
+    h, inter, layers, vocab, kv = 8192, 28672, 80, 128256, 8 * 128
+    projections = layers * (h * h + 2 * h * kv + h * h + 3 * h * inter)
+    rest = 2 * vocab * h + (2 * layers + 1) * h
+    assert projections + rest == shape.num_params
+    gpu, host = est.gpu_terms, est.host_terms
+    # On the GPU: none of the base (offloaded), the state of every block whole, the gathered module working set.
+    assert gpu["quantization_state"] == pytest.approx(projections * (1 / 64 + 4 / (64 * 256)), abs=2)
+    assert gpu["parameters"] < 0.01 * GiB  # only the norms ZeRO-3 keeps whole (persistence threshold)
+    # On the host: each rank's half of the packed codes and of the 16-bit rest (bf16 storage: 4 weights per
+    # element, so a packed tensor is numel/4 elements of 2 bytes), exact-size (native pinning), and the bf16
+    # adapters twice (their zero.Init blocks and the optimizer's flat buffer: offload_buffers.py).
+    offloaded = host["offloaded_parameters"]
+    assert run.recipe.deepspeed.pinning == "native"
+    adapters = 2 * 2 * shape.lora_params(16)
+    # rel 1e-3: ZeRO pads each tensor's partition up to a multiple of the 2 ranks.
+    assert offloaded == pytest.approx(projections * 0.5 + rest * 2 + adapters, rel=1e-3)
+    # Loading: every rank stages the whole base, plus the quantiser's working set for the largest weight
+    # and the loader's freed temporaries (both measured, memory.py).
+    staged = projections * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2
+    extra = QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT * h * inter + QUANTIZE_RETAINED_BYTES_PER_WEIGHT * projections
+    assert host["model_load_peak"] == pytest.approx(2 * (staged + extra), abs=4)
+    # The load is the host's largest phase (training holds the offloaded partitions, under half of it),
+    # and within the recipe's host RAM less the 3 GiB the planner keeps for the OS.
+    assert est.host_bytes == pytest.approx(2 * PROCESS_HOST_BYTES + host["model_load_peak"], rel=1e-6)
+    assert est.host_bytes < (run.recipe.hardware.host_ram_gib - 3) * GiB
+    assert est.gpu_bytes < 0.95 * 24 * GiB
