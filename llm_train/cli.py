@@ -22,8 +22,9 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 
-from llm_train.commands import convert, data, doctor, generate, launch_train, plan, report
+from llm_train.commands import convert, data, doctor, generate, plan, report
 from llm_train.commands import eval as eval_command
+from llm_train.commands import train as train_command
 from llm_train.config.recipe import available_recipes, load_recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
@@ -139,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         if argv and argv[0] == "train":
-            # Its own flags and train.py's: launch_train splits them and hands the rest on.
-            return launch_train.main(argv[1:])
+            # Its own flags and train.py's: commands/train.py splits them and hands the rest on.
+            return train_command.main(argv[1:])
         args = parse_command(parser, argv)
         return args.func(args)
     except UserError as exc:

@@ -32,12 +32,12 @@ from llm_train.planning.guards import (
 )
 from llm_train.runtime import launcher
 from llm_train.runtime.benchmark import check_recipe_tasks
+from llm_train.runtime.checkpointing.resume import Resume
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
 from llm_train.runtime.launcher import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.optim import check_optimizer_package
 from llm_train.runtime.quantize import check_bitsandbytes
-from llm_train.runtime.resume import ResumePlan, plan_resume
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             print_dry_run(run)
             return 0
 
-        plan = check_before_start(run, args, spawn.nproc_per_node if spawn is not None else None)
+        resume = check_before_start(run, args, spawn.nproc_per_node if spawn is not None else None)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             if accelerate is not None:  # the workers' parent is this process, not the launcher
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             flops_profiler=args.flops_profiler,
             peak_tflops=args.peak_tflops,
         )
-        return run_training(run, options, plan, say)
+        return run_training(run, options, resume, say)
     except UserError as exc:
         if is_rank0():
             print(f"llm-train: error: {exc}", file=sys.stderr, flush=True)
@@ -244,28 +244,23 @@ def resolve(
     return run
 
 
-def check_before_start(
-    run: Resolved, args: argparse.Namespace, nproc_per_node: int | None
-) -> ResumePlan | None:
+def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: int | None) -> Resume:
     """What a dry run cannot know but a start can: the run directory, kernels, host RAM, the NVMe path.
 
-    Returns the resume plan (None without --resume): a layout change a resume cannot bridge is
-    refused here, before any worker starts, and a worker trains with the plan it made here.
+    Returns the planned resume (a fresh start without --resume): a layout change a resume cannot
+    bridge is refused here, before any worker starts, and a worker trains with the plan it made here.
     """
-    plan = None
     if not args.resume:
         check_output_dir(run.recipe.output_dir, args.overwrite)
-    else:
-        root = run.recipe.output_dir / "checkpoints"
-        plan = plan_resume(
-            args.resume,
-            root,
-            run.layout,
-            args.allow_batch_change,
-            args.allow_data_revision_change,
-            run.recipe,
-            args.allow_base_change,
-        )
+    resume = Resume.plan(
+        args.resume or None,
+        run.recipe.output_dir / "checkpoints",
+        run.layout,
+        args.allow_batch_change,
+        args.allow_data_revision_change,
+        run.recipe,
+        args.allow_base_change,
+    )
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)
     check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
@@ -274,7 +269,7 @@ def check_before_start(
         check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
     check_nvme_path(run, nproc_per_node)
     check_memlock(run, nproc_per_node)
-    return plan
+    return resume
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def assert_resumed(output: str, checkpoint_or_run_dir: Path, step: int) -> None:
     Losses alone cannot show it: a relaunch that silently started from step 0 on deterministic data
     repeats the same losses, so every resume test also asserts where the run resumed.
     """
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
 
     target = checkpoint_or_run_dir
     if not target.name.startswith("step-"):

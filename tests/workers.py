@@ -5,7 +5,7 @@ RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and each worker then 
 its own (llm_train/runtime/launcher.py, case 1). Most e2e tests start their runs like this. What the
 `accelerate launch` parent adds (accelerate and llm_train imported once more, the run resolved and
 checked before any worker starts: 3-5 s of every launch on 2 cores) is tested where it is the point:
-tests/e2e/test_launch_train.py (its stop signal too) and the max-restarts and SLURM tests; those
+tests/e2e/test_train_command.py (its stop signal too) and the max-restarts and SLURM tests; those
 workers are interpreters of their own, as on a GPU machine.
 
 Here each worker is forked from this process once it has imported what every worker imports first

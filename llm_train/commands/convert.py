@@ -1,7 +1,7 @@
 """`llm-train convert RUN_DIR_OR_CHECKPOINT`: the universal copy a resume on a new layout needs, made ahead.
 
 A resume on another world size, TP degree, ZeRO stage (1 <-> 2) or offload loads DeepSpeed's
-universal format (runtime/universal.py). The run would convert on its rank 0 at start-up, while
+universal format (runtime/checkpointing/universal.py). The run would convert on its rank 0 at start-up, while
 every other GPU of the job waits; at 70B that is about an hour. Converting here first, on any
 machine that sees the checkpoint (no GPU, no process group), leaves a verified `universal/` that
 the resume then only verifies, split over its ranks.
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from llm_train.errors import UserError
-from llm_train.runtime.checkpoint import dir_size, find_resumable, read_manifest, verify
-from llm_train.runtime.resume import saved_layout
-from llm_train.runtime.universal import ensure_universal
+from llm_train.runtime.checkpointing.commit import dir_size, find_resumable, read_manifest, verify
+from llm_train.runtime.checkpointing.resume import saved_layout
+from llm_train.runtime.checkpointing.universal import ensure_universal
 
 
 def checkpoint_of(path: Path, command: str) -> Path:

@@ -13,9 +13,9 @@ import argparse
 from typing import Any
 
 from llm_train.config.recipe import load_recipe
+from llm_train.data.dealer import EpochOrder
 from llm_train.data.prepare import prepare_data
-from llm_train.data.stream import EpochOrder
-from llm_train.data.streaming import is_streaming
+from llm_train.data.stream_windows import is_streaming
 from llm_train.data.summary import describe_split, mapped_conversations, sample_views
 from llm_train.runtime.model import load_tokenizer
 

@@ -32,13 +32,14 @@ from typing import Any
 
 from llm_train.commands.drive import measure_drive
 from llm_train.config import ds_json
-from llm_train.config.attention import choose_attention
+from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.ds_json import nvme_paths
 from llm_train.config.hardware import describe_pairs, find_gpu, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
 from llm_train.planning.guards import nvme_problems
+from llm_train.runtime.compat import deepspeed_version_problem
 from llm_train.units import GiB
 
 DEFAULT_BUILD_TIMEOUT_S = 300.0
@@ -55,7 +56,7 @@ import time, logging
 t = time.perf_counter()
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder import CPUAdamBuilder
-from llm_train.runtime.fast import prepare_op_loads
+from llm_train.runtime.compat import prepare_op_loads
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 prepare_op_loads()  # as a training run does: the same ninja, so the build is the run's
 CPUAdamBuilder().load()
@@ -263,6 +264,8 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
         pass
     for package in PACKAGES[1:]:
         report.add(section, package, _version(package) or "not installed")
+    if outside := deepspeed_version_problem():
+        report.warn(*outside)
     if not _version("peft"):
         report.warn("peft is not installed: LoRA recipes will not run", "pip install 'llm_train[lora]'")
     flash = _version("flash-attn") or _version("flash_attn")
@@ -279,7 +282,7 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
             )
     else:
         report.add(section, "flash-attn", "not installed (memory.attention=auto works without it)")
-    # What memory.attention=auto picks on this machine for one process per GPU (config/attention.py).
+    # What memory.attention=auto picks on this machine for one process per GPU (config/attention_kernel.py).
     report.add(section, "attention", choose_attention("auto", "cuda" if gpus else "cpu").why)
     if not flash and any(g[2] >= (8, 0) for g in gpus):
         report.warn(

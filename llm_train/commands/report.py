@@ -1,11 +1,11 @@
-"""`llm-train report RUN_DIR [RUN_DIR ...]`: PNG plots and a markdown summary (observability/report.py)."""
+"""`llm-train report RUN_DIR [RUN_DIR ...]`: PNG plots and a markdown summary (observability/run_report.py)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from llm_train.observability.report import make_report
+from llm_train.observability.run_report import make_report
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llm_train.config.attention import FLEX_KERNELS
+from llm_train.config.attention_kernel import FLEX_KERNELS
 from llm_train.config.layout import Layout, sequence_parallel_message, sequence_parallel_problem
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
@@ -48,7 +48,7 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
     attention = recipe.memory.attention
     if attention in FLEX_KERNELS and (tp > 1 or pp > 1 or layout.sp > 1):
         # Pipeline stages build their own masks, DeepSpeed's Ulysses attention wraps sdpa / flash-attention
-        # only, and flex under AutoTP is not verified (config/attention.py).
+        # only, and flex under AutoTP is not verified (config/attention_kernel.py).
         raise UserError(
             f"{degrees}: memory.attention={attention} runs on the plain ZeRO path only (tp = pp = sp = 1); "
             "use memory.attention=auto (flash_attention_2 where installed, else sdpa)"

@@ -664,7 +664,7 @@ class DeepSpeedSection(Section):
 
     # 30 minutes: the longest wait inside a collective in the largest shipped recipe (70b-zero3, 32
     # ranks) is one rank writing its ~25 GiB checkpoint share or a ~1 min step, minutes at worst on a
-    # busy shared filesystem; hashing and conversion never wait inside one (runtime/file_sync.py).
+    # busy shared filesystem; hashing and conversion never wait inside one (runtime/checkpointing/file_sync.py).
     # `llm-train plan` and --dry-run print the checkpoint's expected times against it.
     timeout_minutes: float = Field(
         30.0,

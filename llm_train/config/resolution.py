@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from llm_train.config import ds_json
-from llm_train.config.attention import choose_attention
+from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.ds_validate import check_with_deepspeed
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS

@@ -3,7 +3,7 @@
 A span is a slice of a source's token store: (start, length, row). Packing assigns spans to
 sequences of `seq_len` slots with best-fit decreasing, which leaves ~1% of slots empty on
 typical length spreads where greedy concatenation in arrival order leaves 10-15%. Spans are
-never cut to fill a sequence: a sample's tokens attend only to that sample (see batches.py).
+never cut to fill a sequence: a sample's tokens attend only to that sample (see model_inputs.py).
 
 Preference pairs (`make_pair_spans`, `pair_placement`) are not packed: each pair is one unit
 of two padded rows, its chosen and its rejected span, so the stream deals a pair whole to one
@@ -222,7 +222,7 @@ def length_stats(lengths: np.ndarray) -> dict[str, int]:
 
 
 def packing_supported() -> bool:
-    """Whether this transformers reads sample boundaries from restarting position ids (batches.py)."""
+    """Whether this transformers reads sample boundaries from restarting position ids (model_inputs.py)."""
     try:
         from transformers import masking_utils
     except ImportError:

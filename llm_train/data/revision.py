@@ -4,7 +4,7 @@ A hub dataset can change between a save and a resume. For a streamed source the 
 offsets into the stream (datasets' shard and row position): read against another revision they
 silently point at other rows. So each hub source is read at one commit sha, recorded in the
 checkpoint's data state, and a resume whose sources resolve to other commits is refused in one
-line (data/streaming.py) unless the user says so (--allow-data-revision-change).
+line (data/stream_windows.py) unless the user says so (--allow-data-revision-change).
 
 The sha: a source's `revision:` when it already is one (40 hex digits: nothing to look up);
 else the hub's answer for the branch or tag (`HfApi.dataset_info`, the default branch without a

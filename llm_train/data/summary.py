@@ -19,7 +19,7 @@ from llm_train.data.sources import load_rows, locate
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from llm_train.data.stream import EpochOrder
+    from llm_train.data.dealer import EpochOrder
 
 OPEN, CLOSE = "⟦", "⟧"
 

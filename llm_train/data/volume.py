@@ -24,9 +24,9 @@ from typing import Any
 from llm_train.config.layout import Layout
 from llm_train.config.recipe import DataSection, OptimSection
 from llm_train.config.resolution import steps_for_epochs
+from llm_train.data.dealer import EpochOrder
 from llm_train.data.prepare import PackedSplit, load_blocks
 from llm_train.data.sources import locate
-from llm_train.data.stream import EpochOrder
 from llm_train.errors import UserError
 
 # Float slack: optim.epochs=3 with data.max_epochs=3 is allowed, whatever the rounding.

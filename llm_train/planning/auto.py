@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train import RECIPES_DIR
-from llm_train.config.attention import FLEX_KERNELS, Installed
+from llm_train.config.attention_kernel import FLEX_KERNELS, Installed
 from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import default_precision

@@ -6,17 +6,17 @@ ZeRO-2 and ZeRO-3, and a 91M-parameter fp32 ZeRO-2 one):
   one file per data-parallel rank holding its partition (ZeRO-1/2/3; ZeRO-0: one file);
 - the model file: ZeRO-0/1/2 also write the whole module once, from data-parallel rank 0, in the
   training precision (2 bytes per parameter in bf16/fp16, 4 in fp32; a LoRA run leaves its frozen
-  base out, resume.save_run_state); ZeRO-3's per-rank model files are a few kB (its weights
+  base out, runtime/checkpointing/run_state.py); ZeRO-3's per-rank model files are a few kB (its weights
   are the fp32 partitions).
 
 Times, at the rates below (each says whether it was measured or assumed):
 - save: the slowest rank's write (its partition; under ZeRO-0/1/2 data-parallel rank 0 also writes
   the model file) at WRITE_GIB_S, then every rank hashes 1/world of the bytes
-  (runtime/checkpoint.py `share`) at SHA256_GIB_S;
+  (runtime/checkpointing/commit.py `share`) at SHA256_GIB_S;
 - verify (each resume): the same split hashing;
 - conversion to DeepSpeed's universal format, only for a resume on a new layout: ds_to_universal
   on one node, with min(4, cores) extract workers at CONVERT_GIB_S_PER_WORKER each.
-None of these waits inside a collective (runtime/file_sync.py) except the write, which DeepSpeed's
+None of these waits inside a collective (runtime/checkpointing/file_sync.py) except the write, which DeepSpeed's
 save_checkpoint ends with a barrier: that wait is compared with the process-group timeout.
 """
 
@@ -35,7 +35,9 @@ SHA256_GIB_S = 1.3
 # Measured here: ds_to_universal of a 91M-parameter ZeRO-2 checkpoint (1.02 GiB of optimizer state)
 # used 19.6 CPU-seconds (48.5 s of wall time on a loaded 2-core machine): ~0.05 GiB per worker-second.
 CONVERT_GIB_S_PER_WORKER = 0.05
-CONVERT_WORKERS = 4  # runtime/universal.py: min(4, cores) extract workers; a GPU node has the cores
+CONVERT_WORKERS = (
+    4  # runtime/checkpointing/universal.py: min(4, cores) extract workers; a GPU node has the cores
+)
 # Assumed, not measured: what one rank writes to a local NVMe drive or its share of a parallel
 # filesystem. The real figure is the storage's; the printed times scale with it.
 WRITE_GIB_S = 1.0
@@ -49,7 +51,7 @@ class CheckpointCost:
     verify_s: float
     convert_s: (
         float | None
-    )  # None: a resume on another layout is refused (runtime/resume.py), nothing converts
+    )  # None: a resume on another layout is refused (runtime/checkpointing/resume.py), nothing converts
 
     def line(self, timeout_minutes: float) -> str:
         """One line for `plan` and --dry-run."""

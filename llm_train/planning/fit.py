@@ -19,7 +19,6 @@ from typing import Any
 from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
-from llm_train.planning.host_offload import SwapSettings
 from llm_train.planning.memory import (
     ALLOCATOR_SLACK_FRACTION,
     PROCESS_HOST_BYTES,
@@ -28,6 +27,7 @@ from llm_train.planning.memory import (
     estimate_memory,
 )
 from llm_train.planning.memory_inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GROUP_SIZE, MemoryInputs
+from llm_train.planning.offload_buffers import SwapSettings
 from llm_train.planning.shapes import ModelShape
 from llm_train.planning.speed import StepTime, step_time_on
 
@@ -190,7 +190,7 @@ def shipped_settings(
 
 
 def section_pinning(offload: dict[str, Any] | None, pinning: str, on_gpu: bool) -> str:
-    """host_offload.PINNINGS for one offload section of a resolved DS JSON under deepspeed.pinning.
+    """offload_buffers.PINNINGS for one offload section of a resolved DS JSON under deepspeed.pinning.
 
     DeepSpeed pins when the section says so (pin_memory defaults to true, offload_config.py); its CPU
     accelerator pins nothing through torch (cpu_accelerator.py), but native pinning mlocks on any

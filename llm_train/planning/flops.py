@@ -22,7 +22,7 @@ switched to "causal mask (only half of the mask is non-zero)", as FlashAttention
 count causal attention; we follow them.
 
 T is the length the attention really spans: `data.seq_len` for a row that is one sequence.
-Rows that pack several samples with boundaries (batches.py) attend only within each sample;
+Rows that pack several samples with boundaries (data/model_inputs.py) attend only within each sample;
 their true span is sum(n_i^2) / sum(n_i) over the samples, which Megatron-LM takes per batch
 (`seqlen_squared_sum`); passing the row width there overstates attention. MFU is counted with
 that span (`TokenFlops.at(attention_span(...))`, measured on the batches a run trains on), and

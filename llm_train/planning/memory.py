@@ -27,7 +27,7 @@ The tests check the estimator against both conventions: tests/unit/planner_refer
 reproduces DeepSpeed's two functions exactly.
 
 Host RAM under CPU and NVMe offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
-allocates, read from its source in planning/host_offload.py, under the run's pinning choice
+allocates, read from its source in planning/offload_buffers.py, under the run's pinning choice
 (deepspeed.pinning): for a ZeRO-3 + CPU-Adam 7B with fp32 states at the first optimizer step, master 4
 + m, v 8 + the sub-groups' fp32 gradients 4 + the flat 16-bit gradient buffer 2 bytes per parameter,
 the last two rounded up to powers of two by torch's pinned allocator (DeepSpeed's default) or exact
@@ -130,7 +130,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llm_train.planning.host_offload import (
+from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError, MemoryInputs
+from llm_train.planning.offload_buffers import (
     HostBuffer,
     OffloadRank,
     cpu_optimizer_buffers,
@@ -140,7 +141,6 @@ from llm_train.planning.host_offload import (
     nvme_optimizer_buffers,
     nvme_optimizer_bytes,
 )
-from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError, MemoryInputs
 from llm_train.planning.quantized import (
     NF4_PACKED_BYTES_PER_WEIGHT,
     base_weight_bytes,
@@ -495,7 +495,7 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
     weight_bytes = 2 if mixed else 4
     optim_bytes: float = 12 if mixed else 8
     if inp.state_dtype == "bf16":
-        # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/host_offload.py).
+        # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/offload_buffers.py).
         optim_bytes = 6
     if inp.optimizer != "adamw":
         # bitsandbytes' 8-bit m and v: a byte each, plus one fp32 maximum per block of 256 for each;
@@ -744,7 +744,7 @@ def host_terms(
 
 def offload_buffer_terms(inp: MemoryInputs) -> tuple[dict[str, float], float, float]:
     """(host terms, bytes freed before the export, bytes one rank mlocks) of DeepSpeed's CPU and NVMe
-    offload: what it allocates, buffer by buffer, read from its source (planning/host_offload.py)."""
+    offload: what it allocates, buffer by buffer, read from its source (planning/offload_buffers.py)."""
     ranks = inp.ranks_per_node
     host: dict[str, float] = {
         "offloaded_optimizer_states": 0.0,
@@ -852,7 +852,7 @@ def nvme_space_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
 
 
 def offload_rank(inp: MemoryInputs) -> OffloadRank:
-    """What one rank's CPU / NVMe offload depends on (planning/host_offload.py)."""
+    """What one rank's CPU / NVMe offload depends on (planning/offload_buffers.py)."""
     mixed = inp.precision != "fp32"
     return OffloadRank(
         shape=inp.shape,

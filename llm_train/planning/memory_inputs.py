@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llm_train.config.attention import FLEX_KERNELS, KERNELS
+from llm_train.config.attention_kernel import FLEX_KERNELS, KERNELS
 from llm_train.config.ds_json import zero_bucket_sizes
 from llm_train.config.layout import (
     EIGHT_BIT_OPTIMIZERS,
@@ -25,7 +25,7 @@ from llm_train.config.layout import (
     state_dtype_problem,
 )
 from llm_train.errors import UserError
-from llm_train.planning.host_offload import PINNINGS, SwapSettings
+from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
 from llm_train.planning.quantized import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
 
@@ -33,7 +33,7 @@ from llm_train.planning.shapes import LORA_TARGETS, ModelShape
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
 DS_SUB_GROUP_SIZE = 1_000_000_000
 
-# memory.attention's kernels (config/attention.py). Only sdpa (and eager) receive the dense s x s mask
+# memory.attention's kernels (config/attention_kernel.py). Only sdpa (and eager) receive the dense s x s mask
 # for packed or padded rows; flex_attention's block mask is (b x s/128 x s/128) int32 tensors, a few
 # hundred KiB at 32k tokens, and sdpa_flex never builds the dense one.
 ATTN_IMPLS = KERNELS
@@ -123,7 +123,7 @@ class MemoryInputs:
     export_adapter_only: bool = False
     """LoRA runs that export only the adapter (lora.export=adapter): no merged copy of the model."""
     pinning: str = "torch"
-    """How the offload_optimizer buffers are pinned (host_offload.PINNINGS): "torch" (DeepSpeed 0.19.8's
+    """How the offload_optimizer buffers are pinned (offload_buffers.PINNINGS): "torch" (DeepSpeed 0.19.8's
     default: torch rounds each pinned buffer up to a power of two), "native" (exact-size mlock,
     DS_PIN_MEMORY_BACKEND=native) or "off" (the DS JSON's pin_memory false: pageable, exact)."""
     param_pinning: str = "torch"
@@ -135,7 +135,7 @@ class MemoryInputs:
     """The NVMe swap settings of offload_optimizer (buffer count, pipelining, aio alignment)."""
     loader_forks: bool = False
     """DataLoader workers are forked after DeepSpeed's set-up (data.loader_workers > 0; 2 by default on
-    CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/host_offload.py)."""
+    CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/offload_buffers.py)."""
     tiled_mlp: bool = False
     """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
     tiled_loss: bool = False

@@ -1,7 +1,7 @@
 """Pinned host buffers: which allocator a run gets (`deepspeed.pinning`), and what it may lock.
 
 DeepSpeed pins its offload buffers through torch's pinned allocator, which rounds each one up to
-a power of two (planning/host_offload.py, its docstring on pinned allocation): on 7b-rtx4090 that is 6.4 GiB of a 128 GiB
+a power of two (planning/offload_buffers.py, its docstring on pinned allocation): on 7b-rtx4090 that is 6.4 GiB of a 128 GiB
 machine. `deepspeed.pinning=native` makes DeepSpeed mlock the exact size instead
 (DS_PIN_MEMORY_BACKEND=native); `off` leaves the buffers pageable. DeepSpeed's async-I/O swap
 buffers (NVMe offload) are mlocked whatever the choice.

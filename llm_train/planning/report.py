@@ -22,11 +22,11 @@ from llm_train.planning.fit import (
     memory_inputs,
     needs,
 )
-from llm_train.planning.host_budget import choose_host_settings
-from llm_train.planning.host_budget import describe as describe_host_settings
-from llm_train.planning.host_offload import PINNINGS
+from llm_train.planning.host_settings import choose_host_settings
+from llm_train.planning.host_settings import describe as describe_host_settings
 from llm_train.planning.memory import _LABELS, GiB, estimate_memory, host_buffers, offload_rank
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.offload_buffers import PINNINGS
 from llm_train.planning.search import (
     Fix,
     Practicality,
@@ -174,7 +174,7 @@ def render(report: PlanReport) -> str:
 
 def pinning_table(inp: MemoryInputs, hw: Hardware) -> list[str]:
     """The offload buffers of one node under each pinning choice (deepspeed.pinning), as DeepSpeed allocates
-    them (planning/host_offload.py), with the host total and what one process locks."""
+    them (planning/offload_buffers.py), with the host total and what one process locks."""
     buffers = host_buffers(inp)
     if not buffers:
         return []

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm_train.config.attention import FLEX_KERNELS
+from llm_train.config.attention_kernel import FLEX_KERNELS
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import sequence_parallel_problem
 from llm_train.planning.fit import (

@@ -38,9 +38,9 @@ from llm_train.config.hardware import (
     Hardware,
 )
 from llm_train.planning.flops import training_flops_per_token
-from llm_train.planning.host_offload import nvme_optimizer_bytes
 from llm_train.planning.memory import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.offload_buffers import nvme_optimizer_bytes
 from llm_train.planning.quantized import (
     NF4_PACKED_BYTES_PER_WEIGHT,
     base_weight_bytes,
@@ -187,7 +187,7 @@ def step_time_on(inp: MemoryInputs, hw: Hardware, grad_accum: int | None = None)
 
 
 def copy_bytes_per_s(pinning: str, pcie_bytes_per_s: float) -> float:
-    """What host<->GPU copies from buffers of this pinning (host_offload.PINNINGS) reach on the link."""
+    """What host<->GPU copies from buffers of this pinning (offload_buffers.PINNINGS) reach on the link."""
     return pcie_bytes_per_s * (PAGEABLE_COPY_EFFICIENCY if pinning == "off" else PINNED_COPY_EFFICIENCY)
 
 
@@ -379,7 +379,7 @@ def step_time(
     if inp.offload_optimizer == "nvme":
         # Every swapped sub-group: master, m, v and its large tensors' gradients read in at the step; the
         # gradients written out at the accumulation boundary and master, m, v written back after the
-        # update (planning/host_offload.py, its docstring on NVMe offload). The same bytes each way.
+        # update (planning/offload_buffers.py, its docstring on NVMe offload). The same bytes each way.
         swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
         nvme_read += swapped
         nvme_write += swapped

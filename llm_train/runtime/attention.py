@@ -15,7 +15,7 @@ transformers' own kernels use):
 Both halves are transformers' functions (masking_utils.flex_attention_mask,
 integrations.sdpa_attention / flex_attention); only the choice between them is ours. Their
 signatures are the same in transformers 5.17 and 5.24 (compared). The dense [b, 1, s, s] mask of
-`sdpa` is never built. config/attention.py says when `auto` picks this.
+`sdpa` is never built. config/attention_kernel.py says when `auto` picks this.
 """
 
 from __future__ import annotations

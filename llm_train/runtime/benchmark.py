@@ -16,12 +16,11 @@ weights are from.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,8 @@ from llm_train.config.recipe import EvalSection
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.observability.tracking import BENCH
-from llm_train.runtime.file_sync import FileSync
+from llm_train.runtime.checkpointing.file_sync import FileSync
+from llm_train.runtime.compat import no_progress_bars
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -112,28 +112,6 @@ def quiet_lm_eval() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """lm-eval's request bars off: it makes them with tqdm(disable=rank != 0), which nothing else switches.
-
-    tqdm reads TQDM_DISABLE when it is imported (long before lm-eval), so the bars are disabled by
-    giving tqdm's constructor that default while lm-eval runs.
-    """
-    from tqdm import tqdm
-
-    original = tqdm.__init__
-
-    def quiet_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs["disable"] = True
-        original(self, *args, **kwargs)
-
-    tqdm.__init__ = quiet_init
-    try:
-        yield
-    finally:
-        tqdm.__init__ = original
-
-
 def task_manager(options: BenchOptions) -> Any:
     """lm-eval's TaskManager with the bundled tasks and `include_path`; unknown task names are one line.
 
@@ -181,7 +159,7 @@ def evaluate(
 
     manager = manager or task_manager(options)
     started = time.perf_counter()
-    with _no_progress_bars():
+    with no_progress_bars():
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size, **model_args)
         out = lm_eval.simple_evaluate(
             model=lm,

@@ -32,6 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn  # the autograd-aware collectives
 
+# bench/ (hf_trainer_peer.py, gpu_memory_7b.py) imports it from here; its home is runtime/compat.py.
+# Delete this line once bench/ imports it from there.
+from llm_train.runtime.compat import skip_unused_shm_op  # noqa: F401
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -233,27 +237,3 @@ def destroy() -> None:
     """Tear the process group down (idempotent): the end of a run, or after a stop signal."""
     if initialized():
         dist.destroy_process_group()
-
-
-def skip_unused_shm_op() -> bool:
-    """Never build DeepSpeed's shared-memory all-reduce op: no llm_train run calls what uses it.
-
-    DeepSpeed 0.19.8's TorchBackend (deepspeed/comm/torch.py) JIT-builds that op whenever the CPU
-    accelerator starts its process group, then maps its shared-memory segments. The op's only caller
-    is `inference_all_reduce`, which AutoTP's row-parallel layers reach in inference mode only
-    (DeepSpeed inference); in training they all-reduce through the process group, and ZeRO never
-    calls it. Building it cost 70.8 CPU-s on an environment's first CPU launch (`make demo` on a
-    fresh machine, every clean CI run; measured on 2 cores) and loading it ~0.2 s in every worker
-    after that. GPU accelerators have no such op. Call before DeepSpeed starts its process group;
-    returns False without DeepSpeed, or where its backend no longer builds the op this way.
-    """
-    import importlib
-
-    try:  # by its full name: `from deepspeed.comm import torch` is torch itself, re-exported there
-        deepspeed_torch_backend: Any = importlib.import_module("deepspeed.comm.torch")  # untyped module
-    except ImportError:
-        return False
-    if not callable(getattr(deepspeed_torch_backend, "build_shm_op", None)):
-        return False
-    deepspeed_torch_backend.build_shm_op = lambda: None  # TorchBackend then all-reduces via torch
-    return True

@@ -14,7 +14,7 @@ once, so only `from_pretrained` itself knows what a complete directory is. The c
    RUN_DIR/export_reference.safetensors, next to final/ so final/ stays a clean HF folder.
    The tolerance comes from the precision of the two computations (`logit_tolerance`).
 3. masters (checkpoints only, before any merge): each optimizer shard holds the fp32 master
-   weights some rank recorded a digest of at the save (runtime/master_digest.py): the check a
+   weights some rank recorded a digest of at the save (runtime/checkpointing/master_digest.py): the check a
    bf16 logit comparison cannot make at fine-tuning learning rates.
 """
 
@@ -33,11 +33,11 @@ import torch
 
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError
-from llm_train.runtime.checkpoint import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
+from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
+from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
+from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
 from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
-from llm_train.runtime.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
-from llm_train.runtime.universal import ensure_universal, universal_dir, universal_state_dict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -441,7 +441,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     reference.eval()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     # The check's reference: the logits the training engine itself computed at save time, from its
-    # live state, before any file existed (resume.save_run_state). It shares no code with the
+    # live state, before any file existed (checkpointing/run_state.py Saver). It shares no code with the
     # merge above (zero_to_fp32, the universal format, a ZeRO-0 load), so a bad merge or a stale
     # shard fails the check. A checkpoint without one (older llm_train) falls back to the merged
     # weights' own fp32 logits, which checks the writing only, and the report says so.

@@ -7,26 +7,23 @@ what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
-import shutil
-import sys
-from collections.abc import Callable, MutableMapping
-from pathlib import Path
-from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING
 
 from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
 
+# bench/ (hf_trainer_peer.py, full_ft_check.py, gpu_memory_7b.py) imports it from here; its home is
+# runtime/compat.py. Delete this line once bench/ imports it from there.
+from llm_train.runtime.compat import prepare_op_loads  # noqa: F401
+
 if TYPE_CHECKING:
     from accelerate.utils import TorchDynamoPlugin
 
 ALLOC_CONF = "expandable_segments:True"
-
-P = ParamSpec("P")  # the wrapped function's parameters (the op loader, DeepSpeed's Muon kernels)
-R = TypeVar("R")
 
 
 def set_cuda_alloc_conf() -> bool:
@@ -45,129 +42,6 @@ def set_cuda_alloc_conf() -> bool:
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
-    return True
-
-
-def prepare_op_loads() -> None:
-    """Call before DeepSpeed loads or builds an op in this process (the three functions below say why)."""
-    remember_cpu_info()
-    use_environment_ninja()
-    build_ops_without_debug_info()
-
-
-def remember_cpu_info() -> bool:
-    """Ask py-cpuinfo once per process instead of at every DeepSpeed op that loads.
-
-    DeepSpeed 0.19.8 calls `cpuinfo.get_cpu_info()` in each op builder's cpu_arch() and simd_width()
-    (ops/op_builder/builder.py) and again when DeepSpeedCPUAdam is made (ops/adam/cpu_adam.py): 3
-    calls in a CPU-offload worker, 5 with the async-I/O op of NVMe offload. Each call starts a Python
-    subprocess that probes and times the CPU: 1.1 s apiece measured on 2 cores, 2.3 s of the 4.7 s
-    "deepspeed init" of a tiny zero3_offload worker. The answer is the machine's and DeepSpeed only
-    reads it (arch, flags, vendor), so one call per process serves every op. Returns False without
-    py-cpuinfo (DeepSpeed then falls back to lscpu itself).
-    """
-    try:
-        import cpuinfo  # type: ignore[import-untyped]  # py-cpuinfo ships no type hints
-    except ImportError:
-        return False
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):  # not wrapped yet in this process
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-    return True
-
-
-# What build_ops_without_debug_info adds to every op's compiler flags (the last -g option wins).
-NO_DEBUG_INFO = "-g0"
-
-
-def build_ops_without_debug_info() -> bool:
-    """JIT-build DeepSpeed's ops without debug information: the same code, a third less compile time.
-
-    DeepSpeed compiles its ops with `-g` (op_builder/builder.py cxx_args), and each source includes
-    torch/extension.h: writing the debug information of all of torch's headers was a third of the
-    work. One async-I/O source measured on 2 cores: 38.7 CPU-s with -g, 26.4 with -g0; the first
-    launch of a CPU-offload recipe builds cpu_adam (106 CPU-s with -g), NVMe offload async_io (362).
-    The flag goes last in the flags DeepSpeed hands to torch.utils.cpp_extension.load, which every op
-    builder imports when it builds. Every process that loads ops calls prepare_op_loads, so all build
-    with the same flags (torch rebuilds an op whose command line changed). Returns False once done.
-    """
-    import torch.utils.cpp_extension as cpp_extension
-
-    load = cpp_extension.load
-    if getattr(load, "adds_no_debug_info", False):
-        return False
-
-    load_without_debug_info = _adding_cflag(load, NO_DEBUG_INFO)
-    load_without_debug_info.adds_no_debug_info = True  # type: ignore[attr-defined]
-    cpp_extension.load = load_without_debug_info
-    return True
-
-
-def _adding_cflag(load: Callable[P, R], flag: str) -> Callable[P, R]:
-    """`load` (torch.utils.cpp_extension.load) with `flag` last in its extra_cflags."""
-
-    @functools.wraps(load)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        given = cast("list[str] | None", kwargs.get("extra_cflags"))  # load's own annotation
-        kwargs["extra_cflags"] = [*(given or []), flag]
-        return load(*args, **kwargs)
-
-    return call
-
-
-def use_environment_ninja(environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Build DeepSpeed's ops with this Python environment's own `ninja`, whatever PATH finds first.
-
-    torch JIT-builds DeepSpeed's ops (cpu_adam, async_io, the CPU shared-memory all-reduce) with the
-    first `ninja` on PATH, into one folder per op. A virtual environment has its own (pip's ninja, a
-    DeepSpeed requirement) and the system often another (/usr/bin/ninja), and they do not read each
-    other's build log: ninja 1.13.2 found "command line changed" for every object ninja 1.11.1 had
-    built, and rebuilt it. A launch from an activated environment after one from a plain shell (or the
-    other way round) then rebuilt cpu_adam and the rest: 30-90 s per op on 2 cores. Returns whether
-    PATH changed (not when the environment has no ninja or PATH already finds it).
-    """
-    own = Path(sys.executable).parent / "ninja"
-    if not own.is_file() or shutil.which("ninja", path=environ.get("PATH")) == str(own):
-        return False
-    environ["PATH"] = os.pathsep.join(p for p in (str(own.parent), environ.get("PATH", "")) if p)
-    return True
-
-
-def defer_muon_compile() -> bool:
-    """torch.compile DeepSpeed's Muon kernels when Muon first runs, not when DeepSpeed asks whether it runs.
-
-    DeepSpeed 0.19.8 imports deepspeed/runtime/zero/muon/original_muon.py in every ZeRO engine (its
-    optimizer check, stage_1_and_2, stage3 and the bf16 optimizer each ask whether the optimizer is
-    Muon), and that module applies `torch.compile` to three functions at import. Applying it imports
-    torch's inductor compiler: 1.0 s of CPU per process, measured on 2 cores, in every ZeRO worker,
-    for kernels no llm_train recipe runs. That module is the only user of
-    deepspeed.runtime.compiler.compile(); its replacement here applies the same torch.compile to each
-    function at its first call. Call before DeepSpeed builds an engine; returns False once the module
-    is imported (too late to matter) or without DeepSpeed.
-    """
-    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
-        return False
-    try:
-        import torch
-        from deepspeed.runtime import compiler
-    except ImportError:
-        return False
-
-    def compile_at_first_call() -> Callable[[Callable[P, R]], Callable[P, R]]:
-        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-            compiled: Callable[P, R] | None = None
-
-            @functools.wraps(fn)
-            def call(*args: P.args, **kwargs: P.kwargs) -> R:
-                nonlocal compiled
-                if compiled is None:
-                    compiled = torch.compile(fn)
-                return compiled(*args, **kwargs)
-
-            return call
-
-        return decorate
-
-    compiler.compile = compile_at_first_call
     return True
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from llm_train.data.batches import SpanTally
+from llm_train.data.model_inputs import SpanTally
 from llm_train.observability.console import bench_line, eval_line, progress_line
 from llm_train.observability.metrics import StepMeter
 from llm_train.observability.profiling import NullProfiler, StepProfiler

@@ -113,7 +113,7 @@ def export_adapter_checkpoint(
 ) -> int:
     """PEFT adapter files from a LoRA checkpoint's adapter tensors; returns how many were written.
 
-    A LoRA checkpoint holds the adapters and their optimizer, not the frozen base (resume.py), so
+    A LoRA checkpoint holds the adapters and their optimizer, not the frozen base (checkpointing/run_state.py), so
     what it can give is the adapter: `PeftModel.from_pretrained(base, out_dir)` on the base it was
     trained from (loaded the same way, 4-bit for a QLoRA run) reproduces the trained model.
     """

@@ -11,7 +11,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config.attention import choose_attention
+from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
@@ -19,8 +19,9 @@ from llm_train.planning.shapes import to_hf_config
 from llm_train.runtime.attention import NAME as SDPA_FLEX
 from llm_train.runtime.attention import register_sdpa_flex
 from llm_train.runtime.chunked_loss import enable_tiled_loss
+from llm_train.runtime.compat import keep_training_layout
 from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.quantize import keep_training_layout, quantization_config, quantized
+from llm_train.runtime.quantize import quantization_config, quantized
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ term on the chosen response plus an odds-ratio term), which duplicates the SFT r
 
 The engine calls `score(model, batch)` for every micro-batch; the step loop (loop.py) stays the
 same for every objective. A pair batch holds its m chosen rows, then its m rejected rows
-(data/batches.py). Rewards and metrics follow TRL's definitions (DPOTrainer, CPOTrainer with
+(data/model_inputs.py). Rewards and metrics follow TRL's definitions (DPOTrainer, CPOTrainer with
 loss_type="simpo"): rewards are beta times the policy's log-ratio to the reference (DPO) or
 times the average log-prob (SimPO); accuracy counts pairs whose chosen reward is strictly
 higher. tests/unit/test_objectives.py checks losses, rewards and gradients against TRL 1.16's

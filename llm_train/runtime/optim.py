@@ -14,7 +14,7 @@ runs unpaged (paging needs CUDA unified memory). DeepSpeed 0.19.8's ZeRO-1/2 che
 default) stores the base optimizer's own `state_dict()`, which bitsandbytes writes and reads whole
 (codes, block maxima and maps): a resume on the same layout is exact (tests/e2e/test_optim_8bit.py).
 Its universal checkpoint (a resume on another layout) knows only Adam's exp_avg / exp_avg_sq, so that
-resume is refused (runtime/resume.py).
+resume is refused (runtime/checkpointing/resume.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
@@ -27,6 +26,7 @@ from llm_train.planning.flops import TokenFlops
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.compat import clip_fp32_across_stages, keep_fp32_rope_buffers
 from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
 from llm_train.runtime.export import reference_input_ids, write_reference
 from llm_train.runtime.model import loss_tokens
@@ -42,7 +42,6 @@ from llm_train.runtime.pipeline_model import (
 )
 
 if TYPE_CHECKING:
-    from deepspeed.runtime.pipe.engine import PipelineEngine as DeepSpeedPipelineEngine
     from transformers import PreTrainedTokenizerBase
 
 Pair = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -138,7 +137,7 @@ class PipelineEngine:
             if "scheduler" in run.ds_config
             else partial(build_scheduler, optim=optim, max_steps=max_steps)
         )
-        rope = _rope_buffers(self.module)
+        restore_rope = keep_fp32_rope_buffers(self.module)
         if "optimizer" in run.ds_config:  # a DS JSON with its own optimizer: DeepSpeed builds it
             params = [p for p in self.module.parameters() if p.requires_grad]
             self.ds, _, _, _ = deepspeed.initialize(
@@ -149,8 +148,8 @@ class PipelineEngine:
             self.ds, _, _, _ = deepspeed.initialize(
                 model=self.module, optimizer=optimizer, config=run.ds_config, lr_scheduler=schedule
             )
-        _restore_rope_buffers(self.ds.module, rope)
-        _clip_fp32_across_stages(self.ds)
+        restore_rope(self.ds.module)
+        clip_fp32_across_stages(self.ds, Collectives(self.ds.grid.get_pipe_parallel_group()).sum)
         mark("deepspeed init")
 
     def token_flops(self) -> TokenFlops | None:
@@ -205,54 +204,3 @@ class PipelineEngine:
 
     def finish(self) -> None:
         collectives.destroy()
-
-
-def _rope_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The fp32 RoPE frequency buffers, taken before DeepSpeed casts the module to bf16/fp16."""
-    return {
-        name: buffer.detach().clone()
-        for name, buffer in module.named_buffers()
-        if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq")
-    }
-
-
-def _restore_rope_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    # DeepSpeed casts buffers along with weights; RoPE frequencies must stay fp32 (transformers
-    # computes cos/sin from them in fp32), or positions far into the sequence lose precision.
-    for name, value in saved.items():
-        owner, _, leaf = name.rpartition(".")
-        target = module.get_submodule(owner)
-        setattr(target, leaf, value.to(getattr(target, leaf).device))
-
-
-def _clip_fp32_across_stages(engine: DeepSpeedPipelineEngine) -> None:
-    """ZeRO-0 in fp32: clip on the norm over every stage, and keep that norm for the metrics.
-
-    DeepSpeed 0.19 clips these gradients with `clip_grad_norm_(mpu=grid)`, which keeps only
-    the parameters of model-parallel rank 0, i.e. of the first stage, and then averages the
-    norm over the whole world: the clip factor is wrong as soon as clipping is active (losses
-    drifted ~1e-3 from a single process in 3 steps). Gradients are already summed over
-    data-parallel ranks and tied copies here, so one all-reduce over the pipeline suffices.
-    """
-    if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
-        return
-    pipe = Collectives(engine.grid.get_pipe_parallel_group())
-
-    def clip() -> None:
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        # A tied embedding's second copy (on the last stage) is marked replicated: count it once.
-        owned = [
-            p.grad
-            for p in engine.module.parameters()
-            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
-        ]
-        squares = torch.zeros((), device=grads[0].device, dtype=torch.float32)
-        for grad in owned:
-            squares += grad.detach().float().pow(2).sum()
-        norm = pipe.sum(squares).sqrt()
-        coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)  # as torch/DeepSpeed clip
-        for grad in grads:
-            grad.detach().mul_(coef.to(grad.dtype))
-        engine._global_grad_norm = float(norm)
-
-    engine.clip_fp32_gradients = clip

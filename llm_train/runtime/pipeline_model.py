@@ -288,7 +288,7 @@ def build_pipeline_module(
         activation_checkpoint_func=partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
         checkpointable_layers=["DecoderPipe"],
     )
-    module.config = config  # checkpoints save it next to the engine state (resume.save_run_state)
+    module.config = config  # checkpoints save it next to the engine state (checkpointing/run_state.py Saver)
     if loss_tokens is not None:
         chunk_the_loss(module, config, loss_tokens)
     return module

@@ -14,10 +14,10 @@ signature, a hub checkpoint's commit, or for `init: random` the seed and transfo
 + what changes its numbers (precision, attention kernel, Liger kernels, the LoRA section). The
 pass is dealt over data-parallel ranks like the stream, each rank running the same number of
 forwards (under ZeRO-3 a forward gathers weights from every rank); every rank then holds all
-log-probs (a few bytes per pair) and batches carry them (data/batches.py). Training holds one
+log-probs (a few bytes per pair) and batches carry them (data/model_inputs.py). Training holds one
 model. A resumed run reads the entry again; if the cache lost it, the pass runs again, still on
 the freshly built model and so never against trained weights, and the data stream compares the
-log-probs' digest with the one its checkpoint recorded (data/stream.py), refusing any difference.
+log-probs' digest with the one its checkpoint recorded (data/dealer.py), refusing any difference.
 
 `preference.reference: live` scores the reference every step instead: under LoRA the policy's own
 engine with the adapters disabled (no second copy); otherwise a frozen copy of the model, built
@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from llm_train.config.resolution import Resolved
-from llm_train.data.batches import build_pair_rows
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, files_signature
+from llm_train.data.model_inputs import build_pair_rows
 from llm_train.data.prepare import PackedSplit
 from llm_train.errors import UserError
 from llm_train.runtime import collectives

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from llm_train.config.layout import workers_for
 from llm_train.config.resolution import Resolved, steps_for_epochs
 from llm_train.data import (
+    Batches,
     BatchStream,
     StreamingBatches,
     StreamSpec,
@@ -37,26 +38,17 @@ from llm_train.observability.console import quiet, startup_summary
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
-from llm_train.runtime import collectives, launcher
+from llm_train.runtime import collectives, compat, launcher
 from llm_train.runtime.benchmark import PeriodicBench, recipe_options
 from llm_train.runtime.benchmark import unavailable as benchmark_unavailable
-from llm_train.runtime.checkpoint import Checkpointer
+from llm_train.runtime.checkpointing.resume import Resume, TrainerState
+from llm_train.runtime.checkpointing.run_state import Saver
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine, process_group_timeout
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
-from llm_train.runtime.fast import defer_muon_compile, prepare_op_loads
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model import load_tokenizer
-from llm_train.runtime.resume import (
-    Resume,
-    ResumePlan,
-    TrainerState,
-    make_saver,
-    open_resume,
-    restore_run_state,
-    truncate_metrics,
-)
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:
@@ -86,7 +78,7 @@ class RunData:
     """This data-parallel rank's data, and the number of steps it makes."""
 
     tokenizer: PreTrainedTokenizerBase
-    stream: BatchStream | StreamingBatches
+    stream: Batches
     eval_blocks: PackedSplit | None
     max_steps: int
 
@@ -107,28 +99,28 @@ class Worker:
         return self.run.layout.dp_rank(self.rank)  # ranks of one TP group / one pipeline share one
 
 
-def run_training(run: Resolved, options: RunOptions, plan: ResumePlan | None, say: Say) -> int:
-    """Train `run` in this worker; `plan`: the resume planned before start (None without --resume)."""
-    prepare_process(run, options)
+def run_training(run: Resolved, options: RunOptions, resume: Resume, say: Say) -> int:
+    """Train `run` in this worker; `resume`: planned before start (train.py; a fresh start without --resume)."""
+    prepare_process(run, options, say)
     started, rank, out = time.perf_counter(), int(os.environ["RANK"]), run.recipe.output_dir
     clock = StartupClock.start(out)
     if not options.resume:
         check_output_dir(out, options.overwrite)  # every rank checks before rank 0 creates anything
-    run, data = settle_run(run, options, plan, run.layout.dp_rank(rank), say)
+    run, data = settle_run(run, options, resume, run.layout.dp_rank(rank), say)
     clock.mark("data")
     w = Worker(run, options, rank, say, clock, started)
     engine = start_world(w)
     check_same_data(data.stream, collectives.WORLD)
-    resume = open_resume(plan, run, data.stream, rank, say) if plan is not None else None
+    resume.open(run, data.stream, say)
     meter = build_engine(w, engine, data)
-    state = restore(w, resume, engine, data)
+    state = resume.restore(engine.ds, data.stream)
     tracker = open_trackers(
         run.recipe.tracking, out, tracker_config(run), rank == 0, state.tracker_run_id, state.step
     )
     cadence = run.recipe.checkpoint
     control = RunControl(cadence.every_steps, cadence.every_minutes, grace_s=cadence.grace_s)
     control.install_signal_handlers()
-    save = saver(w, engine, data, tracker, control)
+    save = Saver(run, rank, engine, data.stream, data.tokenizer, tracker, control, say)
     result = train(w, engine, data, state, tracker, control, save, meter)
     if result.preempted:  # the loop saved after the agreed stop step: exit resumable, no export
         tracker.close()
@@ -141,12 +133,14 @@ def run_training(run: Resolved, options: RunOptions, plan: ResumePlan | None, sa
     return 0
 
 
-def prepare_process(run: Resolved, options: RunOptions) -> None:
+def prepare_process(run: Resolved, options: RunOptions, say: Say) -> None:
     """The environment DeepSpeed and Accelerate read, before either is imported or logs anything."""
     launcher.set_single_process_env()
     launcher.use_deepspeed_in_accelerate()
     launcher.use_pin_memory_backend(run.recipe.deepspeed.pinning)
     prepare_libraries(options.verbose)
+    if warning := compat.deepspeed_version_warning():
+        say(warning)
 
 
 def prepare_libraries(verbose: bool) -> None:
@@ -155,13 +149,13 @@ def prepare_libraries(verbose: bool) -> None:
     Also tests/workers.py's first step, before the imports its forked workers share.
     """
     quiet(verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
-    prepare_op_loads()
-    defer_muon_compile()
-    collectives.skip_unused_shm_op()
+    compat.prepare_op_loads()
+    compat.defer_muon_compile()
+    compat.skip_unused_shm_op()
 
 
 def settle_run(
-    run: Resolved, options: RunOptions, plan: ResumePlan | None, dp_rank: int, say: Say
+    run: Resolved, options: RunOptions, resume: Resume, dp_rank: int, say: Say
 ) -> tuple[Resolved, RunData]:
     """The run as this worker trains it, and its data: the values known only now, given by value.
 
@@ -169,22 +163,14 @@ def settle_run(
     optim.epochs depends on; the steps, universal loading and the flops profiler then change the
     DeepSpeed config, which must be final before the engine exists.
     """
-    if plan is not None:
-        for notice in plan.layout.notices:
-            say(f"notice: {notice}")
-        run = plan.refine(run)
+    run = resume.refine(run, say)
     data = build_data(run, dp_rank, say)
     steps_counted = run.recipe.optim.max_steps is None
     profiler = (
         flops_profiler_config(options.profile, run.recipe.output_dir) if options.flops_profiler else None
     )
-    universal = plan is not None and plan.layout.universal
-    if steps_counted or universal or profiler is not None:
-        run = run.refine(
-            max_steps=data.max_steps if steps_counted else None,
-            load_universal=universal or None,
-            flops_profiler=profiler,
-        )
+    if steps_counted or profiler is not None:
+        run = run.refine(max_steps=data.max_steps if steps_counted else None, flops_profiler=profiler)
     return run, data
 
 
@@ -197,7 +183,7 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
     tokenizer = load_tokenizer(recipe.model)
     workers = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
     if is_streaming(recipe.data):
-        # Tokenised and packed on the fly (data/streaming.py). A stream has no length: recipe.py demands
+        # Tokenised and packed on the fly (data/stream_windows.py). A stream has no length: recipe.py demands
         # optim.max_steps, and the data-volume guard has no epochs to count.
         spec = StreamSpec.build(recipe.data, tokenizer, recipe.optim.seed)
         stream = StreamingBatches(spec, layout.micro_batch_size, dp_rank, layout.dp, workers=workers)
@@ -213,9 +199,7 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
         recipe.optim.epochs or 1.0, batches.per_epoch, layout.grad_accum
     )
     # Before any model is loaded: a run that would loop over a small corpus thousands of times stops here.
-    volume = DataVolume.of(
-        layout, batches.order.epoch_len, max_steps, recipe.data.seq_len, train_blocks.pairs
-    )
+    volume = DataVolume.of(layout, batches.epoch_len, max_steps, recipe.data.seq_len, train_blocks.pairs)
     requested = recipe.optim.epochs if recipe.optim.max_steps is None else None
     say(check_volume(volume, recipe.data.max_epochs, requested))
     return RunData(tokenizer, batches, eval_blocks, max_steps)
@@ -258,12 +242,11 @@ def start_world(w: Worker) -> Engine:
     return engine
 
 
-def check_same_data(stream: BatchStream | StreamingBatches, comm: collectives.Collectives) -> None:
-    """Every rank resolved its hub sources to the same commits (each asks the hub itself, at start-up)."""
-    revisions = getattr(getattr(stream, "spec", None), "revisions", None)
-    if revisions is None:
-        return
-    seen = comm.gather_objects(revisions)
+def check_same_data(batches: Batches, comm: collectives.Collectives) -> None:
+    """Every rank resolved its hub sources to the same commits (a stream asks the hub itself, at start-up)."""
+    if not batches.revisions:
+        return  # tokenised ahead: the data's fingerprint follows its content
+    seen = comm.gather_objects(batches.revisions)
     if any(r != seen[0] for r in seen):
         raise UserError(
             f"the ranks read different revisions of the streamed hub data ({seen[0]} vs "
@@ -281,19 +264,6 @@ def build_engine(w: Worker, engine: Engine, data: RunData) -> StepMeter:
     return StepMeter.for_run(w.run, engine.token_flops(), w.options.peak_tflops, w.clock)
 
 
-def restore(w: Worker, resume: Resume | None, engine: Engine, data: RunData) -> TrainerState:
-    """The step to start after (and the tracker's run id): the checkpoint's, or 0; metrics after it dropped."""
-    state = restore_run_state(resume, engine.ds, data.stream, w.rank, w.run.recipe.optim.seed)
-    if resume is not None:
-        w.say(f"resumed from {resume.checkpoint} at step {state.step}")
-    elif w.options.resume:
-        w.say("no complete checkpoint to resume from; starting at step 0")
-    if w.rank == 0:
-        truncate_metrics(w.run.recipe.output_dir / "metrics.jsonl", state.step)
-    collectives.WORLD.barrier()
-    return state
-
-
 def tracker_config(run: Resolved) -> dict[str, Any]:
     """What the trackers record as the run's configuration."""
     return {
@@ -301,33 +271,6 @@ def tracker_config(run: Resolved) -> dict[str, Any]:
         "ds_config": run.ds_config,
         "plan": run.layout.as_dict(),
     }
-
-
-def saver(
-    w: Worker, engine: Engine, data: RunData, tracker: Trackers, control: RunControl
-) -> Callable[[int], None]:
-    """The `save(step)` the loop calls: a committed checkpoint of this run."""
-    recipe = w.run.recipe
-    checkpointer = Checkpointer(
-        recipe.output_dir / "checkpoints",
-        w.rank,
-        recipe.checkpoint.keep_last_n,
-        collectives.WORLD,
-        patience_s=recipe.deepspeed.timeout_minutes * 60,
-    )
-    return make_saver(
-        checkpointer,
-        control,
-        engine.ds,
-        data.stream,
-        data.tokenizer,
-        w.rank,
-        w.run.layout,
-        recipe,
-        tracker,
-        w.say,
-        reference=lambda: engine.reference_logits(data.tokenizer),
-    )
 
 
 def train(

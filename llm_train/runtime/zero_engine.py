@@ -23,6 +23,7 @@ from llm_train.config.resolution import Resolved
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
+from llm_train.runtime.compat import quantizing_on, without_hf_zero3_config
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
 from llm_train.runtime.export import (
     EXPORT_DTYPES,
@@ -48,7 +49,6 @@ from llm_train.runtime.quantize import (
     place_quantization_state,
     quantized,
     quantized_base,
-    quantizing_on,
     release_freed_host_memory,
     staged_on_host,
 )
@@ -406,20 +406,13 @@ class ZeroEngine:
     def _plain_copy(self, unwrapped: Any, state_dict: dict[str, torch.Tensor]) -> Any:
         """A model without ZeRO-3's partitioning, holding `state_dict`, on this rank's device."""
         from transformers import AutoModelForCausalLM
-        from transformers.integrations import deepspeed as hf_deepspeed
 
-        # transformers builds every model inside zero.Init while a ZeRO-3 config is registered
-        # (integrations/deepspeed.py is_deepspeed_zero3_enabled, 5.24): unregistered while the copy is made.
-        registered = hf_deepspeed._hf_deepspeed_config_weak_ref
-        hf_deepspeed.unset_hf_deepspeed_config()
-        try:
+        with without_hf_zero3_config():  # else transformers would build it partitioned, under zero.Init
             dtype = next(iter(state_dict.values())).dtype
             model = AutoModelForCausalLM.from_config(unwrapped.config, dtype=dtype)
             if is_peft_model(unwrapped):
                 assert self.run.recipe.lora is not None
                 model = apply_lora(model, self.run.recipe.lora)
-        finally:
-            hf_deepspeed._hf_deepspeed_config_weak_ref = registered
         model.load_state_dict(state_dict, strict=True)
         return model.to(self.ds.device).eval()
 

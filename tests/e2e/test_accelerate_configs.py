@@ -4,7 +4,7 @@ Launched for real through `accelerate launch --config_file` (its simple launcher
 multi-CPU configs, its DeepSpeed/torchrun launcher for a DeepSpeed plugin): the run trains, the world
 is the one the config asks for, no traceback, and the one start-up notice says which value won, which
 the effective DeepSpeed JSON the run wrote (config/ds_config.json) must agree with. The kinds that
-cannot run (FSDP, mpirun, ...) are refused before any worker starts: tests/unit/test_launch_train.py.
+cannot run (FSDP, mpirun, ...) are refused before any worker starts: tests/unit/test_train_command.py.
 """
 
 from __future__ import annotations

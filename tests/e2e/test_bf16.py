@@ -136,8 +136,8 @@ def _plant_stale_optimizer(fresh: Path, stale: Path, planted: Path, keep_digests
     """
     import shutil
 
-    from llm_train.runtime.checkpoint import MANIFEST, build_manifest, read_manifest, write_atomic
-    from llm_train.runtime.master_digest import DIGEST_KEY
+    from llm_train.runtime.checkpointing.commit import MANIFEST, build_manifest, read_manifest, write_atomic
+    from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY
 
     shutil.copytree(fresh, planted, ignore=shutil.ignore_patterns("universal"))
     shards = sorted((stale / "state" / "ds").glob("*optim_states.pt"))
@@ -162,7 +162,7 @@ def test_bf16_export_checks_the_recorded_logits_and_catches_one_step_stale_weigh
     """`llm-train export` compares with what the engine had at save, not with what it merged.
 
     Two checks, each shown to catch a checkpoint whose optimizer shards are one step old yet whose
-    manifest verifies: the masters' digests (every rank's, recorded at save: runtime/master_digest.py),
+    manifest verifies: the masters' digests (every rank's, recorded at save: runtime/checkpointing/master_digest.py),
     and, without those, the logits: bf16's tolerance is 4 bf16 ulps of the largest logit
     (export.logit_tolerance, ~3%), and one optimizer step at tiny-cpu's lr (3e-3) moves these logits
     by more than that. (At fine-tuning learning rates only the digests can tell: next test.)
@@ -170,7 +170,7 @@ def test_bf16_export_checks_the_recorded_logits_and_catches_one_step_stale_weigh
     import re
 
     from llm_train.errors import ExportError
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
     from llm_train.runtime.export import export_checkpoint
 
     variant, run_dir = bf16_run
@@ -207,7 +207,7 @@ def test_a_one_step_stale_shard_fails_the_export_at_a_fine_tuning_learning_rate(
     the optimizer on the host) are the two layouts of DeepSpeed's fp32 masters.
     """
     from llm_train.errors import ExportError
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
     from llm_train.runtime.export import export_checkpoint
 
     run_dir = tmp_path / "run"

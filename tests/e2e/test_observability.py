@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.observability.report import make_report
+from llm_train.observability.run_report import make_report
 from tests.helpers import assert_ok, launch, read_metrics
 
 pytestmark = pytest.mark.e2e

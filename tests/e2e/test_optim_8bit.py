@@ -29,7 +29,7 @@ EIGHT_BIT = ["optim.name=adamw_8bit"]
 def test_adamw_8bit_trains_checkpoints_8bit_moments_and_resumes_exactly(
     pretrained: Path, tmp_path: Path
 ) -> None:
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
 
     first = tmp_path / "first"
     assert_ok(launch(run_args("zero2", first, pretrained) + EIGHT_BIT))

@@ -81,7 +81,7 @@ def _args(recipe: str, run_dir: Path, pretrained: Path, accum: int, *extra: str)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
 
     base = tmp_path_factory.mktemp("parallel")
     pretrained = make_tiny_qwen2(base / "pretrained")
@@ -208,7 +208,7 @@ def test_llm_train_export_reads_a_pipeline_checkpoint(runs: dict[str, Path], tmp
     import torch
     from safetensors.torch import load_file
 
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
     from llm_train.runtime.export import export_checkpoint
 
     report = export_checkpoint(runs["pp2"] / "checkpoints" / step_name(STEPS), tmp_path / "out", "fp32")

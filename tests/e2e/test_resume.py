@@ -110,7 +110,7 @@ def test_stop_signal_checkpoints_and_exits_resumable(
     proc = launch_popen(args)
     assert wait_for_step(run_dir, 1, proc)
     # SLURM signals the job's tasks; here: their launcher, which forwards the signal to every worker
-    # as accelerate's and torchrun's do (through `accelerate launch`: test_launch_train.py).
+    # as accelerate's and torchrun's do (through `accelerate launch`: test_train_command.py).
     sent = time.monotonic()
     if during == "save":
         _signal_during_save(run_dir, proc)
@@ -133,7 +133,7 @@ def test_stop_signal_checkpoints_and_exits_resumable(
 def test_grace_budget_cuts_the_stop_short_and_latest_stays_complete(pretrained: Path, tmp_path: Path) -> None:
     """checkpoint.grace_s smaller than a step: the run exits 75 at once, without committing the stop
     checkpoint, and `latest` still names the previous complete one."""
-    from llm_train.runtime.checkpoint import verify
+    from llm_train.runtime.checkpointing.commit import verify
 
     run_dir = tmp_path / "grace"
     long_run = ["--max-steps=40", "checkpoint.every_steps=2", "checkpoint.grace_s=0.001"]

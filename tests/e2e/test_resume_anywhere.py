@@ -56,7 +56,7 @@ MEASURED: dict[str, tuple[float, float]] = {}
 
 
 def _checkpoint(run_dir: Path, step: int = RESUME_FROM) -> Path:
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
 
     return run_dir / "checkpoints" / step_name(step)
 
@@ -235,14 +235,14 @@ def test_tensor_parallel_layout_changes_keep_the_trajectory(
 def test_a_conversion_killed_half_way_is_redone_never_used(runs: dict[str, Path], tmp_path: Path) -> None:
     import shutil
 
-    from llm_train.runtime.checkpoint import verify
-    from llm_train.runtime.universal import ensure_universal, universal_dir
+    from llm_train.runtime.checkpointing.commit import verify
+    from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir
 
     ckpt = tmp_path / "ckpt"
     # Without the universal copy an earlier resume test may have made beside the shared checkpoint.
     shutil.copytree(_checkpoint(runs["zero3"]), ckpt, ignore=shutil.ignore_patterns("universal", ".tmp-*"))
     assert not universal_dir(ckpt).exists()
-    code = f"from pathlib import Path; from llm_train.runtime.universal import ensure_universal as e; e(Path({str(ckpt)!r}), print)"
+    code = f"from pathlib import Path; from llm_train.runtime.checkpointing.universal import ensure_universal as e; e(Path({str(ckpt)!r}), print)"
     convert = [sys.executable, "-c", code]
     proc = subprocess.Popen(convert, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, start_new_session=True)
     deadline = time.monotonic() + 120

@@ -106,7 +106,7 @@ def test_sp2_with_alst_switches_matches_sp1_and_resumes_bit_exact(
     split = _run(tmp_path / "sp2", pretrained, 2, 2, *checkpoints)
     _assert_same_math(split, whole)
 
-    from llm_train.runtime.checkpoint import step_name
+    from llm_train.runtime.checkpointing.commit import step_name
 
     resumed_dir = tmp_path / "resumed"
     checkpoint = tmp_path / "sp2" / "checkpoints" / step_name(RESUME_FROM)

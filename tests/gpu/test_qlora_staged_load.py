@@ -58,7 +58,8 @@ def test_gpu_staging_quantises_as_bitsandbytes_does_on_cuda_within_the_planners_
 
     from llm_train.planning.quantized import quantization_state_bytes, staged_quantize_gpu_bytes
     from llm_train.planning.shapes import shape_from_config
-    from llm_train.runtime.quantize import Staging, is_quantized_linear, quantization_config, quantizing_on
+    from llm_train.runtime.compat import quantizing_on
+    from llm_train.runtime.quantize import Staging, is_quantized_linear, quantization_config
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_train.runtime.checkpoint import LATEST, step_name, verify
+from llm_train.runtime.checkpointing.commit import LATEST, step_name, verify
 from llm_train.runtime.export import expected_shapes, read_reference, verify_export
 from tests.helpers import assert_ok, assert_resumed, losses, read_metrics, train_py
 

@@ -24,7 +24,7 @@ V8, I8, KV8 = 128_256, 14_336, 1024
 EMBED_8B = V8 * H  # 525,336,576
 LAYER_8B = 2 * H * H + 2 * H * KV8 + 3 * H * I8  # q, o 16.8M; k, v 4.2M; gate, up, down 58.7M: 218,103,808
 PSI_8B = 2 * EMBED_8B + L * LAYER_8B + NORMS_7B  # the same 65 norms of 4096: 8,030,261,248
-# At the recipes' sub_group_size 2e8 (stage3.py _create_fp16_sub_groups; test_host_offload.py checks the rule
+# At the recipes' sub_group_size 2e8 (stage3.py _create_fp16_sub_groups; test_offload_buffers.py checks the rule
 # against DeepSpeed's own code): 7B: the embedding with layer 1's q, k, v, o, gate; 31 of (up, down, q, k, v, o, gate); the
 # last up, down with the head. 8B: the embedding alone, one group per layer, the head alone. The norms
 # are a group of their own in both.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llm_train import cli
-from llm_train.commands import launch_train
+from llm_train.commands import train as train_command
 from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
 from llm_train.config.resolution import resolve_run
@@ -86,7 +86,7 @@ def test_kinds_llm_train_cannot_train_under_are_one_line_before_any_launcher(
     def no_launch(*args: object, **kwargs: object) -> None:
         raise AssertionError("a launcher was started")
 
-    monkeypatch.setattr(launch_train.subprocess, "Popen", no_launch)
+    monkeypatch.setattr(train_command.subprocess, "Popen", no_launch)
     assert cli.main(["train", "--config-file", str(config), "--recipe", "tiny-cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err, err
@@ -107,7 +107,7 @@ def test_llm_train_train_launches_the_configs_processes(
 ) -> None:
     config = wizard_config(tmp_path / "c.yaml", "MULTI_CPU", 3)
     seen: list[list[str]] = []
-    monkeypatch.setattr(launch_train, "run_launcher", lambda cmd, accelerate, write: seen.append(cmd) or 0)
+    monkeypatch.setattr(train_command, "run_launcher", lambda cmd, accelerate, write: seen.append(cmd) or 0)
     argv = [
         "train",
         "--config-file",

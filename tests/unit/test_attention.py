@@ -1,7 +1,7 @@
 """Attention kernels: packed rows give every sample the loss it has alone, `auto` picks by what is installed,
 and the kernels that build no s x s mask are refused where they are not verified.
 
-flex_attention runs forward on CPU (its backward does not: config/attention.py), so its exactness is
+flex_attention runs forward on CPU (its backward does not: config/attention_kernel.py), so its exactness is
 checked here and its speed on the GPU (bench/mfu_matrix.py, which also compares the compiled GPU
 kernels' losses with sdpa's). Here flex runs uncompiled (dynamo disabled): torch's reference path
 with the same block mask, which is what decides exactness. Compiled, each new shape costs 15-70 s
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from llm_train.config.attention import Installed, choose_attention
+from llm_train.config.attention_kernel import Installed, choose_attention
 from llm_train.config.resolution import resolve_run
 from llm_train.data import prepare_data
-from llm_train.data.batches import IGNORE, build_rows
+from llm_train.data.model_inputs import IGNORE, build_rows
 from llm_train.errors import UserError
 from llm_train.planning.memory import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs

@@ -151,12 +151,12 @@ def test_a_recipes_task_problem_is_one_line_before_any_launcher(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     require("lm_eval")
-    from llm_train.commands import launch_train
+    from llm_train.commands import train as train_command
 
     def no_launch(*args: object, **kwargs: object) -> None:
         raise AssertionError("a launcher was started")
 
-    monkeypatch.setattr(launch_train.subprocess, "Popen", no_launch)
+    monkeypatch.setattr(train_command.subprocess, "Popen", no_launch)
     argv = [
         "train",
         "--recipe",

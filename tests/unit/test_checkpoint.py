@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.runtime.checkpoint import (
+from llm_train.runtime.checkpointing.commit import (
     LATEST,
     Checkpointer,
     CheckpointIOError,
@@ -123,7 +123,7 @@ def _save_step_2_crashing_at(crash_at: int, root: Path) -> int:
     Forked rather than a fresh interpreter per crash point (~2 CPU-s of imports each); the child only
     writes files and never returns into pytest.
     """
-    import llm_train.runtime.checkpoint as module
+    import llm_train.runtime.checkpointing.commit as module
 
     pid = os.fork()
     if pid:

@@ -33,8 +33,8 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
 
     sys.path.insert(0, {repo!r})
-    import llm_train.runtime.checkpoint as checkpoint
-    from llm_train.runtime import resume
+    import llm_train.runtime.checkpointing.commit as checkpoint
+    from llm_train.runtime.checkpointing import resume, run_state
     from llm_train.runtime.collectives import WORLD
 
     rank, timeout_s, slow_s = int(os.environ["RANK"]), float(sys.argv[2]), float(sys.argv[3])
@@ -56,7 +56,7 @@ WORKER = textwrap.dedent(
         for name in MINE[rank]:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(os.urandom(1 << 16))
-        trainer = resume.trainer_state_path(tmp, rank)
+        trainer = run_state.trainer_state_path(tmp, rank)
         trainer.parent.mkdir(parents=True, exist_ok=True)
         trainer.write_text(json.dumps({{"step": 2}}))
 

@@ -13,7 +13,7 @@ import pytest
 
 from llm_train import cli, train
 from llm_train.commands import report
-from llm_train.commands.launch_train import split_args
+from llm_train.commands.train import split_args
 from tests.helpers import OFFLINE_ENV, REPO
 from tests.optional import import_or_skip
 

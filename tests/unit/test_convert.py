@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llm_train.cli import main as cli_main
-from llm_train.runtime.checkpoint import LATEST, MANIFEST, build_manifest, write_atomic
+from llm_train.runtime.checkpointing.commit import LATEST, MANIFEST, build_manifest, write_atomic
 
 
 def _checkpoint(root: Path, **layout: object) -> Path:

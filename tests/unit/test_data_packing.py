@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llm_train.data import prepare_data
-from llm_train.data.batches import build_rows
+from llm_train.data.model_inputs import build_rows
 from llm_train.data.packing import best_fit_decreasing, make_spans, placement
 from llm_train.data.store import TokenStore
 from llm_train.errors import UserError

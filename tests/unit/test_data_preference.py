@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from llm_train.data import prepare_data
-from llm_train.data.batches import build_rows
-from llm_train.data.stream import BatchStream, EpochOrder, eval_batches
+from llm_train.data.dealer import BatchStream, EpochOrder, eval_batches
+from llm_train.data.model_inputs import build_rows
 from llm_train.data.summary import sample_views
 from llm_train.errors import UserError
 from tests.unit.data_fixtures import data_section, get_tokenizer, write_jsonl

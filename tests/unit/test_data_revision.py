@@ -16,7 +16,7 @@ import pytest
 
 from llm_train.data import prepare_data
 from llm_train.data.revision import resolve_revision
-from llm_train.data.streaming import StreamingBatches, StreamSpec
+from llm_train.data.stream_windows import StreamingBatches, StreamSpec
 from llm_train.errors import UserError
 from tests.unit.data_fixtures import data_section, get_tokenizer, samples_of, text_rows, write_jsonl
 

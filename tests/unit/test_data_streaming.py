@@ -19,8 +19,8 @@ import pytest
 
 from llm_train.config.recipe import load_recipe
 from llm_train.data import prepare_data
-from llm_train.data.batches import build_rows
-from llm_train.data.streaming import StreamingBatches, StreamSpec, next_source
+from llm_train.data.model_inputs import build_rows
+from llm_train.data.stream_windows import StreamingBatches, StreamSpec, next_source
 from llm_train.errors import UserError
 from tests.unit.data_fixtures import data_section, get_tokenizer, samples_of, text_rows, write_jsonl
 
@@ -79,7 +79,7 @@ def _streams(spec: StreamSpec, dp: int, workers: int = 0) -> list[StreamingBatch
 
 def _pass_length(spec: StreamSpec) -> int:
     """Sequences in one pass: the windows of pass 0 (a pass is ceil(N_DOCS / WINDOW) windows)."""
-    from llm_train.data.streaming import _initial_record, windows
+    from llm_train.data.stream_windows import _initial_record, windows
 
     items = windows(spec, _initial_record(1))
     return sum(next(items)[1].n_sequences for _ in range(-(-N_DOCS // WINDOW)))
@@ -239,7 +239,7 @@ def test_a_missing_field_is_one_line_from_the_stream(tmp_path: Path) -> None:
 
 _EXIT_SCRIPT = """
 import os, sys
-from llm_train.data.streaming import StreamingBatches, StreamSpec
+from llm_train.data.stream_windows import StreamingBatches, StreamSpec
 from tests.unit.data_fixtures import data_section, get_tokenizer
 from pathlib import Path
 folder = Path(sys.argv[1])

@@ -1,8 +1,8 @@
 """The README and docs/ say what the repository does: links resolve, the tables match the files.
 
-The README is the front door: the set-up commands CI runs, one row per shipped recipe with the
-planner's verdict, a page index that lists every page of docs/, and a map of the code whose paths
-exist and which covers every package; docs/development.md lists every module. Every relative link in the Markdown files, anchors included,
+The README is the front door: the set-up commands CI runs, the first run on a GPU, one row per
+shipped recipe with the planner's verdict, a page index that lists every page of docs/, and six
+files to read first; docs/development.md maps every package (paths that exist) and every module. Every relative link in the Markdown files, anchors included,
 lands on a file and a heading that exist.
 """
 
@@ -111,8 +111,8 @@ def test_the_link_check_catches_each_kind_of_break(tmp_path: Path) -> None:
         "other.md#nope (no heading with that anchor)",
         "#nope (no heading with that anchor)",
     ]
-    assert slug("Attention kernels (`memory.attention`, `llm_train/config/attention.py`)") == (
-        "attention-kernels-memoryattention-llm_trainconfigattentionpy"
+    assert slug("Attention kernels (`memory.attention`, `llm_train/config/attention_kernel.py`)") == (
+        "attention-kernels-memoryattention-llm_trainconfigattention_kernelpy"
     )
 
 
@@ -157,7 +157,7 @@ def test_the_page_index_lists_every_docs_page() -> None:
 
 
 def test_the_code_map_covers_every_package_and_names_files_that_exist() -> None:
-    rows = table_rows(section(README.read_text(), "Map of the code"))
+    rows = table_rows(section((REPO / "docs" / "development.md").read_text(), "Map of the code"))
     mapped = {row[0].strip("`").rstrip("/"): row[1] for row in rows}
     package = REPO / "llm_train"
     expected = {
@@ -171,6 +171,27 @@ def test_the_code_map_covers_every_package_and_names_files_that_exist() -> None:
         assert folder.exists(), where
         for name in re.findall(r"`([\w/]+\.py)`", answer):
             assert (folder / name).is_file() if folder.is_dir() else name == folder.name, f"{where}: {name}"
+
+
+def test_the_readme_tours_six_files_that_exist() -> None:
+    rows = table_rows(section(README.read_text(), "Where to start reading"))
+    files = [row[0].strip("`") for row in rows]
+    assert len(files) == len(set(files)) == 6
+    assert all((REPO / f).is_file() for f in files), files
+
+
+def test_the_readme_shows_the_first_run_on_a_card() -> None:
+    """doctor, then plan, then the launch with the user's data: in that order, in one block."""
+    block = section(README.read_text(), "First run on your card").split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) <= 5
+    order = [
+        next(i for i, c in enumerate(commands) if c.startswith(start))
+        for start in ("llm-train doctor", "llm-train plan --recipe", "accelerate launch llm_train/train.py")
+    ]
+    assert order == sorted(order) and "'data.train=[my.jsonl]'" in commands[order[-1]]
+    recipe = commands[order[1]].split("--recipe ", 1)[1].split()[0]
+    assert f"--recipe {recipe} " in commands[order[2]] and (REPO / "recipes" / f"{recipe}.yaml").is_file()
 
 
 def test_the_module_map_lists_every_module_once() -> None:

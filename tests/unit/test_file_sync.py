@@ -1,4 +1,4 @@
-"""Ranks waiting through files (runtime/file_sync.py), and the hashing split that uses them (checkpoint.py).
+"""Ranks waiting through files (runtime/checkpointing/file_sync.py), and the hashing split that uses them (checkpointing/commit.py).
 
 Two ranks are two FileSync objects on one directory, each in its own thread: the waiting logic
 is the same as across processes (files and a monotonic clock), without a process group.
@@ -12,9 +12,16 @@ from pathlib import Path
 
 import pytest
 
-import llm_train.runtime.file_sync as file_sync
-from llm_train.runtime.checkpoint import MANIFEST, build_manifest, share, verify, verify_shared, write_atomic
-from llm_train.runtime.file_sync import FileSync, RankSilent
+import llm_train.runtime.checkpointing.file_sync as file_sync
+from llm_train.runtime.checkpointing.commit import (
+    MANIFEST,
+    build_manifest,
+    share,
+    verify,
+    verify_shared,
+    write_atomic,
+)
+from llm_train.runtime.checkpointing.file_sync import FileSync, RankSilent
 
 
 @pytest.fixture(autouse=True)

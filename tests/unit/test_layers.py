@@ -79,6 +79,23 @@ def imports(module: str) -> list[tuple[str, bool, int]]:
     return found
 
 
+def test_the_readme_states_the_layers_this_test_enforces() -> None:
+    """The README's arrow (`config <- planning <- data, observability <- runtime <- ...`) is LAYERS in order."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    found = re.search(r"`(config <- [^`]+)`", readme)
+    assert found, "README.md states the layers as `config <- planning <- ...`"
+    stated = [
+        {p.strip().removesuffix("/").removesuffix(".py") for p in g.split(",")} for g in found[1].split("<-")
+    ]
+    by_layer: dict[int, set[str]] = {}
+    for name, n in LAYERS.items():
+        by_layer.setdefault(n, set()).add(name.removeprefix("llm_train.").removeprefix("llm_train"))
+    expected = [by_layer[n] for n in (1, 2, 3, 4)]
+    assert stated[:4] == expected and stated[4] <= by_layer[5] and len(stated) == 5, stated
+
+
 def test_the_layer_table_covers_every_module() -> None:
     for module in MODULES:
         layer(module)  # raises for a module no layer claims

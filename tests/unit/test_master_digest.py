@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from llm_train.errors import ExportError
-from llm_train.runtime.master_digest import check_master_digests, digest_groups, live_master_digest
+from llm_train.runtime.checkpointing.master_digest import (
+    check_master_digests,
+    digest_groups,
+    live_master_digest,
+)
 
 
 def _groups(seed: int) -> list[torch.Tensor]:

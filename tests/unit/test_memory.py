@@ -120,7 +120,7 @@ def test_fp32_is_4_4_8() -> None:
 
 def test_host_offload_is_at_least_deepspeeds_18_bytes_per_param_without_its_buffer_factor() -> None:
     """DeepSpeed's estimator counts 18 B/param (optimizer 12, fp32 grads 4, 16-bit params 2) x 1.5.
-    What its code allocates (planning/host_offload.py, tests/unit/test_host_offload.py) is more than
+    What its code allocates (planning/offload_buffers.py, tests/unit/test_offload_buffers.py) is more than
     the 18, from a second, 16-bit copy of the gradients and torch's power-of-two pinned buffers, and
     within its 1.5x margin here."""
     n, nodes, gpus = LLAMA2_7B.num_params, 2, 8
@@ -343,7 +343,7 @@ def test_pipeline_stages_load_only_their_share_of_the_model() -> None:
 
 def test_known_budget_7b_on_a_24gb_card() -> None:
     """A 7-8B full fine-tune fits 24 GB only with offload; with the weights offloaded too,
-    DeepSpeed's pinned buffers put an 8B at ~173 GiB of host RAM (planning/host_offload.py)."""
+    DeepSpeed's pinned buffers put an 8B at ~173 GiB of host RAM (planning/offload_buffers.py)."""
     shape = shape_of("meta-llama/Llama-3.1-8B")
     common = {"shape": shape, "world_size": 1, "activation_checkpointing": True}
     plain = estimate_memory(MemoryInputs.of(zero_stage=2, **common))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_train.data.batches import SpanTally, span_sums
+from llm_train.data.model_inputs import SpanTally, span_sums
 from llm_train.observability.console import duration, progress_line
 from llm_train.observability.metrics import (
     StartupClock,

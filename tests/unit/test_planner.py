@@ -69,7 +69,7 @@ def test_unknown_gpu_is_one_line() -> None:
 # expectations are the textbook answers: small models need no partitioning, and with few GPUs
 # ZeRO-1's one all-reduce per step beats ZeRO-2's reduce-scatter per micro-batch; a 7B full fine-tune
 # on 24 GB needs the optimizer on the CPU, whose host buffers (fp32 master, m and v: 12 B/param, plus
-# DeepSpeed's pinned gradient copies: tests/unit/test_host_offload.py) fit 128-192 GiB of host RAM; with
+# DeepSpeed's pinned gradient copies: tests/unit/test_offload_buffers.py) fit 128-192 GiB of host RAM; with
 # less it trains adapters. Adapters on a 12-24 GB card are QLoRA: its 4-bit base leaves room for the
 # activations (at 24 GB without checkpointing, which recomputes half again a frozen base's compute),
 # while a 16-bit base needs its weights offloaded over PCIe (12-16 GB) or checkpointing (24 GB). An 8B
@@ -410,7 +410,7 @@ def test_host_ram_guard_refuses_with_the_planners_numbers(monkeypatch: pytest.Mo
     with pytest.raises(UserError) as exc:
         check_host_ram(_offload_run(), available=64 * GiB)
     message = str(exc.value)
-    # deepspeed.pinning=auto, as native pinning on this CUDA device: exact sizes (planning/host_offload.py).
+    # deepspeed.pinning=auto, as native pinning on this CUDA device: exact sizes (planning/offload_buffers.py).
     assert re.match(
         r"host RAM: 7b-rtx4090 needs ~116\.4 GiB per node \(planner: offloaded optimizer states 75\.3, "
         r"offloaded fp32 gradients 25\.1, offload 16bit buffers 12\.6, optimizer step transient 0\.5",

@@ -237,7 +237,8 @@ def _staged_load(base: Path, dtype: torch.dtype, staging: object | None) -> torc
 
     from transformers import AutoModelForCausalLM
 
-    from llm_train.runtime.quantize import Staging, quantizing_on
+    from llm_train.runtime.compat import quantizing_on
+    from llm_train.runtime.quantize import Staging
 
     assert staging is None or isinstance(staging, Staging)
     with quantizing_on(staging) if staging is not None else contextlib.nullcontext():
@@ -442,7 +443,7 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     assert gpu["parameters"] < 0.01 * GiB  # only the norms ZeRO-3 keeps whole (persistence threshold)
     # On the host: each rank's half of the packed codes and of the 16-bit rest (bf16 storage: 4 weights per
     # element, so a packed tensor is numel/4 elements of 2 bytes), exact-size (native pinning), and the bf16
-    # adapters twice (their zero.Init blocks and the optimizer's flat buffer: host_offload.py).
+    # adapters twice (their zero.Init blocks and the optimizer's flat buffer: offload_buffers.py).
     offloaded = host["offloaded_parameters"]
     assert run.recipe.deepspeed.pinning == "native"
     adapters = 2 * 2 * shape.lora_params(16)

@@ -23,8 +23,9 @@ from llm_train.config import resolution
 from llm_train.config.hardware import Device
 from llm_train.config.resolution import Resolved, resolve_run, steps_for_epochs
 from llm_train.observability.profiling import flops_profiler_config
-from llm_train.runtime import resume, session
-from llm_train.runtime.resume import ResumePlan
+from llm_train.runtime import session
+from llm_train.runtime.checkpointing import resume
+from llm_train.runtime.checkpointing.resume import Resume
 from llm_train.runtime.session import RunOptions
 
 CPU = Device("cpu", "cpu", True)
@@ -125,7 +126,7 @@ def test_a_worker_resolves_once(tmp_path: Path, scheduled: str, monkeypatch: pyt
     monkeypatch.setattr(resume, "bridge", counted("layouts compared", resume.bridge))
     settled: list[Resolved] = []
 
-    def worker_start(run: Resolved, options: RunOptions, plan: ResumePlan | None, say: session.Say) -> int:
+    def worker_start(run: Resolved, options: RunOptions, plan: Resume, say: session.Say) -> int:
         """run_training up to the engine: the run as the worker settles it."""
         settled.append(session.settle_run(run, options, plan, 0, say)[0])
         return 0

@@ -9,12 +9,12 @@ import pytest
 
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
-from llm_train.runtime.resume import (
+from llm_train.runtime.checkpointing.resume import (
+    Resume,
     ResumeLayout,
     bridge,
     check_same_plan,
     peek_manifest,
-    plan_resume,
     saved_layout,
 )
 
@@ -82,7 +82,7 @@ def test_a_precision_change_goes_through_universal() -> None:
         ({"zero_stage": 3}, {"zero_stage": 0}, "ZeRO-1/2/3 only"),
         ({"zero_stage": 2}, {"zero_stage": 3}, "between ZeRO-3 and ZeRO-1/2"),
         ({"zero_stage": 3}, {"zero_stage": 1}, "between ZeRO-3 and ZeRO-1/2"),
-        # The swapped optimizer state lives in per-rank swap files (runtime/nvme_swap.py), not in DeepSpeed's
+        # The swapped optimizer state lives in per-rank swap files (runtime/compat.py), not in DeepSpeed's
         # checkpoint: no universal conversion can read it.
         (
             {"zero_stage": 3, "offload_optimizer": "nvme"},
@@ -148,10 +148,10 @@ def test_a_fallback_checkpoint_needing_another_bridge_is_refused(tmp_path: Path)
 
 def test_a_resume_that_cannot_work_fails_before_any_worker_starts(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not a directory"):
-        plan_resume(str(tmp_path / "nope"), tmp_path, _layout(), allow_batch_change=False)
+        Resume.plan(str(tmp_path / "nope"), tmp_path, _layout(), allow_batch_change=False)
     ckpt = tmp_path / "step-00000002"
     ckpt.mkdir()
     (ckpt / "manifest.json").write_text(json.dumps({"layout": _saved(world_size=4, pp=2, zero_stage=1)}))
     with pytest.raises(UserError, match="pipeline"):
-        plan_resume("auto", tmp_path, _layout(zero_stage=1), allow_batch_change=False)
-    plan_resume("auto", tmp_path / "no-checkpoints-yet", _layout(), allow_batch_change=False)  # first start
+        Resume.plan("auto", tmp_path, _layout(zero_stage=1), allow_batch_change=False)
+    Resume.plan("auto", tmp_path / "no-checkpoints-yet", _layout(), allow_batch_change=False)  # first start

@@ -10,7 +10,7 @@ source each window comes from, so `weight` is the source's share of windows (of 
 A source that runs out starts its next pass (local files in a new seeded order).
 
 The result is one deterministic, endless global list of packed sequences, independent of
-the number of ranks and of loader workers. It is dealt like BatchStream deals (stream.py):
+the number of ranks and of loader workers. It is dealt by the one dealer (dealer.py `Batches`):
 global micro-step k hands positions [k*G, (k+1)*G), G = micro_batch x dp_size, to the
 data-parallel ranks in order, so every sequence goes to exactly one dp rank and the ranks of
 one TP / pipeline group get identical batches. The cost of that choice: every rank reads and
@@ -45,15 +45,15 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe import ChatSource, DataSection, Source
-from llm_train.data.batches import build_rows
+from llm_train.data.dealer import Batches, Sequences, _fork_context
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
+from llm_train.data.model_inputs import build_rows
 from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
 from llm_train.data.prepare import PackedSplit, prepare_data
 from llm_train.data.revision import resolve_revision
 from llm_train.data.rows import IDS, MASK, to_arrow
 from llm_train.data.sources import Located, check_revision, locate
 from llm_train.data.store import TokenStore
-from llm_train.data.stream import Batches, _fork_context
 from llm_train.data.workers import exit_with_parent
 from llm_train.errors import UserError, first_line
 
@@ -61,7 +61,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from transformers import PreTrainedTokenizerBase
 
-_STATE_VERSION = 1
 # Rows per window: enough samples for best-fit decreasing to fill ~98% of slots on typical
 # spreads, few enough that a resume re-packs little and the first batch comes quickly.
 WINDOW_ROWS = 1000
@@ -358,15 +357,93 @@ class _WindowSplit:
         return lay.spans.start[lo:hi], lay.spans.length[lo:hi]
 
 
-class StreamingBatches(Batches):
-    """Endless micro-batches of a streamed training split for one data-parallel rank.
+class StreamedSequences(Sequences):
+    """A stream's packed windows, in order: read, tokenised and packed by loader workers, assembled here."""
 
-    The same interface as BatchStream (the Batches protocol); `per_epoch` is None: a stream's
-    length is unknown.
-    """
-
-    per_epoch: int | None = None
+    kind = "stream"
     split: PackedSplit | None = None  # tokenised as it streams: no packed split (preference data is refused)
+    epoch_len: int | None = None  # a stream's length is unknown
+
+    def __init__(self, spec: StreamSpec) -> None:
+        require_packing_support(spec.packing)
+        self.spec, self.fingerprint, self.seed, self.revisions = (
+            spec,
+            spec.fingerprint,
+            spec.seed,
+            spec.revisions,
+        )
+        self.record = _initial_record(len(spec.sources))  # window holding the last served step's start
+
+    def epoch(self, consumed: int) -> int:
+        """Passes completed by every streaming source (as of the last step served)."""
+        return min(int(c["pass"]) for c in self.record["sources"])
+
+    def _loader(self, workers: int) -> Iterator[Any]:
+        options: dict[str, Any] = {}
+        if workers:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the parallelism
+            options = {
+                "prefetch_factor": 2,
+                "multiprocessing_context": _fork_context(),
+                "worker_init_fn": exit_with_parent,
+            }
+        loader = DataLoader(
+            _WindowDataset(self.spec, self.record),
+            batch_size=None,
+            collate_fn=_keep,
+            num_workers=workers,
+            **options,
+        )
+        return iter(loader)
+
+    def batches(
+        self, start: int, offset: int, micro: int, stride: int, workers: int, pin_memory: bool
+    ) -> Iterator[dict[str, Any]]:
+        items = self._loader(workers)
+        buffer: deque[tuple[dict[str, Any], PackedWindow]] = deque()
+        end = int(self.record["start"])  # global position after the last window pulled
+        for step_start in itertools.count(start, stride):
+            first = step_start + offset
+            while end < first + micro:
+                item = next(items)
+                if item[0] == "error":
+                    raise UserError(item[1])
+                record, window = item
+                buffer.append(({**record, "start": end}, window))
+                end += window.n_sequences
+            # Forget windows that end before this step; keep the one holding its start for the state.
+            while len(buffer) > 1 and buffer[1][0]["start"] <= step_start:
+                buffer.popleft()
+            windows_held = [w for _, w in buffer]
+            starts = [r["start"] for r, _ in buffer]
+            sequences = []
+            for position in range(first, first + micro):
+                part = int(np.searchsorted(starts, position, side="right")) - 1
+                while windows_held[part].n_sequences <= position - starts[part]:  # skip empty windows
+                    part += 1
+                sequences.append((part, position - starts[part]))
+            # _WindowSplit has the PackedSplit attributes build_rows reads, over the windows held.
+            rows = build_rows(_WindowSplit(self.spec, windows_held), sequences)  # type: ignore[arg-type]
+            self.record = buffer[0][0]
+            yield _to_torch(rows, pin_memory)
+
+    def state(self) -> dict[str, Any]:
+        return {"data_revisions": list(self.spec.revisions), "window": copy.deepcopy(self.record)}
+
+    def check(self, state: dict[str, Any], allow_revision_change: bool) -> list[str]:
+        if "window" not in state:
+            raise UserError(
+                "the checkpoint's streaming data position has no window (written by another version of "
+                "llm_train); resume with the llm_train that wrote it, or start a new run"
+            )
+        return check_revisions(self.spec, state.get("data_revisions"), allow_revision_change)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.record = copy.deepcopy(state["window"])  # the next batch is re-packed from the saved window on
+
+
+class StreamingBatches(Batches):
+    """The dealer over a streamed training split (the same `Batches`; `per_epoch` is None)."""
 
     def __init__(
         self,
@@ -377,116 +454,8 @@ class StreamingBatches(Batches):
         workers: int | None = None,
         pin_memory: bool | None = None,
     ) -> None:
-        import torch
-
-        require_packing_support(spec.packing)
-        self.spec, self.micro, self.rank, self.size = spec, micro_batch, dp_rank, dp_size
-        self.global_micro = micro_batch * dp_size
-        cuda = torch.cuda.is_available()
-        # Tokenising is the work here: one background worker even on CPU, so the model does not wait.
-        self.workers = workers if workers is not None else (2 if cuda else 1)
-        self.pin_memory = cuda if pin_memory is None else pin_memory
-        self.consumed = 0
-        self._record = _initial_record(len(spec.sources))  # window holding the last served step's start
-        self._items: Iterator[Any] | None = None
-        self._buffer: deque[tuple[dict[str, Any], PackedWindow]] = deque()
-        self._end = 0  # global position after the last window pulled
-
-    def __iter__(self) -> StreamingBatches:
-        return self
-
-    def _restart(self) -> None:
-        options: dict[str, Any] = {}
-        if self.workers:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the parallelism
-            options = {
-                "prefetch_factor": 2,
-                "multiprocessing_context": _fork_context(),
-                "worker_init_fn": exit_with_parent,
-            }
-        loader = DataLoader(
-            _WindowDataset(self.spec, self._record),
-            batch_size=None,
-            collate_fn=_keep,
-            num_workers=self.workers,
-            **options,
-        )
-        self._items = iter(loader)
-        self._buffer.clear()
-        self._end = int(self._record["start"])
-
-    def _pull(self) -> None:
-        assert self._items is not None
-        item = next(self._items)
-        if item[0] == "error":
-            raise UserError(item[1])
-        record, window = item
-        record = {**record, "start": self._end}
-        self._end += window.n_sequences
-        self._buffer.append((record, window))
-
-    def __next__(self) -> dict[str, Any]:
-        if self._items is None:
-            self._restart()
-        step_start = self.consumed
-        first = step_start + self.rank * self.micro
-        while self._end < first + self.micro:
-            self._pull()
-        # Forget windows that end before this step; keep the one holding its start for the state.
-        while len(self._buffer) > 1 and self._buffer[1][0]["start"] <= step_start:
-            self._buffer.popleft()
-        windows_held = [w for _, w in self._buffer]
-        starts = [r["start"] for r, _ in self._buffer]
-        sequences = []
-        for position in range(first, first + self.micro):
-            part = int(np.searchsorted(starts, position, side="right")) - 1
-            while windows_held[part].n_sequences <= position - starts[part]:  # skip empty windows
-                part += 1
-            sequences.append((part, position - starts[part]))
-        # _WindowSplit has the PackedSplit attributes build_rows reads, over the windows held.
-        rows = build_rows(_WindowSplit(self.spec, windows_held), sequences)  # type: ignore[arg-type]
-        self._record = self._buffer[0][0]
-        self.consumed += self.global_micro
-        return _to_torch(rows, self.pin_memory)
-
-    @property
-    def epoch(self) -> int:
-        """Passes completed by every streaming source (as of the last step served)."""
-        return min(int(c["pass"]) for c in self._record["sources"])
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable and the same on every rank: valid for resuming on any number of ranks."""
-        return {
-            "version": _STATE_VERSION,
-            "kind": "stream",
-            "sequences_consumed": self.consumed,
-            "epoch": self.epoch,
-            "sequences_per_epoch": None,
-            "data_fingerprint": self.spec.fingerprint,
-            "data_revisions": list(self.spec.revisions),
-            "seed": self.spec.seed,
-            "window": copy.deepcopy(self._record),
-        }
-
-    def check_state(self, state: dict[str, Any], allow_revision_change: bool = False) -> list[str]:
-        """Refuse a saved position this stream cannot continue (one line); the notices to print otherwise."""
-        if state.get("version") != _STATE_VERSION or state.get("kind") != "stream" or "window" not in state:
-            raise UserError(
-                "the checkpoint's data position is not a streaming one (or was written by another version of "
-                "llm_train); resume with the recipe's original data section (streaming as it was), or start a new run"
-            )
-        if state.get("data_fingerprint") != self.spec.fingerprint or state.get("seed") != self.spec.seed:
-            raise UserError(
-                "the streamed training data, its mixture, packing or the seed differ from the checkpoint's; resuming "
-                "would repeat or skip samples: resume with the recipe's original data section, or start a new run"
-            )
-        return check_revisions(self.spec, state.get("data_revisions"), allow_revision_change)
-
-    def load_state_dict(self, state: dict[str, Any], allow_revision_change: bool = False) -> None:
-        self.check_state(state, allow_revision_change)
-        self.consumed = int(state["sequences_consumed"])
-        self._record = copy.deepcopy(state["window"])
-        self._items = None  # the next batch is re-packed from the saved window on
+        super().__init__(StreamedSequences(spec), micro_batch, dp_rank, dp_size, workers, pin_memory)
+        self.spec = spec
 
 
 def check_revisions(spec: StreamSpec, saved: list[str | None] | None, allow: bool) -> list[str]:

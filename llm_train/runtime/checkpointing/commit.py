@@ -1,12 +1,12 @@
 """Checkpoints that survive anything: atomic commit, verified load, retention.
 
 This module is the commit protocol only: what a checkpoint holds and how a run resumes from
-one is runtime/resume.py's (it hands `Checkpointer.save` a function that writes the files).
+one is run_state.py's and resume.py's (run_state.Saver hands `Checkpointer.save` a function that writes the files).
 Layout under the run directory:
 
     checkpoints/step-00000100/      one committed checkpoint
         state/                      DeepSpeed's engine.save_checkpoint (model, optimizer, LR schedule)
-        trainer/rank00000.json      per-rank trainer state: step, data position, RNG states (resume.py)
+        trainer/rank00000.json      per-rank trainer state: step, data position, RNG states (run_state.py)
         hf/                         the HF config and tokenizer (so `llm-train export` needs nothing else)
         reference.safetensors       the training engine's logits on a fixed batch (export's reference)
         manifest.json               written last: files, sizes, sha256, step, world size, recipe hash
@@ -23,7 +23,7 @@ warning. DeepSpeed's shards are pickles: they are only ever loaded from a direct
 manifest verifies.
 
 No rank waits for the hashing or the commit inside a collective: the digests and the outcome
-travel through files (runtime/file_sync.py), so a checkpoint of any size never meets the
+travel through files (runtime/checkpointing/file_sync.py), so a checkpoint of any size never meets the
 process-group timeout.
 """
 
@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.errors import EXIT_CHECKPOINT_IO, UserError
-from llm_train.runtime.file_sync import FileSync
+from llm_train.runtime.checkpointing.file_sync import FileSync
 
 if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does not need it
     from llm_train.runtime.collectives import Collectives
 
 MANIFEST = "manifest.json"
-# The training engine's logits on the export check's fixed batch at the saved step (resume.py):
+# The training engine's logits on the export check's fixed batch at the saved step (run_state.py):
 # `llm-train export` verifies against them, independently of how the shards are merged.
 CHECKPOINT_REFERENCE = "reference.safetensors"
 DS_TAG = "ds"  # the tag DeepSpeed saves each checkpoint's engine state under (state/ds/)

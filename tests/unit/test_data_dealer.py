@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llm_train.data import BatchStream, eval_batches, prepare_data
-from llm_train.data.stream import EpochOrder
+from llm_train.data.dealer import EpochOrder
 from llm_train.errors import UserError
 from tests.unit.data_fixtures import data_section, get_tokenizer, samples_of, text_rows, write_jsonl
 

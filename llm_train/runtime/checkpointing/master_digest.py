@@ -6,7 +6,7 @@ optimizer step moves bf16 weights by less than their rounding, so a checkpoint w
 are one step old (a save that wrote an old partition, yet whose manifest verifies: the manifest hashes
 what was written) passes any bf16 comparison. The master weights' bits change at every step whatever the
 learning rate, so each rank records the sha256 of its own fp32 partitions *as they are in memory* right
-after DeepSpeed wrote them (in its trainer state, runtime/resume.py), and the export hashes the same
+after DeepSpeed wrote them (in its trainer state, run_state.py), and the export hashes the same
 tensors as they are in each shard file. Every shard must carry a digest some rank recorded at that step,
 and every recorded digest must be in a shard: a stale, mixed-up or half-written shard fails, in one line.
 
@@ -72,7 +72,7 @@ def shard_files(ckpt_dir: Path) -> list[Path]:
 
 def shard_digest(path: Path) -> str | None:
     # mmap: only the master tensors' pages are read, not Adam's m and v stored beside them. The file
-    # is a DeepSpeed pickle, loaded only after the checkpoint's manifest verified (runtime/checkpoint.py).
+    # is a DeepSpeed pickle, loaded only after the checkpoint's manifest verified (runtime/checkpointing/commit.py).
     saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     masters = _masters(saved.get("optimizer_state_dict", {}))
     return digest_groups(masters) if masters is not None else None

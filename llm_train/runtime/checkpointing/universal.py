@@ -12,7 +12,7 @@ checkpoint, then a manifest (sizes and sha256 of every file), then one rename to
 next attempt deletes and redoes; `universal/` is used only when its manifest verifies.
 It runs in a child process so a crash in it (or its memory peak) cannot take the rank with it.
 
-A module of its own, not part of runtime/resume.py: converting is a job apart from resuming. It
+A module of its own, not part of runtime/checkpointing/resume.py: converting is a job apart from resuming. It
 makes a verified derived copy of a checkpoint, with its own manifest, for three users: a resume
 on another layout (resume.py), `llm-train convert` ahead of time, and the export of a checkpoint
 (export.py reads the merged weights through `universal_state_dict`).
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.errors import UserError
-from llm_train.runtime.checkpoint import DS_TAG, build_manifest, verify, write_atomic
+from llm_train.runtime.checkpointing.commit import DS_TAG, build_manifest, verify, write_atomic
 
 UNIVERSAL = "universal"
 _MANIFEST = "manifest.json"

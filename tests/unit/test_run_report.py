@@ -10,7 +10,7 @@ import pytest
 
 from llm_train.cli import main as cli_main
 from llm_train.errors import UserError
-from llm_train.observability.report import load_run, make_report, summary_rows
+from llm_train.observability.run_report import load_run, make_report, summary_rows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from llm_train.config.hardware import hardware_for
-from llm_train.planning.host_offload import held_bytes, trainable_tensors, zero3_sub_groups
 from llm_train.planning.memory import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.offload_buffers import held_bytes, trainable_tensors, zero3_sub_groups
 from tests.unit.offload_arithmetic import (
     EMBED_8B,
     I_MLP,
@@ -249,7 +249,7 @@ def test_nvme_offload_rows_of_the_8b_under_each_pinning_choice(pinning: str) -> 
 
 
 def test_pipelined_swapping_takes_more_buffers() -> None:
-    from llm_train.planning.host_offload import SwapSettings
+    from llm_train.planning.offload_buffers import SwapSettings
 
     base = full_finetune(LLAMA31_8B, "nvme", "native")
     for read, write, count in ((True, False, 8), (True, True, 12)):

@@ -29,7 +29,7 @@ number larger:
    pinned.
 3. CPU Adam creates m and v at its first step (ops/adam/cpu_adam.py 153-164), pageable: the set-up
    holds master + gradients only, and the first optimizer step is where the host peaks.
-4. DataLoader workers are forked (data/stream.py `_fork_context`) at the first batch, after
+4. DataLoader workers are forked (data/dealer.py `_fork_context`) at the first batch, after
    DeepSpeed has set up. A forked child keeps the pre-fork version of every private page the
    parent later writes (copy-on-write): the pageable master weights CPU Adam rewrites every step
    (and, after a resume, m and v), the gradient buffers when they are pageable or mlocked

@@ -1,8 +1,8 @@
-"""`llm-train train` (commands/launch_train.py): the accelerate command it builds, the checks it runs
+"""`llm-train train` (commands/train.py): the accelerate command it builds, the checks it runs
 before any launcher starts, and what it lets through of the launcher's output and exit code.
 
 The launcher outputs below are shortened copies of what accelerate 1.15 / torch 2.13 print
-(tests/e2e/test_launch_train.py feeds the filter the real thing).
+(tests/e2e/test_train_command.py feeds the filter the real thing).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from llm_train import cli, train
-from llm_train.commands import launch_train
-from llm_train.commands.launch_train import LauncherOutput, accelerate_argv, launch_options, split_args
+from llm_train.commands import train as train_command
+from llm_train.commands.train import LauncherOutput, accelerate_argv, launch_options, split_args
 
 ACCELERATE = Path("/venv/bin/accelerate")
 ERROR = (
@@ -122,7 +122,7 @@ def test_a_multi_node_recipe_launches_with_rank_address_port_and_restarts() -> N
     ],
 )
 def test_impossible_process_counts_are_one_line_errors(flags: dict, nodes: int, fragment: str) -> None:
-    with pytest.raises(launch_train.UserError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(train_command.UserError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
         launch_options(_flags(**flags), nodes=nodes, world_size=8 * nodes)
 
 
@@ -154,7 +154,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"a process was started: {args}")
 
-    monkeypatch.setattr(launch_train.subprocess, "Popen", refuse)
+    monkeypatch.setattr(train_command.subprocess, "Popen", refuse)
 
 
 @pytest.mark.parametrize(
@@ -197,7 +197,7 @@ def test_a_valid_run_is_launched_with_the_recipes_processes_and_ends_with_the_wo
         seen.append(cmd)
         return 75  # preempted: the workers' code, not the launcher's
 
-    monkeypatch.setattr(launch_train, "run_launcher", fake_run)
+    monkeypatch.setattr(train_command, "run_launcher", fake_run)
     argv = ["train", "--recipe", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--max-steps", "3"]
     assert cli.main(argv) == 75
     (cmd,) = seen
@@ -267,7 +267,7 @@ def test_run_launcher_streams_a_real_process_and_returns_the_workers_code(tmp_pa
         "raise subprocess.CalledProcessError(returncode=2, cmd=['python', 'llm_train/train.py'])\n"
     )
     written: list[bytes] = []
-    code = launch_train.run_launcher([sys.executable, str(fake)], fake, written.append)
+    code = train_command.run_launcher([sys.executable, str(fake)], fake, written.append)
     assert code == 2
     assert written == [b"starting 2 local worker(s)\n", ERROR]
     assert subprocess.run([sys.executable, str(fake)], capture_output=True).returncode == 1  # what it hides

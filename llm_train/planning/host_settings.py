@@ -10,7 +10,7 @@ Two settings decide how much host RAM an offloaded run takes beyond its model st
   the largest tensor (the embedding). The choice: the largest candidate whose host estimate is
   within SUB_GROUP_SLACK_BYTES of the smallest any candidate reaches.
 - `data.loader_workers`: forked workers keep copy-on-write twins of the optimizer state the parent
-  rewrites (planning/host_offload.py, its docstring on forked loader workers). The choice: the CUDA default of 2 when the run fits
+  rewrites (planning/offload_buffers.py, its docstring on forked loader workers). The choice: the CUDA default of 2 when the run fits
   the budget with them, else 0 (batches are cut in the training process).
 
 Bucket sizes (reduce, prefetch, all-gather) are GPU buffers, counted in the GPU rows: they do not
@@ -30,7 +30,7 @@ SUB_GROUP_CANDIDATES = (10**7, 2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8
 # Within half a GiB of the smallest host estimate, fewer and larger sub-groups win: the saving below
 # that is noise next to the estimate's own precision.
 SUB_GROUP_SLACK_BYTES = GiB // 2
-DEFAULT_CUDA_LOADER_WORKERS = 2  # data/stream.py's default on CUDA
+DEFAULT_CUDA_LOADER_WORKERS = 2  # data/dealer.py's default on CUDA
 
 
 @dataclass(frozen=True)

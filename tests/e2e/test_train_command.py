@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.commands.launch_train import LauncherOutput
+from llm_train.commands.train import LauncherOutput
 from tests.helpers import (
     ACCELERATE,
     OFFLINE_ENV,

@@ -1,0 +1,306 @@
+"""The compatibility boundary (runtime/compat.py): every library patch listed, in one module, inside the window.
+
+Each workaround is listed here by name, with the library it bends; each is verified on a DeepSpeed
+inside the tested window, which pyproject.toml's dependency states too; no other module patches a
+library's attributes; and each patch does what its docstring says on the installed libraries.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from llm_train.runtime import compat
+from tests.helpers import REPO
+
+# Every patch of a library's internals and every workaround of a library's behaviour llm_train makes.
+# A new one is added here and to compat.WORKAROUNDS; one that a new release makes unnecessary leaves both.
+EXPECTED = {
+    "remember_cpu_info": "deepspeed",
+    "use_environment_ninja": "deepspeed",
+    "build_ops_without_debug_info": "deepspeed",
+    "defer_muon_compile": "deepspeed",
+    "skip_unused_shm_op": "deepspeed",
+    "restore_swapped_state": "deepspeed",
+    "load_universal_checkpoint": "deepspeed",
+    "clip_fp32_across_stages": "deepspeed",
+    "keep_fp32_rope_buffers": "deepspeed",
+    "keep_training_layout": "bitsandbytes",
+    "without_hf_zero3_config": "transformers",
+    "no_progress_bars": "lm_eval",
+    "quantizing_on": "transformers",
+}
+
+
+def test_every_workaround_is_listed_with_the_version_it_was_verified_on() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    listed = {w.name: w.library for w in compat.WORKAROUNDS}
+    assert listed == EXPECTED
+    for w in compat.WORKAROUNDS:
+        fn = getattr(compat, w.name)
+        assert callable(fn) and fn.__doc__, w.name
+        # The docstring names the version it describes, and that is the version listed.
+        assert w.verified in fn.__doc__ or w.verified.rsplit(".", 1)[0] in fn.__doc__, w.name
+        if w.library == "deepspeed":
+            assert w.verified in SpecifierSet(compat.DEEPSPEED_TESTED), w
+
+
+def test_pyproject_states_the_tested_deepspeed_window() -> None:
+    # The dependency line as pyproject.toml writes it (tomllib is Python 3.11+; llm_train supports 3.10).
+    (deepspeed,) = re.findall(r'^\s*"(deepspeed[<>=~!][^"]*)"', (REPO / "pyproject.toml").read_text(), re.M)
+    assert deepspeed == f"deepspeed{compat.DEEPSPEED_TESTED}"
+
+
+def test_every_deepspeed_version_the_package_cites_is_inside_the_window() -> None:
+    """A comment that says "DeepSpeed 0.18 does X" describes a release the workarounds were not checked on."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    window = SpecifierSet(compat.DEEPSPEED_TESTED)
+    cited = re.compile(r"DeepSpeed (\d+\.\d+(?:\.\d+)?)\b")
+    outside = [
+        f"{path.relative_to(REPO)}: DeepSpeed {version}"
+        for path in sorted((REPO / "llm_train").rglob("*.py"))
+        for version in cited.findall(path.read_text())
+        # "0.19" stands for the 0.19 releases: inside when its first release in the window is.
+        if not any(Version(v) in window for v in (version, f"{version}.8") if v.count(".") < 3)
+    ]
+    assert not outside, outside
+    found = sum(len(cited.findall(p.read_text())) for p in (REPO / "llm_train").rglob("*.py"))
+    assert found > 10  # the check reads the citations it is about
+
+
+def test_a_deepspeed_outside_the_window_is_one_warning_line() -> None:
+    assert compat.deepspeed_version_warning("0.19.8") is None
+    for version in ("0.16.4", "0.20.0", "not-a-version"):
+        line = compat.deepspeed_version_warning(version)
+        assert line is not None and "\n" not in line
+        assert line.startswith(f"warning: DeepSpeed {version} is outside") and compat.DEEPSPEED_TESTED in line
+    assert compat.deepspeed_version_warning() is None  # the installed one: this suite runs inside the window
+
+
+def test_doctor_warns_about_a_deepspeed_outside_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llm_train.commands import doctor
+
+    monkeypatch.setattr(compat, "deepspeed_version", lambda: "0.16.4")
+    report = doctor.Report()
+    doctor.check_software(report, gpus=[])
+    (warning,) = [(p, fix) for p, fix in report.warnings if "DeepSpeed 0.16.4" in p]
+    assert warning[1] == f"pip install 'deepspeed{compat.DEEPSPEED_TESTED}'"
+
+
+def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of `scope`, not of the functions defined inside it."""
+    for child in ast.iter_child_nodes(scope):
+        if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield child
+            yield from _own_nodes(child)
+
+
+def _library_patches(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, target) of every assignment to an attribute of an imported third-party module, or setattr on one.
+
+    A module is a name an import binds (anywhere in the file) or, within one function, a name bound
+    to `importlib.import_module(...)`.
+    """
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported |= {a.asname or a.name for a in node.names}
+    own = {"llm_train", "annotations"}  # the package itself; `from __future__ import annotations`
+    found = []
+    scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]
+    for scope in scopes:
+        body = list(_own_nodes(scope))
+        modules = imported - own
+        modules |= {  # importlib.import_module("deepspeed.comm.torch"), in this function
+            t.id
+            for n in body
+            if isinstance(n, ast.Assign | ast.AnnAssign) and isinstance(n.value, ast.Call)
+            if ast.unparse(n.value.func).endswith("import_module")
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Name)
+        }
+        for node in body:
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args:
+                targets = [ast.Attribute(value=node.args[0], attr="?", ctx=ast.Store())]
+            for target in targets:
+                base, entry = target, False
+                # module.attr = ..., module.attr.sub = ..., and a library's module.TABLE[key] = ... (a
+                # registry entry; os.environ[...] and sys.path[...] are the process's, not a library's)
+                while isinstance(base, ast.Attribute | ast.Subscript):
+                    entry |= isinstance(base, ast.Subscript)
+                    base = base.value
+                process_state = entry and isinstance(base, ast.Name) and base.id in sys.stdlib_module_names
+                if (
+                    target is not base
+                    and isinstance(base, ast.Name)
+                    and base.id in modules
+                    and not process_state
+                ):
+                    found.append((node.lineno, ast.unparse(target)))
+    return sorted(set(found))
+
+
+def test_only_compat_patches_a_library() -> None:
+    """A process-wide patch (a library module's attribute replaced) anywhere else would escape the list above."""
+    elsewhere = {
+        (str(path.relative_to(REPO)), target)
+        for path in (REPO / "llm_train").rglob("*.py")
+        if path.name != "compat.py"
+        for _, target in _library_patches(ast.parse(path.read_text()))
+    }
+    # Not a library's internals: sys.argv is swapped and put back around W&B's start (it records argv).
+    assert elsewhere == {("llm_train/observability/tracking.py", "sys.argv")}
+    here = {t for _, t in _library_patches(ast.parse((REPO / "llm_train/runtime/compat.py").read_text()))}
+    # The rule sees compat's own patches, as it would see them anywhere else.
+    assert here == {
+        "cpuinfo.get_cpu_info",
+        "cpp_extension.load",
+        "compiler.compile",
+        "deepspeed_torch_backend.build_shm_op",
+        "hf_deepspeed._hf_deepspeed_config_weak_ref",
+        "tqdm.__init__",
+        "auto.AUTO_QUANTIZER_MAPPING[key]",
+    }
+
+
+def test_deepspeed_op_loads_ask_py_cpuinfo_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_arch() and simd_width() of every op builder each asked it (a 1.1 s subprocess apiece)."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    from llm_train.runtime.compat import remember_cpu_info
+
+    calls = []
+
+    def probe() -> dict[str, str]:
+        calls.append(1)
+        return {"arch": "X86_64", "flags": "avx2", "vendor_id_raw": "GenuineIntel"}
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", probe)
+    assert remember_cpu_info()
+    assert remember_cpu_info()  # a second call does not wrap the wrapper
+    for builder in (CPUAdamBuilder(), AsyncIOBuilder()):
+        assert builder.cpu_arch() == "-march=native"
+        assert builder.simd_width() == "-D__AVX256__"
+    assert cpuinfo.get_cpu_info()["vendor_id_raw"] == "GenuineIntel"  # what DeepSpeedCPUAdam reads
+    assert calls == [1]
+
+
+def test_op_builds_use_the_environments_own_ninja(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Two ninjas on one machine do not read each other's build log: each rebuilt what the other built."""
+    import sys
+
+    from llm_train.runtime.compat import use_environment_ninja
+
+    env_bin, system_bin = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
+    for folder in (env_bin, system_bin):
+        folder.mkdir(parents=True)
+        (folder / "ninja").write_text("#!/bin/sh\n")
+        (folder / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(env_bin / "python"))
+    environ = {"PATH": f"{system_bin}:/bin"}
+    assert use_environment_ninja(environ)
+    assert environ["PATH"] == f"{env_bin}:{system_bin}:/bin"
+    assert not use_environment_ninja(environ)  # PATH finds it already: left as it is
+    (env_bin / "ninja").unlink()
+    environ = {"PATH": f"{system_bin}:/bin"}
+    assert not use_environment_ninja(environ) and environ["PATH"] == f"{system_bin}:/bin"
+
+
+def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import() -> None:
+    """Every ZeRO engine imports DeepSpeed's Muon module; its torch.compile imported inductor (1 s/process)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    # A fresh interpreter: whether inductor and the Muon module are imported is process-wide state.
+    code = """
+import sys, torch
+from llm_train.runtime.compat import defer_muon_compile
+assert defer_muon_compile()
+from deepspeed.runtime.zero.muon import original_muon
+assert "torch._inductor.compile_fx" not in sys.modules, "inductor imported with the Muon module"
+assert not defer_muon_compile()  # imported already: nothing left to defer
+compiled = []
+torch.compile = lambda fn: compiled.append(fn.__name__) or fn  # records what a first call compiles
+g = torch.randn(4, 6)
+first = original_muon.zeropower_via_newtonschulz5(g, 2)
+again = original_muon.zeropower_via_newtonschulz5(g, 2)
+assert compiled == ["zeropower_via_newtonschulz5"], compiled  # compiled once, at the first call
+assert torch.equal(first, again) and first.shape == (4, 6)
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_deepspeeds_op_builds_compile_without_debug_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-g made a third of every op's compile time (torch's headers' debug information); -g0 goes last."""
+    import torch.utils.cpp_extension as cpp_extension
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    from llm_train.runtime.compat import NO_DEBUG_INFO, build_ops_without_debug_info
+
+    class Built(Exception):
+        pass
+
+    asked: list[list[str]] = []
+
+    def load(*args: object, **kwargs: list[str]) -> None:
+        asked.append(kwargs["extra_cflags"])
+        raise Built  # stands for the compile: nothing is built here
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert build_ops_without_debug_info()
+    assert not build_ops_without_debug_info()  # a second call does not wrap the wrapper
+    with pytest.raises(Built):
+        CPUAdamBuilder().jit_load(verbose=False)  # DeepSpeed's own build path, flags as it makes them
+    (flags,) = asked
+    assert "-g" in flags and flags[-1] == NO_DEBUG_INFO, flags  # the last -g option is the one gcc takes
+
+
+def test_deepspeeds_shared_memory_op_is_never_built() -> None:
+    """DeepSpeed's CPU backend built its shm all-reduce op (70.8 CPU-s once, ~0.2 s per worker) for
+    inference_all_reduce, which no training run calls; after skip_unused_shm_op it falls back to torch."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    # A fresh interpreter: the patched DeepSpeed backend is process-wide state.
+    code = """
+import torch.distributed as dist
+from deepspeed.ops.op_builder.cpu import comm
+from llm_train.runtime.compat import skip_unused_shm_op
+def refuse(self, *args, **kwargs):
+    raise AssertionError(f"{self.NAME} was built or loaded")
+comm.ShareMemCommBuilder.load = comm.ShareMemCommBuilder.jit_load = refuse
+assert skip_unused_shm_op()
+from llm_train.runtime.launcher import free_port
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+import deepspeed
+deepspeed.init_distributed("gloo")  # the CPU accelerator's TorchBackend, as a training worker makes it
+import importlib
+backend = importlib.import_module("deepspeed.comm.comm").cdb
+assert type(backend).__name__ == "TorchBackend" and backend.shm_comm_op is None
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
