@@ -24,8 +24,10 @@ from tests.helpers import assert_ok, launch, read_metrics
 pytestmark = pytest.mark.e2e
 
 RUN_A, RUN_B = "a", "b"
+PIPELINE_HAS_NO_WHOLE_MODEL = "deepspeed.pipeline_stages=2: each stage holds part of the model"
 
-# key -> (RUN_A | RUN_B, override) for options exercised in a run; ("refused", override, message).
+# key -> (RUN_A | RUN_B, override) for options exercised in a run; ("refused", override, message);
+# ("skipped", override, message): the run trains on without it and says why in one notice.
 OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "name": (RUN_A, "name=tiny-pp-options"),
     "description": (RUN_A, "description=options walk"),
@@ -138,6 +140,12 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "deepspeed.pinning": (RUN_A, "deepspeed.pinning=off"),
     "eval.every": (RUN_A, "eval.every=2"),
     "eval.batches": (RUN_A, "eval.batches=2"),
+    # lm-eval runs one whole model on rank 0; a pipeline stage holds part of it (runtime/benchmark.py).
+    "eval.tasks": ("skipped", "eval.tasks=[llm_train_tiny]", PIPELINE_HAS_NO_WHOLE_MODEL),
+    "eval.tasks_every": ("skipped", "eval.tasks_every=2", PIPELINE_HAS_NO_WHOLE_MODEL),
+    "eval.tasks_limit": ("skipped", "eval.tasks_limit=4", PIPELINE_HAS_NO_WHOLE_MODEL),
+    "eval.tasks_batch_size": ("skipped", "eval.tasks_batch_size=2", PIPELINE_HAS_NO_WHOLE_MODEL),
+    "eval.tasks_include_path": ("skipped", "eval.tasks_include_path=[{corpus}]", PIPELINE_HAS_NO_WHOLE_MODEL),
     "output.dir": (RUN_A, "output.dir={run_dir}"),
     "output.log_every": (RUN_A, "output.log_every=1"),
     "output.sample_prompt": (RUN_A, "output.sample_prompt=The"),
@@ -202,6 +210,17 @@ def test_what_the_pipeline_engine_cannot_do_is_refused_in_one_line(
     code, err = _dry_run([override], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert message in err
+
+
+@pytest.mark.parametrize("override, message", [(o[1], o[2]) for o in OPTIONS.values() if o[0] == "skipped"])
+def test_what_a_pipeline_run_leaves_out_it_names(override: str, message: str) -> None:
+    from llm_train.config.resolution import resolve_run
+    from llm_train.runtime.benchmark import unavailable
+
+    # Only the layout decides; the task list itself is checked before any launch (check_recipe_tasks).
+    overrides = [override.format(corpus="."), "eval.tasks=[llm_train_tiny]"]
+    why = unavailable(resolve_run("tiny-cpu-pp2", overrides, world_size=2))
+    assert why is not None and message in why, why
 
 
 def test_the_flops_profiler_flag_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-bench = pytest.importorskip("step_time_vs_hf")
+from bench import step_time_vs_hf as bench
 
 WARMUP = 5
 
