@@ -70,7 +70,7 @@ TORCHTUNE = (
     "lora.alpha=16",
 )
 COMMON = (  # the recipes' hub datasets are not on that machine: the bundled corpus, a few steps
-    f"data.train=[{CORPUS}]", "data.max_epochs=1000", "data.eval_fraction=0", "eval.every=0",
+    f"data.train=[{CORPUS}]", "data.eval=[]", "data.max_epochs=1000", "data.eval_fraction=0", "eval.every=0",
     "optim.warmup_steps=0", "output.log_every=1", "output.sample_prompt=null", "tracking.mode=disabled",
     "checkpoint.at_end=false",
 )  # fmt: skip

@@ -179,3 +179,13 @@ def test_the_isolation_check_passes_a_masked_row_and_sees_a_planted_leak() -> No
     assert found["documents"] == 3 and found["isolated"] and found["leak_seen"], found
     # Far apart: the tolerance sits between the two (fp32 here: rounding ~1e-7 of the scale).
     assert found["isolation_error"] < found["tolerance"] < found["planted_leak_error"] / 100, found
+
+
+@pytest.mark.parametrize("case", consumer.CONSUMERS, ids=lambda c: c.name)
+def test_every_consumer_case_trains_on_the_bundled_corpus_alone(case: consumer.Consumer) -> None:
+    # The device machine reaches no dataset hub: a recipe's hub train or eval set left in fails at start.
+    from llm_train.config.recipe import load_recipe
+
+    data = load_recipe(case.recipe, [*consumer.COMMON, *case.overrides]).data
+    paths = [s if isinstance(s, str) else s.path for s in (*data.train, *data.eval)]
+    assert paths and all(Path(p).is_file() for p in paths), paths
