@@ -136,9 +136,10 @@ def choose_auto(
     alternatives = full_tried + adapters_all
     chosen, fitting, reasons = pick(ask, full_tried, adapters_tried, alternatives, lora)
     practicality = judge(chosen, alternatives)
+    exact = " with a 16-bit base" if chosen is not fastest_fitting(fitting)[0] else ""
     reasons.append(
-        f"the fastest of {len(fitting)} fitting configurations (of {len(tried)} estimated), by the step time "
-        "that counts every host copy whole (that prefetch hides them is assumed, not measured)"
+        f"the fastest of {len(fitting)} fitting configurations{exact} (of {len(tried)} estimated), by the step "
+        "time that counts every host copy whole (that prefetch hides them is assumed, not measured)"
     )
     reasons += runner_up(chosen, fitting)
     reasons += lighter_misses(ask, chosen, tried)
@@ -443,6 +444,14 @@ def pick(
     """
     full, full_fitting = fastest_fitting(full_tried)
     best_lora, lora_fitting = fastest_fitting(lora_tried)
+    exact_base: list[str] = []
+    if best_lora is not None and (preferred := prefer_exact_base(best_lora, lora_fitting)) is not best_lora:
+        exact_base.append(
+            f"the base stays 16-bit: the fastest QLoRA (the runner-up below) is faster by under "
+            f"{EXACT_BASE_MARGIN - 1:.0%}, inside the rough speed model's error, and a 4-bit base changes every "
+            "frozen weight"
+        )
+        best_lora = preferred
     full_verdict = judge(full, alternatives) if full is not None else None
     # LoRA replaces an impractical full fine-tune only when it is practical itself.
     lora_helps = best_lora is not None and judge(best_lora, alternatives).practical
@@ -450,7 +459,24 @@ def pick(
         return full, full_fitting, []
     if best_lora is None:
         raise UserError(_nowhere(ask.model, ask.hw, full_tried + lora_tried, lora, ask.nvme_bytes))
-    return best_lora, lora_fitting, lora_reasons(ask, full, full_verdict, best_lora, lora)
+    return best_lora, lora_fitting, lora_reasons(ask, full, full_verdict, best_lora, lora) + exact_base
+
+
+# QLoRA has to beat the fastest 16-bit LoRA that fits by more than this to be chosen. A 4-bit base
+# changes every frozen weight (nf4 round trip: relative RMS error 0.092 on normal weights, measured by
+# bench/gpu_run.sh's probe on CPU), and step-time differences of a few percent are inside the rough
+# speed model's error (its compute efficiency by micro-batch is a curve, not a measurement of the card).
+# So a near tie goes to the exact base, as an owner of a 24 GB card training an 8B would decide.
+EXACT_BASE_MARGIN = 1.05
+
+
+def prefer_exact_base(fastest: Evaluation, fitting: list[Evaluation]) -> Evaluation:
+    """The fastest 16-bit LoRA that fits when it is within EXACT_BASE_MARGIN of a faster QLoRA, else `fastest`."""
+    exact = [e for e in fitting if e.inputs.lora_rank and e.inputs.quantize == "none"]
+    if fastest.inputs.quantize == "none" or not exact:
+        return fastest
+    closest = min(exact, key=_auto_key)
+    return closest if closest.time.total <= fastest.time.total * EXACT_BASE_MARGIN else fastest
 
 
 def lora_reasons(
@@ -477,7 +503,8 @@ def lora_reasons(
     if best_lora.inputs.quantize != "none":
         reasons.append(
             "the frozen base loads in 4 bits (QLoRA, lora.quantize=nf4; pip install 'llm_train[qlora]'): it is "
-            "the fastest adapter configuration that fits"
+            f"the fastest adapter configuration that fits, by more than {EXACT_BASE_MARGIN - 1:.0%} over any with "
+            "a 16-bit base"
         )
     return reasons
 
