@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llm_train.runtime.attention import register_sdpa_flex
+    from llm_train.runtime.document_attention import register_sdpa_flex
 
     register_sdpa_flex()
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"

@@ -79,7 +79,7 @@ def capped_train(cap_gib: float, host_ram_gib: float | None = None) -> list[str]
 def accelerate_launch(target: str, *args: str, deepspeed: bool = False) -> list[str]:
     """`accelerate launch` of a script (`llm_train/train.py`) or a module (`bench.overhead`) on 2 CPU
     processes, on its own port (run from the repository root)."""
-    from llm_train.runtime.launcher import free_port
+    from llm_train.runtime.launch_env import free_port
 
     accelerate = Path(sys.executable).with_name("accelerate")
     flags = ["--use_deepspeed"] if deepspeed else []
@@ -742,8 +742,8 @@ def plan(
     the host peak of the load and training phases (the processes included), without the final export.
     """
     from llm_train.errors import UserError
-    from llm_train.planning.memory import host_peak_bytes
-    from llm_train.planning.report import plan_recipe
+    from llm_train.planning.memory_estimate import host_peak_bytes
+    from llm_train.planning.verdict import plan_recipe
 
     try:
         report = plan_recipe(
@@ -761,7 +761,7 @@ def plan(
     ev = report.evaluation
     est = ev.estimate
     allocated = sum(v for k, v in est.gpu_terms.items() if k != "cuda_context_and_slack")
-    # The export copy left out: what the host holds until the steps are logged (planning/memory.py).
+    # The export copy left out: what the host holds until the steps are logged (planning/memory_estimate.py).
     train = host_peak_bytes(ev.inputs, {**est.host_terms, "export_peak": 0}, 0.0)
     return {
         "config": report.config_line,

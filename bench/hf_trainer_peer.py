@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from llm_train.runtime.launcher import free_port
+from llm_train.runtime.launch_env import free_port
 from llm_train.units import GiB
 
 

@@ -1,6 +1,6 @@
 """Long-sequence memory on CPU, measured against the planner: peak RSS per process of real training
 runs with and without DeepSpeed ALST (Ulysses sequence parallelism, tiled MLP, tiled loss), next to
-what llm_train/planning/memory.py predicts for the same configurations (issue #15, "Memory").
+what llm_train/planning/memory_estimate.py predicts for the same configurations (issue #15, "Memory").
 
     .venv/bin/python -m bench.long_context_memory [--seq-len 8192] [--base-seq-len 256] [--configs A,B,C,D,E]
         # ~8 min on 2 cores; writes bench/results/long-context-memory-<date>.txt
@@ -22,10 +22,10 @@ above its floor, reused by step 2, so the peak is step 1's). Each configuration 
 difference isolates the sequence-dependent part (activations, logits, all-to-all buffers) from
 Python, torch, DeepSpeed and the model states.
 
-Predicted: the planner's per-rank terms for the same recipe and overrides (planning.fit
+Predicted: the planner's per-rank terms for the same recipe and overrides (planning.candidate
 memory_inputs -> estimate_memory), the same difference of activations + logits and loss +
 Ulysses all-to-all buffers, with the 10% allocator slack the planner adds on CPU
-(planning.fit.needs). The planner counts this fp32 run's activations at 4 bytes (16-bit runs at 2).
+(planning.candidate.needs). The planner counts this fp32 run's activations at 4 bytes (16-bit runs at 2).
 
 Rows: the whole bundled corpus is one document (`sample_by: document`) cut into full rows of
 seq_len tokens, so no row is padded and sp=1's sdpa runs causal without a mask, as sp=2 does
@@ -60,10 +60,10 @@ import psutil
 
 from bench.harness import OFFLINE_ENV, REPO, as_a_training_worker, proc_kib_field, versions
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.fit import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
-from llm_train.planning.memory import ALLOCATOR_SLACK_FRACTION, estimate_memory
+from llm_train.planning.candidate import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
+from llm_train.planning.memory_estimate import ALLOCATOR_SLACK_FRACTION, estimate_memory
 from llm_train.planning.shapes import shape_from_config
-from llm_train.runtime.launcher import SPAWNED_ENV, free_port
+from llm_train.runtime.launch_env import SPAWNED_ENV, free_port
 
 MiB = 2**20
 RECIPE = "tiny-cpu-sp2"
@@ -188,7 +188,7 @@ def _ranks(seen: dict[int, _Seen]) -> list[int]:
     """The training ranks among the train.py processes of one launch.
 
     With several processes the first train.py spawns the ranks with LLM_TRAIN_SPAWNED set
-    (runtime/launcher.py); with one it trains itself. Either may fork helpers, which keep its command
+    (runtime/launch_env.py); with one it trains itself. Either may fork helpers, which keep its command
     line and environment: a child whose parent is a train.py process with the same flag is a fork.
     """
 

@@ -4,7 +4,7 @@
         [--intermediate 3584] [--vocab 32000] [--out DIR]
 
 Under ZeRO-3 an nf4 base loads onto the host, whole on every rank, each weight quantised on the run's
-device as it loads (runtime/quantize.py `quantizing_on`), and is partitioned from there. This measures
+device as it loads (runtime/quantized_base.py `quantizing_on`), and is partitioned from there. This measures
 that load for a synthetic Llama saved in bf16 (in a fresh process, so its peaks are the load's own),
 with the weights quantised on `--staging` (cpu: a CPU run, bitsandbytes' CPU backend; cuda: a GPU run):
 - the host RSS the load adds (VmRSS after - before) and its peak (VmHWM - VmRSS before), split into
@@ -85,9 +85,9 @@ class AnonPeak:
 def planned(shape: Any, staging: str) -> dict[str, Any]:
     """The planner's figures for one rank loading this base, quantised on `staging`."""
     from llm_train.config.hardware import NVME_READ_BYTES_PER_S, hardware_for
-    from llm_train.planning.memory import model_load_peak_bytes, model_split
+    from llm_train.planning.memory_estimate import model_load_peak_bytes, model_split
     from llm_train.planning.memory_inputs import MemoryInputs
-    from llm_train.planning.quantized import (
+    from llm_train.planning.quantized_bytes import (
         NF4_PACKED_BYTES_PER_WEIGHT,
         NF4_STATE_BYTES_PER_WEIGHT,
         base_weight_bytes,
@@ -125,10 +125,10 @@ def measure_load(path: str, staging: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from llm_train.config.recipe import LoraSection
-    from llm_train.planning.quantized import quantized_weight_params
+    from llm_train.planning.quantized_bytes import quantized_weight_params
     from llm_train.planning.shapes import shape_from_config
     from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantize import (
+    from llm_train.runtime.quantized_base import (
         Staging,
         is_quantized_linear,
         quantization_config,

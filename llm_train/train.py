@@ -30,14 +30,14 @@ from llm_train.planning.guards import (
     check_nvme_path,
     memory_rows,
 )
-from llm_train.runtime import launcher
+from llm_train.runtime import launch_env
 from llm_train.runtime.benchmark import check_recipe_tasks
 from llm_train.runtime.checkpointing.resume import Resume
 from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
-from llm_train.runtime.launcher import PIN_BACKEND_ENV
+from llm_train.runtime.launch_env import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.optim import check_optimizer_package
-from llm_train.runtime.quantize import check_bitsandbytes
+from llm_train.runtime.quantized_base import check_bitsandbytes
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
@@ -163,10 +163,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 raise UserError(
                     "--world-size only applies to --dry-run; the launcher decides the real world size"
                 )
-            accelerate = launcher.accelerate_launch()  # the user's accelerate config and flags, if any
+            accelerate = launch_env.accelerate_launch()  # the user's accelerate config and flags, if any
             accelerate_launch.refuse(accelerate)
-            spawn = launcher.world_from_accelerate_parent()
-            world_size = launcher.world_from_env() or (spawn.world_size if spawn else 1)
+            spawn = launch_env.world_from_accelerate_parent()
+            world_size = launch_env.world_from_env() or (spawn.world_size if spawn else 1)
 
             device = Device.detect()
             # NCCL reads its P2P switch when the process group starts (later, in the session).
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             if accelerate is not None:  # the workers' parent is this process, not the launcher
                 os.environ[accelerate_launch.ENV] = accelerate.to_json()
-            return launcher.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
+            return launch_env.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
 
         options = RunOptions(
             resume=args.resume,
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     except UserError as exc:
         if is_rank0():
             print(f"llm-train: error: {exc}", file=sys.stderr, flush=True)
-        launcher.record_error(f"llm-train: error: {exc}")  # every rank: torchrun reports the first to fail
+        launch_env.record_error(f"llm-train: error: {exc}")  # every rank: torchrun reports the first to fail
         return exc.exit_code
 
 

@@ -26,7 +26,7 @@ from llm_train.data.formats import chat_template_for
 from llm_train.errors import UserError, first_line
 from llm_train.runtime.export import export_checkpoint
 from llm_train.runtime.lora import is_adapter_export
-from llm_train.runtime.quantize import quantization_config
+from llm_train.runtime.quantized_base import quantization_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

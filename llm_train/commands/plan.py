@@ -18,7 +18,7 @@ from llm_train import train as train_module
 from llm_train.config.hardware import DriveSpeeds, hardware_for
 from llm_train.errors import UserError
 from llm_train.planning.auto import auto_recipe_yaml, choose_auto, render_auto, written_evaluation
-from llm_train.planning.report import plan_recipe, render
+from llm_train.planning.verdict import plan_recipe, render
 from llm_train.train import main as train_main
 
 # --- CLI ------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ The kernels (transformers' `attn_implementation` names, plus llm_train's `sdpa_f
   128 x 128 blocks a sample's causal triangle touches are computed. torch has no flex_attention
   backward on CPU ("FlexAttention does not support backward on CPU", checked with torch 2.13), so
   it trains on GPUs only; its forward runs on CPU (the exactness tests use it).
-- `sdpa_flex`: per batch, the cheaper exact one of the two (runtime/attention.py): sdpa with
+- `sdpa_flex`: per batch, the cheaper exact one of the two (runtime/document_attention.py): sdpa with
   `is_causal` where the batch has no sample boundary and no padding (the very call `sdpa` makes),
   flex_attention with the block mask where it has. It never builds the dense mask, and is never
   slower than `sdpa` once the flex kernels are compiled (the first batch with a boundary compiles

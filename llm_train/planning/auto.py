@@ -3,7 +3,7 @@
 One search over the knobs of planning/knobs.py (DS JSON and its pinning, micro-batch, checkpointing,
 LoRA and QLoRA, the long-context switches), each candidate a variation of one base: the recipe auto
 writes, with the user's overrides applied, resolved as any recipe is (config/resolution.py,
-planning/fit.memory_inputs). So an override is planned: a knob it sets stays at the value it resolves
+planning/candidate.memory_inputs). So an override is planned: a knob it sets stays at the value it resolves
 to, any other key reaches the estimate through the same resolution, and one the planner does not model
 is refused in one line (knobs.NOT_PLANNED). The written recipe is that base with the chosen knobs; its
 own plan (`llm-train plan --recipe FILE`) gives the same numbers, which `--write` prints.
@@ -47,7 +47,7 @@ from llm_train.config.layout import default_precision
 from llm_train.config.recipe import Recipe, apply_overrides, recipe_from_data
 from llm_train.config.resolution import resolve_recipe, resolve_run
 from llm_train.errors import UserError
-from llm_train.planning.fit import (
+from llm_train.planning.candidate import (
     AUTO_MICRO_BATCHES,
     SHIPPED_DS_CONFIGS,
     SUGGESTED_LORA_DROPOUT,
@@ -61,10 +61,9 @@ from llm_train.planning.fit import (
     zero_init_for,
 )
 from llm_train.planning.knobs import pinned_fields, recipe_values, set_key
-from llm_train.planning.memory import GiB
+from llm_train.planning.memory_estimate import GiB
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.pinning import MemlockLimit, memlock_limit
-from llm_train.planning.report import config_line, verdict
 from llm_train.planning.search import (
     Practicality,
     judge,
@@ -73,6 +72,7 @@ from llm_train.planning.search import (
     short_config,
 )
 from llm_train.planning.shapes import ModelShape, shape_from_config, shape_of
+from llm_train.planning.verdict import config_line, verdict
 
 # The pinning choices of an offloading candidate (recipe values of deepspeed.pinning).
 PINNING_CHOICES = ("native", "torch", "off")

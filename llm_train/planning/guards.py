@@ -16,8 +16,8 @@ from llm_train.config import ds_json
 from llm_train.config.hardware import HOST_RESERVE_BYTES, host_ram_bytes
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.planning.fit import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
-from llm_train.planning.memory import (
+from llm_train.planning.candidate import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
+from llm_train.planning.memory_estimate import (
     GiB,
     MemoryEstimate,
     estimate_memory,

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware
-from llm_train.planning.fit import needs
-from llm_train.planning.memory import GiB, estimate_memory
+from llm_train.planning.candidate import needs
+from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 
 SUB_GROUP_CANDIDATES = (10**7, 2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8, 10**9)

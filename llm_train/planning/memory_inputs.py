@@ -3,7 +3,7 @@
 `MemoryInputs` holds the layout (config.layout: world, degrees, ZeRO stage, offload, precision,
 batch) and the memory techniques, resolves DeepSpeed's and Hugging Face's "auto" defaults to
 numbers, and refuses, as a `MemoryInputError`, every combination a run would refuse, so the
-planner never proposes one. planning/memory.py turns it into bytes.
+planner never proposes one. planning/memory_estimate.py turns it into bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from llm_train.config.layout import (
 )
 from llm_train.errors import UserError
 from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
-from llm_train.planning.quantized import QUANTIZE_DEVICES, QUANTIZE_MODES
+from llm_train.planning.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py) the inputs start from.
@@ -98,7 +98,7 @@ class MemoryInputs:
     quantize: str = "none"
     """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
     quantize_on: str = "gpu"
-    """Where an nf4 base staged on the host under ZeRO-3 is quantised as it loads (runtime/quantize.py
+    """Where an nf4 base staged on the host under ZeRO-3 is quantised as it loads (runtime/quantized_base.py
     `quantizing_on`): "gpu", one weight at a time on the run's GPU, or "cpu" (a CPU run: bitsandbytes' CPU
     backend)."""
     direct_load: bool = True

@@ -26,7 +26,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from llm_train.planning.memory import GiB, estimate_memory
+from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 
 CAP_IPC_LOCK = 14  # linux/capability.h: lock memory beyond RLIMIT_MEMLOCK

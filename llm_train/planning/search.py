@@ -32,7 +32,7 @@ from typing import Any
 from llm_train.config.attention_kernel import FLEX_KERNELS
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import sequence_parallel_problem
-from llm_train.planning.fit import (
+from llm_train.planning.candidate import (
     SHIPPED_DS_CONFIGS,
     SUGGESTED_LORA_RANK,
     Evaluation,

@@ -38,10 +38,10 @@ from llm_train.config.hardware import (
     Hardware,
 )
 from llm_train.planning.flops import training_flops_per_token
-from llm_train.planning.memory import offload_rank
+from llm_train.planning.memory_estimate import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes
-from llm_train.planning.quantized import (
+from llm_train.planning.quantized_bytes import (
     NF4_PACKED_BYTES_PER_WEIGHT,
     base_weight_bytes,
     quantization_state_bytes,
@@ -209,7 +209,7 @@ CHECKPOINT_BYTES_PER_PARAM = 2  # public checkpoints are 16-bit
 
 @dataclass(frozen=True)
 class StagedLoad:
-    """Start-up of an nf4 base staged on the host under ZeRO-3 (runtime/quantize.py), per node, seconds."""
+    """Start-up of an nf4 base staged on the host under ZeRO-3 (runtime/quantized_base.py), per node, seconds."""
 
     read: float
     """Every rank reads the whole 16-bit checkpoint from the drive (no credit for the page cache)."""
@@ -289,7 +289,7 @@ def step_time(
     weights = shape.num_params / shard
     trainable = (shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params) / shard
     # Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed; its
-    # quantisation state stays on every GPU (memory.py), so it never travels.
+    # quantisation state stays on every GPU (memory_estimate.py), so it never travels.
     stored = (
         base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
     ) / shard

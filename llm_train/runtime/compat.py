@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
-from llm_train.runtime.quantize import Staging, is_quantized_linear, staged_quantizer
+from llm_train.runtime.quantized_base import Staging, is_quantized_linear, staged_quantizer
 
 if TYPE_CHECKING:
     import torch
@@ -523,7 +523,7 @@ def quantizing_on(staging: Staging) -> Iterator[None]:
     """While a 4-bit base loads onto the host (device_map cpu): each weight quantised on `staging.device`.
 
     A patch of transformers 5.24's quantizer registry, for the time of the load only (its quantize op:
-    runtime/quantize.py `staged_quantizer`).
+    runtime/quantized_base.py `staged_quantizer`).
 
     transformers' loader (core_model_loading.py `convert_and_load_state_dict_in_model`, 5.24) reads the
     checkpoint one tensor at a time, and with on-the-fly quantisation it reads them in the main thread, one

@@ -16,12 +16,12 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
-from llm_train.runtime.attention import NAME as SDPA_FLEX
-from llm_train.runtime.attention import register_sdpa_flex
 from llm_train.runtime.chunked_loss import enable_tiled_loss
 from llm_train.runtime.compat import keep_training_layout
+from llm_train.runtime.document_attention import NAME as SDPA_FLEX
+from llm_train.runtime.document_attention import register_sdpa_flex
 from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.quantize import quantization_config, quantized
+from llm_train.runtime.quantized_base import quantization_config, quantized
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def build_model(
     one tensor at a time, so the host never holds the whole model (transformers' device_map), and
     random weights are drawn there; the caller leaves it None where weights are created
     partitioned instead, under ZeRO-3's zero.Init.
-    With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantize.py).
+    With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantized_base.py).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -122,7 +122,7 @@ def build_model(
         if quantized(lora):
             assert lora is not None
             # Quantised one tensor at a time as it loads, never a full 16-bit copy, onto `device` (the
-            # host, for a base ZeRO-3 partitions: quantize.py) or, without one, the current CUDA device.
+            # host, for a base ZeRO-3 partitions: quantized_base.py) or, without one, the current CUDA device.
             placement["quantization_config"] = quantization_config(lora, dtype)
         try:
             lm = AutoModelForCausalLM.from_pretrained(

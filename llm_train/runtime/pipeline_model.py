@@ -34,7 +34,7 @@ from torch import nn
 
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.planning.memory import loss_chunks
+from llm_train.planning.memory_estimate import loss_chunks
 from llm_train.runtime import collectives
 from llm_train.runtime.chunked_loss import token_logps
 from llm_train.runtime.model import model_config

@@ -38,7 +38,7 @@ from llm_train.observability.console import quiet, startup_summary
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
-from llm_train.runtime import collectives, compat, launcher
+from llm_train.runtime import collectives, compat, launch_env
 from llm_train.runtime.benchmark import PeriodicBench, recipe_options
 from llm_train.runtime.benchmark import unavailable as benchmark_unavailable
 from llm_train.runtime.checkpointing.resume import Resume, TrainerState
@@ -135,9 +135,9 @@ def run_training(run: Resolved, options: RunOptions, resume: Resume, say: Say) -
 
 def prepare_process(run: Resolved, options: RunOptions, say: Say) -> None:
     """The environment DeepSpeed and Accelerate read, before either is imported or logs anything."""
-    launcher.set_single_process_env()
-    launcher.use_deepspeed_in_accelerate()
-    launcher.use_pin_memory_backend(run.recipe.deepspeed.pinning)
+    launch_env.set_single_process_env()
+    launch_env.use_deepspeed_in_accelerate()
+    launch_env.use_pin_memory_backend(run.recipe.deepspeed.pinning)
     prepare_libraries(options.verbose)
     if warning := compat.deepspeed_version_warning():
         say(warning)

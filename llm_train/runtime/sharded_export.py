@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from llm_train.planning.memory import EXPORT_SHARD_BYTES
-from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
+from llm_train.planning.memory_estimate import EXPORT_SHARD_BYTES
+from llm_train.runtime.quantized_base import dequantized_weight, is_quantized_linear
 
 if TYPE_CHECKING:
     from peft import PeftModel

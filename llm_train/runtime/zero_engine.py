@@ -43,7 +43,7 @@ from llm_train.runtime.objectives import (
     reference_forward,
 )
 from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
-from llm_train.runtime.quantize import (
+from llm_train.runtime.quantized_base import (
     Staging,
     describe_quantized,
     place_quantization_state,
@@ -160,7 +160,7 @@ class ZeroEngine:
         Read onto the GPU tensor by tensor, the host never holds the model (the planner's load
         peak is one checkpoint shard); DeepSpeed would move it there anyway. A 4-bit base under
         ZeRO-3 loads onto the host, whole on each rank, to be partitioned from there (quantised on this
-        rank's device as it loads: `_staged_load`, quantize.py).
+        rank's device as it loads: `_staged_load`, quantized_base.py).
         """
         recipe = self.run.recipe
         if staged_on_host(recipe.lora, self.run.layout.zero_stage):
@@ -172,7 +172,7 @@ class ZeroEngine:
     @contextlib.contextmanager
     def _staged_load(self) -> Iterator[None]:
         """While a 4-bit base loads onto the host: transformers without the ZeRO-3 config Accelerate registered,
-        and each weight quantised on this rank's device (quantize.py `quantizing_on`: one weight on the GPU at
+        and each weight quantised on this rank's device (quantized_base.py `quantizing_on`: one weight on the GPU at
         a time, not bitsandbytes' CPU quantiser, which takes hours for a 70B base).
 
         transformers refuses a device_map while a ZeRO-3 config is registered (integrations/accelerate.py,

@@ -9,8 +9,8 @@ import pytest
 
 from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.fit import memory_inputs, needs
-from llm_train.planning.memory import GiB, estimate_memory
+from llm_train.planning.candidate import memory_inputs, needs
+from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.shapes import shape_from_config
 from tests.helpers import launch_cmd, run_cmd
 

@@ -72,7 +72,7 @@ def _quantized_base(base: Path) -> torch.nn.Module:
 
     from llm_train.config.recipe import LoraSection
     from llm_train.runtime.compat import keep_training_layout
-    from llm_train.runtime.quantize import quantization_config
+    from llm_train.runtime.quantized_base import quantization_config
 
     model = AutoModelForCausalLM.from_pretrained(
         base,

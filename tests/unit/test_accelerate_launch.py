@@ -1,4 +1,4 @@
-"""config/accelerate_launch.py + runtime/launcher.py: the user's accelerate config, read as accelerate reads it.
+"""config/accelerate_launch.py + runtime/launch_env.py: the user's accelerate config, read as accelerate reads it.
 
 Configs are written as `accelerate config` writes them (tests/helpers.py `wizard_config`). What runs is
 launched in tests/e2e/test_accelerate_configs.py; here: what each kind is read as, where each value
@@ -18,12 +18,12 @@ from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.runtime import launcher
+from llm_train.runtime import launch_env
 from tests.helpers import TRAIN, wizard_config
 
 
 def _read(config: Path, *flags: str) -> AccelerateLaunch:
-    return launcher.read_accelerate_launch(["--config_file", str(config), *flags, str(TRAIN)])[1]
+    return launch_env.read_accelerate_launch(["--config_file", str(config), *flags, str(TRAIN)])[1]
 
 
 @pytest.mark.parametrize(
@@ -179,6 +179,6 @@ def test_workers_never_see_accelerates_copy_of_the_settings(monkeypatch: pytest.
     ):
         monkeypatch.setenv(key, "1")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # restored after the test
-    launcher.use_deepspeed_in_accelerate()
+    launch_env.use_deepspeed_in_accelerate()
     left = [key for key in os.environ if key.startswith("ACCELERATE_")]
     assert left == ["ACCELERATE_USE_DEEPSPEED"], left

@@ -22,7 +22,7 @@ import torch
 
 from llm_train.config.recipe import LoraSection, MemorySection, PreferenceSection
 from llm_train.errors import UserError
-from llm_train.planning.memory import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
+from llm_train.planning.memory_estimate import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 from llm_train.runtime.chunked_loss import enable_tiled_loss
 from llm_train.runtime.model import build_model
 from llm_train.runtime.objectives import Preference, reference_forward, sequence_logps

@@ -291,7 +291,7 @@ def refuse(self, *args, **kwargs):
     raise AssertionError(f"{self.NAME} was built or loaded")
 comm.ShareMemCommBuilder.load = comm.ShareMemCommBuilder.jit_load = refuse
 assert skip_unused_shm_op()
-from llm_train.runtime.launcher import free_port
+from llm_train.runtime.launch_env import free_port
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 import deepspeed
 deepspeed.init_distributed("gloo")  # the CPU accelerator's TorchBackend, as a training worker makes it

@@ -10,9 +10,9 @@ from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.fit import memory_inputs
+from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.host_settings import SUB_GROUP_CANDIDATES, choose_host_settings
-from llm_train.planning.memory import GiB, estimate_memory
+from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_from_config, shape_of
 

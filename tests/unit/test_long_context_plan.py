@@ -12,9 +12,9 @@ from llm_train import RECIPES_DIR, cli
 from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.planning.auto import choose_auto
-from llm_train.planning.fit import evaluate
+from llm_train.planning.candidate import evaluate
 from llm_train.planning.long_context import SEQ_STEP, best_fit, long_context_table, render_table
-from llm_train.planning.memory import (
+from llm_train.planning.memory_estimate import (
     LOSS_CHUNK_LOGITS_BYTES,
     GiB,
     estimate_memory,
@@ -24,9 +24,9 @@ from llm_train.planning.memory import (
     mlp_tile_bytes,
 )
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.report import plan_recipe
 from llm_train.planning.shapes import shape_of
 from llm_train.planning.speed import step_time
+from llm_train.planning.verdict import plan_recipe
 
 LLAMA31_8B = shape_of("meta-llama/Llama-3.1-8B")  # h=4096, L=32, 32 heads, 8 KV heads, V=128256, i=14336
 H, L, V, INTER = 4096, 32, 128256, 14336

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llm_train.errors import UserError
-from llm_train.planning.memory import (
+from llm_train.planning.memory_estimate import (
     CUDA_CONTEXT_BYTES,
     NORM_UPCAST_BYTES_PER_HIDDEN,
     GiB,
@@ -427,7 +427,7 @@ def test_tiny_shape_is_positive_everywhere() -> None:
 
 
 def test_modules_do_not_import_torch_or_deepspeed() -> None:
-    code = "import sys, llm_train.planning.memory, llm_train.planning.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
+    code = "import sys, llm_train.planning.memory_estimate, llm_train.planning.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
     repo_root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo_root

@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llm_train.planning.memory import (
+from llm_train.planning.memory_estimate import (
     DENSE_LOSS_BYTES_PER_LOGIT,
     LOSS_CHUNK_LOGITS_BYTES,
     activation_bytes,

@@ -21,7 +21,7 @@ from llm_train.config.layout import optimizer_problem
 from llm_train.config.recipe import OptimSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.planning.memory import EIGHT_BIT_STATE_BYTES, estimate_memory
+from llm_train.planning.memory_estimate import EIGHT_BIT_STATE_BYTES, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.shapes import shape_of
 from llm_train.runtime.optim import build_optimizer

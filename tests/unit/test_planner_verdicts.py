@@ -26,11 +26,11 @@ from llm_train import cli
 from llm_train.config.hardware import hardware_for
 from llm_train.errors import UserError
 from llm_train.planning.auto import choose_auto, render_auto
-from llm_train.planning.fit import evaluate
+from llm_train.planning.candidate import evaluate
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.quantized import quantized_weight_params
-from llm_train.planning.report import plan_recipe, verdict_word
+from llm_train.planning.quantized_bytes import quantized_weight_params
 from llm_train.planning.shapes import shape_of
+from llm_train.planning.verdict import plan_recipe, verdict_word
 from llm_train.units import GiB
 
 # Llama-2-7B from its config (vocab 32000, hidden 4096, 32 layers, MLP 11008, untied head):

@@ -104,11 +104,11 @@ safetensors shard being read (CHECKPOINT_SHARD_BYTES), never the model. Only a r
 model (`direct_load=False`) is built whole on the host first.
 
 QLoRA (`quantize`): the decoder layers' linear weights in 4 or 8 bits, the rest 16-bit
-(planning/quantized.py), plus one dequantised 16-bit copy of the layer computing. Under ZeRO-0/1/2
+(planning/quantized_bytes.py), plus one dequantised 16-bit copy of the layer computing. Under ZeRO-0/1/2
 the base loads straight onto each GPU. Under ZeRO-3 an nf4 base is staged on the host, whole on every
 rank (transformers skips zero.Init for a quantised model), each weight quantised as it loads on the run's
 device (`quantize_on`), and zero.Init(module=...) partitions it from there tensor by tensor
-(runtime/quantize.py). Quantised on the CPU (a CPU run), the host's load peak is ranks x (the staged base
+(runtime/quantized_base.py). Quantised on the CPU (a CPU run), the host's load peak is ranks x (the staged base
 + the quantiser's working set and the loader's freed temporaries, measured: QUANTIZE_*_BYTES_PER_WEIGHT).
 Quantised on the GPU, one weight at a time with its codes sent back to the host, the host holds the staged
 base less its quantisation state (that stays on the GPU), the largest weight as read and its codes, and
@@ -141,7 +141,7 @@ from llm_train.planning.offload_buffers import (
     nvme_optimizer_buffers,
     nvme_optimizer_bytes,
 )
-from llm_train.planning.quantized import (
+from llm_train.planning.quantized_bytes import (
     NF4_PACKED_BYTES_PER_WEIGHT,
     base_weight_bytes,
     dequantized_layer_bytes,
@@ -185,7 +185,7 @@ DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; 
 # reads the next tensors: ~16 B per weight of the largest quantised tensor. And the freed temporaries of
 # the smaller tensors stay in glibc's arenas, growing with the model: ~0.28 B per quantised weight (the
 # two models' peaks exceeded the staged base by 1.03 and 1.16 GB; a straight line through two points,
-# extrapolated to 70B). The run hands those back to the OS once the base is loaded (runtime/quantize.py
+# extrapolated to 70B). The run hands those back to the OS once the base is loaded (runtime/quantized_base.py
 # `release_freed_host_memory`: after malloc_trim the excess measured ~0.15 GB at both sizes), so they are
 # a load-phase term only.
 QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT = 16

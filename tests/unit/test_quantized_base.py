@@ -17,7 +17,7 @@ from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.export import logit_tolerance
-from llm_train.runtime.quantize import check_bitsandbytes, quantization_config
+from llm_train.runtime.quantized_base import check_bitsandbytes, quantization_config
 from llm_train.units import GiB
 from tests.helpers import make_tiny_pretrained
 from tests.optional import import_or_skip
@@ -86,7 +86,7 @@ def test_the_optimizer_may_go_to_the_cpu() -> None:
 
 def test_nf4_weights_may_go_to_the_cpu_under_zero3() -> None:
     # ZeRO-3 partitions the packed storage and offloads the partitions like any weight; the quantisation
-    # state goes to the GPU whole (runtime/quantize.py): the 70B two-card recipe's layout.
+    # state goes to the GPU whole (runtime/quantized_base.py): the 70B two-card recipe's layout.
     run = resolve_run("tiny-cpu-lora", QLORA + ["deepspeed.config=zero3_offload"], world_size=2)
     assert run.layout.offload_params == "cpu" and run.layout.zero_stage == 3
 
@@ -144,7 +144,7 @@ def test_nf4_mfu_equals_the_16bit_mfu_at_equal_step_time(tiny_base: Path) -> Non
 
 
 def test_the_base_is_4bit_and_only_adapters_train(tiny_base: Path) -> None:
-    from llm_train.runtime.quantize import is_quantized_linear
+    from llm_train.runtime.quantized_base import is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layers = [m for m in model.modules() if is_quantized_linear(m)]
@@ -212,7 +212,7 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
     """Without it, an eval forward on an AVX512-BF16 CPU rewrites every 4-bit weight in place."""
     from bitsandbytes.functional import has_avx512bf16
 
-    from llm_train.runtime.quantize import dequantized_weight, is_quantized_linear
+    from llm_train.runtime.quantized_base import dequantized_weight, is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layer = next(m for m in model.modules() if is_quantized_linear(m))
@@ -227,7 +227,7 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
         assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
 
 
-# --- the staged load: each weight quantised on the staging device (runtime/quantize.py quantizing_on) ---------
+# --- the staged load: each weight quantised on the staging device (runtime/quantized_base.py quantizing_on) ---------
 
 
 def _staged_load(base: Path, dtype: torch.dtype, staging: object | None) -> torch.nn.Module:
@@ -238,7 +238,7 @@ def _staged_load(base: Path, dtype: torch.dtype, staging: object | None) -> torc
     from transformers import AutoModelForCausalLM
 
     from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantize import Staging
+    from llm_train.runtime.quantized_base import Staging
 
     assert staging is None or isinstance(staging, Staging)
     with quantizing_on(staging) if staging is not None else contextlib.nullcontext():
@@ -268,7 +268,7 @@ def test_cpu_staging_gives_todays_codes_and_state_bit_for_bit(tiny_base: Path, d
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from llm_train.runtime.quantize import Staging, is_quantized_linear
+    from llm_train.runtime.quantized_base import Staging, is_quantized_linear
 
     before, after = _staged_load(tiny_base, dtype, None), _staged_load(tiny_base, dtype, Staging("cpu"))
     today, staged = dict(before.named_modules()), dict(after.named_modules())
@@ -298,7 +298,7 @@ def test_the_load_stages_one_weight_at_a_time(tiny_base: Path) -> None:
     the staging area, and every quantised weight passes through it exactly once, 16-bit and whole."""
     import weakref
 
-    from llm_train.runtime.quantize import Staging, is_quantized_linear
+    from llm_train.runtime.quantized_base import Staging, is_quantized_linear
 
     class Watched(Staging):
         def __init__(self) -> None:
@@ -342,7 +342,7 @@ def _llama31_8b_arithmetic() -> tuple[int, int]:
 
 
 def test_nf4_and_int8_bases_by_hand() -> None:
-    from llm_train.planning.quantized import base_weight_bytes
+    from llm_train.planning.quantized_bytes import base_weight_bytes
     from llm_train.planning.shapes import shape_of
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
@@ -360,8 +360,8 @@ def test_nf4_and_int8_bases_by_hand() -> None:
 
 def test_8b_qlora_plan_by_hand() -> None:
     """8b-qlora-rtx4070's GPU and host terms, each recomputed from its definition."""
-    from llm_train.planning.fit import memory_inputs
-    from llm_train.planning.memory import (
+    from llm_train.planning.candidate import memory_inputs
+    from llm_train.planning.memory_estimate import (
         CHECKPOINT_SHARD_BYTES,
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
@@ -393,8 +393,8 @@ def test_8b_qlora_plan_by_hand() -> None:
 
 def test_16bit_lora_host_ram_by_hand() -> None:
     """8b-lora-rtx4090 with 16 GiB: no full copy of the model on the host at load, in checkpoints or at export."""
-    from llm_train.planning.fit import memory_inputs
-    from llm_train.planning.memory import (
+    from llm_train.planning.candidate import memory_inputs
+    from llm_train.planning.memory_estimate import (
         CHECKPOINT_SHARD_BYTES,
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
@@ -417,8 +417,8 @@ def test_16bit_lora_host_ram_by_hand() -> None:
 def test_70b_two_card_qlora_plan_by_hand() -> None:
     """70b-qlora-2x4090's terms from their definitions: the 4-bit base staged whole on each rank's host, then
     partitioned by ZeRO-3 onto the host (offload_param), its quantisation state whole on each GPU."""
-    from llm_train.planning.fit import memory_inputs
-    from llm_train.planning.memory import (
+    from llm_train.planning.candidate import memory_inputs
+    from llm_train.planning.memory_estimate import (
         CUDA_CONTEXT_BYTES,
         PROCESS_HOST_BYTES,
         QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
@@ -451,7 +451,7 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     assert offloaded == pytest.approx(projections * 0.5 + rest * 2 + adapters, rel=1e-3)
     # Loading, quantised on the GPU (the run's device): every rank stages the whole base less its
     # quantisation state, which stays on the GPU, plus the largest weight as read (bf16) and its codes, and
-    # the loader's freed temporaries (the CPU path's measurement, memory.py).
+    # the loader's freed temporaries (the CPU path's measurement, memory_estimate.py).
     state = projections * (1 / 64 + 4 / (64 * 256))
     codes_and_rest = projections * 0.5 + rest * 2
     retained = QUANTIZE_RETAINED_BYTES_PER_WEIGHT * projections
@@ -483,8 +483,8 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
 
 def est_quantize_on(run: Any, shape: Any, where: str) -> Any:
     """The run's estimate with its base quantised on `where` ("gpu": the run's own device; "cpu")."""
-    from llm_train.planning.fit import memory_inputs
-    from llm_train.planning.memory import estimate_memory
+    from llm_train.planning.candidate import memory_inputs
+    from llm_train.planning.memory_estimate import estimate_memory
 
     return estimate_memory(dataclasses.replace(memory_inputs(run, shape), quantize_on=where))
 
@@ -492,10 +492,10 @@ def est_quantize_on(run: Any, shape: Any, where: str) -> Any:
 def test_70b_two_card_start_up_is_the_checkpoint_read_not_the_quantiser() -> None:
     """speed.staged_load from its definition: on the GPU, each rank reads the 16-bit checkpoint and moves each
     weight to its card and the codes back; on the CPU, bitsandbytes' quantiser's measured rate bounds it."""
-    from llm_train.planning.fit import memory_inputs
-    from llm_train.planning.report import plan_recipe, render
+    from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.shapes import shape_of
     from llm_train.planning.speed import CPU_QUANTIZE_WEIGHTS_PER_S, PAGEABLE_COPY_EFFICIENCY, staged_load
+    from llm_train.planning.verdict import plan_recipe, render
 
     run = resolve_run("70b-qlora-2x4090", [], world_size=2)
     shape = shape_of("meta-llama/Llama-3.1-70B")
@@ -520,8 +520,8 @@ def test_the_70b_recipe_header_states_the_planners_host_ram_and_start_up() -> No
     import re
 
     from llm_train.config.hardware import NVME_READ_BYTES_PER_S
-    from llm_train.planning.fit import memory_inputs
-    from llm_train.planning.memory import estimate_memory
+    from llm_train.planning.candidate import memory_inputs
+    from llm_train.planning.memory_estimate import estimate_memory
     from llm_train.planning.shapes import shape_of
     from llm_train.planning.speed import staged_load
 

@@ -19,7 +19,7 @@ from typing import Any
 from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
-from llm_train.planning.memory import (
+from llm_train.planning.memory_estimate import (
     ALLOCATOR_SLACK_FRACTION,
     PROCESS_HOST_BYTES,
     GiB,
@@ -122,7 +122,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
 
 
 def zero_init_for(quantize: str) -> bool | None:
-    """MemoryInputs.zero_init of a run: transformers loads a quantised base outside zero.Init (memory.py);
+    """MemoryInputs.zero_init of a run: transformers loads a quantised base outside zero.Init (memory_estimate.py);
     None (= ZeRO-3) otherwise."""
     return False if quantize != "none" else None
 

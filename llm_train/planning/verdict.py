@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from llm_train.config.hardware import GPU_HEADROOM, DriveSpeeds, Hardware, hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.checkpoint_cost import _duration, checkpoint_lines
-from llm_train.planning.fit import (
+from llm_train.planning.candidate import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
     Evaluation,
@@ -22,9 +21,10 @@ from llm_train.planning.fit import (
     memory_inputs,
     needs,
 )
+from llm_train.planning.checkpoint_cost import _duration, checkpoint_lines
 from llm_train.planning.host_settings import choose_host_settings
 from llm_train.planning.host_settings import describe as describe_host_settings
-from llm_train.planning.memory import _LABELS, GiB, estimate_memory, host_buffers, offload_rank
+from llm_train.planning.memory_estimate import _LABELS, GiB, estimate_memory, host_buffers, offload_rank
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.offload_buffers import PINNINGS
 from llm_train.planning.search import (

@@ -1,4 +1,4 @@
-"""runtime/launcher.py: a worker's one-line error reaches torchrun's failure report."""
+"""runtime/launch_env.py: a worker's one-line error reaches torchrun's failure report."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from llm_train.runtime import launcher
+from llm_train.runtime import launch_env
 
 MESSAGE = "llm-train: error: recipe tiny-cpu.yaml: unknown key 'optim.lrr'; did you mean 'lr'?"
 
@@ -17,7 +17,7 @@ def test_the_error_file_is_read_by_torchrun_as_the_failures_message(
 ) -> None:
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    launcher.record_error(MESSAGE)
+    launch_env.record_error(MESSAGE)
     # torchrun's own reader, the one that formats the "traceback :" field of its report.
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert failure.message == MESSAGE and failure.timestamp > 0
@@ -26,5 +26,5 @@ def test_the_error_file_is_read_by_torchrun_as_the_failures_message(
 def test_without_torchrun_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     monkeypatch.chdir(tmp_path)
-    launcher.record_error(MESSAGE)
+    launch_env.record_error(MESSAGE)
     assert list(tmp_path.iterdir()) == []
