@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 os.environ[accelerate_launch.ENV] = accelerate.to_json()
             return launch_env.spawn_workers(spawn, [str(Path(__file__).resolve()), *argv])
 
+        # The worker's run as the resume trains it (the kept global batch, universal loading): before the
+        # data, whose step count from optim.epochs depends on the accumulation.
+        run = resume.refine(run, say)
         options = RunOptions(
             resume=args.resume,
             allow_batch_change=args.allow_batch_change,

@@ -100,13 +100,15 @@ class Worker:
 
 
 def run_training(run: Resolved, options: RunOptions, resume: Resume, say: Say) -> int:
-    """Train `run` in this worker; `resume`: planned before start (train.py; a fresh start without --resume)."""
+    """Train `run` in this worker; `resume`: planned before start and `run` refined by it (train.py; a fresh
+    start without --resume). Checkpointing is two calls here, `resume.open` and `resume.restore`, and the
+    `Saver` the loop saves through."""
     prepare_process(run, options, say)
     started, rank, out = time.perf_counter(), int(os.environ["RANK"]), run.recipe.output_dir
     clock = StartupClock.start(out)
     if not options.resume:
         check_output_dir(out, options.overwrite)  # every rank checks before rank 0 creates anything
-    run, data = settle_run(run, options, resume, run.layout.dp_rank(rank), say)
+    run, data = settle_run(run, options, run.layout.dp_rank(rank), say)
     clock.mark("data")
     w = Worker(run, options, rank, say, clock, started)
     engine = start_world(w)
@@ -154,16 +156,13 @@ def prepare_libraries(verbose: bool) -> None:
     compat.skip_unused_shm_op()
 
 
-def settle_run(
-    run: Resolved, options: RunOptions, resume: Resume, dp_rank: int, say: Say
-) -> tuple[Resolved, RunData]:
+def settle_run(run: Resolved, options: RunOptions, dp_rank: int, say: Say) -> tuple[Resolved, RunData]:
     """The run as this worker trains it, and its data: the values known only now, given by value.
 
-    The resume's kept global batch changes the accumulation, which the step count from
-    optim.epochs depends on; the steps, universal loading and the flops profiler then change the
-    DeepSpeed config, which must be final before the engine exists.
+    `run` arrives refined by the resume (train.py: the kept global batch's accumulation, which the step
+    count from optim.epochs depends on); the steps and the flops profiler then change the DeepSpeed
+    config, which must be final before the engine exists.
     """
-    run = resume.refine(run, say)
     data = build_data(run, dp_rank, say)
     steps_counted = run.recipe.optim.max_steps is None
     profiler = (

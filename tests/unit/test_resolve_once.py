@@ -128,7 +128,7 @@ def test_a_worker_resolves_once(tmp_path: Path, scheduled: str, monkeypatch: pyt
 
     def worker_start(run: Resolved, options: RunOptions, plan: Resume, say: session.Say) -> int:
         """run_training up to the engine: the run as the worker settles it."""
-        settled.append(session.settle_run(run, options, plan, 0, say)[0])
+        settled.append(session.settle_run(run, options, 0, say)[0])
         return 0
 
     monkeypatch.setattr(train, "run_training", worker_start)

@@ -2,7 +2,7 @@
 restored once the engine is built.
 
     resume = Resume.plan(spec, root, layout)    train.py, before start: the bridge (layouts compared)
-    run = resume.refine(run, say)               the worker: the kept batch, universal loading
+    run = resume.refine(run, say)               train.py, in the worker: the kept batch, universal loading
     resume.open(run, batches, say)              the world exists: verify, convert, check the data position
     state = resume.restore(engine, batches, ...)  the engine exists: DeepSpeed's state, data, RNGs
 
