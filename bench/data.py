@@ -13,7 +13,8 @@ measures, in the same run and on the same file:
             map (num_proc workers) through the per-word tokenisation memo (data/tokenize_memo.py:
             the tokenizer's exact ids: the run asserts that its token stream hashes like the naive
             loop's), flat memory-mapped arrays, best-fit-decreasing
-            packing; once with one process and once with the automatic num_proc;
+            packing; once with one process and once with the automatic num_proc, and once with one
+            process and data.tokenize_memo=false (the tokenizer alone: what the memo buys);
   warm      the same prepare_data again: the cache hit a second training run pays.
 
 Prints wall-clock tokens/s and its ratio to naive, CPU seconds (this process and its workers:
@@ -160,7 +161,7 @@ def naive(path: Path, tokenizer, seq_len: int) -> tuple[int, float, float, str]:
 
 
 def pipeline(
-    path: Path, tokenizer, seq_len: int, cache: Path, num_proc: int | None
+    path: Path, tokenizer, seq_len: int, cache: Path, num_proc: int | None, memo: bool = True
 ) -> tuple[int, float, float, float]:
     """(tokens, cold seconds, warm seconds, packing efficiency, stream digest) of prepare_data."""
     from llm_train.config.recipe import DataSection
@@ -174,6 +175,7 @@ def pipeline(
             "seq_len": seq_len,
             "cache_dir": str(cache),
             "num_proc": num_proc,
+            "tokenize_memo": memo,
         }
     )
     started = time.perf_counter()
@@ -232,9 +234,16 @@ def pipeline_main(argv: list[str]) -> int:
             f"packing efficiency {naive_eff:.1%} (next-fit)"
         )
         results = {}
-        for label, procs in (("pipeline, 1 process", 1), ("pipeline, auto num_proc", None)):
+        variants = (  # data.tokenize_memo=false: what the per-word memo buys, on the same file
+            ("pipeline, 1 process", 1, True),
+            ("pipeline, auto num_proc", None, True),
+            ("1 process, memo off", 1, False),
+        )
+        for label, procs, memo in variants:
             cpu = cpu_seconds()
-            tokens, cold, warm, eff, digest = pipeline(corpus, tokenizer, args.seq_len, work / "cache", procs)
+            tokens, cold, warm, eff, digest = pipeline(
+                corpus, tokenizer, args.seq_len, work / "cache", procs, memo
+            )
             used = cpu_seconds() - cpu
             # The very same ids, id for id, or the comparison is void.
             assert (tokens, digest) == (n_tokens, naive_digest), (tokens, n_tokens)
@@ -244,6 +253,11 @@ def pipeline_main(argv: list[str]) -> int:
                 f"packing efficiency {eff:.2%} (best-fit decreasing); {naive_s / cold:.2f}x naive wall, "
                 f"{naive_cpu / used:.2f}x naive CPU; warm cache {warm:.2f}s"
             )
+        memo_on, memo_off = results["pipeline, 1 process"], results.pop("1 process, memo off")
+        print(
+            f"per-word memo (one process): {memo_off[0] / memo_on[0]:.2f}x less wall time, "
+            f"{memo_off[3] / memo_on[3]:.2f}x less CPU than the tokenizer alone (data.tokenize_memo=false)"
+        )
         best = min(results, key=lambda label: results[label][0])  # by wall time
         cold, warm, eff, used = results[best]
         print(

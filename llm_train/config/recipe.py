@@ -394,6 +394,12 @@ class DataSection(Section):
         description="DataLoader worker processes; default 2 on CUDA (pinned memory), 0 on CPU and "
         "0 with the optimizer offloaded (forked workers would copy its host-RAM state).",
     )
+    tokenize_memo: bool = Field(
+        True,
+        description="Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2) tokenise word by word through a memo "
+        "(data/tokenize_memo.py): the tokenizer's exact ids for less CPU (bench/data.py's tokenise lines); "
+        "false: every text through the tokenizer itself.",
+    )
     max_epochs: float = Field(
         3.0,
         gt=0,

@@ -109,13 +109,14 @@ def check_fields(columns: list[str], source: Source, key: str, where: str) -> No
 Encode = Callable[[list[str], bool], list[bytes]]
 
 
-def make_encoder(tokenizer: PreTrainedTokenizerBase) -> Encode:
+def make_encoder(tokenizer: PreTrainedTokenizerBase, memo_words: bool = True) -> Encode:
     """`encode(texts, add_special_tokens)`: each text's ids as a row (int32 bytes, see `as_row`).
 
-    Byte-level BPE tokenizers get a per-word memo (tokenize_memo.py); other fast tokenizers their
-    batch encoder without the offsets and Python wrappers a plain call builds; slow ones a plain call.
+    Byte-level BPE tokenizers get a per-word memo (tokenize_memo.py) unless `memo_words` is False
+    (data.tokenize_memo); other fast tokenizers their batch encoder without the offsets and Python
+    wrappers a plain call builds; slow ones a plain call.
     """
-    memo = TokenizeMemo.for_tokenizer(tokenizer)
+    memo = TokenizeMemo.for_tokenizer(tokenizer) if memo_words else None
     if memo is not None:
         return memo.encode
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -128,16 +129,21 @@ def make_encoder(tokenizer: PreTrainedTokenizerBase) -> Encode:
 
 
 def make_tokenize_fn(
-    source: Source, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
+    source: Source,
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template: str | None,
+    key: str,
+    memo_words: bool = True,
 ) -> TokenizeFn:
+    """`memo_words`: data.tokenize_memo (make_encoder)."""
     if isinstance(source, TextSource):
-        return _text_fn(source, tokenizer)
+        return _text_fn(source, tokenizer, make_encoder(tokenizer, memo_words))
     if isinstance(source, InstructionSource):
-        return _instruction_fn(source, tokenizer)
+        return _instruction_fn(source, tokenizer, make_encoder(tokenizer, memo_words))
     if isinstance(source, ChatSource):
         return _chat_fn(source, tokenizer, chat_template, key)
     if isinstance(source, PreferenceSource):
-        return _preference_fn(source, tokenizer, chat_template, key)
+        return _preference_fn(source, tokenizer, chat_template, key, make_encoder(tokenizer, memo_words))
     return _tokenized_fn(source, tokenizer, key)
 
 
@@ -149,9 +155,8 @@ def _as_text(value: Any) -> str:
     return value if isinstance(value, str) else ("" if value is None else str(value))
 
 
-def _text_fn(source: TextSource, tokenizer: PreTrainedTokenizerBase) -> TokenizeFn:
+def _text_fn(source: TextSource, tokenizer: PreTrainedTokenizerBase, encode: Encode) -> TokenizeFn:
     field, eos = source.text_field or "text", as_row([tokenizer.eos_token_id])
-    encode = make_encoder(tokenizer)
 
     def tokenize(batch: Batch, indices: list[int]) -> Batch:
         texts = [_as_text(t) for t in batch[field]]
@@ -165,9 +170,10 @@ def _text_fn(source: TextSource, tokenizer: PreTrainedTokenizerBase) -> Tokenize
     return tokenize
 
 
-def _instruction_fn(source: InstructionSource, tokenizer: PreTrainedTokenizerBase) -> TokenizeFn:
+def _instruction_fn(
+    source: InstructionSource, tokenizer: PreTrainedTokenizerBase, encode: Encode
+) -> TokenizeFn:
     eos = as_row([tokenizer.eos_token_id])
-    encode = make_encoder(tokenizer)
 
     def tokenize(batch: Batch, indices: list[int]) -> Batch:
         n = len(indices)
@@ -437,7 +443,11 @@ def _tokenized_fn(source: TokenizedSource, tokenizer: PreTrainedTokenizerBase, k
 
 
 def _preference_fn(
-    source: PreferenceSource, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
+    source: PreferenceSource,
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template: str | None,
+    key: str,
+    encode: Encode,
 ) -> TokenizeFn:
     """Two rows per pair (chosen, rejected): the shared prompt's tokens, then the response's, trained on.
 
@@ -449,7 +459,6 @@ def _preference_fn(
     two sequences share the prompt's tokens exactly and the boundary never merges across.
     """
     eos = as_row([tokenizer.eos_token_id])
-    encode = make_encoder(tokenizer)
     template = chat_template
 
     def render(messages: list[dict[str, Any]], prompt: bool) -> str:

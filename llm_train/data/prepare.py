@@ -215,7 +215,9 @@ class _Job:
             started = time.perf_counter()
             loaded = rows if rows is not None else load_rows(located, source, key, self.cache_dir)
             formats.check_fields(loaded.column_names, source, key, located.describe())
-            fn = formats.make_tokenize_fn(source, self.tokenizer, self.template, where)
+            fn = formats.make_tokenize_fn(
+                source, self.tokenizer, self.template, where, self.data.tokenize_memo
+            )
             procs = auto_num_proc(len(loaded), loaded.data.nbytes, self.data.num_proc)
             columns = formats.fields_read(source, loaded.column_names)
             meta = build_store(out, loaded, fn, columns, formats.has_loss_mask(source), procs, tok_key)

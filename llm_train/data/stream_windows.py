@@ -88,6 +88,7 @@ class StreamSpec:
     fingerprint: str
     # Per source: the hub commit it is read at (data/revision.py); None for local files or unknown.
     revisions: list[str | None]
+    tokenize_memo: bool = True  # data.tokenize_memo (formats.make_encoder)
 
     @classmethod
     def build(
@@ -146,6 +147,7 @@ class StreamSpec:
             str(Path(data.cache_dir).expanduser() / "hf"),
             fingerprint,
             revisions,
+            data.tokenize_memo,
         )
 
     @property
@@ -270,7 +272,9 @@ class PackedWindow:
 def tokenize_fns(spec: StreamSpec) -> list[formats.TokenizeFn]:
     """Each source's tokenise function, built once per process (the per-word memo lives in it)."""
     return [
-        formats.make_tokenize_fn(s, spec.tokenizer, spec.chat_template, f"data.train[{i}] {s.path}")
+        formats.make_tokenize_fn(
+            s, spec.tokenizer, spec.chat_template, f"data.train[{i}] {s.path}", spec.tokenize_memo
+        )
         for i, s in enumerate(spec.sources)
     ]
 

@@ -53,6 +53,7 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "data.cache_dir": (RUN_A, "data.cache_dir={cache}"),
     "data.num_proc": (RUN_A, "data.num_proc=1"),
     "data.loader_workers": (RUN_A, "data.loader_workers=1"),
+    "data.tokenize_memo": (RUN_B, "data.tokenize_memo=false"),
     "data.max_epochs": (RUN_A, "data.max_epochs=5"),
     "optim.lr": (RUN_A, "optim.lr=1e-3"),
     "optim.weight_decay": (RUN_A, "optim.weight_decay=0.1"),

@@ -181,6 +181,22 @@ def test_the_pipeline_uses_the_memo_for_the_bundled_tokenizer() -> None:
     assert getattr(encode, "__self__", None).__class__ is TokenizeMemo
 
 
+def test_data_tokenize_memo_false_tokenises_through_the_tokenizer_alone_to_the_same_rows() -> None:
+    from llm_train import ASSETS_DIR
+    from llm_train.config.recipe import load_recipe
+    from llm_train.data.formats import make_tokenize_fn
+
+    tok = get_tokenizer()
+    data = load_recipe("tiny-cpu", ["data.tokenize_memo=false"]).data
+    source = data.sources("train")[0]
+    texts = (ASSETS_DIR / "tiny" / "corpus.txt").read_text().splitlines()[:200]
+    batch, indices = {"text": texts}, list(range(len(texts)))
+    plain = make_tokenize_fn(source, tok, None, "data.train[0]", data.tokenize_memo)
+    memo = make_tokenize_fn(source, tok, None, "data.train[0]")
+    assert plain(batch, indices) == memo(batch, indices)
+    assert getattr(make_encoder(tok, memo_words=False), "__self__", None).__class__ is not TokenizeMemo
+
+
 def test_cuts_only_where_the_tokenizer_sees_no_whitespace() -> None:
     """The cutting regexes call a character non-whitespace only if Oniguruma (the tokenizer's engine) agrees.
 
