@@ -146,6 +146,24 @@ def test_auto_plans_the_attention_kernel_it_writes(tmp_path: Path) -> None:
     assert ("attention_mask" in auto.evaluation.estimate.gpu_terms) == (auto.inputs.attn_impl == "sdpa")
 
 
+@pytest.mark.parametrize("card", ["RTX-4070", "RTX-4090"])
+def test_qlora_must_win_by_more_than_the_margin_over_a_16_bit_base(card: str) -> None:
+    # The margin is the rule: the 16-bit base whenever its fastest plan is within EXACT_BASE_MARGIN of
+    # QLoRA's, QLoRA otherwise; checked against each kind planned alone (the override pins the knob).
+    from llm_train.planning.auto import EXACT_BASE_MARGIN
+
+    hw = _card(card, 64)
+    auto = choose_auto(MODEL, hw)
+    qlora = choose_auto(MODEL, hw, overrides=["lora.quantize=nf4"]).evaluation.time.total
+    sixteen = choose_auto(MODEL, hw, overrides=["lora.quantize=none"]).evaluation.time.total
+    assert qlora < sixteen  # by the speed model QLoRA is faster on both cards ...
+    exact = sixteen <= qlora * EXACT_BASE_MARGIN
+    assert auto.inputs.quantize == ("none" if exact else "nf4")  # ... but wins only by the margin
+    assert exact == (card == "RTX-4090"), (card, qlora, sixteen)
+    why = " ".join(auto.reasons)
+    assert ("the base stays 16-bit" in why) == exact and ("runner-up: QLoRA" in why) == exact
+
+
 # --- more host RAM or NVMe never makes the choice slower -----------------------------------------------
 
 
