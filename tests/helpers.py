@@ -129,6 +129,28 @@ def launch_popen(args: list[str], nproc: int = 2) -> subprocess.Popen | ServedLa
     return _served(args, nproc, None, merge_stderr=True) or popen(launch_cmd(args, nproc))
 
 
+def resume_after_kill_9(
+    run_dir: Path, args: list[str], step: int, nproc: int = 2
+) -> subprocess.CompletedProcess:
+    """Launch `args` in the background, kill -9 the whole launch once `step` is logged, then launch them
+    again (they carry --resume auto) and check it resumed from the newest committed checkpoint."""
+    import time
+
+    proc = launch_popen(args, nproc)
+    assert wait_for_step(run_dir, step, proc), proc.communicate()[0][-4000:]
+    time.sleep(0.3)
+    assert proc.poll() is None, "the run ended before the kill: nothing was tested"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.returncode
+    last = committed_step(run_dir)
+    assert last is not None, "killed before the first checkpoint: nothing to resume"
+    resumed = launch(args, nproc)
+    assert_ok(resumed)
+    assert_resumed(resumed.stdout, run_dir, last)
+    return resumed
+
+
 def accelerate_popen(
     args: list[str], nproc: int = 2, launcher_flags: tuple[str, ...] = ()
 ) -> subprocess.Popen:

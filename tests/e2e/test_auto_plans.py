@@ -8,11 +8,8 @@ the tiny-cpu-lora recipe with the knobs auto writes for one consumer card: deeps
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,13 +18,10 @@ import torch
 from tests.helpers import (
     REPO,
     assert_ok,
-    assert_resumed,
-    committed_step,
     launch,
-    launch_popen,
     losses,
     make_tiny_pretrained,
-    wait_for_step,
+    resume_after_kill_9,
 )
 from tests.optional import import_or_skip, require
 
@@ -66,15 +60,6 @@ def _args(run_dir: Path, base: Path, quantize: str, *extra: str) -> list[str]:
     ]
 
 
-def _kill_after(run_dir: Path, args: list[str], step: int, nproc: int) -> None:
-    proc = launch_popen(args, nproc)
-    assert wait_for_step(run_dir, step, proc), proc.communicate()[0][-4000:]
-    time.sleep(0.3)
-    assert proc.poll() is None, "the run ended before the kill: nothing was tested"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("quantize", ["none", "nf4"], ids=["lora", "qlora"])
 def test_zero0_bf16_adapters_train_resume_exactly_and_export(
@@ -89,12 +74,7 @@ def test_zero0_bf16_adapters_train_resume_exactly_and_export(
     assert_ok(first)
     run_losses = list(losses(reference).values())
     assert len(run_losses) == STEPS and run_losses[-1] < run_losses[0], run_losses
-    _kill_after(killed, _args(killed, base, quantize), step=3, nproc=nproc)
-    last = committed_step(killed)
-    assert last is not None, "killed before the first checkpoint: nothing to resume"
-    resumed = launch(_args(killed, base, quantize), nproc)
-    assert_ok(resumed)
-    assert_resumed(resumed.stdout, killed, last)
+    resume_after_kill_9(killed, _args(killed, base, quantize), step=3, nproc=nproc)
     assert losses(killed) == losses(reference)  # exact float equality, every step logged once
     mine, theirs = (load_file(d / "final" / "adapter_model.safetensors") for d in (killed, reference))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

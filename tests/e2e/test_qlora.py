@@ -13,10 +13,7 @@ holding half of the packed bytes.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -24,13 +21,10 @@ import torch
 
 from tests.helpers import (
     assert_ok,
-    assert_resumed,
-    committed_step,
     launch,
-    launch_popen,
     losses,
     make_tiny_pretrained,
-    wait_for_step,
+    resume_after_kill_9,
 )
 from tests.optional import import_or_skip
 
@@ -136,12 +130,7 @@ def test_qlora_zero3_offload_partitions_the_base_trains_resumes_exactly_and_expo
     assert all(not torch.equal(weights[n], start[n]) for n in weights if "q_proj" in n)
 
     # kill -9 mid-run, `--resume auto`: the same losses and the same exported weights, bit for bit.
-    _kill_after(killed, _args(killed, base, *extra), step=3)
-    last = committed_step(killed)
-    assert last is not None, "killed before the first checkpoint: nothing to resume"
-    resumed = launch(_args(killed, base, *extra))
-    assert_ok(resumed)
-    assert_resumed(resumed.stdout, killed, last)
+    resume_after_kill_9(killed, _args(killed, base, *extra), step=3)
     assert losses(killed) == losses(out)  # exact float equality, every step logged once
     mine = dict(
         AutoModelForCausalLM.from_pretrained(killed / "final", dtype=torch.float32).named_parameters()
@@ -157,16 +146,6 @@ def test_qlora_zero3_offload_partitions_the_base_trains_resumes_exactly_and_expo
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
 
 
-def _kill_after(run_dir: Path, args: list[str], step: int) -> None:
-    proc = launch_popen(args)
-    assert wait_for_step(run_dir, step, proc), proc.communicate()[0][-4000:]
-    time.sleep(0.3)
-    assert proc.poll() is None, "the run ended before the kill: nothing was tested"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.returncode
-
-
 def test_qlora_zero2_adapter_reloads_and_resumes_exactly_after_kill_9(base: Path, tmp_path: Path) -> None:
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -176,12 +155,7 @@ def test_qlora_zero2_adapter_reloads_and_resumes_exactly_after_kill_9(base: Path
     extra = ("lora.export=adapter", "checkpoint.every_steps=2", "--resume", "auto")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert_ok(launch(_args(reference, base, *extra)))
-    _kill_after(killed, _args(killed, base, *extra), step=3)
-    last = committed_step(killed)
-    assert last is not None, "killed before the first checkpoint: nothing to resume"
-    resumed = launch(_args(killed, base, *extra))
-    assert_ok(resumed)
-    assert_resumed(resumed.stdout, killed, last)
+    resume_after_kill_9(killed, _args(killed, base, *extra), step=3)
     assert losses(killed) == losses(reference)  # exact float equality, every step logged once
     mine, theirs = (load_file(d / "final" / "adapter_model.safetensors") for d in (killed, reference))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
