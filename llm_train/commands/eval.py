@@ -30,6 +30,8 @@ from llm_train.errors import UserError
 from llm_train.observability.console import quiet
 from llm_train.observability.tracking import open_trackers
 from llm_train.runtime.benchmark import BenchOptions, evaluate, require_lm_eval, task_manager, write_results
+from llm_train.runtime.checkpointing.commit import committed, step_name
+from llm_train.runtime.checkpointing.run_state import trainer_state_path
 
 PARALLEL = (
     "Data parallelism: started with `accelerate launch --num_processes N -m llm_train.cli eval ...` on a machine "
@@ -119,7 +121,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if result is None:
         return 0  # gathered to process 0, which writes
     step = source.step
-    name = f"step-{step:08d}" if step is not None else source.model_dir.name
+    name = step_name(step) if step is not None else source.model_dir.name
     out_dir = Path(args.output_dir) if args.output_dir else (source.run_dir or source.model_dir) / "eval"
     path = write_results(result, out_dir, name, step, str(source.model_dir), options)
     print(result.table, end="")
@@ -157,8 +159,8 @@ def _log(source: ModelSource, metrics: dict[str, float], step: int) -> None:
 
 def _tracker_run_id(run_dir: Path) -> str | None:
     """The W&B run id the run's newest checkpoint recorded (resume.py), so results join that run."""
-    for ckpt in sorted((run_dir / "checkpoints").glob("step-*"), reverse=True):
-        state = ckpt / "trainer" / "rank00000.json"
+    for ckpt in committed(run_dir / "checkpoints"):
+        state = trainer_state_path(ckpt, 0)
         if state.is_file():
             return json.loads(state.read_text()).get("tracker_run_id")
     return None

@@ -24,7 +24,7 @@ from llm_train.commands.convert import checkpoint_of
 from llm_train.config.recipe import LoraSection, Recipe, load_recipe
 from llm_train.data.formats import chat_template_for
 from llm_train.errors import UserError, first_line
-from llm_train.runtime.export import export_checkpoint
+from llm_train.runtime.export import EXPORT_DTYPES, export_checkpoint
 from llm_train.runtime.lora import is_adapter_export
 from llm_train.runtime.quantized_base import quantization_config
 
@@ -119,7 +119,7 @@ def torch_dtype(name: str) -> Any:
         return (
             torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
         )
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    return EXPORT_DTYPES[name]
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:

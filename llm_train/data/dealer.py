@@ -168,9 +168,8 @@ class Batches(Iterator[dict[str, Any]]):
         cuda = torch.cuda.is_available()
         self.workers = loader_workers(workers, sequences.kind == "stream", cuda)
         self.pin_memory = cuda if pin_memory is None else pin_memory
-        self.consumed = (
-            0  # sequences served to all ranks together: the position, valid on any number of ranks
-        )
+        # Sequences served to all ranks together: the position, valid on any number of ranks.
+        self.consumed = 0
         self._batches: Iterator[dict[str, Any]] | None = None
 
     @property

@@ -92,6 +92,14 @@ def build_pair_rows(split: PackedSplit, pairs: list[tuple[int, int]]) -> dict[st
     return batch
 
 
+def document_starts(pos: np.ndarray) -> np.ndarray:
+    """True where a packed row's token starts a document: its position id does not follow the previous one's
+    (every row's first token starts one, so documents never run across rows)."""
+    new = np.ones(pos.shape, dtype=bool)
+    new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return new
+
+
 def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:
     """(sum of n^2, sum of n) over the documents of a micro-batch's rows: the attention they really span.
 
@@ -104,9 +112,9 @@ def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:
     positions = batch.get("position_ids")
     if positions is not None:
         pos = np.asarray(positions)
-        new = np.ones(pos.shape, dtype=bool)
-        new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-        starts = np.flatnonzero(new.reshape(-1))  # every row starts a document, so rows never merge
+        starts = np.flatnonzero(
+            document_starts(pos).reshape(-1)
+        )  # every row starts a document, so rows never merge
         lengths = np.diff(np.append(starts, pos.size))
         return int(np.square(lengths).sum()), int(pos.size)
     mask = batch.get("attention_mask")
@@ -133,9 +141,9 @@ def real_tokens(batch: Mapping[str, Any]) -> int:
     if positions is None or labels is None:
         return int(np.asarray(batch["input_ids"] if positions is None else positions).size)
     pos, labels = np.asarray(positions), np.asarray(labels)
-    new = np.ones(pos.shape, dtype=bool)
-    new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    document = np.cumsum(new.reshape(-1)) - 1  # each token's document number (rows never merge)
+    document = (
+        np.cumsum(document_starts(pos).reshape(-1)) - 1
+    )  # each token's document number (rows never merge)
     trained = np.zeros(int(document[-1]) + 1, dtype=bool)
     trained[document[labels.reshape(-1) != IGNORE]] = True
     return int(trained[document].sum())

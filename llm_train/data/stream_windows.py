@@ -459,7 +459,6 @@ class StreamingBatches(Batches):
         pin_memory: bool | None = None,
     ) -> None:
         super().__init__(StreamedSequences(spec), micro_batch, dp_rank, dp_size, workers, pin_memory)
-        self.spec = spec
 
 
 def check_revisions(spec: StreamSpec, saved: list[str | None] | None, allow: bool) -> list[str]:

@@ -3,7 +3,7 @@
 A recipe counts optimizer steps, not epochs, and nothing else ties the two together: 2000 steps
 of 128 sequences of 4096 tokens is a billion tokens, which on the bundled 466 KB corpus (about
 30 such sequences) is thousands of epochs of memorising, with nothing printed to say so. One
-optimizer step consumes micro_batch x grad_accum x dp sequences (stream.py serves every
+optimizer step consumes micro_batch x grad_accum x dp sequences (dealer.py serves every
 sequence of an epoch exactly once over the data-parallel ranks; tensor- and pipeline-parallel
 ranks share theirs), and an epoch is the weighted sum of the sources' sequences
 (`EpochOrder.epoch_len`), so
@@ -66,7 +66,7 @@ class DataVolume:
 
 
 def sequences_per_epoch(split: PackedSplit) -> int:
-    """Sequences in one epoch of the mixture: every source's sequences times its weight (as stream.py deals them)."""
+    """Sequences in one epoch of the mixture: every source's sequences times its weight (as dealer.py deals them)."""
     return EpochOrder([p.n_sequences for p in split.parts], split.weights, 0).epoch_len
 
 

@@ -10,13 +10,13 @@ parameters that take part in matmuls (the input embedding is a lookup, so it is 
 unless the output head shares it), L layers, H heads, Q head dim, T the span attention really
 covers, causal attention counted as half of PaLM's (appendix B) full 12*L*H*Q*T, as Megatron-LM
 does; flops.py says why. T is measured on the micro-batches this rank trained on since the last
-log (data/batches.span_sums: sum(n^2) / sum(n) over packed samples, or T = seq_len for rows that
+log (data/model_inputs.span_sums: sum(n^2) / sum(n) over packed samples, or T = seq_len for rows that
 hold one sequence): `mfu`. `mfu_seq_len` counts T = data.seq_len, the row width, as most tools do
 (and as llm_train did before), so the two can be compared. It is measured against the device's
 dense bf16 peak (llm_train.config.hardware) or `--peak-tflops`; without a known peak (CPU) there
 is no MFU. Activation recomputation is not counted: that is hardware FLOPs utilisation, not MFU.
 
-Tokens are the rows' real tokens, not their slots (data/batches.real_tokens: padding and a packed row's
+Tokens are the rows' real tokens, not their slots (data/model_inputs.real_tokens: padding and a packed row's
 unused tail are not trained on; preference pairs count at the width they were built to): `tokens_per_s`
 and `mfu` count those, this rank's times the data-parallel ranks (each trains its own share of the global
 batch). `slot_tokens_per_s` beside them counts global batch x seq_len, as most tools report throughput.
@@ -275,8 +275,8 @@ class StepMeter:
     ) -> None:
         """One optimizer step took `step_time` seconds (forward, backward and update; nothing else) on
         micro-batches whose documents' lengths n give sum(n^2) = `squared_lengths`, sum(n) = `span_tokens`
-        (data/batches.span_sums; 0, 0 when not measured: the span is then seq_len), `real_tokens` of them
-        not padding (data/batches.real_tokens; 0 when not measured: every slot counts)."""
+        (data/model_inputs.span_sums; 0, 0 when not measured: the span is then seq_len), `real_tokens` of them
+        not padding (data/model_inputs.real_tokens; 0 when not measured: every slot counts)."""
         if not self._first_step_seen:
             self._first_step_seen = True
             if self.clock is not None:

@@ -169,6 +169,8 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
+    _bench_axis = False  # bench/* plotted against bench/step: defined once, at its first log
+
     def __init__(
         self, tracking: TrackingSection, run_dir: Path, config: dict[str, Any], run_id: str | None = None
     ) -> None:
@@ -195,7 +197,9 @@ class WandbTracker:
             # Benchmark results (runtime/benchmark.py) may come after the run has logged later steps
             # (`llm-train eval` of an older checkpoint), and W&B drops a step below its last: they
             # carry their own x-axis, the step of the weights they measure.
-            self.run.define_metric(f"{BENCH}*", step_metric=f"{BENCH}step")
+            if not self._bench_axis:
+                self.run.define_metric(f"{BENCH}*", step_metric=f"{BENCH}step")
+                self._bench_axis = True
             self.run.log({**metrics, f"{BENCH}step": step})
             return
         self.run.log(metrics, step=step)
