@@ -17,6 +17,7 @@ weights are from.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import logging
 import time
@@ -112,11 +113,13 @@ def quiet_lm_eval() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+@functools.cache
 def task_manager(options: BenchOptions) -> Any:
     """lm-eval's TaskManager with the bundled tasks and `include_path`; unknown task names are one line.
 
     Indexing lm-eval's own registry (about 15,000 tasks, 0.4.13) takes 5-20 s on one core, so it is
-    read only when a task is not in the bundled and included folders.
+    read only when a task is not in the bundled and included folders, and once per process (cached:
+    the start's check and the periodic evaluation ask for the same options).
     """
     from lm_eval.tasks import TaskManager
 

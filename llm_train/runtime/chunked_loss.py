@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import loss_chunks
+from llm_train.planning.memory_estimate import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -184,14 +184,22 @@ class _ChunkedLogps(torch.autograd.Function):
 
 def liger_runs(head: torch.nn.Module, device: torch.device) -> bool:
     """Liger's kernel can compute this head's loss: CUDA, a plain unpartitioned nn.Linear, Liger >= 0.8.5."""
+    return liger_reads(head, device) and liger_installed()
+
+
+def liger_reads(head: torch.nn.Module, device: torch.device) -> bool:
+    """Liger's kernel can read this head: on CUDA, a plain nn.Linear whose weight ZeRO-3 does not partition."""
     weight = getattr(head, "weight", None)
-    if (
+    return not (
         device.type != "cuda"
         or type(head) is not torch.nn.Linear
         or weight is None
         or hasattr(weight, "ds_id")
-    ):
-        return False
+    )
+
+
+def liger_installed() -> bool:
+    """Liger >= 0.8.5 is installed (its per-token loss). A package-metadata read: once per model, not per forward."""
     try:
         found = tuple(int(part) for part in version("liger-kernel").split(".")[:3])
     except (PackageNotFoundError, ValueError):
@@ -263,6 +271,7 @@ def enable_tiled_loss(
             f"memory.tiled_loss: {name} is not a plain causal LM loss; set memory.tiled_loss=false"
         )
     # Plain attributes of this instance (Module's typed __setattr__ takes only tensors and modules).
+    liger = liger and liger_installed()
     setattr(lm, "_chunked_loss", (max_tokens, liger, chunk_bytes))  # noqa: B010 - see above
     lm.forward = types.MethodType(_chunked_loss_forward, lm)
 
@@ -308,11 +317,11 @@ def model_token_logps(
     """token_logps of a model patched by `enable_tiled_loss`, by Liger's kernel or in chunks."""
     max_tokens, liger, chunk_bytes = getattr(lm, "_chunked_loss")  # noqa: B009 - set by enable_tiled_loss
     head = lm.get_output_embeddings()  # looked up per call: PEFT may have wrapped it since
-    if liger and liger_runs(head, hidden.device):
+    if liger and liger_reads(head, hidden.device):  # liger: asked, and installed (enable_tiled_loss)
         return liger_token_logps(head, hidden, shift_labels, ignore_index)
     tokens = max(shift_labels.numel(), max_tokens or 0)
     vocab = lm.config.get_text_config().vocab_size
-    chunks = loss_chunks(tokens, vocab, chunk_bytes) if chunk_bytes else loss_chunks(tokens, vocab)
+    chunks = loss_chunks(tokens, vocab, chunk_bytes or LOSS_CHUNK_LOGITS_BYTES)
     return token_logps(
         head, list(head.parameters()), hidden, shift_labels, chunks, ignore_index, tied_ids(lm)
     )

@@ -16,10 +16,6 @@ from llm_train.config.hardware import describe_pairs
 from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
 
-# bench/ (hf_trainer_peer.py, full_ft_check.py, gpu_memory_7b.py) imports it from here; its home is
-# runtime/compat.py. Delete this line once bench/ imports it from there.
-from llm_train.runtime.compat import prepare_op_loads  # noqa: F401
-
 if TYPE_CHECKING:
     from accelerate.utils import TorchDynamoPlugin
 

@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from llm_train.config.accelerate_launch import ENV as ACCELERATE_ENV
@@ -96,7 +97,7 @@ def read_accelerate_launch(args: list[str]) -> tuple[Any, AccelerateLaunch]:
     path = parsed.config_file or (
         default_config_file if os.path.isfile(default_config_file) and not parsed.cpu else None
     )
-    raw = (yaml.safe_load(open(path, encoding="utf-8")) or {}) if path else {}  # noqa: SIM115
+    raw = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}) if path else {}
     # It logs its "values were not passed" warning again; accelerate launch already printed it.
     launch_logger = logging.getLogger("accelerate.commands.launch")
     level = launch_logger.level

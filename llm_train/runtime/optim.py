@@ -27,6 +27,7 @@ import torch
 from llm_train.config.layout import EIGHT_BIT_OPTIMIZERS
 from llm_train.config.recipe import OptimSection
 from llm_train.errors import UserError
+from llm_train.runtime.quantized_base import INSTALL_HINT
 
 
 def lr_factor(step: int, optim: OptimSection, max_steps: int) -> float:
@@ -101,8 +102,8 @@ def check_optimizer_package(optim: OptimSection) -> None:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
         raise UserError(
-            f"optim.name={optim.name} needs bitsandbytes, which does not import ({exc}); pip install "
-            "'llm_train[qlora]' (or pip install bitsandbytes), or set optim.name=adamw"
+            f"optim.name={optim.name} needs bitsandbytes, which does not import ({exc}); {INSTALL_HINT}, "
+            "or set optim.name=adamw"
         ) from None
 
 

@@ -179,14 +179,8 @@ class ZeroEngine:
         5.24), and for a quantised model that config changes nothing else (zero.Init is skipped for it);
         without a device_map its bitsandbytes quantizer would load the whole base onto the GPU.
         """
-        from transformers.integrations import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-        try:
-            with quantizing_on(Staging(self.accelerator.device)):
-                yield
-        finally:
-            self.accelerator.state.deepspeed_plugin.set_deepspeed_weakref()  # Accelerate's own, as before
+        with without_hf_zero3_config(), quantizing_on(Staging(self.accelerator.device)):
+            yield
 
     def _partition_staged_base(self) -> None:
         """ZeRO-3's partitions of the host-staged 4-bit base, before the engine would move it whole to the GPU.

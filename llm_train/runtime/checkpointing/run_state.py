@@ -128,16 +128,11 @@ def checkpoint_bytes_estimate(engine: DeepSpeedEngine, root: Path) -> int:
     return 16 * numel
 
 
-# Bytes of each weight file's values that go into a local base's digest: enough to tell two checkpoints of
-# the same shapes apart, little enough to read at every save.
-BASE_SAMPLE_BYTES = 1 << 16
-
-
 def base_identity(recipe: Recipe) -> dict[str, Any] | None:
     """What identifies a LoRA run's frozen base (module docstring); None without LoRA.
 
     Read from files, without loading the model: a directory's config.json and weight index, each safetensors
-    file's size, header (names, dtypes, shapes) and first BASE_SAMPLE_BYTES of values; a hub id's commit as
+    file's size and header (names, dtypes, shapes); a hub id's commit as
     the local cache resolves model.revision (huggingface_hub's snapshot folder is named by it); a random
     base's seed and config.
     """
@@ -156,7 +151,7 @@ def base_identity(recipe: Recipe) -> dict[str, Any] | None:
     if local.is_dir():
         digest = hashlib.sha256()
         for path in sorted(local.glob("*.json")) + sorted(local.glob("*.safetensors")):
-            if path.name in ("config.json",) or path.name.endswith(".index.json"):
+            if path.name == "config.json" or path.name.endswith(".index.json"):
                 digest.update(path.name.encode() + path.read_bytes())
             elif path.suffix == ".safetensors":
                 with path.open(
@@ -220,6 +215,8 @@ class Saver:
             collectives.WORLD,
             patience_s=recipe.deepspeed.timeout_minutes * 60,
         )
+        # The base this run loaded, read once (a local one: its config, index and every shard's header).
+        self.base = base_identity(recipe)
 
     def __call__(self, step: int) -> None:
         started = time.perf_counter()
@@ -232,7 +229,6 @@ class Saver:
         engine, recipe, layout, rank = self.engine.ds, self.run.recipe, self.run.layout, self.rank
         reference = self.engine.reference_logits(self.tokenizer)
         extra = {"tracker_run_id": self.tracker.run_id}  # W&B continues the same run after a resume
-        base = base_identity(recipe)
 
         def write(tmp: Path) -> None:
             # LoRA: the frozen base is the one the run loads from model.name_or_path (seeded or
@@ -253,7 +249,7 @@ class Saver:
                 "step": step,
                 "data": data,
                 "rng": rng_state(),
-                "base": base,
+                "base": self.base,
                 DIGEST_KEY: digest,
                 **extra,
             }
