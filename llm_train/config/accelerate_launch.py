@@ -84,9 +84,6 @@ class AccelerateLaunch:
         data = json.loads(text)
         return cls(data["kind"], data["values"], data["origins"], data["mpirun"])
 
-    def said(self, name: str) -> str:
-        return f"{name}={self.values[name]} ({self.origins[name]})"
-
 
 def refuse(launch: AccelerateLaunch | None) -> None:
     """One line for an accelerate config llm_train cannot train under; nothing for the others."""

@@ -33,6 +33,7 @@ them comes before adapters.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ from llm_train.planning.candidate import (
     zero_init_for,
 )
 from llm_train.planning.knobs import pinned_fields, recipe_values, set_key
-from llm_train.planning.memory_estimate import GiB
+from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.pinning import MemlockLimit, memlock_limit
 from llm_train.planning.search import (
@@ -187,10 +188,6 @@ class AutoRequest:
     overrides: tuple[str, ...] = ()
 
     @property
-    def precision(self) -> str:
-        return self.base.precision
-
-    @property
     def on_gpu(self) -> bool:
         return self.hw.kind == "cuda"
 
@@ -213,9 +210,13 @@ class AutoRequest:
     def ds_settings(self, mode: tuple[int, str, str], pinning: str) -> dict[str, Any]:
         """The MemoryInputs fields a DS JSON sets (buckets, overlap, swap, pinning of its offload sections)."""
         if "ds_key" in self.pins:
-            _, raw = load_ds_config(self.recipe.deepspeed.config)
-            return ds_fields(raw, pinning, self.on_gpu, mode[0])
+            return ds_fields(self._user_ds_json, pinning, self.on_gpu, mode[0])
         return shipped_settings(mode, pinning, self.on_gpu)
+
+    @functools.cached_property
+    def _user_ds_json(self) -> dict[str, Any]:
+        """The user's deepspeed.config, read once per request (ds_settings asks for it per candidate)."""
+        return load_ds_config(self.recipe.deepspeed.config)[1]
 
 
 def planned_attention(hw: Hardware) -> str:
@@ -245,13 +246,13 @@ def auto_request(
     adapters = lora == "always" or bool(pins & {"lora_rank", "quantize"})
     data = base_recipe_data(model, hw, seq_len or 2048, global_batch, precision, adapters)
     recipe = recipe_from_data(data, overrides, "--recipe auto")
-    if not seq_len and "seq_len" not in pins:
-        fields_shape = shape_from_config(resolve_recipe(recipe, hw.gpus, hw.device()).model_fields)
-        if fields_shape.max_position_embeddings < 2048:
-            set_key(data, "data.seq_len", fields_shape.max_position_embeddings)
-            recipe = recipe_from_data(data, [], "--recipe auto")
     run = resolve_recipe(recipe, hw.gpus, hw.device())
     shape = shape_from_config(run.model_fields)
+    if not seq_len and "seq_len" not in pins and shape.max_position_embeddings < 2048:
+        set_key(data, "data.seq_len", shape.max_position_embeddings)
+        recipe = recipe_from_data(data, [], "--recipe auto")
+        run = resolve_recipe(recipe, hw.gpus, hw.device())
+        shape = shape_from_config(run.model_fields)
     base = memory_inputs(run, shape, hw.gpus_per_node)
     batch = base.layout.global_batch_size
     dp = hw.gpus
@@ -586,7 +587,7 @@ def _pinning_reason(ask: AutoRequest, c: MemoryInputs) -> str:
     """Why the offload buffers are pinned the way the recipe says (deepspeed.pinning, planning/pinning.py)."""
     pinning = c.pinning if c.offload_optimizer != "none" else c.param_pinning
     native = c.vary(pinning="native", param_pinning="native")
-    locked = evaluate(native, ask.hw).estimate.locked_per_rank
+    locked = estimate_memory(native).locked_per_rank
     limit = f"this shell's memlock limit is {ask.memlock.describe()}"
     if pinning == "native":
         return f"deepspeed.pinning=native: exact-size pinned host buffers (~{locked / GiB:.1f} GiB locked per process; {limit})"

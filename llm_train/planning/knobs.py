@@ -63,10 +63,6 @@ NOT_PLANNED = {
 HARMLESS = {"memory.liger_kernels": (False,), "memory.torch_compile": ("off",)}
 
 
-def override_key(text: str) -> str:
-    return ".".join(parse_override(text)[0])
-
-
 def pinned_fields(overrides: list[str]) -> set[str]:
     """The knobs (MemoryInputs fields) the user's overrides pin; UserError for an override the planner
     cannot plan (NOT_PLANNED), naming it and why."""
@@ -109,12 +105,6 @@ def recipe_values(c: MemoryInputs, ds_config: str) -> dict[str, Any]:
             continue
         out[knob.key] = value
     return out
-
-
-def override_text(key: str, value: Any) -> str:
-    """`key=value` as the command line takes it (YAML scalars: true/false, numbers, words)."""
-    text = str(value).lower() if isinstance(value, bool) else str(value)
-    return f"{key}={text}"
 
 
 def set_key(data: dict[str, Any], key: str, value: Any) -> None:
