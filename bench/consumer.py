@@ -123,9 +123,7 @@ def base_case(ctx: Context) -> dict[str, Any]:
     record: dict[str, Any] = {"shape": BASE_SHAPE if ctx.gpu else "tiny-cpu", "base_gib": size}
     record.update(wall_s=run.wall_s, passed=run.rc == 0 and size > 0)
     if not record["passed"]:
-        record.update(
-            error=f"{'timed out' if run.timed_out else f'exit {run.rc}'} writing the base", tail=run.tail
-        )
+        record.update(error=f"{run.ended} writing the base", tail=run.tail)
     return record
 
 
@@ -302,7 +300,7 @@ def staged_load(ctx: Context) -> dict[str, Any]:
     ctx.results.log_launch("qlora_staged_load", run)
     path = out / "qlora-staged-load.json"
     if run.rc != 0 or not path.is_file():
-        failed = "timed out" if run.timed_out else f"exit {run.rc}"
+        failed = run.ended
         return {"passed": False, "error": f"{failed} before its result", "tail": run.tail}
     found = json.loads(path.read_text())
     record: dict[str, Any] = {

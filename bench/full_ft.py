@@ -61,11 +61,11 @@ from bench.harness import (
     plan,
     verdict,
 )
+from llm_train.config.hardware import find_gpu
 from llm_train.units import GiB
 
 CAP_GIB = 24.0
-CARD = "RTX 4090"
-CARD_MEMORY_GIB = 24564 / 1024  # config/hardware.py's RTX 4090
+CARD_MEMORY_GIB = find_gpu("RTX 4090").memory_gib  # the card the 24 GiB cap stands for
 HOST_CEILING_GIB = 120.0  # the issue's bound for the 7B on the H200's 125.9 GiB
 HOST_RAM_CAP_GIB = 128.0  # the H200 machine's RAM; the planner is asked with min(this, what psutil sees)
 LOSS_RTOL = 1e-3
@@ -141,7 +141,7 @@ COSTS = {"f_7b_cpu_offload": (120, 170), NVME_REFERENCE: (45, 70), "f_1p5b_nvme"
 
 BUILD = """
 import json, time
-from llm_train.runtime.fast import prepare_op_loads
+from llm_train.runtime.compat import prepare_op_loads
 prepare_op_loads()  # as the training runs do: another ninja would build the ops again
 from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 out = {}
@@ -158,7 +158,7 @@ def build_ops(ctx: Context) -> dict[str, Any]:
     ctx.results.log_launch("build_ops", run)
     built = next((line for line in run.output.splitlines() if line.startswith("BUILT ")), None)
     if run.rc != 0 or built is None:
-        failed = "timed out" if run.timed_out else f"exit {run.rc}"
+        failed = run.ended
         return {
             "passed": False,
             "error": f"{failed} building DeepSpeed's ops",
@@ -347,7 +347,7 @@ def pinning_copy_time(ctx: Context) -> dict[str, Any]:
     ctx.results.log_launch("pinning_copy_time", run)
     path = out / "pinning-copy-time.json"
     if run.rc != 0 or not path.is_file():
-        failed = "timed out" if run.timed_out else f"exit {run.rc}"
+        failed = run.ended
         return {"passed": False, "error": f"{failed} before its result", "tail": run.tail}
     found = json.loads(path.read_text())
     return {

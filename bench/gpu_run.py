@@ -65,7 +65,7 @@ def probe(ctx: Context) -> dict[str, Any]:
     try:
         record: dict[str, Any] = json.loads(last)
     except json.JSONDecodeError:
-        failed = "timed out" if run.timed_out else f"exit {run.rc}"
+        failed = run.ended
         return {"passed": False, "error": f"{failed} before the probe's line", "tail": run.tail}
     failed = [name for name, ok in record.get("checks", {}).items() if not ok]
     if failed:

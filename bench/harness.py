@@ -351,9 +351,14 @@ class Launch:
             return None
         return self.gpu_used_peak_gib - self.gpu_used_idle_gib
 
+    @property
+    def ended(self) -> str:
+        """How the launch ended, for a case's error: 'timed out' or 'exit N'."""
+        return "timed out" if self.timed_out else f"exit {self.rc}"
+
     def failure(self, done: int, wanted: int) -> str:
         """'timed out after 1 of 4 steps', 'exit 1 after 0 of 4 steps', naming an outside SIGKILL."""
-        what = "timed out" if self.timed_out else f"exit {self.rc}"
+        what = self.ended
         if self.rc == -signal.SIGKILL and not self.timed_out and self.action is None:
             # Not the harness's kill; with host memory near its end the kernel's OOM killer is the usual sender.
             what += " (SIGKILL not sent by the harness; see host_used_delta_peak_gib)"

@@ -75,7 +75,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))  # the matrix's previous launch may hold its port
     # DeepSpeed's ops as llm_train's runs load them (the same ninja, one CPU probe): set-up only, untimed.
     from llm_train.runtime.collectives import skip_unused_shm_op
-    from llm_train.runtime.fast import prepare_op_loads
+    from llm_train.runtime.compat import prepare_op_loads
 
     prepare_op_loads()
     skip_unused_shm_op()  # nor the build of DeepSpeed's CPU shm op, which the Trainer's run never calls

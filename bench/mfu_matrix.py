@@ -527,7 +527,7 @@ def doc_isolation(ctx: Context) -> dict[str, Any]:
     ctx.results.log_launch("doc_isolation", run)
     line = next((ln for ln in reversed(run.output.splitlines()) if ln.startswith("ISOLATION ")), None)
     if line is None:
-        failed = "timed out" if run.timed_out else f"exit {run.rc}"
+        failed = run.ended
         return {"passed": False, "error": f"{failed} before a result", "tail": run.tail}
     found = json.loads(line.removeprefix("ISOLATION "))
     bad = [

@@ -44,7 +44,15 @@ from accelerate.utils import InitProcessGroupKwargs
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bench.harness import REPO, accelerate_launch, as_a_training_worker, versions, write_result
+from bench.harness import (
+    CORPUS,
+    REPO,
+    TOKENIZER,
+    accelerate_launch,
+    as_a_training_worker,
+    versions,
+    write_result,
+)
 from bench.harness import run_or_exit as run_offline
 from llm_train.config.recipe import TrackingSection
 from llm_train.config.resolution import resolve_run
@@ -198,14 +206,12 @@ def compare() -> None:
 
 # --- the two loops' launches ----------------------------------------------------------------------
 
-TINY = REPO / "llm_train" / "assets" / "tiny"
-
 
 def packed_blocks(seq_len: int) -> torch.Tensor:
-    tok = Tokenizer.from_file(str(TINY / "tokenizer" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
     eos = 2
     ids: list[int] = []
-    for doc in (TINY / "corpus.txt").read_text().split("\n\n"):
+    for doc in CORPUS.read_text().split("\n\n"):
         if doc.strip():
             ids += tok.encode(doc, add_special_tokens=False).ids + [eos]
     n = len(ids) // seq_len

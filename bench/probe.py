@@ -76,7 +76,7 @@ def libaio() -> dict[str, Any]:
     """Whether DeepSpeed's async-I/O op can build here (its own check: libaio's library and header)."""
     out: dict[str, Any] = {"libaio_library": ctypes.util.find_library("aio")}
     try:
-        from llm_train.runtime.fast import prepare_op_loads
+        from llm_train.runtime.compat import prepare_op_loads
 
         prepare_op_loads()
         from deepspeed.ops.op_builder import AsyncIOBuilder
