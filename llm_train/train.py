@@ -189,8 +189,6 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         run = resume.refine(run, say)
         options = RunOptions(
             resume=args.resume,
-            allow_batch_change=args.allow_batch_change,
-            allow_data_revision_change=args.allow_data_revision_change,
             overwrite=args.overwrite,
             verbose=args.verbose,
             profile=args.profile,

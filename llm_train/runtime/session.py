@@ -64,8 +64,6 @@ class RunOptions:
     """What the command line adds to a resolved run (library code never sees argparse)."""
 
     resume: str | None = None
-    allow_batch_change: bool = False
-    allow_data_revision_change: bool = False
     overwrite: bool = False
     verbose: bool = False
     profile: str | None = None
