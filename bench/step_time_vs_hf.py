@@ -47,9 +47,8 @@ import psutil
 
 from bench.harness import OFFLINE_ENV, REPO, kill_group, versions
 from bench.hf_trainer_peer import command, save_job
-from bench.mfu_matrix import CPU_SIZES, job, resolve, train_cmd
+from bench.mfu_matrix import CPU_SIZES, LOSS_STEPS, job, resolve, train_cmd
 
-LOSS_STEPS = 3
 LOSS_ABS = 1e-4
 MIN_STEPS = 10  # per contender, inside the window both trained in
 STATS = ("wall_s", "fast_s", "cpu_s")  # per step, each launch: see the docstring
