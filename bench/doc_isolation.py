@@ -44,28 +44,16 @@ def compare(
     from llm_train.runtime.export import logit_tolerance
 
     spans = segments(positions)
+
+    def logits(ids: torch.Tensor, pos: torch.Tensor, **mask: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids[None], position_ids=pos[None], **mask).logits[0].float()
+
     with torch.no_grad():
-        packed = model(input_ids=input_ids[None], position_ids=positions[None]).logits[0].float()
+        packed = logits(input_ids, positions)
         alone = torch.cat(
-            [
-                model(
-                    input_ids=input_ids[None, a:b],
-                    position_ids=torch.arange(b - a, device=input_ids.device)[None],
-                )
-                .logits[0]
-                .float()
-                for a, b in spans
-            ]
+            [logits(input_ids[a:b], torch.arange(b - a, device=input_ids.device)) for a, b in spans]
         )
-        leaked = (
-            model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                attention_mask=torch.ones_like(input_ids)[None],
-            )
-            .logits[0]
-            .float()
-        )
+        leaked = logits(input_ids, positions, attention_mask=torch.ones_like(input_ids)[None])
     scale = float(alone.abs().max())
     tolerance = logit_tolerance(alone, dtype)
     isolation, leak = float((packed - alone).abs().max()), float((leaked - alone).abs().max())

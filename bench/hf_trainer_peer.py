@@ -3,7 +3,7 @@
 bench/mfu_matrix.py runs it as one of its variants. Same job means: the same model config and the
 same initial weights (torch.manual_seed(seed), then `AutoModelForCausalLM.from_config` on the device
 it trains on, as llm_train's runtime/model.py builds a random model), the same micro-batches in the same order
-(the rows llm_train's data layer deals to rank 0, saved by the matrix: packed rows keep their
+(the rows llm_train's data layer deals to rank 0, written by `save_job`: packed rows keep their
 restarting position ids, as Trainer users pass them with DataCollatorWithFlattening), the same
 DeepSpeed JSON (the shipped ds_configs file, whose "auto" values the Trainer fills itself), the same
 optimizer settings (AdamW, lr, betas, eps, weight decay, gradient clipping, a constant LR) and
@@ -16,34 +16,57 @@ rounded to 4 decimals), step time (between consecutive step ends, after a device
 as llm_train's loop measures it), tokens/s and the allocator's peak.
 
     python -m bench.hf_trainer_peer --model-dir D --rows R.pt --ds-config ds_configs/zero2.json --out O ...
+
+For a resolved llm_train run, `save_job` writes those inputs and `command` is the launch on them with the
+run's settings: bench/mfu_matrix.py and bench/step_time_vs_hf.py both use them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from llm_train.runtime.launch_env import free_port
+from bench.harness import module_cmd
 from llm_train.units import GiB
 
 
-class Rows(torch.utils.data.Dataset):
-    """The saved micro-batch rows, one dict of tensors per row, read in order."""
+def flags(values: dict[str, object]) -> list[str]:
+    """`--name value` for each item."""
+    return [arg for name, value in values.items() for arg in (f"--{name}", str(value))]
 
-    def __init__(self, path: Path) -> None:
-        self.tensors: dict[str, torch.Tensor] = torch.load(path)
 
-    def __len__(self) -> int:
-        return int(self.tensors["input_ids"].shape[0])
+def save_job(run: Any, folder: Path, steps: int) -> None:
+    """FOLDER/model (the run's model config) and FOLDER/rows.pt: the first `steps` micro-batches the run's
+    data layer deals rank 0, in its order, as one dict of [rows, seq_len] tensors."""
+    import torch
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.tensors.items()}
+    from llm_train.data import BatchStream, load_blocks
+    from llm_train.runtime.model import load_tokenizer, model_config
+
+    recipe, seed = run.recipe, run.recipe.optim.seed
+    model_config(recipe.model).save_pretrained(folder / "model")
+    train, _ = load_blocks(recipe.data, load_tokenizer(recipe.model), seed)
+    stream = BatchStream(train, run.layout.micro_batch_size, 0, 1, seed, workers=0, pin_memory=False)
+    batches = [next(stream) for _ in range(steps)]
+    keys = [k for k, v in batches[0].items() if isinstance(v, torch.Tensor)]
+    torch.save({k: torch.cat([b[k] for b in batches]) for k in keys}, folder / "rows.pt")
+
+
+def command(run: Any, folder: Path, out: Path, steps: int, gpu: bool) -> list[str]:
+    """The peer on save_job's FOLDER for `steps` steps, with the run's DS JSON, optimizer and precision."""
+    optim = run.recipe.optim
+    inputs = {"model-dir": folder / "model", "rows": folder / "rows.pt", "ds-config": run.ds_path, "out": out}
+    job = {"micro-batch": run.layout.micro_batch_size, "steps": steps, "precision": run.layout.precision}
+    adamw = {
+        k.replace("_", "-"): getattr(optim, k) for k in ["lr", "eps", "weight_decay", "grad_clip", "seed"]
+    }
+    cpu = [] if gpu else ["--cpu"]
+    return module_cmd(
+        "bench.hf_trainer_peer", *flags({**inputs, **job, **adamw}), "--betas", *map(str, optim.betas), *cpu
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,11 +77,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--micro-batch", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--lr", type=float, required=True)
+    for name in ("lr", "eps", "weight-decay", "grad-clip"):
+        p.add_argument(f"--{name}", type=float, required=True)
     p.add_argument("--betas", type=float, nargs=2, required=True)
-    p.add_argument("--eps", type=float, required=True)
-    p.add_argument("--weight-decay", type=float, required=True)
-    p.add_argument("--grad-clip", type=float, required=True)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--cpu", action="store_true", help="No GPU (the matrix's --cpu-tiny).")
@@ -67,12 +88,13 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    # A world of one, as `python llm_train/train.py` makes it (the Trainer's DeepSpeed needs a process group).
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))  # the matrix's previous launch may hold its port
+    import torch
+
+    from llm_train.runtime.launch_env import set_single_process_env
+
+    # A world of one on a free port, as `python llm_train/train.py` makes it (the Trainer's DeepSpeed needs a
+    # process group; the matrix's previous launch may hold its port).
+    set_single_process_env()
     # DeepSpeed's ops as llm_train's runs load them (the same ninja, one CPU probe): set-up only, untimed.
     from llm_train.runtime.collectives import skip_unused_shm_op
     from llm_train.runtime.compat import prepare_op_loads
@@ -91,7 +113,9 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     args.out.mkdir(parents=True, exist_ok=True)
     metrics = (args.out / "metrics.jsonl").open("w")
-    tokens_per_step = args.micro_batch * int(Rows(args.rows).tensors["input_ids"].shape[1])
+    tensors = torch.load(args.rows)
+    rows = [{k: v[i] for k, v in tensors.items()} for i in range(len(tensors["input_ids"]))]
+    tokens_per_step = args.micro_batch * int(tensors["input_ids"].shape[1])
 
     class Meter(TrainerCallback):
         """One metrics row per step: the interval between step ends, and the loss the Trainer logs for it."""
@@ -149,7 +173,7 @@ def main() -> None:
         use_cpu=not cuda,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training, train_dataset=Rows(args.rows), callbacks=[Meter()])
+    trainer = Trainer(model=model, args=training, train_dataset=rows, callbacks=[Meter()])
     trainer.train()
     metrics.close()
 

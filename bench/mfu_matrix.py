@@ -46,11 +46,12 @@ earlier one is skipped, and auto picks sdpa on CPU. Its numbers say nothing abou
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ from bench.harness import (
     peak,
     run_cases,
 )
+from bench.hf_trainer_peer import command, flags, save_job
 
 DS_CONFIG = REPO / "ds_configs" / "zero2.json"
 MFU_TARGET = 0.45
@@ -107,38 +109,29 @@ GPU_MODEL = [
 CPU_MODEL = ["optim.lr=1e-3"]  # tiny-cpu's own model
 
 
+SDPA = ("memory.attention=sdpa",)  # the baselines' attention: the dense [b,1,s,s] mask on packed rows
+
+
 @dataclass(frozen=True)
 class Sizes:
     gpu: bool
     model: list[str]
     seq_len: int
-    micro: int
-    big_micro: int
+    micro: int  # the best variant also runs at twice this
     steps: int
     warmup: int  # steps left out of the medians: allocator warm-up, compilation, autotuning
     documents: int  # per data set: enough rows for the longest variant, with room
-    extra_args: list[str]
+    extra_args: list[str] = field(default_factory=list)
     precision: str = "bf16"
     skip: dict[str, str] = field(default_factory=dict)  # variants this size does not run, and why
 
 
-GPU_SIZES = Sizes(
-    gpu=True,
-    model=GPU_MODEL,
-    seq_len=4096,
-    micro=4,
-    big_micro=8,
-    steps=12,
-    warmup=4,
-    documents=600,
-    extra_args=[],
-)
+GPU_SIZES = Sizes(gpu=True, model=GPU_MODEL, seq_len=4096, micro=4, steps=12, warmup=4, documents=600)
 CPU_SIZES = Sizes(
     gpu=False,
     model=CPU_MODEL,
     seq_len=128,
     micro=2,
-    big_micro=4,
     steps=4,
     warmup=1,
     documents=300,
@@ -172,12 +165,14 @@ GPU_PREDICTIONS: dict[str, float] = {
 
 @dataclass(frozen=True)
 class Variant:
+    """One llm_train launch; its losses and peak are compared with `baseline` (or `full_baseline` on the
+    full rows) at the same micro-batch."""
+
     name: str
     data: str  # "mix" | "full"
     overrides: tuple[str, ...] = ()
-    big: bool = False  # the larger micro-batch
+    big: bool = False  # at twice the micro-batch
     best: bool = False  # takes the fastest exact combination measured before it
-    baseline: str | None = None  # the variant its losses and peak are compared with
     cost_s: float = 60.0  # on the H200: start-up (~15 s), 14 steps, compilation
     box_s: float = 120.0
 
@@ -185,52 +180,79 @@ class Variant:
 DOC = ("memory.attention=auto",)
 LIGER = (*DOC, "memory.liger_kernels=true")
 VARIANTS = [
-    Variant("baseline", "mix", ("memory.attention=sdpa",), cost_s=40, box_s=80),
-    Variant("document_aware", "mix", DOC, baseline="baseline", cost_s=70),
-    Variant("liger", "mix", LIGER, baseline="baseline"),
-    Variant(
-        "liger_compile",
-        "mix",
-        (*LIGER, "memory.torch_compile=layers"),
-        baseline="baseline",
-        cost_s=100,
-        box_s=150,
-    ),
+    Variant("baseline", "mix", SDPA, cost_s=40, box_s=80),
+    Variant("document_aware", "mix", DOC, cost_s=70),
+    Variant("liger", "mix", LIGER),
+    Variant("liger_compile", "mix", (*LIGER, "memory.torch_compile=layers"), cost_s=100, box_s=150),
     Variant("best_micro8", "mix", big=True, best=True),
-    Variant("full_baseline", "full", ("memory.attention=sdpa",), cost_s=40, box_s=80),
-    Variant("full_best", "full", best=True, baseline="full_baseline", cost_s=70),
-    Variant(
-        "compile_model",
-        "mix",
-        (*LIGER, "memory.torch_compile=model"),
-        baseline="baseline",
-        cost_s=120,
-        box_s=150,
-    ),
+    Variant("full_baseline", "full", SDPA, cost_s=40, box_s=80),
+    Variant("full_best", "full", best=True, cost_s=70),
+    Variant("compile_model", "mix", (*LIGER, "memory.torch_compile=model"), cost_s=120, box_s=150),
 ]
 BEST_CANDIDATES = ("document_aware", "liger", "liger_compile")
 CUDA_ONLY = ("memory.liger_kernels=true",)
 
 
-# --- the data and what the peer processes read --------------------------------------------------------
+# --- the runs and what the peer processes read --------------------------------------------------------
+
+
+def job(sizes: Sizes, micro: int | None = None, switches: Sequence[str] = SDPA) -> list[str]:
+    """A matrix run's overrides of the tiny-cpu recipe, its data aside (bench/step_time_vs_hf.py's job)."""
+    micro_batch, precision = f"optim.micro_batch_size={micro or sizes.micro}", f"precision={sizes.precision}"
+    return [*COMMON, *sizes.model, f"data.seq_len={sizes.seq_len}", micro_batch, precision, *switches]
+
+
+def train_cmd(run_dir: Path, steps: int, extra_args: list[str], overrides: list[str]) -> list[str]:
+    """train.py on tiny-cpu for `steps` logged steps and two more: stopped once they are logged, so never
+    in its last step nor in its export."""
+    given = {"recipe": "tiny-cpu", "output-dir": run_dir, "max-steps": steps + 2, "ds-config": DS_CONFIG}
+    return [sys.executable, str(TRAIN), *flags(given), "--overwrite", *extra_args, *overrides]
+
+
+def resolve(sizes: Sizes, overrides: list[str]) -> Any:
+    """The resolved run (recipe tiny-cpu + `overrides`), as a worker resolves it."""
+    from llm_train.config.hardware import Device
+    from llm_train.config.resolution import resolve_run
+
+    device = "cuda" if sizes.gpu else "cpu"
+    return resolve_run("tiny-cpu", overrides, 1, Device(kind=device, name=device, bf16=True), str(DS_CONFIG))
 
 
 @dataclass
 class Matrix:
-    """What the matrix's cases share in one run: the sizes, the data, the peer's rows (made once)."""
+    """What the matrix's cases share in one run: the sizes, the data, the baseline's resolved run, and the
+    peer's inputs (bench/hf_trainer_peer.py save_job's folder, made once)."""
 
     sizes: Sizes
     data: dict[str, Path]
     cache: Path
-    peer: tuple[Path, Path, Any] | None = None
+    baseline: Any = None
+    peer: Path | None = None
+
+    def overrides(
+        self, data: str = "mix", micro: int | None = None, switches: Sequence[str] = SDPA
+    ) -> list[str]:
+        train = f"data.train=[{{path: {self.data[data]}, format: tokenized, overlong: split}}]"
+        return [*job(self.sizes, micro, switches), train, f"data.cache_dir={self.cache}"]
 
 
 def state(ctx: Context) -> Matrix:
     if "mfu" not in ctx.state:
         sizes = GPU_SIZES if ctx.gpu else CPU_SIZES
-        ctx.state["mfu"] = Matrix(sizes, generate_data(ctx.work / "mfu_data", sizes), ctx.work / "mfu_cache")
-    matrix: Matrix = ctx.state["mfu"]
-    return matrix
+        matrix = Matrix(sizes, generate_data(ctx.work / "mfu_data", sizes), ctx.work / "mfu_cache")
+        matrix.baseline = resolve(sizes, matrix.overrides())
+        ctx.state["mfu"] = matrix
+    found: Matrix = ctx.state["mfu"]
+    return found
+
+
+def peer_inputs(ctx: Context) -> Path:
+    """The Trainer's and doc_isolation's inputs: the baseline's model config and the rows it trains on."""
+    matrix = state(ctx)
+    if matrix.peer is None:
+        save_job(matrix.baseline, ctx.work / "mfu_peer", matrix.sizes.steps + 2)
+        matrix.peer = ctx.work / "mfu_peer"
+    return matrix.peer
 
 
 def generate_data(folder: Path, sizes: Sizes, seed: int = 0) -> dict[str, Path]:
@@ -260,59 +282,6 @@ def generate_data(folder: Path, sizes: Sizes, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
-def data_overrides(path: Path, sizes: Sizes, cache: Path) -> list[str]:
-    return [
-        f"data.train=[{{path: {path}, format: tokenized, overlong: split}}]",
-        f"data.seq_len={sizes.seq_len}",
-        f"data.cache_dir={cache}",
-    ]
-
-
-def baseline_overrides(matrix: Matrix) -> list[str]:
-    sizes = matrix.sizes
-    return [
-        *COMMON,
-        *sizes.model,
-        *data_overrides(matrix.data["mix"], sizes, matrix.cache),
-        f"optim.micro_batch_size={sizes.micro}",
-        f"precision={sizes.precision}",
-        "memory.attention=sdpa",
-    ]
-
-
-def baseline_run(matrix: Matrix) -> Any:
-    """The baseline's resolved run (recipe tiny-cpu + the matrix's overrides), as a worker resolves it."""
-    from llm_train.config.hardware import Device
-    from llm_train.config.resolution import resolve_run
-
-    device = "cuda" if matrix.sizes.gpu else "cpu"
-    overrides = baseline_overrides(matrix)
-    return resolve_run("tiny-cpu", overrides, 1, Device(kind=device, name=device, bf16=True), str(DS_CONFIG))
-
-
-def prepare_peer(ctx: Context) -> tuple[Path, Path, Any]:
-    """(model config folder, the rows rank 0 trains on in llm_train's order, the optimizer section)."""
-    matrix = state(ctx)
-    if matrix.peer is None:
-        import torch
-
-        from llm_train.data import BatchStream, load_blocks
-        from llm_train.runtime.model import load_tokenizer, model_config
-
-        run = baseline_run(matrix)
-        recipe, sizes = run.recipe, matrix.sizes
-        model_dir = ctx.work / "mfu_peer_model"
-        model_config(recipe.model).save_pretrained(model_dir)
-        train, _ = load_blocks(recipe.data, load_tokenizer(recipe.model), recipe.optim.seed)
-        stream = BatchStream(train, sizes.micro, 0, 1, recipe.optim.seed, workers=0, pin_memory=False)
-        batches = [next(stream) for _ in range(sizes.steps + 2)]
-        keys = [k for k, v in batches[0].items() if isinstance(v, torch.Tensor)]
-        rows = ctx.work / "mfu_peer_rows.pt"
-        torch.save({k: torch.cat([b[k] for b in batches]) for k in keys}, rows)
-        matrix.peer = (model_dir, rows, recipe.optim)
-    return matrix.peer
-
-
 # --- one variant ------------------------------------------------------------------------------------------
 
 
@@ -330,49 +299,39 @@ def kernel_used(output: str) -> str | None:
     return f"{match.group(1)} ({match.group(2)})" if match else None
 
 
-def measure(name: str, ctx: Context, cmd: list[str], run_dir: Path) -> dict[str, Any]:
-    """Launch, stop after `steps` logged rows, and read the medians and first losses."""
+MEDIANS = ("step_time_s", "tokens_per_s", "slot_tokens_per_s", "mfu", "mfu_seq_len", "attention_span")
+
+
+def measure(name: str, ctx: Context, record: dict[str, Any], cmd: list[str], run_dir: Path) -> str:
+    """Launch, stop after `steps` logged rows, and add the medians and first losses to `record`; the
+    launch's output."""
     sizes = state(ctx).sizes
-    run = launch(
-        cmd,
-        ctx.timeout(),
-        ctx.work / f"{name}.log",
-        kill_when=lambda: len(metrics_rows(run_dir)) >= sizes.steps,
-    )
+    log = ctx.work / f"{name}.log"
+    run = launch(cmd, ctx.timeout(), log, kill_when=lambda: len(metrics_rows(run_dir)) >= sizes.steps)
     ctx.results.log_launch(name, run)
     rows = metrics_rows(run_dir)[: sizes.steps]
     steady = [r for r in rows if r["step"] > sizes.warmup]
-    step_time = median(steady, "step_time_s")
-    first = rows[0]["step_time_s"] if rows else None
-    record: dict[str, Any] = {
-        "steps": len(rows),
-        "step_time_s": step_time,
-        "tokens_per_s": median(steady, "tokens_per_s"),
-        "slot_tokens_per_s": median(steady, "slot_tokens_per_s"),
-        "mfu": median(steady, "mfu"),
-        "mfu_seq_len": median(steady, "mfu_seq_len"),
-        "attention_span": median(steady, "attention_span"),
-        "gpu_mem_peak_gib": peak(rows, "gpu_mem_peak_gib"),
-        "compile_s": first - step_time if first is not None and step_time else None,
-        "first_losses": [r["loss"] for r in rows[:LOSS_STEPS]],
-        "wall_s": run.wall_s,
-        "stopped": run.action,
-    }
+    record["steps"] = len(rows)
+    record.update({k: median(steady, k) for k in MEDIANS})
+    step_time, first = record["step_time_s"], rows[0]["step_time_s"] if rows else None
+    record.update(
+        gpu_mem_peak_gib=peak(rows, "gpu_mem_peak_gib"),
+        compile_s=first - step_time if first is not None and step_time else None,
+        first_losses=[r["loss"] for r in rows[:LOSS_STEPS]],
+        wall_s=run.wall_s,
+        stopped=run.action,
+    )
     if len(rows) < sizes.steps or not steady:
         record.update(error=run.failure(len(rows), sizes.steps), tail=run.tail)
-    record["output"] = run.output
-    return record
+    return run.output
 
 
 def run_variant(variant: Variant, ctx: Context) -> dict[str, Any]:
     matrix = state(ctx)
     sizes = matrix.sizes
-    micro = sizes.big_micro if variant.big else sizes.micro
-    record: dict[str, Any] = {
-        "data": variant.data,
-        "micro_batch": micro,
-        "predicted_step_time_s": GPU_PREDICTIONS.get(variant.name) if sizes.gpu else None,
-    }
+    micro = sizes.micro * (2 if variant.big else 1)
+    predicted = GPU_PREDICTIONS.get(variant.name) if sizes.gpu else None
+    record: dict[str, Any] = {"data": variant.data, "micro_batch": micro, "predicted_step_time_s": predicted}
     if variant.name in sizes.skip:
         return {**record, "passed": None, "skipped": sizes.skip[variant.name]}
     switches = list(variant.overrides)
@@ -391,70 +350,29 @@ def run_variant(variant: Variant, ctx: Context) -> dict[str, Any]:
         if same is not None:
             return {**record, "passed": None, "skipped": f"without CUDA the same run as {same}"}
     run_dir = ctx.work / variant.name
-    cmd = [
-        sys.executable,
-        str(TRAIN),
-        *("--recipe", "tiny-cpu", "--output-dir", str(run_dir)),
-        f"--max-steps={sizes.steps + 2}",  # stopped once `steps` are logged: never in its export
-        *("--ds-config", str(DS_CONFIG)),
-        *sizes.extra_args,
-        *COMMON,
-        *sizes.model,
-        *data_overrides(matrix.data[variant.data], sizes, matrix.cache),
-        f"optim.micro_batch_size={micro}",
-        f"precision={sizes.precision}",
-        *switches,
-    ]
-    record.update(measure(variant.name, ctx, cmd, run_dir))
-    output = record.pop("output")
+    cmd = train_cmd(run_dir, sizes.steps, sizes.extra_args, matrix.overrides(variant.data, micro, switches))
+    output = measure(variant.name, ctx, record, cmd, run_dir)
     record["kernel"] = kernel_used(output)
-    record["notices"] = [
-        line.strip()
-        for line in output.splitlines()
-        if line.startswith(("Liger kernels on", "torch.compile on"))
-    ]
-    return checks(variant, record, ctx, micro)
+    notices = ("Liger kernels on", "torch.compile on")
+    record["notices"] = [line.strip() for line in output.splitlines() if line.startswith(notices)]
+    return checks(variant.name, record, ctx)
 
 
 def run_peer(ctx: Context) -> dict[str, Any]:
     """The HF Trainer on llm_train's own rows, init and optimizer settings (bench/hf_trainer_peer.py)."""
-    sizes = state(ctx).sizes
-    model_dir, rows, optim = prepare_peer(ctx)
-    out = ctx.work / "hf_trainer"
-    cmd = module_cmd(
-        "bench.hf_trainer_peer",
-        *(
-            "--model-dir",
-            str(model_dir),
-            "--rows",
-            str(rows),
-            "--ds-config",
-            str(DS_CONFIG),
-            "--out",
-            str(out),
-        ),
-        f"--micro-batch={sizes.micro}",
-        f"--steps={sizes.steps + 2}",
-        f"--lr={optim.lr}",
-        *("--betas", *map(str, optim.betas)),
-        f"--eps={optim.eps}",
-        f"--weight-decay={optim.weight_decay}",
-        f"--grad-clip={optim.grad_clip}",
-        f"--seed={optim.seed}",
-        f"--precision={sizes.precision}",
-        *([] if sizes.gpu else ["--cpu"]),
-    )
+    matrix = state(ctx)
+    sizes, out = matrix.sizes, ctx.work / "hf_trainer"
+    cmd = command(matrix.baseline, peer_inputs(ctx), out, sizes.steps + 2, sizes.gpu)
     record: dict[str, Any] = {
         "data": "mix",
         "micro_batch": sizes.micro,
         "predicted_step_time_s": GPU_PREDICTIONS["hf_trainer"] if sizes.gpu else None,
         "switches": ["transformers.Trainer"],
     }
-    record.update(measure("hf_trainer", ctx, cmd, out))
-    record.pop("output")
+    measure("hf_trainer", ctx, record, cmd, out)
     record["kernel"] = "sdpa (transformers' default)"
     record.update(peer_mfu(record, ctx))
-    return checks(Variant("hf_trainer", "mix", baseline="baseline"), record, ctx, sizes.micro, peer=True)
+    return checks("hf_trainer", record, ctx, memory=False)
 
 
 def peer_mfu(record: dict[str, Any], ctx: Context) -> dict[str, Any]:
@@ -466,7 +384,7 @@ def peer_mfu(record: dict[str, Any], ctx: Context) -> dict[str, Any]:
     matrix = state(ctx)
     span = ctx.done.get("baseline", {}).get("attention_span")
     tokens_per_s = record.get("tokens_per_s")
-    flops = shape_token_flops(shape_from_config(baseline_run(matrix).model_fields))
+    flops = shape_token_flops(shape_from_config(matrix.baseline.model_fields))
     device = ctx.done.get("probe", {}).get("device") or GpuMemorySampler().name()
     device_peak = peak_tflops(device) if matrix.sizes.gpu and device else 1.0  # --cpu-tiny: the nominal 1.0
     if not (tokens_per_s and span and device_peak):
@@ -479,26 +397,26 @@ def peer_mfu(record: dict[str, Any], ctx: Context) -> dict[str, Any]:
     }
 
 
-def checks(
-    variant: Variant, record: dict[str, Any], ctx: Context, micro: int, peer: bool = False
-) -> dict[str, Any]:
-    """The line's checks; `passed` is all of them."""
+def checks(name: str, record: dict[str, Any], ctx: Context, memory: bool = True) -> dict[str, Any]:
+    """The line's checks; `passed` is all of them. Losses and (with `memory`) the peak are compared with the
+    baseline on the same rows (`full_baseline` on the full ones) at the same micro-batch."""
     predicted = record.get("predicted_step_time_s")
     if predicted and record.get("step_time_s"):
         record["measured_over_predicted"] = record["step_time_s"] / predicted
     checked: dict[str, bool] = {"ran": "error" not in record}
-    base = ctx.done.get(variant.baseline or "")
-    if base and not variant.big and base.get("first_losses"):
+    base_name = "full_baseline" if record["data"] == "full" else "baseline"
+    same_micro = record["micro_batch"] == state(ctx).sizes.micro
+    base = ctx.done.get(base_name, {}) if name != base_name and same_micro else {}
+    if base.get("first_losses"):
         ours, theirs = record.get("first_losses") or [], base["first_losses"]
         checked["exact"] = len(ours) == len(theirs) and all(
             abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(ours, theirs, strict=True)
         )
         record["baseline_first_losses"] = theirs
-    if base and micro == state(ctx).sizes.micro and not peer:
-        ours_peak, base_peak = record.get("gpu_mem_peak_gib"), base.get("gpu_mem_peak_gib")
-        if ours_peak is not None and base_peak is not None:
-            checked["peak_not_above_baseline"] = ours_peak <= base_peak * (1 + PEAK_SLACK)
-            record["baseline_gpu_mem_peak_gib"] = base_peak
+    ours_peak, base_peak = record.get("gpu_mem_peak_gib"), base.get("gpu_mem_peak_gib")
+    if memory and ours_peak is not None and base_peak is not None:
+        checked["peak_not_above_baseline"] = ours_peak <= base_peak * (1 + PEAK_SLACK)
+        record["baseline_gpu_mem_peak_gib"] = base_peak
     record["checks"] = checked
     record["passed"] = all(checked.values())
     if not record["passed"] and "error" not in record:
@@ -506,42 +424,33 @@ def checks(
     return record
 
 
+def isolation_problem(found: dict[str, Any]) -> str | None:
+    """What is wrong with one kernel's doc_isolation result (None: nothing)."""
+    if "error" in found:
+        return str(found["error"])
+    if not found["isolated"]:
+        return "documents see each other"
+    return None if found["leak_seen"] else "the planted leak is not seen"
+
+
 def doc_isolation(ctx: Context) -> dict[str, Any]:
     """Every kernel the matrix uses keeps packed documents apart, and the check sees a planted leak."""
-    import importlib.util
-
-    sizes = state(ctx).sizes
-    model_dir, rows, _ = prepare_peer(ctx)
+    sizes, folder = state(ctx).sizes, peer_inputs(ctx)
     kernels = ["sdpa"]
     if sizes.gpu:
         kernels.append("sdpa_flex")
         if importlib.util.find_spec("flash_attn") is not None:
             kernels.append("flash_attention_2")
-    cmd = module_cmd(
-        "bench.doc_isolation",
-        *("--model-dir", str(model_dir), "--rows", str(rows), "--kernels", *kernels),
-        f"--precision={sizes.precision}",
-        *([] if sizes.gpu else ["--cpu"]),
-    )
+    given = {"model-dir": folder / "model", "rows": folder / "rows.pt", "precision": sizes.precision}
+    cpu = [] if sizes.gpu else ["--cpu"]
+    cmd = module_cmd("bench.doc_isolation", *flags(given), "--kernels", *kernels, *cpu)
     run = launch(cmd, ctx.timeout(), ctx.work / "doc_isolation.log")
     ctx.results.log_launch("doc_isolation", run)
     line = next((ln for ln in reversed(run.output.splitlines()) if ln.startswith("ISOLATION ")), None)
     if line is None:
-        failed = run.ended
-        return {"passed": False, "error": f"{failed} before a result", "tail": run.tail}
+        return {"passed": False, "error": f"{run.ended} before a result", "tail": run.tail}
     found = json.loads(line.removeprefix("ISOLATION "))
-    bad = [
-        f"{k}: "
-        + (
-            v["error"]
-            if "error" in v
-            else "documents see each other"
-            if not v["isolated"]
-            else "the planted leak is not seen"
-        )
-        for k, v in found.items()
-        if isinstance(v, dict) and ("error" in v or not (v["isolated"] and v["leak_seen"]))
-    ]
+    bad = [f"{k}: {why}" for k, v in found.items() if isinstance(v, dict) and (why := isolation_problem(v))]
     record = {**found, "kernels": kernels, "wall_s": run.wall_s, "passed": not bad}
     if bad:
         record["error"] = "; ".join(bad)
@@ -553,69 +462,44 @@ def doc_isolation(ctx: Context) -> dict[str, Any]:
 
 def exact_mix(ctx: Context) -> list[dict[str, Any]]:
     """Passed llm_train variants on the mix, other than the baseline."""
-    return [
-        r
-        for n, r in ctx.done.items()
-        if n in {v.name for v in VARIANTS} - {"baseline"} and r.get("passed") and r.get("data") == "mix"
-    ]
+    variants = {v.name for v in VARIANTS} - {"baseline"}
+    return [r for n, r in ctx.done.items() if n in variants and r.get("passed") and r.get("data") == "mix"]
 
 
-def side_by_side(ctx: Context) -> dict[str, Any]:
+def side_by_side(ctx: Context) -> dict[str, Any] | str:
     """llm_train's baseline against the HF Trainer on the same rows: llm_train's step must be no slower."""
     ours, theirs = ctx.done.get("baseline", {}), ctx.done.get("hf_trainer", {})
     if not (ours.get("passed") and theirs.get("passed")):
-        return {"passed": None, "deferred": "baseline and hf_trainer were not both measured"}
+        return "baseline and hf_trainer were not both measured"
     # The same rows on both sides: the step times compare directly. Tokens/s as slots on both sides
     # (llm_train's tokens_per_s counts real tokens, leaving out a packed row's unused tail; the
     # Trainer's peer counts micro-batch x row width), so the two figures measure the same thing.
-    ratio = theirs["step_time_s"] / ours["step_time_s"]
-    record = {
+    return {
         "llm_train_tokens_per_s": ours.get("slot_tokens_per_s") or ours["tokens_per_s"],
         "hf_trainer_tokens_per_s": theirs["tokens_per_s"],
-        "ratio": ratio,
+        "ratio": theirs["step_time_s"] / ours["step_time_s"],
         "llm_train_step_time_s": ours["step_time_s"],
         "hf_trainer_step_time_s": theirs["step_time_s"],
-        "passed": True,
     }
 
-    return judge(record, [ctx.judging.against("llm_train_vs_hf_trainer", "ratio", ratio, target=1.0)])
 
-
-def target_mfu(ctx: Context) -> dict[str, Any]:
+def best_mfu(ctx: Context) -> dict[str, Any] | str:
+    """The best exact variant's document-aware MFU."""
     best = max(exact_mix(ctx), key=lambda r: r.get("mfu") or 0.0, default=None)
     if best is None:
-        return {"passed": None, "deferred": "no document-aware variant measured in this run"}
-    record = {
-        "best": best["measurement"],
-        "mfu": best["mfu"],
-        "mfu_seq_len": best.get("mfu_seq_len"),
-        "passed": True,
-    }
-
-    return judge(record, [ctx.judging.against("target_mfu", "mfu", best["mfu"], target=MFU_TARGET)])
+        return "no document-aware variant measured in this run"
+    return {"best": best["measurement"], "mfu": best["mfu"], "mfu_seq_len": best.get("mfu_seq_len")}
 
 
-def target_vs_hf_trainer(ctx: Context) -> dict[str, Any]:
-    peer = ctx.done.get("hf_trainer", {})
-    micro = state(ctx).sizes.micro
-    fastest = max(
-        (r for r in exact_mix(ctx) if r["micro_batch"] == micro),
-        key=lambda r: r["tokens_per_s"],
-        default=None,
-    )
+def best_vs_peer(ctx: Context) -> dict[str, Any] | str:
+    """The fastest exact variant at the Trainer's micro-batch, over the Trainer's tokens/s."""
+    peer, micro = ctx.done.get("hf_trainer", {}), state(ctx).sizes.micro
+    ours = [r for r in exact_mix(ctx) if r["micro_batch"] == micro]
+    fastest = max(ours, key=lambda r: r["tokens_per_s"], default=None)
     if fastest is None or not peer.get("passed"):
-        return {"passed": None, "deferred": "no exact variant and the Trainer measured in this run"}
+        return "no exact variant and the Trainer measured in this run"
     ratio = fastest["tokens_per_s"] / peer["tokens_per_s"]
-    record = {
-        "best": fastest["measurement"],
-        "tokens_per_s": fastest["tokens_per_s"],
-        "ratio": ratio,
-        "passed": True,
-    }
-
-    return judge(
-        record, [ctx.judging.against("target_vs_hf_trainer", "ratio", ratio, target=PEER_RATIO_TARGET)]
-    )
+    return {"best": fastest["measurement"], "tokens_per_s": fastest["tokens_per_s"], "ratio": ratio}
 
 
 # --- the cases ------------------------------------------------------------------------------------------
@@ -628,19 +512,28 @@ def variant_case(variant: Variant) -> Case:
     return Case(variant.name, run, cost_s=variant.cost_s, box_s=variant.box_s, optional=True)
 
 
-def line(name: str, fn: Callable[[Context], dict[str, Any]]) -> Case:
-    """A line computed from the others (no launch): it costs nothing."""
-    return Case(name, fn, cost_s=0.0, box_s=0.0, optional=True)
+def line(name: str, inputs: Callable[[Context], dict[str, Any] | str], quantity: str, target: float) -> Case:
+    """A line computed from the others (no launch: it costs nothing), its `quantity` judged against `target`;
+    a deferred line where `inputs` finds what it compares not measured in this run (it says so)."""
+
+    def run(ctx: Context) -> dict[str, Any]:
+        record = inputs(ctx)
+        if isinstance(record, str):
+            return {"passed": None, "deferred": record}
+        verdict = ctx.judging.against(name, quantity, record[quantity], target=target)
+        return judge({**record, "passed": True}, [verdict])
+
+    return Case(name, run, cost_s=0.0, box_s=0.0, optional=True)
 
 
 BY_NAME: dict[str, Case] = {
     "baseline": variant_case(VARIANTS[0]),
     "hf_trainer": Case("hf_trainer", run_peer, cost_s=45, box_s=90, optional=True),
-    "llm_train_vs_hf_trainer": line("llm_train_vs_hf_trainer", side_by_side),
+    "llm_train_vs_hf_trainer": line("llm_train_vs_hf_trainer", side_by_side, "ratio", 1.0),
     "doc_isolation": Case("doc_isolation", doc_isolation, cost_s=40, box_s=80, optional=True),
     **{v.name: variant_case(v) for v in VARIANTS[1:]},
-    "target_mfu": line("target_mfu", target_mfu),
-    "target_vs_hf_trainer": line("target_vs_hf_trainer", target_vs_hf_trainer),
+    "target_mfu": line("target_mfu", best_mfu, "mfu", MFU_TARGET),
+    "target_vs_hf_trainer": line("target_vs_hf_trainer", best_vs_peer, "ratio", PEER_RATIO_TARGET),
 }
 ORDER = list(BY_NAME)  # in order of value
 

@@ -22,7 +22,7 @@ Per round, the ratio llm_train / Trainer of each (below 1: llm_train's step is s
 the median over rounds with min and max, `passed` when the median `wall_s` ratio is <= 1.0 and both
 trained the same job (`same_job`: their first losses agree).
 
-    python bench/step_time_vs_hf.py [--rounds 8] [--steps 150] [--warmup 10] [--threads 1] [--out FILE]
+    python -m bench.step_time_vs_hf [--rounds 8] [--steps 150] [--warmup 10] [--threads 1] [--out FILE]
 
 Writes FILE, else bench/results/step_time_vs_hf-DATE.json, with the command in its `command` field;
 prints one line per round as it ends.
@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,35 +45,10 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "llm_train" / "train.py"
-PEER = REPO / "bench" / "hf_trainer_peer.py"
-DS_CONFIG = REPO / "ds_configs" / "zero2.json"
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "WANDB_MODE": "disabled",
-}
-# The matrix's --cpu-tiny baseline (bench/mfu_matrix.py: COMMON, CPU_MODEL, CPU_SIZES), on tiny-cpu's own data.
-OVERRIDES = [
-    "output.log_every=1",
-    "eval.every=0",
-    "data.eval_fraction=0",
-    "output.sample_prompt=null",
-    "tracking.mode=disabled",
-    "checkpoint.at_end=false",
-    "optim.grad_accum=1",
-    "optim.schedule=constant",
-    "optim.warmup_steps=0",
-    "optim.weight_decay=0.0",
-    "optim.lr=1e-3",
-    "data.seq_len=128",
-    "optim.micro_batch_size=2",
-    "precision=fp32",
-    "memory.attention=sdpa",
-]
-LOSS_STEPS = 3
+from bench.harness import OFFLINE_ENV, REPO, kill_group, versions
+from bench.hf_trainer_peer import command, save_job
+from bench.mfu_matrix import CPU_SIZES, LOSS_STEPS, job, resolve, train_cmd
+
 LOSS_ABS = 1e-4
 MIN_STEPS = 10  # per contender, inside the window both trained in
 STATS = ("wall_s", "fast_s", "cpu_s")  # per step, each launch: see the docstring
@@ -117,9 +91,7 @@ class Contender:
                 self.seen_at.append((now, cpu.user + cpu.system))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        kill_group(self.proc)
 
 
 def parse_args() -> argparse.Namespace:
@@ -142,60 +114,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def prepare(work: Path, steps: int) -> tuple[list[str], Any]:
-    """The peer's model config and rows (what llm_train's run trains on), and llm_train's overrides."""
-    import torch
-
-    from llm_train.config.hardware import Device
-    from llm_train.config.resolution import resolve_run
-    from llm_train.data import BatchStream, load_blocks
-    from llm_train.runtime.model import load_tokenizer, model_config
-
-    overrides = [*OVERRIDES, f"data.cache_dir={work / 'cache'}"]
-    run = resolve_run("tiny-cpu", overrides, 1, Device(kind="cpu", name="cpu", bf16=True), str(DS_CONFIG))
-    recipe, micro = run.recipe, run.layout.micro_batch_size
-    model_config(recipe.model).save_pretrained(work / "model")
-    train, _ = load_blocks(recipe.data, load_tokenizer(recipe.model), recipe.optim.seed)
-    stream = BatchStream(train, micro, 0, 1, recipe.optim.seed, workers=0, pin_memory=False)
-    batches = [next(stream) for _ in range(steps + 2)]
-    keys = [k for k, v in batches[0].items() if isinstance(v, torch.Tensor)]
-    torch.save({k: torch.cat([b[k] for b in batches]) for k in keys}, work / "rows.pt")
-    return overrides, recipe
-
-
-def flags(values: dict[str, object]) -> list[str]:
-    return [arg for name, value in values.items() for arg in (f"--{name}", str(value))]
-
-
-def commands(work: Path, steps: int, overrides: list[str], recipe: Any) -> dict[str, list[str]]:
-    """Both launches; two steps beyond the measured ones, so that neither is stopped in its last step."""
-    optim, last = recipe.optim, steps + 2
-    ours = {"recipe": "tiny-cpu", "output-dir": work / "llm_train", "max-steps": last, "ds-config": DS_CONFIG}
-    peer = {
-        "model-dir": work / "model",
-        "rows": work / "rows.pt",
-        "ds-config": DS_CONFIG,
-        "out": work / "hf_trainer",
-        "steps": last,
-        "micro-batch": optim.micro_batch_size,
-        "lr": optim.lr,
-        "eps": optim.eps,
-        "weight-decay": optim.weight_decay,
-        "grad-clip": optim.grad_clip,
-        "seed": optim.seed,
-        "precision": "fp32",
-    }
-    return {
-        "llm_train": [
-            sys.executable,
-            str(TRAIN),
-            *flags(ours),
-            "--overwrite",
-            "--peak-tflops=1.0",
-            *overrides,
-        ],
-        "hf_trainer": [sys.executable, str(PEER), *flags(peer), "--betas", *map(str, optim.betas), "--cpu"],
-    }
+def commands(work: Path, steps: int) -> tuple[dict[str, list[str]], Any]:
+    """Both launches (two steps beyond the measured ones, so that neither is stopped in its last step), on
+    the matrix's --cpu-tiny baseline with tiny-cpu's own data; and llm_train's resolved run."""
+    overrides = [*job(CPU_SIZES), f"data.cache_dir={work / 'cache'}"]
+    run = resolve(CPU_SIZES, overrides)
+    save_job(run, work, steps + 2)  # the peer's model config and the rows llm_train's run trains on
+    ours = train_cmd(work / "llm_train", steps, CPU_SIZES.extra_args, overrides)
+    peer = command(run, work, work / "hf_trainer", steps + 2, gpu=False)
+    return {"llm_train": ours, "hf_trainer": peer}, run
 
 
 def run_round(cmds: dict[str, list[str]], work: Path, steps: int, env: dict[str, str]) -> list[Contender]:
@@ -205,8 +132,9 @@ def run_round(cmds: dict[str, list[str]], work: Path, steps: int, env: dict[str,
         metrics = work / name / "metrics.jsonl"
         metrics.unlink(missing_ok=True)
         with (work / f"{name}.log").open("w") as log:
+            # Its own process group (a kill takes its helpers too), as the harness launches.
             proc = subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0
             )
         contenders.append(Contender(name, metrics, proc))
     started = time.perf_counter()
@@ -260,15 +188,15 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     args = parse_args()
-    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    invoked = shlex.join([Path(sys.executable).name, *sys.argv])
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_before = os.getloadavg()
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="llm_train_step_vs_hf_") as tmp:
         work = Path(tmp)
-        overrides, recipe = prepare(work, args.steps)
-        cmds = commands(work, args.steps, overrides, recipe)
-        env = {**os.environ, **ENV, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        cmds, run = commands(work, args.steps)
+        threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+        env = {**os.environ, **OFFLINE_ENV, **threads}
         for i in range(args.rounds):
             order = ["llm_train", "hf_trainer"] if i % 2 == 0 else ["hf_trainer", "llm_train"]
             contenders = run_round({n: cmds[n] for n in order}, work, args.steps, env)
@@ -292,7 +220,7 @@ def main() -> None:
                 flush=True,
             )
         cmd_text = {n: shlex.join(c).replace(tmp, "$WORK") for n, c in cmds.items()}
-    tokens = recipe.optim.micro_batch_size * recipe.data.seq_len
+    tokens = run.layout.micro_batch_size * run.recipe.data.seq_len
     wall = spread([r["wall_ratio"] for r in rounds])
     # The same weights, rows and update give the same first losses; LOSS_ABS covers a peer that logs
     # them rounded to 4 decimals (as transformers 4.x's Trainer did).
@@ -303,7 +231,7 @@ def main() -> None:
     )
     summary = {
         "benchmark": "step_time_vs_hf",
-        "command": command,
+        "command": invoked,
         "date": started,
         "setup": "CPU, one process: tiny-cpu model, fp32, seq 128, micro 2, ZeRO-2 JSON, sdpa, log every step "
         f"(bench/mfu_matrix.py --cpu-tiny's baseline vs hf_trainer); {args.steps} steps per launch, "
@@ -317,9 +245,7 @@ def main() -> None:
         "omp_num_threads": env.get("OMP_NUM_THREADS", "unset: torch uses every core"),
         "rounds": rounds,
         "commands": cmd_text,
-        "versions": {
-            m: __import__(m).__version__ for m in ("torch", "deepspeed", "accelerate", "transformers")
-        },
+        "versions": versions(),
     }
     out = args.out or REPO / "bench" / "results" / f"step_time_vs_hf-{time.strftime('%Y%m%d-%H%M')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
