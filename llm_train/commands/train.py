@@ -72,6 +72,13 @@ _ELASTIC_FAILURE_LOG = re.compile(
 # What a worker wrote to torchrun's error file (runtime/launch_env.record_error), as the report shows it.
 _ELASTIC_ROOT_MESSAGE = re.compile(r"Root Cause \(first observed failure\):(?:.|\n)*?traceback\s*:\s*(.*)")
 _TRACEBACK = b"Traceback (most recent call last):\n"
+# accelerate 1.16's simple launcher raises its CalledProcessError `from RuntimeError(tail)`, where
+# tail is the last 64 chunks of 8 KiB of the workers' stderr (launch.py CHILD_STDERR_TAIL_CHUNKS and
+# CHILD_STDERR_CHUNK_SIZE): up to 512 KiB that already went through, printed again as
+# "RuntimeError: <tail>", a blank line, then Python's chaining sentence, before the traceback.
+_ECHO_PREFIX = b"RuntimeError: "
+_ECHO_END = (b"\n", b"\n", b"The above exception was the direct cause of the following exception:\n", b"\n")
+_ECHO_SPAN = 64 * 8192 + 8192  # what the echo can repeat, and the line it may begin inside
 _ERROR_PREFIX = "llm-train: error:"
 
 
@@ -253,7 +260,9 @@ class LauncherOutput:
     accelerate command itself (and torchrun's failure log lines just before it) is held; at the
     end, `finish` drops it if the workers' exit code is one of llm_train's own, else returns it.
     Workers' tracebacks start in train.py, never in the accelerate command, and pass straight
-    through.
+    through. The echo accelerate >= 1.16 prints before its traceback (see _ECHO_PREFIX) is held
+    while it repeats, line for line, the end of what went through; it is dropped with the
+    launcher's traceback, and released the moment a line does not repeat.
     """
 
     def __init__(self, accelerate: Path) -> None:
@@ -262,18 +271,34 @@ class LauncherOutput:
         self._maybe_traceback = False  # the last line was "Traceback ...": is it the launcher's?
         self._launcher_traceback = False
         self._printed_errors: set[str] = set()  # the workers' one-line errors that went through
+        self._seen: list[bytes] = []  # the last _ECHO_SPAN bytes fed (or more), what an echo repeats
+        self._seen_bytes = 0
+        self._echo: list[bytes] = []  # lines held as a possible echo
+        self._echo_next: list[int] = []  # per place the echo may start: the index it expects next
+        self._echo_whole = False  # the echo ran to the end of _ECHO_END
 
     def feed(self, line: bytes) -> list[bytes]:
         if self._launcher_traceback:
             self._held.append(line)
             return []
+        if self._echo and not self._echo_whole:
+            return self._follow_echo(line)
         if self._maybe_traceback:
             self._maybe_traceback = False
             if line.startswith(self._frame):
                 self._launcher_traceback = True
                 self._held += [_TRACEBACK, line]
+                self._echo = []  # a repeat of what went through
                 return []
+            self._remember([line])
             return self._release([_TRACEBACK, line])
+        if line.startswith(_ECHO_PREFIX) and not self._echo:
+            body = line[len(_ECHO_PREFIX) :]
+            starts = [i + 1 for i, seen in enumerate(self._seen) if seen.endswith(body)]
+            if starts:
+                self._echo, self._echo_next = [line], starts
+                return []
+        self._remember([line])
         if line == _TRACEBACK:
             self._maybe_traceback = True
             return []
@@ -289,7 +314,7 @@ class LauncherOutput:
         text = b"".join(self._held).decode(errors="replace")
         found = _SIMPLE_LAUNCHER_EXIT.search(text) or _ELASTIC_ROOT_CAUSE.search(text)
         if not self._launcher_traceback or found is None:
-            return self._held, launcher_code
+            return [*self._echo, *self._held], launcher_code
         code = int(found.group(1))
         if code < 0:  # killed by a signal: the shell's convention
             code = 128 - code
@@ -303,8 +328,36 @@ class LauncherOutput:
             return [f"{message}\n".encode()], code
         return [], code
 
+    def _follow_echo(self, line: bytes) -> list[bytes]:
+        """One more line of a possible echo: still the repeat (held), or not (all of it released)."""
+        seen, end = len(self._seen), len(self._seen) + len(_ECHO_END)
+
+        def expected(i: int) -> bytes | None:
+            return self._seen[i] if i < seen else _ECHO_END[i - seen] if i < end else None
+
+        following = [i + 1 for i in self._echo_next if expected(i) == line]
+        if following:
+            self._echo.append(line)
+            self._echo_next = following
+            self._echo_whole = end in following
+            return []
+        echo, self._echo = self._echo, []
+        self._remember(echo)
+        return self._release(echo) + self.feed(line)
+
+    def _remember(self, lines: list[bytes]) -> None:
+        self._seen += lines
+        self._seen_bytes += sum(map(len, lines))
+        if self._seen_bytes > 2 * _ECHO_SPAN:  # trimmed in halves, so that remembering stays cheap
+            drop = 0
+            while self._seen_bytes - len(self._seen[drop]) >= _ECHO_SPAN:
+                self._seen_bytes -= len(self._seen[drop])
+                drop += 1
+            del self._seen[:drop]
+
     def _release(self, lines: list[bytes]) -> list[bytes]:
-        out, self._held = [*self._held, *lines], []
+        out, self._held = [*self._echo, *self._held, *lines], []
+        self._echo, self._echo_whole = [], False
         for line in out:
             text = line.decode(errors="replace").strip()
             if text.startswith(_ERROR_PREFIX):

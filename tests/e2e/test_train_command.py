@@ -12,9 +12,11 @@ import os
 import signal
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from llm_train.commands.train import LauncherOutput
 from tests.helpers import (
@@ -105,13 +107,18 @@ def test_plain_accelerate_launch_adds_only_its_own_traceback_to_the_one_line(npr
     assert code == 1  # the simple launcher's CalledProcessError, whatever the workers' code
     ours = [line for line in lines if line.startswith("llm-train: error:")]
     assert len(ours) == 1 and ours[0].startswith(ERROR)
-    # Everything else is accelerate's traceback: 10 lines here (accelerate 1.15, Python 3.11),
+    # Everything else is accelerate's traceback: 10 lines with accelerate 1.15, 13 with 1.16 (Python 3.11),
     # beginning at accelerate's own command and ending in the CalledProcessError that names exit status 2.
     rest = lines[lines.index(ours[0]) + 1 :]
     assert lines[: lines.index(ours[0])] == []
+    if Version(version("accelerate")) >= Version("1.16"):
+        # Which raises it `from RuntimeError(<the workers' stderr>)`: here, the one line again.
+        chained = ["\n", "\n", "The above exception was the direct cause of the following exception:\n", "\n"]
+        assert rest[:5] == [f"RuntimeError: {ours[0]}", *chained], "".join(rest)
+        rest = rest[5:]
     assert rest[0] == "Traceback (most recent call last):\n" and str(ACCELERATE) in rest[1]
     assert rest[-1].startswith("subprocess.CalledProcessError") and "exit status 2." in rest[-1]
-    assert len(rest) <= 12, "".join(rest)
+    assert len(rest) <= 14, "".join(rest)
     # Under `llm-train train` the same output is the one line and exit code 2.
     assert _through_llm_train(lines) == (ours, 2)
 

@@ -40,6 +40,13 @@ def simple_launcher_traceback(code: int, accelerate: Path = ACCELERATE) -> list[
     ]
 
 
+def accelerate_echo(went_through: list[bytes], span: int = 64 * 8192) -> list[bytes]:
+    """What accelerate 1.16's `raise CalledProcessError(...) from RuntimeError(tail)` prints first."""
+    tail = b"".join(went_through)[-span:]
+    chained = b"\nThe above exception was the direct cause of the following exception:\n\n"
+    return (b"RuntimeError: " + tail + b"\n" + chained).splitlines(keepends=True)
+
+
 def torchrun_failure(code: int, message: str) -> list[bytes]:
     return [
         b"W1130 15:54:04.937000 10210 torch/distributed/elastic/multiprocessing/api.py:1028] "
@@ -234,6 +241,38 @@ def test_a_workers_own_traceback_passes_straight_through() -> None:
     assert output.feed(worker[0]) == []  # held one line: is it the launcher's?
     assert output.feed(worker[1]) == worker[:2]
     assert output.feed(worker[2]) == worker[2:]
+
+
+def test_accelerate_1_16s_echo_of_the_workers_stderr_is_dropped_with_its_traceback() -> None:
+    went_through = [b"starting 2 local worker(s) of a world of 2\n", ERROR]
+    shown, code = filtered([*went_through, *accelerate_echo(went_through), *simple_launcher_traceback(2)])
+    assert shown == went_through and code == 2
+    # An unexplained failure keeps the launcher's traceback, but not the repeat of what went through.
+    went_through = [b"step 1/3\n", b"Traceback (most recent call last):\n", b'  File "train.py"\n', b"boom\n"]
+    traceback = simple_launcher_traceback(1)
+    shown, code = filtered([*went_through, *accelerate_echo(went_through), *traceback])
+    assert shown == went_through + traceback and code == 1
+
+
+def test_an_echo_of_a_long_run_starts_inside_a_line_and_is_still_recognised() -> None:
+    # 1.2 MB went through: the echo is its last 512 KiB, which begin in the middle of a line.
+    went_through = [f"step {i:6d} {'x' * 88}\n".encode() for i in range(12_000)] + [ERROR]
+    echo = accelerate_echo(went_through)
+    assert not echo[0][len(b"RuntimeError: ") :].startswith(b"step")
+    shown, code = filtered([*went_through, *echo, *simple_launcher_traceback(2)])
+    assert shown == went_through and code == 2
+
+
+def test_a_runtime_error_that_repeats_nothing_is_held_no_longer_than_it_matches() -> None:
+    output = LauncherOutput(ACCELERATE)
+    assert output.feed(b"boom\n") == [b"boom\n"]
+    # Its text went through before, so it may be an echo: held, until the next line is not a repeat.
+    assert output.feed(b"RuntimeError: boom\n") == []
+    assert output.feed(b"step 2/3\n") == [b"RuntimeError: boom\n", b"step 2/3\n"]
+    assert output.feed(b"RuntimeError: never seen\n") == [b"RuntimeError: never seen\n"]
+    # Cut off in the middle of an echo, the launcher's code stands and nothing held is lost.
+    assert output.feed(b"RuntimeError: step 2/3\n") == []
+    assert output.finish(1) == ([b"RuntimeError: step 2/3\n"], 1)
 
 
 def test_torchruns_report_is_dropped_but_its_root_cause_line_kept_when_no_rank_printed_it() -> None:
