@@ -27,7 +27,7 @@ from typing import Any
 
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
-from llm_train.planning.shapes import ModelShape, shape_from_config
+from llm_train.planning.shapes import LORA_TARGETS, ModelShape, shape_from_config
 from llm_train.units import GiB
 
 # sha256 of 2 GiB in memory on this machine (2 cores shared with other work): 1.32 GiB per CPU-second.
@@ -80,9 +80,14 @@ class CheckpointCost:
         )
 
 
-def checkpoint_cost(shape: ModelShape, layout: Layout, lora_rank: int | None = None) -> CheckpointCost:
+def checkpoint_cost(
+    shape: ModelShape,
+    layout: Layout,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
+) -> CheckpointCost:
     params = shape.num_params
-    trained = shape.lora_params(lora_rank) if lora_rank else params
+    trained = shape.lora_params(lora_rank, lora_targets) if lora_rank else params
     optimizer = 12.0 * trained
     weight_bytes = 4 if layout.precision == "fp32" else 2
     model_file = 0.0 if layout.zero_stage == 3 else float(weight_bytes * trained)
@@ -111,7 +116,8 @@ def checkpoint_lines(run: Any) -> list[str]:
     except UserError:
         return []
     recipe = run.recipe
-    cost = checkpoint_cost(shape, run.layout, recipe.lora.rank if recipe.lora else None)
+    lora = recipe.lora
+    cost = checkpoint_cost(shape, run.layout, *((lora.rank, tuple(lora.target_modules)) if lora else ()))
     timeout = recipe.deepspeed.timeout_minutes
     problem = cost.timeout_problem(timeout)
     return [cost.line(timeout), *([f"warning: {problem}"] if problem else [])]

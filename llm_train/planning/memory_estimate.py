@@ -857,6 +857,7 @@ def offload_rank(inp: MemoryInputs) -> OffloadRank:
     return OffloadRank(
         shape=inp.shape,
         lora_rank=inp.lora_rank,
+        lora_targets=inp.lora_targets,
         zero_stage=inp.zero_stage,
         partitions=inp.zero_partitions,
         shard=inp.tp * inp.pp,

@@ -56,7 +56,7 @@ import math
 from dataclasses import dataclass
 
 from llm_train.planning.quantized_bytes import QUANTIZED_MODULES, packed_numel
-from llm_train.planning.shapes import ModelShape
+from llm_train.planning.shapes import LORA_TARGETS, ModelShape
 
 PINNINGS = ("torch", "native", "off")
 """How DeepSpeed's pinned host buffers are allocated (module docstring, fact 1)."""
@@ -118,19 +118,32 @@ class HostBuffer:
         return self.held(pinning) if self.rewritten and self.allocator(pinning) != "torch" else 0.0
 
 
-def trainable_tensors(shape: ModelShape, lora_rank: int | None) -> tuple[list[int], list[int]]:
+def trainable_tensors(
+    shape: ModelShape, lora_rank: int | None, lora_targets: tuple[str, ...] = LORA_TARGETS
+) -> tuple[list[int], list[int]]:
     """Numels of the trainable tensors in the order the model registers them, in runtime/optim.py's
     two optimizer groups (`_param_groups`): (matrices, decayed; vectors: norms and biases).
 
     A full fine-tune trains every tensor (embedding, per layer q, k, v, o, gate, up, down and the
-    two norms, final norm, head); LoRA trains A (r x n_in) and B (n_out x r) of the seven
-    projections of every layer (shapes.lora_params counts the same).
+    two norms, final norm, head); LoRA trains A (r x n_in) and B (n_out x r) of each projection in
+    lora.target_modules of every layer, in the layer's order, then lm_head's if it is a target
+    (shapes.lora_params counts the same).
     """
     if lora_rank:
         h, i, q, kv, r = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, lora_rank
-        projections = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
-        per_layer = [n for n_in, n_out in projections for n in (r * n_in, n_out * r)]
-        return per_layer * shape.num_layers, []
+        projections = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        adapted = [sides for name, sides in projections.items() if name in lora_targets]
+        per_layer = [n for n_in, n_out in adapted for n in (r * n_in, n_out * r)]
+        head_adapter = [r * h, shape.vocab_size * r] if "lm_head" in lora_targets else []
+        return per_layer * shape.num_layers + head_adapter, []
     embed, *layer, norm, head = shape.modules()
     matrices: list[int] = []
     vectors: list[int] = []
@@ -228,6 +241,7 @@ class OffloadRank:
     swap: SwapSettings = SwapSettings()
     quantize: str = "none"
     """QLoRA's base (planning/quantized_bytes.py): nf4 projections are stored packed, in fewer elements."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def part(self, numel: int) -> int:
         """This rank's ZeRO-3 partition of one tensor (padded up to a multiple of the partition count)."""
@@ -238,7 +252,7 @@ class OffloadRank:
 
     def parts(self) -> list[list[int]]:
         """This rank's ZeRO-3 partition of every trainable tensor, per optimizer parameter group."""
-        groups = [g for g in trainable_tensors(self.shape, self.lora_rank) if g]
+        groups = [g for g in trainable_tensors(self.shape, self.lora_rank, self.lora_targets) if g]
         return [[self.part(n) for n in g] for g in groups]
 
     def sub_groups(self) -> list[int]:
@@ -324,7 +338,7 @@ def cpu_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
             *_step_transient(rank, max(subs)),
         ]
     # ZeRO-1/2 flatten each parameter group and partition it whole (stage_1_and_2.py).
-    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank) if g]
+    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets) if g]
     parts = [math.ceil(sum(n / rank.shard for n in g) / rank.partitions) for g in groups]
     largest = max(max(g) for g in groups) / rank.shard
     buffers = [
@@ -441,7 +455,7 @@ def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
     base's blocks hold its packed codes (`stored_tensors`): a quarter of the elements in bf16 storage.
     """
     low = rank.model_bytes
-    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank) if g]
+    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets) if g]
     trainable = [rank.part(n) for g in groups for n in g]
     every = [rank.part(n) for n in stored_tensors(rank.shape, rank.quantize, low)]
     if rank.lora_rank:

@@ -135,7 +135,7 @@ def flops_per_token(inp: MemoryInputs) -> float:
     LoRA trains only its adapters, activation checkpointing recomputes the forward, and the ALST
     tiles recompute their part once more in backward (the MLP, the output layer)."""
     shape = inp.shape
-    trainable = shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params
+    trainable = shape.lora_params(inp.lora_rank, inp.lora_targets) if inp.lora_rank else shape.num_params
     frozen = shape.num_params if inp.lora_rank else 0
     flops = training_flops_per_token(
         trainable,
@@ -287,7 +287,9 @@ def step_time(
     wbytes = 2 if mixed else 4
     shard = inp.tp * inp.pp
     weights = shape.num_params / shard
-    trainable = (shape.lora_params(inp.lora_rank) if inp.lora_rank else shape.num_params) / shard
+    trainable = (
+        shape.lora_params(inp.lora_rank, inp.lora_targets) if inp.lora_rank else shape.num_params
+    ) / shard
     # Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed; its
     # quantisation state stays on every GPU (memory_estimate.py), so it never travels.
     stored = (

@@ -101,3 +101,18 @@ def test_mfu_of_a_known_step_is_the_formula_by_hand() -> None:
     meter.record(0.5)
     mfu = meter.flush()["mfu"]
     assert mfu == pytest.approx(1024 / 0.5 / 2 * 640_896 / 1e12, rel=1e-12)  # 6.563e-4
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_lora_trains_the_adapters_of_its_target_modules_only(recompute: bool) -> None:
+    from llm_train.planning.memory_inputs import MemoryInputs
+    from llm_train.planning.speed import flops_per_token
+
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    every = MemoryInputs.of(shape, 1, lora_rank=16, activation_checkpointing=recompute)
+    two = every.vary(lora_targets=("q_proj", "v_proj"))
+    # q and v of 32 layers: A (16 x 4096) and B (4096 x 16 for q, 1024 x 16 for v).
+    assert shape.lora_params(16, ("q_proj", "v_proj")) == 32 * 16 * (4096 + 4096 + 4096 + 1024)
+    fewer = shape.lora_params(16) - shape.lora_params(16, ("q_proj", "v_proj"))
+    # 6 FLOPs per trained weight (forward, input and weight gradients), 2 more when recomputed.
+    assert flops_per_token(every) - flops_per_token(two) == pytest.approx((6 + 2 * recompute) * fewer)

@@ -10,6 +10,7 @@ import torch
 
 from llm_train.config.recipe import LoraSection, load_recipe
 from llm_train.errors import UserError
+from llm_train.planning.offload_buffers import trainable_tensors
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime.lora import apply_lora, verify_adapter_export
 from tests.optional import import_or_skip
@@ -46,6 +47,21 @@ def test_apply_lora_trains_only_the_adapters_the_estimator_counts() -> None:
     # The estimator's count of adapter parameters (all seven projections) is exact.
     assert trainable == shape_from_config(TINY).lora_params(8)
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "targets", [("q_proj", "v_proj"), ("down_proj", "o_proj", "k_proj"), ("gate_proj", "lm_head")]
+)
+def test_the_planners_adapter_tensors_are_the_wrapped_models_for_any_target_modules(
+    targets: tuple[str, ...],
+) -> None:
+    # The tensors the host-offload buffers and the speed and checkpoint lines count, in the order
+    # the model registers them, against PEFT's own wrap of the recipe's model.
+    model = apply_lora(tiny_model(), LoraSection(rank=8, target_modules=list(targets)))
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    shape = shape_from_config(TINY)
+    assert trainable_tensors(shape, 8, targets) == (numels, [])
+    assert sum(numels) == shape.lora_params(8, targets) < shape.lora_params(8)
 
 
 def test_unknown_target_module_is_one_line() -> None:
