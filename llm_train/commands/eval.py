@@ -149,8 +149,9 @@ def _log(source: ModelSource, metrics: dict[str, float], step: int) -> None:
     """The results into the run's own trackers, at the step of the weights (W&B: the run the checkpoints name)."""
     assert source.run_dir is not None and source.recipe is not None
     run_id = _tracker_run_id(source.run_dir)
-    config = source.recipe.model_dump(mode="json")
-    trackers = open_trackers(source.recipe.tracking, source.run_dir, config, True, run_id)
+    # No configuration: the run's is the one training recorded (the recipe nested with the DS JSON
+    # and the plan); W&B would merge a second one into it on resume, TensorBoard add another text.
+    trackers = open_trackers(source.recipe.tracking, source.run_dir, None, True, run_id)
     try:
         trackers.log(metrics, step)
     finally:

@@ -146,7 +146,7 @@ def tensorboard_tag(key: str) -> str:
 class TensorBoardTracker:
     run_id: str | None = None
 
-    def __init__(self, log_dir: Path, config: dict[str, Any], start_step: int = 0) -> None:
+    def __init__(self, log_dir: Path, config: dict[str, Any] | None, start_step: int = 0) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
@@ -156,7 +156,8 @@ class TensorBoardTracker:
             ) from None
         # On resume, events logged after the checkpoint by the interrupted run are dropped.
         self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
-        self.writer.add_text("config", "```\n" + json.dumps(redact(config), indent=2) + "\n```", 0)
+        if config is not None:
+            self.writer.add_text("config", "```\n" + json.dumps(redact(config), indent=2) + "\n```", 0)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         for key, value in metrics.items():
@@ -172,7 +173,11 @@ class WandbTracker:
     _bench_axis = False  # bench/* plotted against bench/step: defined once, at its first log
 
     def __init__(
-        self, tracking: TrackingSection, run_dir: Path, config: dict[str, Any], run_id: str | None = None
+        self,
+        tracking: TrackingSection,
+        run_dir: Path,
+        config: dict[str, Any] | None,
+        run_id: str | None = None,
     ) -> None:
         import wandb
 
@@ -185,7 +190,7 @@ class WandbTracker:
                 group=tracking.group,
                 mode=tracking.mode,
                 dir=str(run_dir),
-                config=redact(config),
+                config=redact(config) if config is not None else None,
                 # Resume continues the same W&B run: the checkpoint stores `run_id` and passes it back.
                 id=run_id,
                 resume="allow" if run_id else None,
@@ -236,7 +241,7 @@ class Trackers:
 def open_trackers(
     tracking: TrackingSection,
     run_dir: Path,
-    config: dict[str, Any],
+    config: dict[str, Any] | None,
     is_main: bool,
     run_id: str | None = None,
     start_step: int = 0,
@@ -244,7 +249,8 @@ def open_trackers(
     """The trackers of this rank: nothing off rank 0; else metrics.jsonl plus what the recipe enables.
 
     `run_id` and `start_step` come from a checkpoint when resuming: W&B continues that run and
-    TensorBoard drops the interrupted run's events after `start_step`.
+    TensorBoard drops the interrupted run's events after `start_step`. `config` None records none:
+    results added to a finished run (`llm-train eval`) leave the configuration training recorded.
     """
     if not is_main:
         return Trackers([NullTracker()])

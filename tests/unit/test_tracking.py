@@ -92,6 +92,17 @@ def test_tensorboard_writes_grouped_scalars(tmp_path: Path) -> None:
     assert {"train/loss", "perf/tokens_per_s", "eval/loss"} <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("train/loss")] == [2.0, 1.0]
     assert tensorboard_tag("gpu_mem_peak_gib") == "memory/gpu_mem_peak_gib"
+    assert events.Tags()["tensors"] == ["config/text_summary"]
+    # Results added later (llm-train eval) log into the same directory without a second configuration.
+    later = open_trackers(TrackingSection(tensorboard=True), tmp_path, None, True, start_step=2)
+    later.log({"bench/acc": 0.5}, 2)
+    later.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert (
+        events.Tags()["tensors"] == ["config/text_summary"]
+        and len(events.Tensors("config/text_summary")) == 1
+    )
 
 
 def test_wandb_offline_run_holds_metrics_config_and_no_secret(
