@@ -91,6 +91,19 @@ def state_dtype_problem(state_dtype: str, precision: str, offload_optimizer: str
     return None
 
 
+def quantized_layout_problem(quantize: str, offload_params: str, sp: int) -> str | None:
+    """Which rule a QLoRA base (lora.quantize) breaks: 'quantized_offload' (only nf4 parameters go to
+    the CPU) or 'quantized_sp' (not verified with sequence parallelism); None when fine or unquantised.
+    Why: config/parallel.py's _check_quantized, which words them for the recipe (the planner its own way)."""
+    if quantize == "none":
+        return None
+    if offload_params != "none" and (offload_params, quantize) != ("cpu", "nf4"):
+        return "quantized_offload"
+    if sp > 1:
+        return "quantized_sp"
+    return None
+
+
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 

@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.config.attention_kernel import FLEX_KERNELS
-from llm_train.config.layout import Layout, sequence_parallel_message, sequence_parallel_problem
+from llm_train.config.layout import (
+    Layout,
+    quantized_layout_problem,
+    sequence_parallel_message,
+    sequence_parallel_problem,
+)
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
@@ -73,15 +78,16 @@ def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: st
     whole (runtime/quantized_base.py), so both travel as they must. NVMe swapping of the packed storage
     and int8 (whose scales live beside the weight) are not verified.
     """
-    asked = f"lora.quantize={recipe.lora.quantize if recipe.lora else 'none'}"
     quantize = recipe.lora.quantize if recipe.lora else "none"
-    if layout.offload_params != "none" and (layout.offload_params != "cpu" or quantize != "nf4"):
+    asked = f"lora.quantize={quantize}"
+    broken = quantized_layout_problem(quantize, layout.offload_params, layout.sp)
+    if broken == "quantized_offload":
         raise UserError(
             f"{asked} cannot offload parameters to {layout.offload_params} (offload_param.device in {ds_source}): "
             "only nf4 weights go to the CPU (ds_configs/zero3_offload); use lora.quantize=nf4 with "
             "zero3_offload, or zero2, zero3 or zero3_offload_optimizer (the adapters' optimizer on the CPU)"
         )
-    if layout.sp > 1:
+    if broken == "quantized_sp":
         raise UserError(
             f"{degrees}: {asked} is not supported with deepspeed.sequence_parallel={layout.sp} (not verified "
             "with bitsandbytes layers); use lora.quantize=none or deepspeed.sequence_parallel=1"

@@ -20,6 +20,7 @@ from llm_train.config.layout import (
     Layout,
     LayoutError,
     optimizer_problem,
+    quantized_layout_problem,
     sequence_parallel_message,
     sequence_parallel_problem,
     state_dtype_problem,
@@ -61,6 +62,10 @@ _STATE_DTYPE_MESSAGES = {
     "state_pipeline": "state_dtype 'bf16' is not supported with pp > 1",
     "state_offload": "state_dtype 'bf16' needs offload_optimizer 'cpu' (DeepSpeed's CPU Adam keeps them)",
     "state_nvme": "state_dtype 'bf16' needs offload_optimizer 'cpu', not 'nvme'",
+}
+_QUANTIZED_MESSAGES = {
+    "quantized_offload": "quantize can offload parameters only as nf4 to the cpu (offload_params 'cpu')",
+    "quantized_sp": "quantize is not supported with sp > 1",
 }
 _LAYOUT_FIELDS = {
     "zero_stage",
@@ -193,14 +198,10 @@ class MemoryInputs:
             )
         if self.quantize != "none" and self.lora_rank is None:
             raise MemoryInputError("quantize needs lora_rank: a quantised base trains adapters only (QLoRA)")
-        # The run's QLoRA rules (config/parallel.py), so the planner never proposes what a run refuses.
-        offloaded = self.offload_params != "none"
-        if self.quantize != "none" and offloaded and (self.offload_params, self.quantize) != ("cpu", "nf4"):
-            raise MemoryInputError(
-                "quantize can offload parameters only as nf4 to the cpu (offload_params 'cpu')"
-            )
-        if self.quantize != "none" and self.sp > 1:
-            raise MemoryInputError("quantize is not supported with sp > 1")
+        # The run's QLoRA rules (config.layout), so the planner never proposes what a run refuses.
+        broken = quantized_layout_problem(self.quantize, self.offload_params, self.sp)
+        if broken is not None:
+            raise MemoryInputError(_QUANTIZED_MESSAGES[broken])
         if self.state_dtype not in STATE_DTYPES:
             raise MemoryInputError(
                 f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got '{self.state_dtype}'"
