@@ -147,7 +147,7 @@ def gpu_memory_gib() -> dict[str, float]:
 class StartupClock:
     """Wall-clock marks from process start to the first optimizer step, written to startup.json.
 
-    Marks are epoch seconds so that a benchmark in another process (bench/startup.py) can
+    Marks are epoch seconds so that a benchmark in another process (bench/overhead.py startup) can
     line them up with the moment it launched the run.
     """
 

@@ -1,4 +1,4 @@
-"""bench/step_time_vs_hf.py compares the two steps only over the seconds both were training, past warm-up."""
+"""bench/overhead.py vs-hf compares the two steps only over the seconds both were training, past warm-up."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import step_time_vs_hf as bench
+from bench import overhead as bench
 
 WARMUP = 5
 
