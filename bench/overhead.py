@@ -672,11 +672,12 @@ WORKERS = {"minimal": minimal, "interleaved": interleaved}
 
 def main() -> None:
     as_a_training_worker()
-    name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in (*COMPARISONS, *WORKERS) else "loop"
+    args = sys.argv[1:]
+    name = args.pop(0) if args and args[0] in (*COMPARISONS, *WORKERS) else "loop"
     if name in WORKERS:
-        sys.argv.pop(1)
+        sys.argv[1:] = args  # the workers' own parsers read sys.argv
         run_and_exit(WORKERS[name])
-    COMPARISONS[name](sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == name else sys.argv[1:])
+    COMPARISONS[name](args)
 
 
 if __name__ == "__main__":

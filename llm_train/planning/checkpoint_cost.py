@@ -117,7 +117,10 @@ def checkpoint_lines(run: Any) -> list[str]:
         return []
     recipe = run.recipe
     lora = recipe.lora
-    cost = checkpoint_cost(shape, run.layout, *((lora.rank, tuple(lora.target_modules)) if lora else ()))
+    if lora is None:
+        cost = checkpoint_cost(shape, run.layout)
+    else:
+        cost = checkpoint_cost(shape, run.layout, lora.rank, tuple(lora.target_modules))
     timeout = recipe.deepspeed.timeout_minutes
     problem = cost.timeout_problem(timeout)
     return [cost.line(timeout), *([f"warning: {problem}"] if problem else [])]

@@ -130,19 +130,10 @@ def trainable_tensors(
     (shapes.lora_params counts the same).
     """
     if lora_rank:
-        h, i, q, kv, r = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, lora_rank
-        projections = {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-        adapted = [sides for name, sides in projections.items() if name in lora_targets]
+        r = lora_rank
+        adapted = [sides for name, sides in shape.lora_projections().items() if name in lora_targets]
         per_layer = [n for n_in, n_out in adapted for n in (r * n_in, n_out * r)]
-        head_adapter = [r * h, shape.vocab_size * r] if "lm_head" in lora_targets else []
+        head_adapter = [r * shape.hidden_size, shape.vocab_size * r] if "lm_head" in lora_targets else []
         return per_layer * shape.num_layers + head_adapter, []
     embed, *layer, norm, head = shape.modules()
     matrices: list[int] = []

@@ -122,22 +122,27 @@ class ModelShape:
         """
         return sum(n * count for _, numels, count in self.modules() for n in numels if n < threshold)
 
+    def lora_projections(self) -> dict[str, tuple[int, int]]:
+        """(n_in, n_out) of each projection LoRA can adapt, in the order a layer registers them."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
     def lora_params(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
         """Adapter parameters for LoRA of `rank` on `targets` (lora.target_modules; all seven projections
         by default, lm_head once). Each adapted (n_in -> n_out) linear gets A (rank x n_in) and
         B (n_out x rank); names this shape does not know count nothing (the run refuses them)."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        sides = {
-            "q_proj": h + q,
-            "k_proj": h + kv,
-            "v_proj": h + kv,
-            "o_proj": q + h,
-            "gate_proj": h + i,
-            "up_proj": h + i,
-            "down_proj": i + h,
-        }
-        per_layer = rank * sum(sides.get(t, 0) for t in set(targets))
-        head = rank * (h + self.vocab_size) if "lm_head" in targets else 0
+        per_layer = rank * sum(
+            n_in + n_out for t, (n_in, n_out) in self.lora_projections().items() if t in targets
+        )
+        head = rank * (self.hidden_size + self.vocab_size) if "lm_head" in targets else 0
         return per_layer * self.num_layers + head
 
 
