@@ -18,7 +18,7 @@ as llm_train's loop measures it), tokens/s and the allocator's peak.
     python -m bench.hf_trainer_peer --model-dir D --rows R.pt --ds-config ds_configs/zero2.json --out O ...
 
 For a resolved llm_train run, `save_job` writes those inputs and `command` is the launch on them with the
-run's settings: bench/mfu_matrix.py and bench/overhead.py vs-hf both use them.
+run's settings: bench/mfu_matrix.py uses them.
 """
 
 from __future__ import annotations

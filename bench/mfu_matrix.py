@@ -197,7 +197,7 @@ CUDA_ONLY = ("memory.liger_kernels=true",)
 
 
 def job(sizes: Sizes, micro: int | None = None, switches: Sequence[str] = SDPA) -> list[str]:
-    """A matrix run's overrides of the tiny-cpu recipe, its data aside (bench/overhead.py vs-hf's job)."""
+    """A matrix run's overrides of the tiny-cpu recipe, its data aside."""
     micro_batch, precision = f"optim.micro_batch_size={micro or sizes.micro}", f"precision={sizes.precision}"
     return [*COMMON, *sizes.model, f"data.seq_len={sizes.seq_len}", micro_batch, precision, *switches]
 

@@ -147,8 +147,8 @@ def gpu_memory_gib() -> dict[str, float]:
 class StartupClock:
     """Wall-clock marks from process start to the first optimizer step, written to startup.json.
 
-    Marks are epoch seconds so that a benchmark in another process (bench/overhead.py startup) can
-    line them up with the moment it launched the run.
+    Marks are epoch seconds so that whoever launched the run in another process (a scheduler's log, a
+    benchmark) can line them up with the moment it launched it.
     """
 
     def __init__(self, path: Path | None = None) -> None:
