@@ -98,6 +98,15 @@ def memlock_problem(inp: MemoryInputs, source: str, limit: MemlockLimit | None =
     )
 
 
+def _pinned_with(inp: MemoryInputs, backend: str) -> MemoryInputs:
+    """`inp` with the offload_optimizer and offload_param buffers it pins pinned by `backend`; the ones it
+    leaves pageable stay so."""
+    return inp.vary(
+        pinning=backend if inp.pinning != "off" else "off",
+        param_pinning=backend if inp.param_pinning != "off" else "off",
+    )
+
+
 def choose_auto(
     inp: MemoryInputs,
     device_kind: str,
@@ -115,22 +124,14 @@ def choose_auto(
     if device_kind == "cpu":
         return "off", "deepspeed.pinning=auto: off on CPU (no device copies to speed up)"
     limit = limit or memlock_limit()
-    native = inp.vary(
-        pinning="native" if inp.pinning != "off" else "off",
-        param_pinning="native" if inp.param_pinning != "off" else "off",
-    )
-    locked = estimate_memory(native).locked_per_rank
+    locked = estimate_memory(_pinned_with(inp, "native")).locked_per_rank
     if limit.allows(locked):
         return "native", (
             f"deepspeed.pinning=auto: native (exact-size pinned buffers, ~{_size(locked)} locked per process; "
             f"memlock limit {limit.describe()})"
         )
     if host_limit_bytes is not None:
-        rounded = inp.vary(
-            pinning="torch" if inp.pinning != "off" else "off",
-            param_pinning="torch" if inp.param_pinning != "off" else "off",
-        )
-        estimate = estimate_memory(rounded)
+        estimate = estimate_memory(_pinned_with(inp, "torch"))
         if estimate.host_bytes <= host_limit_bytes and limit.allows(estimate.locked_per_rank):
             return "torch", (
                 f"deepspeed.pinning=auto: torch (pinned by torch's allocator, rounded up to powers of two: "
