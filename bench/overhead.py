@@ -11,8 +11,9 @@ differs. The result is the median over rounds of llm_train's seconds per step ov
 it prints the ratio and writes bench/results/overhead-<date>.json.
 
 Separate launches of each loop, alternated, were this bench's first comparison: on this 2-core machine
-their ratios spread from 0.54 to 1.25 round to round (bench/results/overhead-old-vs-new-20261130.txt),
-too wide to hold a 3% target, while the one-engine blocks agreed within 1%; they were retired. Start-up,
+their ratios spread from 0.54 to 1.25 round to round (0.89 to 1.11 when quiet), far wider than a 3%
+target, while the one-engine medians stayed within 0.97-1.05 over the four runs recorded beside them
+(bench/results/overhead-old-vs-new-20261130.txt: two commits, quiet and loaded); they were retired. Start-up,
 the other thing a launch adds, is in every run's own RUN_DIR/startup.json, by phase
 (observability/metrics.py StartupClock).
 
