@@ -108,10 +108,21 @@ def write_result(name: str, record: dict[str, Any]) -> Path:
     return out
 
 
-def versions() -> dict[str, str]:
+RESULT_LIBRARIES = (
+    "torch",
+    "deepspeed",
+    "accelerate",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "liger-kernel",
+)
+
+
+def versions(libraries: tuple[str, ...] = RESULT_LIBRARIES) -> dict[str, str]:
     """Installed versions, read without importing anything (no CUDA context in the harness process)."""
     out = {"python": sys.version.split()[0], "cpus": str(os.cpu_count())}
-    for name in ("torch", "deepspeed", "accelerate", "transformers", "peft", "bitsandbytes", "liger-kernel"):
+    for name in libraries:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -31,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.harness import versions
 
 GiB = 2**30
 LIBRARIES = (
@@ -84,16 +85,6 @@ def libaio() -> dict[str, Any]:
         out["libaio"] = bool(AsyncIOBuilder().is_compatible(verbose=False))
     except Exception as exc:  # no DeepSpeed: the NVMe case cannot run either
         out.update(libaio=False, libaio_error=f"{type(exc).__name__}: {exc}"[:300])
-    return out
-
-
-def library_versions() -> dict[str, str]:
-    out = {}
-    for name in LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "missing"
     return out
 
 
@@ -185,7 +176,7 @@ def main() -> None:
     record: dict[str, Any] = {**meminfo(), **disk(repo), **libaio()}
     record["memlock_limit"] = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     record["nvml"] = importlib.util.find_spec("pynvml") is not None
-    record["versions"] = library_versions()
+    record["versions"] = versions(LIBRARIES)
     record.update(gpu())
     record.update(cap_works())
     record.update(nf4_round_trip())
