@@ -108,15 +108,10 @@ def write_result(name: str, record: dict[str, Any]) -> Path:
     return out
 
 
+# The libraries a result's numbers depend on, recorded beside them (bench/probe.py records more).
 RESULT_LIBRARIES = (
-    "torch",
-    "deepspeed",
-    "accelerate",
-    "transformers",
-    "peft",
-    "bitsandbytes",
-    "liger-kernel",
-)
+    "torch", "deepspeed", "accelerate", "transformers", "peft", "bitsandbytes", "liger-kernel",
+)  # fmt: skip
 
 
 def versions(libraries: tuple[str, ...] = RESULT_LIBRARIES) -> dict[str, str]:
