@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -147,24 +147,12 @@ def setup(ds_config_path: str) -> tuple[dict, dict, Accelerator, torch.nn.Module
     return recipe, ds_config, accelerator, model
 
 
-def finish(accelerator: Accelerator) -> None:
-    accelerator.end_training()  # also destroys the process group (AcceleratorState.destroy_process_group)
-
-
-def run_and_exit(main: Callable[[], None]) -> None:
-    main()
-    sys.stdout.flush()
-    # As in llm_train/train.py: skip interpreter teardown, where gloo/shm threads sometimes
-    # abort ("terminate called without an active exception") after all results are written.
-    os._exit(0)
-
-
 def interleaved() -> None:
     """Both loops on one engine in alternating blocks: each block's seconds per step, into --out (rank 0)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--ds-config", required=True)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--block", type=int, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -227,7 +215,7 @@ def interleaved() -> None:
     tracker.close()
     if main_rank:
         Path(args.out).write_text(json.dumps(blocks_s))
-    finish(accelerator)
+    accelerator.end_training()  # also destroys the process group (AcceleratorState.destroy_process_group)
 
 
 def main() -> None:
@@ -235,7 +223,11 @@ def main() -> None:
     args = sys.argv[1:]
     if args[:1] == ["interleaved"]:
         sys.argv[1:] = args[1:]  # the worker's own parser reads sys.argv
-        run_and_exit(interleaved)
+        interleaved()
+        sys.stdout.flush()
+        # As in llm_train/train.py: skip interpreter teardown, where gloo/shm threads sometimes
+        # abort ("terminate called without an active exception") after all results are written.
+        os._exit(0)
     compare(args)
 
 
