@@ -8,17 +8,21 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The exact versions the suite last passed on (pip-compile's output, torch left out): every install is
+# constrained to it, so a fresh machine runs the set CI ran. `make lock` refreshes it (a commit of its own).
+LOCK := requirements-lock.txt
+EXTRAS := dev,tensorboard,lora,qlora,report,eval
 # Tests and the demo never wait on a network that is not there.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 # pytest-xdist workers: two keep a 2-core CI machine busy while one test waits (a launch's
 # imports, a kill, a single-process run); tests/conftest.py keeps what e2e tests share on one.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast lint gpu-wheels
+.PHONY: install demo test test-fast test-latest lint lock gpu-wheels
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -e ".[dev,tensorboard,lora,qlora,report,eval]"
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,6 +36,19 @@ demo: install
 test: install
 	$(OFFLINE) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 \
 		--durations-file runs/test-durations.tsv tests
+
+# The canary: the newest releases the index serves, inside the windows and one step past them, in a separate
+# environment (.venv-latest); prints which library moved and which tests failed (tools/canary.py).
+test-latest: install
+	$(PY) tools/canary.py
+
+# Refresh the lock to the newest releases inside pyproject.toml's windows, resolved for this TORCH. Commit
+# it alone, after `make test` passes on it (docs/development.md).
+lock: install
+	echo "$(TORCH)" > $(VENV)/torch-pin.in
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile --quiet --upgrade --strip-extras \
+		--no-emit-index-url --no-emit-find-links --unsafe-package torch --unsafe-package llm-train \
+		--unsafe-package pip --extra $(EXTRAS) -o $(LOCK) pyproject.toml $(VENV)/torch-pin.in
 
 test-fast: install
 	$(OFFLINE) $(VENV)/bin/pytest -q -m "not e2e" tests

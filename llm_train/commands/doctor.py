@@ -26,7 +26,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
 from llm_train.planning.guards import nvme_problems
-from llm_train.runtime.compat import deepspeed_version_problem
+from llm_train.runtime.compat import installed_version, version_problems
 from llm_train.units import GiB
 
 DEFAULT_BUILD_TIMEOUT_S = 300.0
@@ -48,7 +47,18 @@ DEFAULT_DRIVE_BYTES = 4 * GiB
 # Below these, the common recipes run into trouble (checkpoints, NCCL shared memory).
 MIN_FREE_DISK_GIB = 50.0
 MIN_SHM_GIB = 1.0
-PACKAGES = ("torch", "deepspeed", "accelerate", "transformers", "peft", "datasets", "safetensors", "wandb")
+PACKAGES = (
+    "torch",
+    "deepspeed",
+    "accelerate",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "datasets",
+    "lm-eval",
+    "safetensors",
+    "wandb",
+)
 
 # Run in a child process: the build can take minutes, can hang, and prints a lot.
 _CPU_ADAM_PROBE = """
@@ -91,13 +101,6 @@ class Report:
             lines.append(f"  ! {problem}")
             lines.append(f"    fix: {fix}")
         return "\n".join(lines)
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
@@ -263,12 +266,13 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
     except ImportError:
         pass
     for package in PACKAGES[1:]:
-        report.add(section, package, _version(package) or "not installed")
-    if outside := deepspeed_version_problem():
+        report.add(section, package, installed_version(package) or "not installed")
+    # One warning per library outside its tested window (runtime/compat.py WINDOWS).
+    for outside in version_problems():
         report.warn(*outside)
-    if not _version("peft"):
+    if not installed_version("peft"):
         report.warn("peft is not installed: LoRA recipes will not run", "pip install 'llm_train[lora]'")
-    flash = _version("flash-attn") or _version("flash_attn")
+    flash = installed_version("flash-attn") or installed_version("flash_attn")
     if flash:
         try:
             import flash_attn  # noqa: F401
@@ -299,7 +303,7 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
             "no C++ compiler: DeepSpeed cannot JIT-build CPU Adam (needed by every offload recipe)",
             "apt-get install build-essential python3-dev (or the distribution's equivalent)",
         )
-    if not shutil.which("ninja") and not _version("ninja"):
+    if not shutil.which("ninja") and not installed_version("ninja"):
         report.warn("ninja is missing: DeepSpeed's JIT op builds need it", "pip install ninja")
     nvcc = shutil.which("nvcc")
     if nvcc and torch_cuda:
@@ -317,7 +321,7 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
 def check_cpu_adam(report: Report, timeout: float) -> None:
     """Build and load DeepSpeed's CPU Adam in a child process; one line either way."""
     section = "DeepSpeed ops"
-    if not _version("deepspeed"):
+    if not installed_version("deepspeed"):
         report.add(section, "CPU Adam", "not tried: deepspeed is not installed")
         return
     started = time.perf_counter()
@@ -396,7 +400,7 @@ def async_io_status() -> tuple[bool, str]:
 def check_async_io(report: Report, uses_nvme: bool) -> None:
     """One row on DeepSpeed's async I/O op; a warning only when the recipe at hand needs it."""
     section = "DeepSpeed ops"
-    if not _version("deepspeed"):
+    if not installed_version("deepspeed"):
         report.add(section, "async I/O", "not tried: deepspeed is not installed")
         return
     ok, why = async_io_status()

@@ -8,12 +8,18 @@ leaves wrong. Each of those lives here and nowhere else, is listed in `WORKAROUN
 library version it was checked against, and is guarded: where the library no longer has what a
 patch replaces, the patch does nothing and says so (returns False).
 
-DeepSpeed is the library most of them touch, and the one whose internals change between minor
-releases: `DEEPSPEED_TESTED` is the window of versions these workarounds were verified on (pyproject.toml's
-dependency says the same; tests/unit/test_compat.py keeps the two equal and every DeepSpeed version the
-package's comments cite inside it). `llm-train doctor` and the start of a run warn in one line outside it.
-Moving the window to a new release: run the suite (the e2e resume tests exercise the checkpoint
-repairs), re-read each workaround's source location, then raise the window and each `verified`.
+`WINDOWS` holds, for every library whose internals llm_train touches, the versions the suite passed on
+and what may break outside them. pyproject.toml's dependencies state the same windows
+(tests/unit/test_compat.py keeps the two equal, every workaround's `verified` inside its library's window,
+and every DeepSpeed version the package's comments cite inside DeepSpeed's). `llm-train doctor` and the start
+of a run warn in one line per installed library outside its window. The exact set the suite last passed on
+is requirements-lock.txt, which `make install` installs.
+
+Moving a window to a new release: `make test-latest` (tools/canary.py) installs the newest releases into a
+separate environment and runs the unit tier and a few e2e runs on them; where it passes, re-read each
+workaround's source location in the new release, raise the window here and in pyproject.toml and each
+`verified`, then refresh the lock (`make lock`) in a commit of its own that passes the full suite
+(docs/development.md).
 """
 
 from __future__ import annotations
@@ -36,8 +42,44 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine as DeepSpeedPipelineEngine
 
-# The DeepSpeed releases every workaround below was verified on (pyproject.toml's dependency: the same).
-DEEPSPEED_TESTED = ">=0.19.8,<0.20"
+
+@dataclass(frozen=True)
+class Window:
+    """The releases of one library the suite passed on, and what may break outside them."""
+
+    library: str  # the distribution's name, as pip and pyproject.toml spell it
+    tested: str  # a version specifier: pyproject.toml's dependency says the same
+    breaks: str  # what of llm_train leans on this library's internals
+
+
+# Each lower end is a release the suite ran on (requirements-lock.txt, or the lock before it); each upper end
+# stops before the next minor release, since these libraries change internals in minor releases.
+# lm-eval's is a patch release: its 0.4.x releases reshaped the results and model wrappers llm-train eval
+# reads. datasets is used through public calls only (load_dataset, map, Features): a major release bounds it.
+WINDOWS = (
+    Window(
+        "deepspeed",
+        ">=0.19.8,<0.20",
+        "the checkpoint repairs (NVMe and universal resume), op-build speed-ups and pipeline workarounds below",
+    ),
+    Window(
+        "transformers",
+        ">=5.24,<5.25",
+        "QLoRA's staged 4-bit load, ZeRO-3 model builds, packed-row attention masks, the export check",
+    ),
+    Window(
+        "accelerate",
+        ">=1.16,<1.17",
+        "the launch (llm_train checks its arguments with accelerate's own parser)",
+    ),
+    Window("peft", ">=0.21,<0.22", "LoRA and QLoRA adapters: wrapping, merging and adapter export"),
+    Window("bitsandbytes", ">=0.50.2,<0.51", "QLoRA's 4-bit layers and 8-bit optimizers"),
+    Window("lm-eval", ">=0.4.13,<0.4.14", "llm-train eval and eval.tasks (its HF model wrapper and results)"),
+    Window("datasets", ">=5.0,<6", "data preparation and streaming (load_dataset, map, Arrow features)"),
+)
+WINDOW = {w.library: w for w in WINDOWS}
+# The DeepSpeed releases every DeepSpeed workaround below was verified on.
+DEEPSPEED_TESTED = WINDOW["deepspeed"].tested
 
 P = ParamSpec("P")  # the wrapped function's parameters (the op loader, DeepSpeed's Muon kernels)
 R = TypeVar("R")
@@ -104,38 +146,44 @@ WORKAROUNDS = (
 )
 
 
-def deepspeed_version() -> str | None:
+def installed_version(library: str) -> str | None:
+    """The installed release of `library` (its distribution name), read without importing it; None if absent."""
     try:
-        return metadata.version("deepspeed")
+        return metadata.version(library)
     except metadata.PackageNotFoundError:
         return None
 
 
-def deepspeed_version_problem(version: str | None = None) -> tuple[str, str] | None:
-    """(problem, fix) when the installed DeepSpeed (or `version`) is outside DEEPSPEED_TESTED; None inside."""
+def version_problem(library: str, version: str | None = None) -> tuple[str, str] | None:
+    """(problem, fix) when `library` (at `version`, else as installed) is outside its window; None inside or absent."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
-    version = version or deepspeed_version()
+    window = WINDOW[library]
+    version = version or installed_version(library)
     if version is None:
         return None  # not installed: the import that needs it says so
     try:
-        inside = Version(version) in SpecifierSet(DEEPSPEED_TESTED)
+        inside = Version(version) in SpecifierSet(window.tested)
     except InvalidVersion:
         inside = False
     if inside:
         return None
     return (
-        f"DeepSpeed {version} is outside the versions llm_train is tested with ({DEEPSPEED_TESTED}): "
-        "its workarounds (llm_train/runtime/compat.py) may not apply",
-        f"pip install 'deepspeed{DEEPSPEED_TESTED}'",
+        f"{library} {version} is outside the versions llm_train is tested with ({window.tested}): "
+        f"may break {window.breaks}",
+        f"pip install '{library}{window.tested}'",
     )
 
 
-def deepspeed_version_warning(version: str | None = None) -> str | None:
-    """The one line a run starts with when DeepSpeed is outside DEEPSPEED_TESTED (None inside it)."""
-    problem = deepspeed_version_problem(version)
-    return None if problem is None else f"warning: {problem[0]}; {problem[1]}"
+def version_problems() -> list[tuple[str, str]]:
+    """(problem, fix) for every installed library outside its window, in WINDOWS' order."""
+    return [problem for w in WINDOWS if (problem := version_problem(w.library)) is not None]
+
+
+def version_warnings() -> list[str]:
+    """The lines a run starts with: one per installed library outside its window (none inside)."""
+    return [f"warning: {problem}; {fix}" for problem, fix in version_problems()]
 
 
 # ------------------------------------------------------------ before DeepSpeed loads or builds an op

@@ -139,7 +139,7 @@ def prepare_process(run: Resolved, options: RunOptions, say: Say) -> None:
     launch_env.use_deepspeed_in_accelerate()
     launch_env.use_pin_memory_backend(run.recipe.deepspeed.pinning)
     prepare_libraries(options.verbose)
-    if warning := compat.deepspeed_version_warning():
+    for warning in compat.version_warnings():  # one line per library outside its tested window
         say(warning)
 
 

@@ -46,14 +46,41 @@ def test_every_workaround_is_listed_with_the_version_it_was_verified_on() -> Non
         assert callable(fn) and fn.__doc__, w.name
         # The docstring names the version it describes, and that is the version listed.
         assert w.verified in fn.__doc__ or w.verified.rsplit(".", 1)[0] in fn.__doc__, w.name
-        if w.library == "deepspeed":
-            assert w.verified in SpecifierSet(compat.DEEPSPEED_TESTED), w
+        # ... and it lies inside its library's window (lm_eval is the module, lm-eval the distribution).
+        window = compat.WINDOW[w.library.replace("_", "-")].tested
+        assert w.verified in SpecifierSet(window), w
 
 
-def test_pyproject_states_the_tested_deepspeed_window() -> None:
-    # The dependency line as pyproject.toml writes it (tomllib is Python 3.11+; llm_train supports 3.10).
-    (deepspeed,) = re.findall(r'^\s*"(deepspeed[<>=~!][^"]*)"', (REPO / "pyproject.toml").read_text(), re.M)
-    assert deepspeed == f"deepspeed{compat.DEEPSPEED_TESTED}"
+def _pyproject_requirements() -> dict[str, str]:
+    """Every requirement pyproject.toml names, main and optional, as name -> specifier (the file's own text)."""
+    from packaging.requirements import Requirement
+
+    text = (REPO / "pyproject.toml").read_text()
+    # Any quoted requirement with a version (a list item on its own line, or inline as the extras are).
+    quoted = re.findall(r'"([A-Za-z][A-Za-z0-9_.\-]*(?:\[[^\]]*\])?[<>=~!][^"]*)"', text)
+    return {Requirement(q).name: str(Requirement(q).specifier) for q in quoted}
+
+
+def test_pyproject_states_every_tested_window() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    stated = _pyproject_requirements()
+    for window in compat.WINDOWS:
+        assert window.library in stated, f"pyproject.toml does not bound {window.library}"
+        assert SpecifierSet(stated[window.library]) == SpecifierSet(window.tested), window.library
+
+
+def test_the_lock_lies_inside_every_window() -> None:
+    """requirements-lock.txt, which make install installs, holds a release inside each window."""
+    from packaging.specifiers import SpecifierSet
+
+    locked = dict(
+        re.findall(r"^([a-z0-9_.\-]+)==([^\s;]+)", (REPO / "requirements-lock.txt").read_text(), re.M)
+    )
+    for window in compat.WINDOWS:
+        assert window.library in locked, f"requirements-lock.txt does not pin {window.library}"
+        assert locked[window.library] in SpecifierSet(window.tested), (window.library, locked[window.library])
+    assert "torch" not in locked  # a GPU machine keeps its CUDA torch; the Makefile pins the CPU one here
 
 
 def test_every_deepspeed_version_the_package_cites_is_inside_the_window() -> None:
@@ -75,23 +102,48 @@ def test_every_deepspeed_version_the_package_cites_is_inside_the_window() -> Non
     assert found > 10  # the check reads the citations it is about
 
 
-def test_a_deepspeed_outside_the_window_is_one_warning_line() -> None:
-    assert compat.deepspeed_version_warning("0.19.8") is None
-    for version in ("0.16.4", "0.20.0", "not-a-version"):
-        line = compat.deepspeed_version_warning(version)
-        assert line is not None and "\n" not in line
-        assert line.startswith(f"warning: DeepSpeed {version} is outside") and compat.DEEPSPEED_TESTED in line
-    assert compat.deepspeed_version_warning() is None  # the installed one: this suite runs inside the window
+def test_a_library_outside_its_window_is_one_warning_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert compat.version_problem("deepspeed", "0.19.8") is None
+    assert compat.version_problem("transformers", "5.24.0") is None
+    for library, version in (("deepspeed", "0.16.4"), ("deepspeed", "0.20.0"), ("transformers", "5.26.0")):
+        problem, fix = compat.version_problem(library, version) or ("", "")
+        assert (
+            problem.startswith(f"{library} {version} is outside") and compat.WINDOW[library].tested in problem
+        )
+        assert compat.WINDOW[library].breaks in problem and "\n" not in problem
+        assert fix == f"pip install '{library}{compat.WINDOW[library].tested}'"
+    assert compat.version_problem("deepspeed", "not-a-version") is not None
+    # The installed set: this suite runs inside every window, so a run starts with no such line.
+    assert compat.version_warnings() == []
+    faked = {"transformers": "5.26.0", "peft": "0.20.1"}
+    monkeypatch.setattr(
+        compat, "installed_version", lambda lib: faked.get(lib, "0.19.8" if lib == "deepspeed" else None)
+    )
+    lines = compat.version_warnings()
+    assert [line.split()[1] for line in lines] == ["transformers", "peft"]  # WINDOWS' order, one line each
+    assert all(line.startswith("warning: ") and "\n" not in line for line in lines)
 
 
-def test_doctor_warns_about_a_deepspeed_outside_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_warns_about_each_library_outside_its_window_and_nothing_inside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from llm_train.commands import doctor
 
-    monkeypatch.setattr(compat, "deepspeed_version", lambda: "0.16.4")
-    report = doctor.Report()
-    doctor.check_software(report, gpus=[])
-    (warning,) = [(p, fix) for p, fix in report.warnings if "DeepSpeed 0.16.4" in p]
-    assert warning[1] == f"pip install 'deepspeed{compat.DEEPSPEED_TESTED}'"
+    real = compat.installed_version
+
+    def outside_for(faked: dict[str, str]) -> list[tuple[str, str]]:
+        monkeypatch.setattr(compat, "installed_version", lambda lib: faked.get(lib) or real(lib))
+        report = doctor.Report()
+        doctor.check_software(report, gpus=[])
+        return [(p, fix) for p, fix in report.warnings if "is outside the versions" in p]
+
+    assert outside_for({}) == []
+    (warning,) = outside_for({"deepspeed": "0.16.4"})
+    assert (
+        "deepspeed 0.16.4" in warning[0] and warning[1] == f"pip install 'deepspeed{compat.DEEPSPEED_TESTED}'"
+    )
+    warned = outside_for({"accelerate": "1.15.0", "lm-eval": "0.4.14"})
+    assert [p.split()[0] for p, _ in warned] == ["accelerate", "lm-eval"]
 
 
 def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
