@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -110,8 +111,10 @@ def write_result(name: str, record: dict[str, Any]) -> Path:
 
 # The libraries a result's numbers depend on, recorded beside them (bench/probe.py records more).
 RESULT_LIBRARIES = (
-    "torch", "deepspeed", "accelerate", "transformers", "peft", "bitsandbytes", "liger-kernel",
+    "torch", "deepspeed", "accelerate", "transformers", "peft", "bitsandbytes", "liger-kernel", "datasets",
+    "huggingface-hub", "tokenizers", "safetensors",
 )  # fmt: skip
+LOCK = REPO / "requirements-lock.txt"
 
 
 def versions(libraries: tuple[str, ...] = RESULT_LIBRARIES) -> dict[str, str]:
@@ -123,6 +126,24 @@ def versions(libraries: tuple[str, ...] = RESULT_LIBRARIES) -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             out[name] = "missing"
     return out
+
+
+def not_the_lock(ran: dict[str, str], lock: Path = LOCK) -> dict[str, str]:
+    """Each library that ran at another release than requirements-lock.txt's: name -> "ran X, locked Y".
+
+    torch is not in the lock (a GPU machine keeps its CUDA build); a library the lock does not pin is left
+    out. On the GPU machine this names what its image imposed where no wheel of the lock's release
+    travelled (tools/gpu_wheels/build.sh), so a result says which of its libraries were not the tested set.
+    """
+    if not lock.is_file():
+        return {}
+    locked = dict(re.findall(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", lock.read_text(), re.M))
+    locked = {name.lower().replace("_", "-"): version for name, version in locked.items()}
+    return {
+        name: f"ran {version}, locked {locked[name]}"
+        for name, version in ran.items()
+        if name in locked and version != locked[name]
+    }
 
 
 # --- what a launch is watched for -------------------------------------------------------------------
@@ -531,7 +552,8 @@ class Results:
                 }
                 for r in self.records
             },
-            "versions": versions(),
+            "versions": (ran := versions()),
+            "not_the_lock": not_the_lock(ran),
         }
         self.summary.write_text(json.dumps(round_floats(summary), indent=2) + "\n")
         print(f"{self.name}: wrote {self.jsonl}, {self.summary.name}, {self.log.name}", flush=True)

@@ -222,3 +222,37 @@ def test_liger_travels_and_finds_torch_and_triton_on_the_machine() -> None:
     assert report.ok, report.errors
     # triton's version there is unknown: an assumption, not an error
     assert any("requires triton>=2.3.1" in line for line in report.assumptions)
+
+
+def test_the_images_libraries_travel_at_the_locks_release_unless_the_image_has_exactly_it() -> None:
+    from tools.gpu_wheels.over_image import over_image
+
+    present = gpu_wheels.read_present(
+        ["transformers==5.17.0", "safetensors==0.8.0", "peft", "tokenizers>=0.23.1,<0.24"]
+    )
+    locked = {
+        "transformers": "5.24.0",
+        "safetensors": "0.8.0",
+        "peft": "0.21.2",
+        "tokenizers": "0.23.3",
+        "wandb": "1",
+    }
+    names = ["transformers", "safetensors", "peft", "tokenizers", "wandb"]
+    # Another release, an unknown one or a range: travels. Exactly the lock's, or not on the image: does not.
+    assert over_image(names, present, locked) == [
+        "transformers==5.24.0",
+        "peft==0.21.2",
+        "tokenizers==0.23.3",
+    ]
+    with pytest.raises(SystemExit, match="not pinned in the lock"):
+        over_image(["liger-kernel"], present, locked)
+
+
+def test_a_result_names_each_library_that_ran_at_another_release_than_the_lock(tmp_path: Path) -> None:
+    from bench.harness import not_the_lock
+
+    lock = tmp_path / "lock.txt"
+    lock.write_text("transformers==5.24.0\n    # via llm_train\nhuggingface-hub==2.4.0\npeft==0.21.2\n")
+    ran = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "huggingface-hub": "2.4.0", "peft": "0.21.2"}
+    assert not_the_lock(ran, lock) == {"transformers": "ran 5.17.0, locked 5.24.0"}
+    assert not_the_lock(ran, tmp_path / "absent.txt") == {}

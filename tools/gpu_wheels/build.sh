@@ -5,7 +5,7 @@
 # transformers and friends (tools/gpu_wheels/machine_packages.txt) and reaches no package registry. It lacks
 # deepspeed, hjson, datasets, dill, multiprocess, pydantic(-core), annotated-types, typing-inspection,
 # bitsandbytes, wandb and liger-kernel, and llm_train itself. This script writes those wheels (CPython 3.12, manylinux x86_64 or
-# pure Python; the versions this .venv runs, so what is tested here is what travels) into .whl/. There:
+# pure Python; the releases of requirements-lock.txt, so what is tested here is what travels) into .whl/. There:
 #
 #   pip install --no-index --no-deps --target DIR .whl/*.whl
 #   PYTHONPATH=DIR bash bench/gpu_run.sh A   # (bench/gpu_run.sh does both, given WHEELS=.whl)
@@ -30,13 +30,18 @@ TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp31
   --platform manylinux_2_28_x86_64 --platform any --no-deps)
 
 installed() { "$PY" -c 'import importlib.metadata, sys; print(importlib.metadata.version(sys.argv[1]))' "$1"; }
-pins() { for name in "$@"; do echo "$name==$(installed "$name")"; done; }
+LOCK=requirements-lock.txt
+# The release of NAME in the lock (the tested set), else the one this .venv has (liger-kernel is in neither).
+locked() { grep -i -m1 "^${1//_/[-_]}==" "$LOCK" | cut -d= -f3 || true; }
+pins() { for name in "$@"; do v=$(locked "$name"); echo "$name==${v:-$(installed "$name")}"; done; }
 # This machine's pip config names local index folders that lack most projects; pip warns per project.
 pip_() { "$PY" -m pip -q --disable-pip-version-check "$@" 2> >(grep -v 'is ignored: it is neither a file' >&2); }
 mib() { du -cb "$@" | tail -1 | awk '{printf "%.1f", $1 / 1048576}'; }
 
 rm -rf "$OUT"
 mkdir -p "$OUT"
+SRC=$(mktemp -d)  # scratch: the source copy, and wheels that travel only if they fit
+trap 'rm -rf "$SRC" "${OVER:-}"' EXIT
 
 # DeepSpeed publishes only an sdist. DS_BUILD_OPS=0 compiles nothing (its CUDA ops JIT-build on the GPU
 # machine with its own nvcc), so the wheel is pure Python; no build isolation, because its setup.py
@@ -48,18 +53,15 @@ ls "$OUT"/deepspeed-*-py3-none-any.whl >/dev/null || {
   exit 1
 }
 
-# datasets 5.0.1, not this .venv's 5.2: datasets >= 5.1 requires huggingface-hub >= 1.31, while the
-# image's transformers 5.17 pins huggingface-hub < 2.0 and may have any 1.x from 1.5 on; 5.0.1 accepts
-# every 1.x (>= 0.25, < 2.0). Checked on a Python 3.12 with huggingface-hub 1.5.0: 5.2.0 fails at import
-# (HfFileSystemResolvedBucketPath), 5.0.1 imports, loads JSON, maps with 2 processes, saves and loads
-# from disk, also with fsspec 2026.9.0 above its own cap (<= 2026.6.0) and pyarrow 21 at its floor.
-# Its other requirements are assumed met by the image; check.py prints each such assumption.
+# The lock's datasets: it needs huggingface-hub >= 1.31, which the image's 1.33.0 meets and the lock's
+# release (below, over the image's) too. Its other requirements are assumed met by the image; check.py prints
+# each such assumption.
 # typing-extensions ships although the image has one: pydantic wants >= 4.16, torch 2.11 only >= 4.10,
 # and a newer typing-extensions earlier on PYTHONPATH is safe for the image's packages (it only adds).
 # msgpack: deepspeed requires it and nothing in the image does.
-pip_ download "${TARGET[@]}" -d "$OUT" datasets==5.0.1 \
-  $(pins deepspeed hjson msgpack dill multiprocess pydantic pydantic-core annotated-types typing-inspection \
-    typing-extensions | grep -v '^deepspeed==')
+pip_ download "${TARGET[@]}" -d "$OUT" \
+  $(pins datasets hjson msgpack dill multiprocess pydantic pydantic-core annotated-types typing-inspection \
+    typing-extensions)
 
 # bitsandbytes (QLoRA, lora.quantize): its wheel carries a compiled library per CUDA and ROCm version
 # (41 MiB). The machine's torch is built for CUDA 13.0, and bitsandbytes loads the library matching
@@ -69,6 +71,28 @@ pip_ download "${TARGET[@]}" -d "$BNB" "$(pins bitsandbytes)"
 "$PY" tools/gpu_wheels/slim_wheel.py "$BNB"/bitsandbytes-*.whl --drop '\.so$' --keep 'libbitsandbytes_(cpu|cuda130)\.so$' -o "$OUT"
 rm -rf "$BNB"
 
+# The image's own copies of the libraries whose internals llm_train touches (runtime/compat.py WINDOWS:
+# transformers, accelerate, peft on the image), where the image has another release than the lock or one not
+# known here: the lock's release travels and shadows the image's on PYTHONPATH, so the GPU run runs the tested
+# set (transformers 5.17 there). torch stays the image's, and so do libraries used through public calls only
+# (huggingface-hub, tokenizers: the lock's hub 2.x would bring hf-xet and httpx2 along). A wheel that would take
+# the folder past the budget is left out and named; every result records which libraries ran at another
+# release than the lock's (bench/harness.py not_the_lock).
+WINDOWED=$("$PY" -c 'from llm_train.runtime.compat import WINDOWS; print(" ".join(w.library for w in WINDOWS))')
+OVER_IMAGE=$("$PY" -m tools.gpu_wheels.over_image --present "$PRESENT" --lock "$LOCK" $WINDOWED)
+OVER=$(mktemp -d)
+for pin in $OVER_IMAGE; do
+  pip_ download "${TARGET[@]}" -d "$OVER" "$pin"
+done
+for wheel in "$OVER"/*.whl; do
+  [[ -e "$wheel" ]] || continue
+  if awk -v t="$(mib "$OUT"/*.whl "$wheel")" -v b="$BUDGET_MIB" 'BEGIN { exit !(t < b) }'; then
+    mv "$wheel" "$OUT"/
+  else
+    echo "gpu-wheels: $(basename "$wheel") left out (over ${BUDGET_MIB} MiB): the GPU run uses the image's release"
+  fi
+done
+
 # Liger's kernels (memory.liger_kernels) are Triton and run on GPUs only, so this .venv has no copy to
 # pin: the version bench/mfu_matrix.py was written against. Pure Python (~0.9 MiB); it needs torch and
 # triton, which the image's CUDA torch brings.
@@ -76,8 +100,6 @@ pip_ download "${TARGET[@]}" -d "$OUT" liger-kernel==0.8.5
 
 # llm_train from a clean copy of the working tree (tracked and new files, not ignored ones): a build in
 # place reuses build/lib, which keeps modules that have since been deleted or moved.
-SRC=$(mktemp -d)
-trap 'rm -rf "$SRC"' EXIT
 git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
   [[ -e "$f" ]] && printf '%s\0' "$f"
 done | tar --null -T - -cf - | tar -xf - -C "$SRC"
