@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config import ds_json
+from llm_train.config.gpu_evidence import unverified_line
 from llm_train.config.hardware import Device, find_gpu
 from llm_train.config.layout import make_layout
 from llm_train.config.recipe import load_recipe
@@ -162,6 +163,8 @@ def startup_summary(
     for key, value in layout.rows():
         say(f"  {key:<12} {value}")
     say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
+    if untried := unverified_line(recipe, layout):
+        say(f"  {'unverified':<12} {untried}")
     estimate = dict(memory_rows(run)) if layout.device != "cpu" else {}
     if estimate:
         say(
