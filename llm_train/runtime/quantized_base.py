@@ -133,11 +133,14 @@ class Staging:
         return weight.to(self.device)
 
 
-# The parameters of transformers' 4-bit quantize op (integrations/bitsandbytes.py `Bnb4bitQuantize.convert`),
-# as transformers 5.24 and 5.25 have them: the op `staged_quantizer` wraps takes them, and passes them on, by
-# these names. The method is not public API (5.x's Bnb4bitDeserialize.convert takes the same two in the other
+# The parameters of transformers' 4-bit quantize op (integrations/bitsandbytes.py `Bnb4bitQuantize`), as
+# transformers 5.24 and 5.25 have them: `staged_quantizer` subclasses it, builds it and calls its convert by
+# these names. The class is not public API (5.x's Bnb4bitDeserialize.convert takes the same two in the other
 # order), so another transformers is refused rather than called with arguments it may read otherwise.
-QUANTIZE_OP_PARAMETERS = ("self", "input_dict", "full_layer_name", "model", "kwargs")
+QUANTIZE_OP_PARAMETERS = {
+    "__init__": ("self", "hf_quantizer"),
+    "convert": ("self", "input_dict", "full_layer_name", "model", "kwargs"),
+}
 
 
 def check_quantize_op() -> None:
@@ -147,13 +150,14 @@ def check_quantize_op() -> None:
     import transformers
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
 
-    found = tuple(inspect.signature(Bnb4bitQuantize.convert).parameters)
-    if found != QUANTIZE_OP_PARAMETERS:
-        raise UserError(
-            f"lora.quantize=nf4 under ZeRO-3 loads its base through transformers' Bnb4bitQuantize.convert"
-            f"({', '.join(QUANTIZE_OP_PARAMETERS[1:])}), but transformers {transformers.__version__} has "
-            f"convert({', '.join(found[1:])}); install the transformers llm_train is tested with (5.24 or 5.25)"
-        )
+    for method, expected in QUANTIZE_OP_PARAMETERS.items():
+        found = tuple(inspect.signature(getattr(Bnb4bitQuantize, method)).parameters)
+        if found != expected:
+            raise UserError(
+                f"lora.quantize=nf4 under ZeRO-3 loads its base through transformers' Bnb4bitQuantize.{method}"
+                f"({', '.join(expected[1:])}), but transformers {transformers.__version__} has "
+                f"{method}({', '.join(found[1:])}); install the transformers llm_train is tested with (5.24 or 5.25)"
+            )
 
 
 def check_staged_quantizer(lora: LoraSection | None, zero_stage: int) -> None:
@@ -195,7 +199,7 @@ def staged_quantizer(staging: Staging) -> type[Bnb4BitHfQuantizer]:
 
     class StagedBnb4BitHfQuantizer(Bnb4BitHfQuantizer):
         def get_quantize_ops(self) -> StagedQuantize:
-            return StagedQuantize(self)
+            return StagedQuantize(hf_quantizer=self)
 
     return StagedBnb4BitHfQuantizer
 

@@ -332,6 +332,18 @@ def test_a_transformers_whose_quantize_op_differs_is_refused_in_one_line_before_
         check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=3)
     check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=2)
 
+    # Its constructor, which staged_quantizer calls by keyword too.
+    monkeypatch.undo()
+
+    def init(self, quantizer):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Bnb4bitQuantize, "__init__", init)
+    with pytest.raises(
+        UserError, match=r"Bnb4bitQuantize.__init__\(hf_quantizer\), but .* has __init__\(quantizer\);"
+    ):
+        check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=3)
+
 
 def test_the_load_stages_one_weight_at_a_time(tiny_base: Path) -> None:
     """A staging area that keeps its own copy of each weight it is given, and looks, each time it is given
