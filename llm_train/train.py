@@ -38,7 +38,7 @@ from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set
 from llm_train.runtime.launch_env import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.optim import check_optimizer_package
-from llm_train.runtime.quantized_base import check_bitsandbytes
+from llm_train.runtime.quantized_base import check_bitsandbytes, check_staged_quantizer
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
@@ -267,6 +267,7 @@ def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: 
     )
     check_attention_kernel(run.recipe.memory)
     check_bitsandbytes(run.recipe.lora)
+    check_staged_quantizer(run.recipe.lora, run.layout.zero_stage)  # transformers' op is the tested one
     check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
     check_optimizer_package(run.recipe.optim)
     if not args.skip_ram_check:

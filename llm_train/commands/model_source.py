@@ -15,6 +15,7 @@ bitsandbytes imports).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from llm_train.errors import UserError, first_line
 from llm_train.runtime.export import EXPORT_DTYPES, export_checkpoint
 from llm_train.runtime.lora import is_adapter_export
 from llm_train.runtime.quantized_base import quantization_config
+from llm_train.units import GiB
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -122,11 +124,22 @@ def torch_dtype(name: str) -> Any:
     return EXPORT_DTYPES[name]
 
 
+# Files a saved tokenizer consists of (fast, sentencepiece, byte-level BPE): without any, there is none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """The export's tokenizer with the chat template the run trained with (the recipe's data.chat_template)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.model_dir)
+    model_dir = source.model_dir
+    fix = "copy the tokenizer files of the model it was trained from into it, or give the run directory (its final/ has them)"
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:  # transformers' words for a tokenizer it cannot build from the files
+        raise UserError(f"{model_dir}: its tokenizer does not load ({first_line(exc)}); {fix}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     override = source.recipe.data.chat_template if source.recipe is not None else None
@@ -162,6 +175,8 @@ def load_model(source: ModelSource, dtype: Any, quantize: str = "auto") -> tuple
         base_path = config.get("base_model_name_or_path")
         if not base_path:
             raise UserError(f"{source.model_dir}: adapter_config.json names no base_model_name_or_path")
+        if kind == "none":
+            check_host_ram(Path(base_path), dtype)
         try:
             base = AutoModelForCausalLM.from_pretrained(base_path, **options)
         except OSError as exc:
@@ -172,11 +187,49 @@ def load_model(source: ModelSource, dtype: Any, quantize: str = "auto") -> tuple
         model = PeftModel.from_pretrained(base, source.model_dir)
         how = f"PEFT adapter on {base_path}, {how}"
     else:
+        if kind == "none":
+            check_host_ram(source.model_dir, dtype)
         model = AutoModelForCausalLM.from_pretrained(source.model_dir, **options)
     if kind == "none":
         model.to(device)
     model.eval()
     return model, how
+
+
+def host_ram_needed(model_dir: Path, dtype: Any) -> int | None:
+    """Bytes the weights in model_dir's safetensors take in `dtype` (None: no local safetensors to read)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        return None  # a hub id or another format: from_pretrained finds out
+    elements = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            elements += sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())  # noqa: SIM118
+    return int(elements * dtype.itemsize)
+
+
+def check_host_ram(model_dir: Path, dtype: Any) -> None:
+    """Refuse in one line a model whose weights do not fit this host's free RAM in `dtype`.
+
+    Without quantisation transformers builds the whole model on the host before it moves to a GPU (its
+    weights in `dtype`: a bf16 export loaded in fp32 takes twice its files), and the OS would end the
+    process mid-load with no message at all.
+    """
+    import psutil
+
+    need = host_ram_needed(model_dir, dtype)
+    free = int(psutil.virtual_memory().available)
+    if need is None or need <= free:
+        return
+    name = str(dtype).removeprefix("torch.")
+    smaller = " --dtype bf16 (half of fp32)," if name == "float32" else ""
+    raise UserError(
+        f"{model_dir}: its weights take {need / GiB:.1f} GiB of host RAM in {name} to load, this machine has "
+        f"{free / GiB:.1f} GiB free; use{smaller} --quantize nf4 (4-bit weights, with bitsandbytes), or a "
+        f"machine with at least {math.ceil(need / GiB)} GiB free"
+    )
 
 
 def _quantize(requested: str, runs: str) -> str:

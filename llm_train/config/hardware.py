@@ -175,26 +175,41 @@ class Device:
     name: str
     bf16: bool
     compute_capability: tuple[int, int] | None = None
+    shared_memory_per_block: int | None = None
+    """Bytes of shared memory one thread block may opt in to, as torch reads it (None: not read; the
+    attention kernel then goes by compute capability: config/attention_kernel.py)."""
 
     @staticmethod
     def detect() -> Device:
         import torch
 
         if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            optin = getattr(props, "shared_memory_per_block_optin", None)  # NVIDIA only; absent on ROCm
             return Device(
                 kind="cuda",
-                name=torch.cuda.get_device_name(0),
-                bf16=native_bf16(torch.cuda.get_device_capability(0)),
-                compute_capability=torch.cuda.get_device_capability(0),
+                name=props.name,
+                bf16=native_bf16((props.major, props.minor)),
+                compute_capability=(props.major, props.minor),
+                shared_memory_per_block=int(optin) if optin else None,
             )
         return Device(kind="cpu", name="cpu", bf16=True)
 
     @staticmethod
     def declared(recipe: Recipe) -> Device:
         # A dry run assumes the hardware the recipe is written for; every card it names supports bf16
-        # unless the recipe says fp16, which is why it would.
+        # unless the recipe says fp16, which is why it would. A card in the table brings its compute
+        # capability (what the attention kernel's choice depends on).
         name = recipe.hardware.gpu_name or recipe.hardware.device
-        return Device(kind=recipe.hardware.device, name=name, bf16=recipe.precision != "fp16")
+        spec = find_gpu(recipe.hardware.gpu_name) if recipe.hardware.gpu_name else None
+        return Device(
+            kind=recipe.hardware.device,
+            name=name,
+            bf16=recipe.precision != "fp16",
+            compute_capability=spec.compute_capability
+            if spec is not None and recipe.hardware.device == "cuda"
+            else None,
+        )
 
 
 # --- hardware -------------------------------------------------------------------------------------

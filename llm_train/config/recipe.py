@@ -514,8 +514,9 @@ class MemorySection(Section):
     activation_checkpointing: bool = Field(False, description="Recompute layer activations in backward.")
     attention: Literal["auto", "sdpa", "sdpa_flex", "flex_attention", "flash_attention_2", "eager"] = Field(
         "auto",
-        description="Attention kernel. 'auto': the fastest exact one installed (flash_attention_2, else sdpa_flex "
-        "on GPUs, sdpa on CPU; the dry run says which). 'sdpa_flex': sdpa with is_causal for batches without "
+        description="Attention kernel. 'auto': the fastest exact one installed that is known to train on the card "
+        "(flash_attention_2, else sdpa_flex where flex_attention's backward fits the GPU's shared memory at the "
+        "model's head_dim, else sdpa; sdpa on CPU; the dry run says which). 'sdpa_flex': sdpa with is_causal for batches without "
         "sample boundaries or padding, flex_attention with a block mask per document for the others (GPU, "
         "torch >= 2.5). flash_attention_2 needs the flash-attn package and a GPU.",
     )

@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from llm_train.config import ds_json
-from llm_train.config.attention_kernel import choose_attention
+from llm_train.config.attention_kernel import choose_attention, head_dim_of
 from llm_train.config.ds_validate import check_with_deepspeed
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
@@ -182,12 +182,15 @@ def _derive(basis: RunBasis) -> Resolved:
     """The one place a run is derived from its basis: layout, attention, model shape, effective DS JSON."""
     recipe, ds_path, raw, device = basis.recipe, basis.ds_path, basis.ds_raw, basis.device
     layout, notice = make_layout(recipe, raw, basis.world_size, device, str(ds_path))
+    fields = model_fields(recipe)
     # Before the parallel checks, which judge the kernel itself (Ulysses and packed rows need flash-attention).
-    attention = choose_attention(recipe.memory.attention, device.kind, layout.tp, layout.pp, layout.sp)
+    # The card's facts and the head size decide whether flex_attention's backward fits (attention_kernel.py).
+    attention = choose_attention(
+        recipe.memory.attention, device, layout.tp, layout.pp, layout.sp, head_dim=head_dim_of(fields)
+    )
     recipe = recipe.model_copy(
         update={"memory": recipe.memory.model_copy(update={"attention": attention.kernel})}
     )
-    fields = model_fields(recipe)
     check_parallel(layout, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
     hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)
     if hidden <= 0:

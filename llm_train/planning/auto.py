@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train import RECIPES_DIR
-from llm_train.config.attention_kernel import FLEX_KERNELS, Installed
+from llm_train.config.attention_kernel import FLEX_KERNELS, Installed, flex_fits
 from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import default_precision
@@ -219,10 +219,12 @@ class AutoRequest:
         return load_ds_config(self.recipe.deepspeed.config)[1]
 
 
-def planned_attention(hw: Hardware) -> str:
-    """The kernel auto writes: sdpa_flex on CUDA where torch has flex_attention (no dense mask for packed
-    rows), else sdpa; sequence-parallel candidates switch to sdpa (Ulysses wraps sdpa)."""
-    return "sdpa_flex" if hw.kind == "cuda" and Installed.here().flex else "sdpa"
+def planned_attention(hw: Hardware, head_dim: int) -> str:
+    """The kernel auto writes: sdpa_flex on CUDA where torch has flex_attention and its backward fits the
+    card at this head_dim (no dense mask for packed rows; config/attention_kernel.py flex_fits), else sdpa;
+    sequence-parallel candidates switch to sdpa (Ulysses wraps sdpa)."""
+    flex = hw.kind == "cuda" and Installed.here().flex and flex_fits(hw.device(), head_dim)[0]
+    return "sdpa_flex" if flex else "sdpa"
 
 
 def auto_request(
@@ -322,7 +324,10 @@ def base_recipe_data(
             "seed": 42,
         },
         "precision": precision,
-        "memory": {"activation_checkpointing": False, "attention": planned_attention(hw)},
+        "memory": {
+            "activation_checkpointing": False,
+            "attention": planned_attention(hw, shape_of(model).head_dim),
+        },
         **(
             {
                 "lora": {

@@ -570,8 +570,9 @@ def no_progress_bars() -> Iterator[None]:
 def quantizing_on(staging: Staging) -> Iterator[None]:
     """While a 4-bit base loads onto the host (device_map cpu): each weight quantised on `staging.device`.
 
-    A patch of transformers 5.24's quantizer registry, for the time of the load only (its quantize op:
-    runtime/quantized_base.py `staged_quantizer`).
+    A patch of transformers 5.24's quantizer registry (unchanged in 5.25), for the time of the load only (its
+    quantize op: runtime/quantized_base.py `staged_quantizer`, which refuses in one line a transformers whose
+    op takes other parameters than the ones it was verified with: `check_quantize_op`).
 
     transformers' loader (core_model_loading.py `convert_and_load_state_dict_in_model`, 5.24) reads the
     checkpoint one tensor at a time, and with on-the-fly quantisation it reads them in the main thread, one

@@ -3,11 +3,17 @@
 The exported directory loads with `AutoModelForCausalLM.from_pretrained` and no DeepSpeed.
 It is verified the way a user loads it, not against llm_train's own idea of parameter
 names: transformers renames some families' weights between memory and disk (GPT-NeoX's
-head is `embed_out`, older checkpoints carry other prefixes) and stores tied embeddings
-once, so only `from_pretrained` itself knows what a complete directory is. The checks:
+head is `embed_out`, MoE experts are fused in memory and stored one by one) and stores tied
+embeddings once, so what a complete directory holds comes from transformers itself: the
+architecture config.json builds and the names save_pretrained gives it. The checks:
 
-1. keys: `from_pretrained(..., output_loading_info=True)` reports no missing, unexpected or
-   size-mismatched tensor (an empty ZeRO-3 gather shows up as a mismatch of shape (0,));
+1. keys: the safetensors headers hold exactly the tensors (names and shapes) of the architecture
+   config.json builds, named as save_pretrained names them (`check_keys`: no weight is read, so it
+   runs at any size; an empty ZeRO-3 gather shows up as a tensor of shape (0,)); and where the
+   model is loaded for step 2, `from_pretrained(..., output_loading_info=True)` reports no missing,
+   unexpected or size-mismatched tensor either. Not `from_pretrained(device_map="meta")`: transformers
+   5.25 refuses that device ("Unsupported device type 'meta'"), and a check that a release can take
+   away is no check;
 2. logits: the reloaded model's logits on a fixed batch equal the ones the trained model
    gave on that batch *in the training process*, before anything was written. The engines
    record that reference (`write_reference`, every rank takes part in the forward) in
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +39,7 @@ import psutil
 import torch
 
 from llm_train.config.parallel import tensor_parallel_shards
-from llm_train.errors import ExportError, UserError
+from llm_train.errors import ExportError, UserError, first_line
 from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
@@ -64,7 +71,7 @@ REFERENCE_TOKENS = 16
 _TOLERANCE_ULPS = 4
 _FP32_RELATIVE_FLOOR = 1e-4
 # The logit check loads the whole model on this host; above this share of the free RAM only
-# the keys are checked (on the meta device, where loading costs nothing).
+# the keys are checked (safetensors headers against the architecture built on the meta device).
 _LOGIT_CHECK_RAM_SHARE = 0.5
 
 
@@ -227,7 +234,7 @@ def _transformers_quiet() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def _load(model_dir: Path, on_meta: bool) -> tuple[PreTrainedModel, dict[str, Any]]:
+def _load(model_dir: Path) -> tuple[PreTrainedModel, dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
     try:
@@ -240,33 +247,161 @@ def _load(model_dir: Path, on_meta: bool) -> tuple[PreTrainedModel, dict[str, An
                     dtype="auto",  # the dtype it was saved in, as a user gets it
                     output_loading_info=True,
                     ignore_mismatched_sizes=True,  # reported in the loading info, turned into one line below
-                    **({"device_map": "meta"} if on_meta else {}),
                 ),
             )
     except (OSError, ValueError, RuntimeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ExportError(f"export {model_dir}: from_pretrained fails ({first})") from None
+        raise ExportError(f"export {model_dir}: from_pretrained fails ({first_line(exc)})") from None
 
 
 def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
     """Raise one line unless from_pretrained found exactly the tensors the architecture needs."""
-    problems = [
-        (what, sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ()))
+    found = {
+        what: sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
         for key, what in (
-            ("missing_keys", "missing"),
-            ("unexpected_keys", "unexpected"),
-            ("mismatched_keys", "of the wrong shape (empty: a ZeRO-3 gather failed?)"),
+            ("missing_keys", MISSING),
+            ("unexpected_keys", UNEXPECTED),
+            ("mismatched_keys", MISSHAPED),
         )
-    ]
-    problems = [(what, keys) for what, keys in problems if keys]
-    if problems:
-        what, keys = problems[0]
-        raise ExportError(
-            f"export {model_dir}: from_pretrained finds {len(keys)} tensors {what}, e.g. {keys[0]}; "
-            "the directory is not a complete model"
-        )
+    }
+    _refuse(model_dir, "from_pretrained finds", found)
     if info.get("error_msgs"):
         raise ExportError(f"export {model_dir}: from_pretrained reports {info['error_msgs'][0]}")
+
+
+MISSING, UNEXPECTED = "missing", "unexpected"
+MISSHAPED = "of the wrong shape (empty: a ZeRO-3 gather failed?)"
+
+
+def _refuse(model_dir: Path, finder: str, found: dict[str, list[str]]) -> None:
+    """One line for the first kind of problem found (missing, unexpected, mis-shaped), if any."""
+    for what, keys in found.items():
+        if keys:
+            raise ExportError(
+                f"export {model_dir}: {finder} {len(keys)} tensors {what}, e.g. {keys[0]}; "
+                "the directory is not a complete model"
+            )
+
+
+@dataclass(frozen=True)
+class _Needed:
+    """A tensor the architecture in config.json needs: every name a load takes it under, and its shape."""
+
+    names: tuple[str, ...]  # the first is the name save_pretrained writes
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """What a complete directory of the architecture in config.json holds, from a skeleton on the meta device."""
+
+    plain: list[
+        _Needed
+    ]  # stored as they are in memory (under another name at most, e.g. GPT-NeoX's embed_out)
+    # Tensors save_pretrained converts (a fused MoE expert tensor is written one expert at a time): the
+    # directory holds either the written form or, complete, the in-memory one.
+    converted: list[_Needed]
+    in_memory: list[_Needed]
+    may_lack: tuple[str, ...]  # the model class's patterns for keys a load does not miss
+    may_hold: tuple[str, ...]  # ... and for stored keys a load ignores
+
+
+def _architecture(model_dir: Path) -> _Architecture:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"), _transformers_quiet():  # no memory, no initialisation
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ExportError(
+            f"export {model_dir}: config.json does not build a model ({first_line(exc)})"
+        ) from None
+    # save_pretrained's steps in its order: drop the keys it never saves, store a tied tensor once (a
+    # tied pair is one Parameter), then rename / convert to the checkpoint's names.
+    state = skeleton.state_dict(keep_vars=True)
+    for key in skeleton._keys_to_ignore_on_save or ():
+        state.pop(key, None)
+    memory_names: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        memory_names.setdefault(id(tensor), []).append(name)
+    stored = _saved_form(model_dir, skeleton, state)
+    # A renamed tensor is the same object under its stored name; a converted one is a new tensor.
+    stored_names: dict[int, list[str]] = {}
+    for name, tensor in stored.items():
+        stored_names.setdefault(id(tensor), []).append(name)
+    plain, in_memory = [], []
+    for ident, names in memory_names.items():
+        shape = tuple(state[names[0]].shape)
+        if ident in stored_names:
+            plain.append(
+                _Needed((*stored_names[ident], *(n for n in names if n not in stored_names[ident])), shape)
+            )
+        else:
+            in_memory.append(_Needed(tuple(names), shape))
+    converted = [
+        _Needed(tuple(names), tuple(stored[names[0]].shape))
+        for ident, names in stored_names.items()
+        if ident not in memory_names
+    ]
+    return _Architecture(
+        plain,
+        converted,
+        in_memory,
+        tuple(skeleton._keys_to_ignore_on_load_missing or ()),
+        tuple(skeleton._keys_to_ignore_on_load_unexpected or ()),
+    )
+
+
+def _saved_form(
+    model_dir: Path, skeleton: PreTrainedModel, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`state` under the names (and in the layout) save_pretrained writes it.
+
+    transformers 5.x renames and converts some families' weights between memory and disk (GPT-NeoX's head is
+    lm_head in memory and embed_out on disk; MoE experts are fused in memory) with the function below, the one
+    save_pretrained calls (modeling_utils.py, 5.24 and 5.25). It is not public API: where it is gone the check
+    refuses in one line rather than compare names that may no longer be the stored ones.
+    """
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        import transformers
+
+        raise ExportError(
+            f"export {model_dir}: transformers {transformers.__version__} has no "
+            "core_model_loading.revert_weight_conversion (save_pretrained's key names; verified on 5.24-5.25), "
+            "so the keys cannot be checked: install the tested transformers"
+        ) from None
+    return cast("dict[str, torch.Tensor]", revert_weight_conversion(skeleton, dict(state)))
+
+
+def check_keys(model_dir: Path, saved: dict[str, tuple[int, ...]]) -> None:
+    """Raise one line unless the safetensors headers hold exactly the tensors config.json's architecture needs.
+
+    Names and shapes only: the architecture is built on the meta device and no weight is read, so this
+    runs whatever the model's size. It follows from_pretrained's rules: a tied tensor is stored under
+    either of its names, and the model class's ignore patterns excuse a key (what it loads it reports).
+    """
+    arch = _architecture(model_dir)
+
+    def matches(patterns: tuple[str, ...], key: str) -> bool:
+        return any(re.search(pattern, key) for pattern in patterns)
+
+    def absent(tensors: list[_Needed]) -> list[str]:
+        return [
+            t.names[0]
+            for t in tensors
+            if not any(n in saved for n in t.names) and not any(matches(arch.may_lack, n) for n in t.names)
+        ]
+
+    everything = [*arch.plain, *arch.converted, *arch.in_memory]
+    known = {name for t in everything for name in t.names}
+    found = {
+        MISSING: sorted(absent(arch.plain) + (absent(arch.converted) if absent(arch.in_memory) else [])),
+        UNEXPECTED: sorted(k for k in saved if k not in known and not matches(arch.may_hold, k)),
+        MISSHAPED: sorted(n for t in everything for n in t.names if n in saved and saved[n] != t.shape),
+    }
+    _refuse(model_dir, "checked against config.json's architecture, the safetensors files have", found)
 
 
 def _why_not_logits(model_dir: Path, reference: Reference | None, why_none: str) -> str | None:
@@ -294,14 +429,14 @@ def verify_export(
         raise ExportError(
             f"export {model_dir}: {len(empty)} tensors are empty, e.g. {empty[0]} (a ZeRO-3 gather failed?)"
         )
+    check_keys(model_dir, saved)  # headers only: whatever the size, and before anything is loaded
     why_no_logits = _why_not_logits(model_dir, reference, why_none)
-    model, info = _load(model_dir, on_meta=why_no_logits is not None)
-    check_loading_info(model_dir, info)
-    report = ExportReport(tensors=len(saved), why_no_logits=why_no_logits)
-    if why_no_logits is None:
-        assert reference is not None
-        report = _compare_logits(model_dir, model, reference, len(saved))
-    return report
+    if why_no_logits is not None:
+        return ExportReport(tensors=len(saved), why_no_logits=why_no_logits)
+    assert reference is not None
+    model, info = _load(model_dir)
+    check_loading_info(model_dir, info)  # the same question, answered by the loader a user runs
+    return _compare_logits(model_dir, model, reference, len(saved))
 
 
 def write_check(model_dir: Path, report: ExportReport) -> None:

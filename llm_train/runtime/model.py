@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config.attention_kernel import choose_attention
+from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
@@ -111,9 +112,9 @@ def build_model(
     dtype = getattr(torch, _DTYPES[precision])
     if memory.attention == "auto":
         # A resolved run never gets here with "auto" (config/resolution.py picks the kernel for its layout);
-        # a caller that builds a model on its own (tests, tools) gets what auto picks for one process here.
-        here = "cuda" if torch.cuda.is_available() else "cpu"
-        memory = memory.model_copy(update={"attention": choose_attention("auto", here).kernel})
+        # a caller that builds a model on its own (tests, tools) gets what auto picks for one process here
+        # (the head size assumed, as for a model not known offline).
+        memory = memory.model_copy(update={"attention": choose_attention("auto", Device.detect()).kernel})
     if memory.attention == SDPA_FLEX:
         register_sdpa_flex()  # transformers looks the kernel up by name while building the model
     if model.init == "pretrained":

@@ -133,8 +133,42 @@ class Staging:
         return weight.to(self.device)
 
 
+# The parameters of transformers' 4-bit quantize op (integrations/bitsandbytes.py `Bnb4bitQuantize`), as
+# transformers 5.24 and 5.25 have them: `staged_quantizer` subclasses it, builds it and calls its convert by
+# these names. The class is not public API (5.x's Bnb4bitDeserialize.convert takes the same two in the other
+# order), so another transformers is refused rather than called with arguments it may read otherwise.
+QUANTIZE_OP_PARAMETERS = {
+    "__init__": ("self", "hf_quantizer"),
+    "convert": ("self", "input_dict", "full_layer_name", "model", "kwargs"),
+}
+
+
+def check_quantize_op() -> None:
+    """Refuse in one line a transformers whose 4-bit quantize op is not the one `staged_quantizer` was verified on."""
+    import inspect
+
+    import transformers
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+
+    for method, expected in QUANTIZE_OP_PARAMETERS.items():
+        found = tuple(inspect.signature(getattr(Bnb4bitQuantize, method)).parameters)
+        if found != expected:
+            raise UserError(
+                f"lora.quantize=nf4 under ZeRO-3 loads its base through transformers' Bnb4bitQuantize.{method}"
+                f"({', '.join(expected[1:])}), but transformers {transformers.__version__} has "
+                f"{method}({', '.join(found[1:])}); install the transformers llm_train is tested with (5.24 or 5.25)"
+            )
+
+
+def check_staged_quantizer(lora: LoraSection | None, zero_stage: int) -> None:
+    """Before any worker starts: a base that will be staged (`staged_on_host`) can be, with this transformers."""
+    if staged_on_host(lora, zero_stage):
+        check_quantize_op()
+
+
 def staged_quantizer(staging: Staging) -> type[Bnb4BitHfQuantizer]:
     """transformers' bitsandbytes 4-bit quantizer, its quantize op staging each weight on `staging.device`."""
+    check_quantize_op()
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
@@ -153,7 +187,9 @@ def staged_quantizer(staging: Staging) -> type[Bnb4BitHfQuantizer]:
                 staged = staging.stage(weight)
                 # transformers' own op on the staged weight: Params4bit(staged, ...).to(staged.device), i.e.
                 # bitsandbytes quantises it on the staging device (and sets the module's quant_state).
-                quantized = super().convert({name: [staged]}, full_layer_name, model, **kwargs)[name]
+                quantized = super().convert(
+                    {name: [staged]}, full_layer_name=full_layer_name, model=model, **kwargs
+                )[name]
                 del staged  # the 16-bit copy on the staging device: gone before the next weight comes
                 # The packed codes to the host (ZeRO-3 partitions them from there); the quantisation state
                 # stays where it was made. A no-op with the CPU as staging device.
@@ -163,7 +199,7 @@ def staged_quantizer(staging: Staging) -> type[Bnb4BitHfQuantizer]:
 
     class StagedBnb4BitHfQuantizer(Bnb4BitHfQuantizer):
         def get_quantize_ops(self) -> StagedQuantize:
-            return StagedQuantize(self)
+            return StagedQuantize(hf_quantizer=self)
 
     return StagedBnb4BitHfQuantizer
 

@@ -18,10 +18,12 @@ import pytest
 import torch
 
 from llm_train.config.attention_kernel import Installed, choose_attention
+from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
 from llm_train.data import prepare_data
 from llm_train.data.model_inputs import IGNORE, build_rows
 from llm_train.errors import UserError
+from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_of
@@ -153,28 +155,81 @@ def test_sdpa_flex_sends_unpacked_rows_to_sdpa_is_causal_and_packed_rows_to_flex
 HAVE_ALL = Installed(flash_attn=True, torch_version=(2, 11))
 NO_FLASH = Installed(flash_attn=False, torch_version=(2, 11))
 OLD_TORCH = Installed(flash_attn=False, torch_version=(2, 4))
+# Cards as torch reports them (shared_memory_per_block_optin, bytes).
+H100 = Device("cuda", "NVIDIA H100 80GB HBM3", True, (9, 0), 232448)
+RTX_4090 = Device("cuda", "NVIDIA GeForce RTX 4090", True, (8, 9), 101376)
+H200 = Device("cuda", "NVIDIA H200", True, (9, 0), 232448)  # the GPU machine
 
 
 @pytest.mark.parametrize(
     ("device", "degrees", "installed", "kernel"),
     [
         ("cpu", {}, HAVE_ALL, "sdpa"),  # flex cannot train on CPU, flash-attn needs a GPU
-        ("cuda", {}, HAVE_ALL, "flash_attention_2"),
-        ("cuda", {}, NO_FLASH, "sdpa_flex"),  # the GPU machine: torch 2.11, no flash-attn
-        ("cuda", {}, OLD_TORCH, "sdpa"),
-        ("cuda", {"sp": 2}, NO_FLASH, "sdpa"),  # Ulysses wraps sdpa / flash-attention only
-        ("cuda", {"sp": 2}, HAVE_ALL, "flash_attention_2"),
-        ("cuda", {"pp": 2}, NO_FLASH, "sdpa"),  # pipeline stages build their own masks
-        ("cuda", {"tp": 2}, NO_FLASH, "sdpa"),  # flex under AutoTP: not verified
+        (H200, {}, HAVE_ALL, "flash_attention_2"),
+        (H200, {}, NO_FLASH, "sdpa_flex"),  # the GPU machine: torch 2.11, no flash-attn
+        (H200, {}, OLD_TORCH, "sdpa"),
+        (H200, {"sp": 2}, NO_FLASH, "sdpa"),  # Ulysses wraps sdpa / flash-attention only
+        (H200, {"sp": 2}, HAVE_ALL, "flash_attention_2"),
+        (H200, {"pp": 2}, NO_FLASH, "sdpa"),  # pipeline stages build their own masks
+        (H200, {"tp": 2}, NO_FLASH, "sdpa"),  # flex under AutoTP: not verified
+        ("cuda", {}, NO_FLASH, "sdpa"),  # a card whose shared memory is not known: the safe road
     ],
 )
 def test_auto_picks_the_fastest_exact_kernel_installed(
-    device: str, degrees: dict[str, int], installed: Installed, kernel: str
+    device: Device | str, degrees: dict[str, int], installed: Installed, kernel: str
 ) -> None:
-    choice = choose_attention("auto", device, installed=installed, **degrees)
+    choice = choose_attention("auto", device, installed=installed, head_dim=128, **degrees)
     assert choice.kernel == kernel and choice.why.startswith(f"auto -> {kernel}")
     # An explicit choice is kept as it is.
     assert choose_attention("eager", device, installed=installed, **degrees).kernel == "eager"
+
+
+@pytest.mark.parametrize(
+    ("device", "head_dim", "kernel", "because"),
+    [
+        # pytorch/pytorch#133254: the flex backward at head_dim 128 asks 131,074 bytes; a 4090 has 101,376.
+        (
+            RTX_4090,
+            128,
+            "sdpa",
+            "needs 128 KiB of shared memory per block, NVIDIA GeForce RTX 4090 has 99 KiB",
+        ),
+        (
+            H100,
+            128,
+            "sdpa_flex",
+            "needs 128 KiB of shared memory per block, NVIDIA H100 80GB HBM3 has 227 KiB",
+        ),
+        (RTX_4090, 64, "sdpa_flex", "fits every card at head_dim 64"),
+        # A dry run for a named card: no torch properties, the compute capability's table value.
+        (Device("cuda", "A10", True, (8, 6)), 128, "sdpa", "A10 has 99 KiB"),
+        (Device("cuda", "A100-80GB", True, (8, 0)), 128, "sdpa_flex", "A100-80GB has 163 KiB"),
+        (Device("cuda", "RTX 5090", True, (12, 0)), 256, "sdpa", "needs 227 KiB"),  # #198224
+        (Device("cuda", "GPU", True), 128, "sdpa", "this GPU's shared memory per block is not known"),
+    ],
+)
+def test_auto_takes_flex_only_where_its_backward_fits_the_card_at_the_models_head_dim(
+    device: Device, head_dim: int, kernel: str, because: str
+) -> None:
+    choice = choose_attention("auto", device, installed=NO_FLASH, head_dim=head_dim)
+    assert choice.kernel == kernel and choice.why.startswith(f"auto -> {kernel}: ")
+    assert because in choice.why and "\n" not in choice.why
+
+
+def test_the_dry_run_of_a_4090_recipe_says_sdpa_and_why_and_the_planner_counts_its_mask() -> None:
+    # 8b-32k-rtx4090 packs 32k-token rows of Llama-3.1-8B (head_dim 128) on an RTX 4090, without flash-attn.
+    if Installed.here().flash_attn:
+        pytest.skip("flash-attn is installed here: auto takes it")
+    card = Device("cuda", "RTX 4090", True, (8, 9))
+    run = resolve_run("8b-32k-rtx4090", [], world_size=1, device=card)
+    assert run.recipe.memory.attention == "sdpa"
+    assert "at head_dim 128 needs 128 KiB of shared memory per block, RTX 4090 has 99 KiB" in run.attention
+    h100 = resolve_run("8b-32k-rtx4090", [], world_size=1, device=H100)
+    assert h100.recipe.memory.attention == "sdpa_flex"
+    # The planner estimates the kernel the run will use: the dense mask sdpa gets for packed rows.
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    assert "attention_mask" in estimate_memory(memory_inputs(run, shape, 1)).gpu_terms
+    assert "attention_mask" not in estimate_memory(memory_inputs(h100, shape, 1)).gpu_terms
 
 
 def test_flex_kernels_need_torch_2_5() -> None:

@@ -181,3 +181,72 @@ def test_a_model_too_large_for_free_ram_is_checked_by_keys_only(
     monkeypatch.setattr(export_module, "_LOGIT_CHECK_RAM_SHARE", 0.0)  # as if the host had no free RAM
     report = verify_export(tmp_path, reference)
     assert report.max_logit_diff is None and "too large to load here" in report.describe()
+
+
+def keys_only(out: Path) -> None:
+    """verify_export without a reference: the check a model too large for this host's RAM gets."""
+    assert verify_export(out, None).max_logit_diff is None
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gpt2", "opt", "llama"])
+def test_the_keys_only_check_loads_nothing_and_names_a_missing_or_misshaped_tensor(
+    family: str, tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Renamed on disk (GPT-NeoX's embed_out), tied and stored once (GPT-2, OPT), plain (Llama).
+    export(family, tokenizer, tmp_path)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the keys-only check loaded the model")
+
+    # Nothing is loaded: transformers 5.25 refuses device_map="meta", and a real load is what does not fit.
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    keys_only(tmp_path)
+    file, name = first_block_weight(tmp_path)
+    saved = load_file(file)
+
+    rewrite(file, lambda tensors: tensors.update({name: saved[name][:-1].clone()}))  # one row short
+    with pytest.raises(ExportError) as misshaped:
+        keys_only(tmp_path)
+    assert "\n" not in str(
+        misshaped.value
+    ) and f"wrong shape (empty: a ZeRO-3 gather failed?), e.g. {name}" in str(misshaped.value)
+
+    rewrite(file, lambda tensors: tensors.pop(name))
+    with pytest.raises(ExportError) as missing:
+        keys_only(tmp_path)
+    assert "\n" not in str(missing.value) and f"1 tensors missing, e.g. {name};" in str(missing.value)
+
+    rewrite(file, lambda tensors: tensors.update({name: saved[name], "lm_head.bias": torch.zeros(3)}))
+    with pytest.raises(ExportError, match="1 tensors unexpected, e.g. lm_head.bias"):
+        keys_only(tmp_path)
+
+
+def test_a_head_stored_under_its_in_memory_name_passes_as_from_pretrained_takes_it(
+    tokenizer, tmp_path: Path
+) -> None:
+    # save_pretrained writes GPT-NeoX's head as embed_out; a directory written layer by layer
+    # (runtime/sharded_export.py) keeps the in-memory lm_head, which from_pretrained loads too.
+    export("gpt_neox", tokenizer, tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    rewrite(file, lambda tensors: tensors.update({"lm_head.weight": tensors.pop("embed_out.weight")}))
+    keys_only(tmp_path)
+
+
+def test_moe_experts_pass_in_either_stored_form_and_a_missing_expert_is_named(tmp_path: Path) -> None:
+    # Mixtral's experts are one fused tensor per layer in memory and one tensor per expert on disk
+    # (transformers 5.x converts between them): the check reads the layout save_pretrained writes.
+    config = AutoConfig.for_model("mixtral", vocab_size=96, num_local_experts=4, **COMMON)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    expert = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
+    assert expert in load_file(file)
+    keys_only(tmp_path)
+
+    rewrite(file, lambda tensors: tensors.pop(expert))
+    with pytest.raises(ExportError, match=f"1 tensors missing, e.g. {re.escape(expert)};"):
+        keys_only(tmp_path)
+
+    # The in-memory (fused) form, as a directory written layer by layer holds it, is complete too.
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, file, metadata={"format": "pt"})
+    keys_only(tmp_path)

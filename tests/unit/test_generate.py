@@ -144,3 +144,59 @@ def test_a_qlora_runs_base_loads_in_4_bits_when_bitsandbytes_is_there(
     ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])  # type: ignore[operator]
     with torch.no_grad():
         assert torch.isfinite(loaded(input_ids=ids).logits).all()
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line `llm-train ARGV` ends with, exit 2 (cli.main lets anything but a UserError through)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_model_directory_without_tokenizer_files_is_one_line_naming_the_fix(
+    pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What a hand-made export looks like: config and weights, no tokenizer.
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((pretrained / name).read_bytes())
+    line = _refused(["generate", str(tmp_path), "--prompt", PROMPT], capsys)
+    assert line.startswith(f"llm-train: error: {tmp_path}: no tokenizer files (tokenizer.json, ")
+    assert "copy the tokenizer files of the model it was trained from into it" in line
+
+    # Files that are there but do not make a tokenizer: transformers' reason, and the same fix.
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    line = _refused(["generate", str(tmp_path), "--prompt", PROMPT], capsys)
+    assert "its tokenizer does not load (" in line and "copy the tokenizer files" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_model_larger_than_the_free_host_ram_is_refused_before_it_loads(
+    command: str, pretrained: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+    from transformers import AutoModelForCausalLM
+
+    # Its weights: 2 x 8 x 256 embeddings plus two blocks; in fp32 (what --dtype auto is on a CPU) they
+    # take 4 bytes each. A host with less free than that is refused before transformers is asked.
+    need = sum(p.numel() for p in _hf(pretrained)[0].state_dict().values()) * 4
+    capsys.readouterr()  # that load's progress bar
+    free = need // 3
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=free))
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    argv = [command, str(pretrained)] + (["--prompt", PROMPT] if command == "generate" else [])
+    line = _refused(argv, capsys)
+    assert f"{pretrained}: its weights take {need / 2**30:.1f} GiB of host RAM in float32 to load" in line
+    assert f"this machine has {free / 2**30:.1f} GiB free" in line
+    assert (
+        "--dtype bf16" in line
+        and "--quantize nf4" in line
+        and "or a machine with at least 1 GiB free" in line
+    )

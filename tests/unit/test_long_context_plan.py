@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from llm_train import RECIPES_DIR, cli
+from llm_train.config.attention_kernel import Installed
 from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.planning.auto import choose_auto
@@ -335,12 +336,25 @@ def test_the_64k_qlora_recipe_fits_one_24gb_card_as_its_header_says() -> None:
     )
     match = re.search(r"GPU ~([\d.]+) GiB, host RAM ~([\d.]+) GiB .* FITS, at ~(\d+) tokens/s", header)
     assert match, "the header must quote the planner"
-    report = plan_recipe("8b-qlora-64k-rtx4090", [], detect=False)
+    # With flash-attn, which auto takes where it is installed (the header asks for it on a 4090).
+    report = plan_recipe("8b-qlora-64k-rtx4090", ["memory.attention=flash_attention_2"], detect=False)
     assert report.word == "FITS"
     assert abs(report.evaluation.device_bytes / GiB - float(match.group(1))) < 0.05
     assert abs(report.evaluation.host_bytes / GiB - float(match.group(2))) < 0.05
     assert abs(report.evaluation.time.tokens_per_s - float(match.group(3))) < 1
     # 131k does not fit the card any more (the header says so): the estimate an earlier planner gave
     # (21.8 GiB) did not count the norms' fp32 copies nor the loss's real chunk.
-    longer = plan_recipe("8b-qlora-64k-rtx4090", ["data.seq_len=131072"], host_ram_gib=64, detect=False)
+    longer = plan_recipe(
+        "8b-qlora-64k-rtx4090",
+        ["data.seq_len=131072", "memory.attention=flash_attention_2"],
+        host_ram_gib=64,
+        detect=False,
+    )
     assert longer.evaluation.device_bytes > 24 * GiB
+    # Without flash-attn, auto takes sdpa on the 4090 (flex's backward does not fit its shared memory at
+    # head_dim 128), and the [64k x 64k] mask of packed rows does not fit: the header says that too.
+    if not Installed.here().flash_attn:
+        plain = plan_recipe("8b-qlora-64k-rtx4090", [], detect=False)
+        assert plain.evaluation.inputs.attn_impl == "sdpa" and plain.word == "DOES NOT FIT"
+        (quoted,) = re.findall(r"mask for packed rows does not fit \(GPU ~([\d.]+) GiB\)", header)
+        assert abs(plain.evaluation.device_bytes / GiB - float(quoted)) < 0.05

@@ -292,6 +292,59 @@ def test_cpu_staging_gives_todays_codes_and_state_bit_for_bit(tiny_base: Path, d
         assert param.dtype == mine[name].dtype and torch.equal(mine[name], param), name
 
 
+def test_the_staged_load_calls_the_quantize_op_it_was_verified_on(tiny_base: Path) -> None:
+    # The installed transformers (the tested one) passes the check, before a worker starts and at the load.
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from llm_train.runtime.quantized_base import Staging, check_staged_quantizer, staged_quantizer
+
+    check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=3)
+    assert issubclass(staged_quantizer(Staging("cpu")), Bnb4BitHfQuantizer)
+
+
+def test_a_transformers_whose_quantize_op_differs_is_refused_in_one_line_before_the_registry_is_patched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import transformers
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    from llm_train.runtime.compat import quantizing_on
+    from llm_train.runtime.quantized_base import Staging, check_staged_quantizer
+
+    def convert(self, input_dict, model=None, full_layer_name=None, **kwargs):  # Bnb4bitDeserialize's order
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Bnb4bitQuantize, "convert", convert)
+    before = AUTO_QUANTIZER_MAPPING["bitsandbytes_4bit"]
+    with pytest.raises(UserError) as refused, quantizing_on(Staging("cpu")):
+        pass
+    assert AUTO_QUANTIZER_MAPPING["bitsandbytes_4bit"] is before  # nothing was patched
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message == (
+        "lora.quantize=nf4 under ZeRO-3 loads its base through transformers' Bnb4bitQuantize.convert(input_dict, "
+        f"full_layer_name, model, kwargs), but transformers {transformers.__version__} has convert(input_dict, "
+        "model, full_layer_name, kwargs); install the transformers llm_train is tested with (5.24 or 5.25)"
+    )
+    # The first process refuses it too, and only for a base that is staged (nf4 under ZeRO-3).
+    with pytest.raises(UserError, match="Bnb4bitQuantize.convert"):
+        check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=3)
+    check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=2)
+
+    # Its constructor, which staged_quantizer calls by keyword too.
+    monkeypatch.undo()
+
+    def init(self, quantizer):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Bnb4bitQuantize, "__init__", init)
+    with pytest.raises(
+        UserError, match=r"Bnb4bitQuantize.__init__\(hf_quantizer\), but .* has __init__\(quantizer\);"
+    ):
+        check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=3)
+
+
 def test_the_load_stages_one_weight_at_a_time(tiny_base: Path) -> None:
     """A staging area that keeps its own copy of each weight it is given, and looks, each time it is given
     one, at how many of the earlier copies still exist: none may, so at most one 16-bit weight is ever in
