@@ -86,10 +86,21 @@ class Consumer:
     steps: int = STEPS
 
 
+# The attention kernel is pinned to what the emulated card runs, so the plan (made for that card) and the
+# run on the H200 (whose auto would take sdpa_flex) use the same one: sdpa on an RTX 40 card without
+# flash-attn (config/attention_kernel.py: flex's backward at head_dim 128 does not fit its shared memory);
+# for the 64k recipe, which needs flash-attn's varlen kernel on such a card (its header), sdpa_flex stands in
+# for it (flash-attn is not on that machine; both compute only each document's causal blocks).
+ON_RTX_40 = ("memory.attention=sdpa",)
 CONSUMERS = (
-    Consumer("qlora_12", "8b-qlora-rtx4070", TORCHTUNE, finish=True),  # its 7 targets: attention + MLP
-    Consumer("lora_24", "8b-lora-rtx4090", (*TORCHTUNE, "lora.target_modules=[q_proj,v_proj]"), finish=True),
-    Consumer("qlora_64k", LONG_RECIPE, (), finish=False, steps=2),
+    Consumer("qlora_12", "8b-qlora-rtx4070", (*TORCHTUNE, *ON_RTX_40), finish=True),  # 7 targets: attn + MLP
+    Consumer(
+        "lora_24",
+        "8b-lora-rtx4090",
+        (*TORCHTUNE, *ON_RTX_40, "lora.target_modules=[q_proj,v_proj]"),
+        finish=True,
+    ),
+    Consumer("qlora_64k", LONG_RECIPE, ("memory.attention=sdpa_flex",), finish=False, steps=2),
 )
 
 

@@ -33,7 +33,7 @@ from llm_train.commands.drive import measure_drive
 from llm_train.config import ds_json
 from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.ds_json import nvme_paths
-from llm_train.config.hardware import describe_pairs, find_gpu, gpus_without_p2p
+from llm_train.config.hardware import Device, describe_pairs, find_gpu, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
@@ -287,7 +287,7 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
     else:
         report.add(section, "flash-attn", "not installed (memory.attention=auto works without it)")
     # What memory.attention=auto picks on this machine for one process per GPU (config/attention_kernel.py).
-    report.add(section, "attention", choose_attention("auto", "cuda" if gpus else "cpu").why)
+    report.add(section, "attention", choose_attention("auto", Device.detect() if gpus else "cpu").why)
     if not flash and any(g[2] >= (8, 0) for g in gpus):
         report.warn(
             "flash-attn is not installed (optional)",
