@@ -81,6 +81,37 @@ WINDOW = {w.library: w for w in WINDOWS}
 # The DeepSpeed releases every DeepSpeed workaround below was verified on.
 DEEPSPEED_TESTED = WINDOW["deepspeed"].tested
 
+# The library internals llm_train names, outside any public API: "module:attribute", the modules that use it.
+# A name a library may move or drop in any release is used only if it is listed here, and
+# tests/unit/test_compat.py both fails on an import of an unlisted one and resolves every listed one against
+# the installed libraries, so a release that takes one away fails the suite (and `make test-latest`, the
+# canary, the day it appears) instead of a user's run. Public: each library's top level and
+# PUBLIC_MODULES; everything else imported from these libraries is listed.
+PUBLIC_MODULES = (
+    "transformers.utils", "transformers.utils.logging", "transformers.integrations", "transformers.modeling_outputs",
+    "accelerate.utils", "bitsandbytes.nn", "peft.tuners.lora",
+)  # fmt: skip
+INTERNALS: dict[str, str] = {
+    "transformers.core_model_loading:revert_weight_conversion": "runtime/export.py (save_pretrained's key names)",
+    "transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING": "compat.quantizing_on (the staged 4-bit load)",
+    "transformers.quantizers.quantizer_bnb_4bit:Bnb4BitHfQuantizer": "runtime/quantized_base.py, compat",
+    "transformers.integrations.bitsandbytes:Bnb4bitQuantize": "runtime/quantized_base.py (the staged quantize op)",
+    "transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref": "compat.without_hf_zero3_config",
+    "transformers.integrations.deepspeed:unset_hf_deepspeed_config": "runtime/zero_engine.py, compat",
+    "transformers.integrations.sdpa_attention:sdpa_attention_forward": "runtime/document_attention.py",
+    "transformers.integrations.flex_attention:flex_attention_forward": "runtime/document_attention.py",
+    "transformers.masking_utils:flex_attention_mask": "runtime/document_attention.py (per-document blocks)",
+    "transformers.masking_utils:AttentionMaskInterface": "runtime/document_attention.py",
+    "transformers.loss.loss_utils:LOSS_MAPPING": "runtime/chunked_loss.py (the model's own loss, by name)",
+    "transformers.modeling_layers:GradientCheckpointingLayer": "runtime/tiling.py",
+    "transformers.masking_utils:find_packed_sequence_indices": "data/packing.py (packed rows kept apart)",
+    "accelerate.commands.launch:_validate_launch_command": "runtime/launch_env.py (accelerate's own reading)",
+    "accelerate.commands.launch:launch_command_parser": "runtime/launch_env.py",
+    "accelerate.commands.config:default_config_file": "runtime/launch_env.py",
+    "accelerate.utils.dataclasses:DeepSpeedSequenceParallelConfig": "runtime/sequence_parallel.py (Ulysses)",
+    "peft.utils.integrations:dequantize_bnb_weight": "runtime/quantized_base.py (the merged export of QLoRA)",
+}
+
 P = ParamSpec("P")  # the wrapped function's parameters (the op loader, DeepSpeed's Muon kernels)
 R = TypeVar("R")
 

@@ -8,6 +8,7 @@ library's attributes; and each patch does what its docstring says on the install
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import sys
 from collections.abc import Iterator
@@ -144,6 +145,69 @@ def test_doctor_warns_about_each_library_outside_its_window_and_nothing_inside(
     )
     warned = outside_for({"accelerate": "1.15.0", "lm-eval": "0.4.14"})
     assert [p.split()[0] for p, _ in warned] == ["accelerate", "lm-eval"]
+
+
+INTERNAL_LIBRARIES = ("transformers", "accelerate", "peft", "bitsandbytes")
+
+
+def _is_module(dotted: str) -> bool:
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except ModuleNotFoundError:  # the parent is a plain module, not a package
+        return False
+
+
+def _internal_names_imported() -> dict[str, str]:
+    """ "module:name" -> file, for every name llm_train imports from inside these libraries (not their public
+    surface: the top level and compat.PUBLIC_MODULES), and every private (_-prefixed) name imported anywhere."""
+    found = {}
+    for path in sorted((REPO / "llm_train").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            library = node.module.split(".")[0]
+            if library not in INTERNAL_LIBRARIES:
+                continue
+            public_module = node.module == library or node.module in compat.PUBLIC_MODULES
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"  # `from transformers import masking_utils`
+                if _is_module(submodule):
+                    if submodule not in compat.PUBLIC_MODULES:
+                        found[f"{submodule}:*"] = str(path.relative_to(REPO))
+                elif alias.name.startswith("_") or not public_module:
+                    found[f"{node.module}:{alias.name}"] = str(path.relative_to(REPO))
+    return found
+
+
+def test_every_library_internal_llm_train_imports_is_listed() -> None:
+    """A name from inside transformers/accelerate/peft/bitsandbytes is used only where compat.INTERNALS lists it."""
+    imported = _internal_names_imported()
+    listed_modules = {key.split(":")[0] for key in compat.INTERNALS}
+    unlisted = {
+        key: where
+        for key, where in imported.items()
+        if key not in compat.INTERNALS and not (key.endswith(":*") and key[:-2] in listed_modules)
+    }
+    assert not unlisted, f"list these in compat.INTERNALS (and check them): {unlisted}"
+    # The scan sees the imports it is about: a private name, a name from an internal module, an internal module.
+    assert "accelerate.commands.launch:_validate_launch_command" in imported
+    assert "transformers.loss.loss_utils:LOSS_MAPPING" in imported
+    assert "transformers.masking_utils:*" in imported
+
+
+def test_every_listed_internal_exists_in_the_installed_libraries() -> None:
+    """The check a new release meets first: run by make test on the lock and by the canary on the newest."""
+    import importlib
+
+    missing = []
+    for key in compat.INTERNALS:
+        module, name = key.split(":")
+        try:
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(key)
+        except ImportError:
+            missing.append(key)
+    assert not missing, f"gone from the installed libraries: {missing}"
 
 
 def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
