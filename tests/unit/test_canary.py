@@ -64,3 +64,17 @@ def test_the_canary_reads_the_real_pyproject_and_lock() -> None:
     locked = canary.locked_versions((REPO / "requirements-lock.txt").read_text())
     # Every direct requirement but torch (the user's CUDA build, or the Makefile's CPU pin) is locked.
     assert {canonicalize_name(r.name) for r in reqs} - {"torch"} <= set(locked)
+
+
+def test_the_report_names_each_failed_test_and_counts_the_rest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="tests.unit.test_a" name="test_ok"/>'
+        '<testcase classname="tests.unit.test_a" name="test_bad"><failure message="x"/></testcase>'
+        '<testcase classname="tests.e2e.test_b" name="test_err"><error message="y"/></testcase>'
+        '<testcase classname="tests.unit.test_c" name="test_skip"><skipped message="z"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    failed, counts = canary.junit_results(junit)
+    assert failed == ["tests.unit.test_a::test_bad", "tests.e2e.test_b::test_err"]
+    assert counts == "1 passed, 2 failed, 1 skipped"
