@@ -654,7 +654,7 @@ def lora_reasons(
             f"{'; '.join(full_verdict.reasons)}; so this trains {adapters} (--no-lora for the full fine-tune)"
         )
     elif full_tried:
-        closest = min(full_tried, key=lambda e: _overflow(e, hw))
+        closest = _closest(ask, full_tried)
         nvme = "" if ask.nvme_bytes else " (NVMe offload is considered only with --nvme-gib N)"
         reasons.append(
             f"no full fine-tune fits{nvme}: the closest, {short_config(closest.inputs)}, needs "
@@ -683,7 +683,7 @@ def _four_bit_reason(ask: AutoRequest, chosen: Evaluation, lora_tried: list[Eval
         )
     if not sixteen:
         return f"{what}: no configuration with a 16-bit base was estimated"
-    closest = min(sixteen, key=lambda e: _overflow(e, ask.hw))
+    closest = _closest(ask, sixteen)
     return (
         f"{what}: no configuration with a 16-bit base fits; the closest, {short_config(closest.inputs)}, needs "
         f"{_needs_text(closest, ask.hw)}"
@@ -765,7 +765,7 @@ def technique_reasons(ask: AutoRequest, chosen: Evaluation, tried: list[Evaluati
                 lambda e: e.long_context == NO_ALST,
             )
         )
-    elif c.uses_long_context:
+    elif c.uses_long_context and not ask.pins & LONG_CONTEXT_PINS:
         reasons.append(_long_context_reason(ask, chosen, tried))
     if c.uses_nvme and not c.lora_rank and lora != "never":
         lighter, _ = fastest_fitting([e for e in tried if e.inputs.lora_rank and not e.inputs.uses_nvme])
@@ -792,6 +792,7 @@ def _switch_reason(
     (slower, since the choice is the fastest), or the closest one without it when none fits."""
     kind = _kind(chosen.inputs)
     others = [e for e in tried if _kind(e.inputs) == kind and without(e.inputs)]
+    kind = "full fine-tune" if kind == "full" else kind
     best, _ = fastest_fitting(others)
     if best is not None:
         return (
@@ -800,7 +801,7 @@ def _switch_reason(
         )
     if not others:
         return f"{what}: no {kind} configuration without it was estimated"
-    closest = min(others, key=lambda e: _overflow(e, ask.hw))
+    closest = _closest(ask, others)
     return (
         f"{what}: no {kind} configuration without it fits; the closest, {short_config(closest.inputs)}, needs "
         f"{_needs_text(closest, ask.hw)}"
@@ -846,6 +847,12 @@ def _long_context_reason(ask: AutoRequest, chosen: Evaluation, tried: list[Evalu
         f"--seq-len {ask.seq_len} needs DeepSpeed ALST ({long_context_text(chosen.inputs)}; exact, the same "
         f"training){evidence}"
     )
+
+
+def _closest(ask: AutoRequest, evs: list[Evaluation]) -> Evaluation:
+    """The evaluation closest to fitting; without --nvme-gib one without NVMe (NVMe is no option then)."""
+    pool = [e for e in evs if not e.inputs.uses_nvme] if not ask.nvme_bytes else evs
+    return min(pool or evs, key=lambda e: _overflow(e, ask.hw))
 
 
 def _mode_text(c: MemoryInputs) -> str:

@@ -179,6 +179,58 @@ def test_a_bad_flag_is_one_line_and_exit_2(
     assert code == 2 and says in out and out.strip().count("\n") == 0 and "Traceback" not in out
 
 
+def test_why_names_the_pinned_rank_and_never_a_full_fine_tune_it_did_not_evaluate() -> None:
+    # lora.rank=8 on an 80 GB H100 with a 1B: adapters because the override asks for them, at rank 8.
+    hw = hardware_for(1, "H100", None, 64, None, detect=False)
+    why = choose_auto("meta-llama/Llama-3.2-1B", hw, overrides=["lora.rank=8"]).reasons
+    assert why[0].startswith("lora.rank=8 configures adapters: this trains LoRA adapters (rank 8)")
+    assert not any("no full fine-tune fits" in r or "rank 16" in r for r in why)
+
+
+def test_qlora_where_no_16_bit_base_fits_says_so_and_claims_no_margin() -> None:
+    # 70B on 2 x 24 GB with 128 GiB: only the 4-bit base fits, so there is no 16-bit base to be 5% faster than.
+    hw = hardware_for(2, "RTX-4090", None, 128, None, detect=False)
+    auto = choose_auto("meta-llama/Llama-3.1-70B", hw)
+    four_bit = next(r for r in auto.reasons if r.startswith("the frozen base loads in 4 bits"))
+    assert auto.inputs.quantize == "nf4" and "no configuration with a 16-bit base fits" in four_bit
+    assert "by more than" not in four_bit and "nvme" not in four_bit  # the closest the user can run as told
+
+
+def test_a_pinned_sequence_parallel_degree_is_planned_with_the_kernel_and_rows_it_needs(
+    tmp_path: Path,
+) -> None:
+    # sdpa_flex is auto's own choice on the plain ZeRO path; with sp it plans sdpa and padded rows instead.
+    model, hw = _hardware("full")
+    auto = choose_auto(model, hw, seq_len=8192, overrides=["deepspeed.sequence_parallel=2"])
+    assert auto.inputs.sp == 2 and auto.inputs.attn_impl == "sdpa"
+    assert not any("needs DeepSpeed ALST" in r for r in auto.reasons)  # the user asked for it
+    path = tmp_path / "sp.yaml"
+    path.write_text(auto_recipe_yaml(auto))
+    assert "packing: padded" in path.read_text()
+    check_written(auto, path)
+
+
+def test_lora_target_modules_are_planned() -> None:
+    model, hw = _hardware("lora")
+    auto = choose_auto(model, hw, overrides=["lora.target_modules=[q_proj,v_proj]"])
+    assert auto.inputs.lora_targets == ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize(("gpu", "full", "lora"), [("RTX-4090", 158.6, 109.0), ("H100", 28.9, 12.0)])
+def test_a_full_fine_tune_preferred_over_faster_adapters_says_what_it_costs(
+    gpu: str, full: float, lora: float
+) -> None:
+    # The issue's item 6: 128 -> 192 GiB lets a full fine-tune fit; the policy prefers it and says so.
+    hw = hardware_for(1, gpu, None, 192, None, detect=False)
+    auto = choose_auto("meta-llama/Llama-3.1-8B", hw)
+    assert not auto.inputs.lora_rank
+    line = next(r for r in auto.reasons if r.startswith("full fine-tune preferred"))
+    assert f"~{full} s/step against LoRA's ~{lora}" in line and "--lora for adapters" in line
+    assert choose_auto("meta-llama/Llama-3.1-8B", hw, lora="always").evaluation.time.total == pytest.approx(
+        lora, abs=0.05
+    )
+
+
 # --- one source of truth for the adapters' defaults ---------------------------------------------------------
 
 
