@@ -21,7 +21,7 @@ from llm_train.config.layout import make_layout
 from llm_train.config.recipe import load_recipe
 from llm_train.errors import UserError
 from llm_train.observability.profiling import parse_range
-from llm_train.planning.guards import memory_rows
+from llm_train.planning.guards import RunEstimate, estimate_run, memory_rows
 
 if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved
@@ -152,9 +152,13 @@ def eval_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def startup_summary(
-    run: Resolved, say: Callable[[str], None], extra: list[tuple[str, str]] | None = None
+    run: Resolved,
+    say: Callable[[str], None],
+    extra: list[tuple[str, str]] | None = None,
+    estimated: RunEstimate | None = None,
 ) -> None:
-    """Plan, memory estimate and where every output goes, before any weights are loaded."""
+    """Plan, memory estimate and where every output goes, before any weights are loaded. `estimated`: the
+    estimate the checks before start read (reused where the settled run plans the same inputs)."""
 
     recipe, layout = run.recipe, run.layout
     out = recipe.output_dir
@@ -162,7 +166,7 @@ def startup_summary(
     for key, value in layout.rows():
         say(f"  {key:<12} {value}")
     say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
-    estimate = dict(memory_rows(run)) if layout.device != "cpu" else {}
+    estimate = dict(memory_rows(run, estimate_run(run, known=estimated))) if layout.device != "cpu" else {}
     if estimate:
         say(
             f"  {'memory':<12} ~{estimate.get('GPU total (per GPU)', '?')} per GPU, "

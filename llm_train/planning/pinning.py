@@ -80,9 +80,13 @@ def memlock_limit() -> MemlockLimit:
     return MemlockLimit(int(soft), "RLIMIT_MEMLOCK")
 
 
-def memlock_problem(inp: MemoryInputs, source: str, limit: MemlockLimit | None = None) -> str | None:
-    """One line when a process of this run would mlock more than its limit allows (None when it fits)."""
-    locked = estimate_memory(inp).locked_per_rank
+def memlock_problem(
+    inp: MemoryInputs, source: str, limit: MemlockLimit | None = None, locked: int | None = None
+) -> str | None:
+    """One line when a process of this run would mlock more than its limit allows (None when it fits).
+    locked: the bytes a process locks, when the caller has the estimate of `inp` already."""
+    if locked is None:
+        locked = estimate_memory(inp).locked_per_rank
     limit = limit or memlock_limit()
     if locked == 0 or limit.allows(locked):
         return None
