@@ -52,7 +52,7 @@ from llm_train.config.ds_json import load_ds_config, nvme_paths
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import default_precision, degrees_divide, parallel_degrees
 from llm_train.config.recipe import Recipe, parse_override, recipe_from_data, yaml_load
-from llm_train.config.resolution import largest_weight, model_fields, resolve_recipe, resolve_run
+from llm_train.config.resolution import Resolved, largest_weight, model_fields, resolve_recipe, resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.candidate import (
     AUTO_MICRO_BATCHES,
@@ -223,6 +223,8 @@ class AutoRequest:
     """The user's lora.* overrides: each one asks for adapters."""
     largest_weight: int = 0
     """Elements of the model's largest weight matrix (config/resolution.largest_weight)."""
+    nvme_path_set: bool = False
+    """The user set deepspeed.nvme_path: a run refuses it with a DS JSON that offloads nothing to nvme."""
 
     @property
     def on_gpu(self) -> bool:
@@ -234,7 +236,8 @@ class AutoRequest:
         offload only on CUDA."""
         if "ds_key" in self.pins:
             return [self.base.ds_key]
-        return [k for k in SHIPPED_DS_CONFIGS if self.on_gpu or k[1:] == ("none", "none")]
+        modes = [k for k in SHIPPED_DS_CONFIGS if self.on_gpu or k[1:] == ("none", "none")]
+        return [k for k in modes if "nvme" in k[1:]] if self.nvme_path_set else modes
 
     def pinnings(self, mode: tuple[int, str, str]) -> tuple[str, ...]:
         """deepspeed.pinning values to try with a DS JSON: the user's, or each where something is offloaded."""
@@ -313,7 +316,7 @@ def auto_request(
         set_key(data, "memory.attention", planned_attention(hw))
     if sp > 1 and "data.packing" not in keys:
         set_key(data, "data.packing", "padded")  # under Ulysses sdpa sees one causal sequence per row
-    run = resolve_recipe(recipe_from_data(copy.deepcopy(data), [], "--recipe auto"), hw.gpus, hw.device())
+    run = _resolve_base(data, hw, "ds_key" in pins)
     base = memory_inputs(run, shape, hw.gpus_per_node)
     kinds = _kinds(adapters, pins, base, hw)
     kind_bases = _kind_bases(data, kinds, set(keys), hw, shape)
@@ -333,7 +336,28 @@ def auto_request(
         kind_bases,
         lora_keys,
         largest_weight(run.model_fields, run.hidden_size),
+        "deepspeed.nvme_path" in keys,
     )
+
+
+def _resolve_base(data: dict[str, Any], hw: Hardware, ds_pinned: bool) -> Resolved:
+    """The base recipe resolved. Its DS JSON is only where the search starts (candidates vary it), so where the
+    user did not set deepspeed.config and an override needs another (optim.state_dtype=bf16 needs the optimizer
+    offloaded), the first shipped one the run accepts is taken; `data` is set to it. With none, the refusal of
+    auto's first is the answer."""
+    names = [data["deepspeed"]["config"]] if ds_pinned else list(dict.fromkeys(SHIPPED_DS_CONFIGS.values()))
+    first: UserError | None = None
+    for name in names:
+        set_key(data, "deepspeed.config", name)
+        try:
+            return resolve_recipe(
+                recipe_from_data(copy.deepcopy(data), [], "--recipe auto"), hw.gpus, hw.device()
+            )
+        except UserError as exc:
+            first = first or exc
+    set_key(data, "deepspeed.config", names[0])
+    assert first is not None
+    raise first
 
 
 def _check_batch_split(batch: int, hw: Hardware, degrees: tuple[int, int, int], pinned: bool) -> None:
