@@ -174,14 +174,15 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             # NCCL reads its P2P switch when the process group starts (later, in the session).
             if p2p_notice := disable_nccl_p2p(gpus_without_p2p()):
                 say(f"notice: {p2p_notice}")
-        run = resolve(args, world_size, device, accelerate)
+        made: list[RunEstimate] = []  # deepspeed.pinning=auto's estimates: the chosen one is the run's own
+        run = resolve(args, world_size, device, accelerate, made)
         if args.dry_run:
             print_dry_run(run)
             return 0
 
         nproc_per_node = spawn.nproc_per_node if spawn is not None else None
         # The planner's estimate, once per process: every check before start and the start-up summary read it.
-        estimated = estimate_run(run, nproc_per_node)
+        estimated = estimate_run(run, nproc_per_node, made)
         resume = check_before_start(run, args, nproc_per_node, estimated)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
@@ -214,6 +215,7 @@ def resolve(
     world_size: int | None,
     device: Device | None,
     accelerate: AccelerateLaunch | None = None,
+    made: list[RunEstimate] | None = None,
 ) -> Resolved:
     """The run these arguments ask for on `world_size` processes (None: the hardware the recipe declares).
 
@@ -235,7 +237,7 @@ def resolve(
     if run.recipe.deepspeed.pinning == "auto":
         # Decided once, here: the run (its DS JSON, the run directory's recipe.yaml, the checkpoints'
         # recipe hash) carries the allocator it decided on from now on.
-        pinning, notice = auto_pinning(run)
+        pinning, notice = auto_pinning(run, made=made)
         run = run.refine(pinning=pinning, notice=notice)
     backend = os.environ.get(PIN_BACKEND_ENV)
     if backend and backend != ("native" if run.recipe.deepspeed.pinning == "native" else "torch"):

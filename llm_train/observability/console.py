@@ -166,7 +166,12 @@ def startup_summary(
     for key, value in layout.rows():
         say(f"  {key:<12} {value}")
     say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
-    estimate = dict(memory_rows(run, estimate_run(run, known=estimated))) if layout.device != "cpu" else {}
+    if layout.device != "cpu":
+        known = [estimated] if estimated else []
+        gpus_per_node = estimated.inputs.gpus_per_node if estimated else None
+        estimate = dict(memory_rows(run, estimate_run(run, gpus_per_node, known)))
+    else:
+        estimate = {}
     if estimate:
         say(
             f"  {'memory':<12} ~{estimate.get('GPU total (per GPU)', '?')} per GPU, "

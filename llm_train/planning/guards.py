@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,26 +40,27 @@ class RunEstimate:
 
 
 def estimate_run(
-    run: Resolved, gpus_per_node: int | None = None, known: RunEstimate | None = None
+    run: Resolved, gpus_per_node: int | None = None, known: Sequence[RunEstimate] = ()
 ) -> RunEstimate | None:
     """The run's estimate (None when the model's shape is not a known family).
 
     gpus_per_node: processes on this node; default LOCAL_WORLD_SIZE (a worker), else the recipe's hardware.
-    known: an estimate this process made already; returned as it is when `run` plans the same inputs (a run
-    refined for its step count keeps its memory), so a run's start estimates once per process.
+    known: estimates this process made already (deepspeed.pinning=auto's candidates, the checks'); the one of
+    the same inputs is returned as it is (a run refined for its step count keeps its memory), so a run's
+    start estimates once per process.
     """
     try:
         shape = shape_from_config(run.model_fields)
     except UserError:
         return None
-    if gpus_per_node is None:
-        gpus_per_node = (
-            known.inputs.gpus_per_node if known else int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
-        )
-    inp = memory_inputs(run, shape, gpus_per_node)
-    if known is not None and known.inputs == inp:
-        return known
-    return RunEstimate(inp, estimate_memory(inp))
+    inp = memory_inputs(run, shape, gpus_per_node or _local_processes())
+    same = next((k for k in known if k.inputs == inp), None)
+    return same or RunEstimate(inp, estimate_memory(inp))
+
+
+def _local_processes() -> int | None:
+    """LOCAL_WORLD_SIZE in a worker (its launcher sets it), else None: the recipe's processes per node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
 
 
 # --- host-RAM guard (called by train.py before anything loads) --------------------------------------------
@@ -140,10 +142,14 @@ def memory_rows(run: Resolved, estimated: RunEstimate | None = None) -> list[tup
 
 
 def auto_pinning(
-    run: Resolved, limit: MemlockLimit | None = None, host_limit_bytes: int | None = None
+    run: Resolved,
+    limit: MemlockLimit | None = None,
+    host_limit_bytes: int | None = None,
+    made: list[RunEstimate] | None = None,
 ) -> tuple[str, str]:
     """What deepspeed.pinning=auto becomes on this machine, and the notice that says why (host_limit_bytes:
-    usable host RAM; default this machine's less the OS reserve)."""
+    usable host RAM; default this machine's less the OS reserve). made: collects the estimates of the pinnings
+    weighed (the chosen one is the run's own: estimate_run takes it as known)."""
     try:
         shape = shape_from_config(run.model_fields)
     except UserError:
@@ -153,7 +159,13 @@ def auto_pinning(
         )
     if host_limit_bytes is None:
         host_limit_bytes = max(0, host_ram_bytes() - HOST_RESERVE_BYTES)
-    return choose_auto(memory_inputs(run, shape), run.layout.device, limit, host_limit_bytes)
+    seen: list[tuple[MemoryInputs, MemoryEstimate]] = []
+    choice = choose_auto(
+        memory_inputs(run, shape, _local_processes()), run.layout.device, limit, host_limit_bytes, seen
+    )
+    if made is not None:
+        made += [RunEstimate(inputs, estimate) for inputs, estimate in seen]
+    return choice
 
 
 def check_memlock(

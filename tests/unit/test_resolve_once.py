@@ -170,9 +170,13 @@ def _count_estimates(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     return calls
 
 
-def test_a_run_start_estimates_its_memory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pinning", ["off", "auto"])
+def test_a_run_start_estimates_its_memory_once(
+    pinning: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The host-RAM, NVMe and memlock checks and the start-up summary read one estimate (guards.estimate_run):
     # they cannot disagree, and a worker does not estimate the run three to five times before it trains.
+    # deepspeed.pinning=auto estimates the pinning it weighs; the chosen one is the run's estimate.
     from llm_train.observability.console import startup_summary
 
     calls = _count_estimates(monkeypatch)
@@ -185,11 +189,13 @@ def test_a_run_start_estimates_its_memory_once(tmp_path: Path, monkeypatch: pyte
         return 0
 
     monkeypatch.setattr(train, "run_training", worker_start)
+    # A GPU worker (the summary estimates only there); nothing here touches CUDA.
+    monkeypatch.setattr(Device, "detect", staticmethod(lambda: Device("cuda", "H100", True)))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     argv = ["--recipe", "tiny-cpu", "--ds-config", "zero3_offload", "--output-dir", str(tmp_path / "run")]
-    assert train.main([*argv, "deepspeed.pinning=off"]) == 0
-    assert len(calls) == 1 and summaries
+    assert train.main([*argv, f"deepspeed.pinning={pinning}", "memory.attention=sdpa"]) == 0
+    assert len(calls) == 1 and any("per GPU" in line for line in summaries)
 
 
 def test_the_start_up_summary_reuses_the_estimate_of_the_same_run(monkeypatch: pytest.MonkeyPatch) -> None:
