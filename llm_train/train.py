@@ -25,10 +25,12 @@ from llm_train.errors import UserError
 from llm_train.observability.console import add_train_args
 from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.guards import (
+    RunEstimate,
     auto_pinning,
     check_host_ram,
     check_memlock,
     check_nvme_path,
+    estimate_run,
     memory_rows,
 )
 from llm_train.runtime import launch_env
@@ -175,12 +177,16 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             # NCCL reads its P2P switch when the process group starts (later, in the session).
             if p2p_notice := disable_nccl_p2p(gpus_without_p2p()):
                 say(f"notice: {p2p_notice}")
-        run = resolve(args, world_size, device, accelerate)
+        made: list[RunEstimate] = []  # deepspeed.pinning=auto's estimates: the chosen one is the run's own
+        run = resolve(args, world_size, device, accelerate, made)
         if args.dry_run:
             print_dry_run(run)
             return 0
 
-        resume = check_before_start(run, args, spawn.nproc_per_node if spawn is not None else None)
+        nproc_per_node = spawn.nproc_per_node if spawn is not None else None
+        # The planner's estimate, once per process: every check before start and the start-up summary read it.
+        estimated = estimate_run(run, nproc_per_node, made)
+        resume = check_before_start(run, args, nproc_per_node, estimated)
         if spawn is not None:
             say(f"starting {spawn.nproc_per_node} local worker(s) of a world of {spawn.world_size}")
             if accelerate is not None:  # the workers' parent is this process, not the launcher
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             profile=args.profile,
             flops_profiler=args.flops_profiler,
             peak_tflops=args.peak_tflops,
+            estimate=estimated,
         )
         return run_training(run, options, resume, say)
     except UserError as exc:
@@ -211,6 +218,7 @@ def resolve(
     world_size: int | None,
     device: Device | None,
     accelerate: AccelerateLaunch | None = None,
+    made: list[RunEstimate] | None = None,
 ) -> Resolved:
     """The run these arguments ask for on `world_size` processes (None: the hardware the recipe declares).
 
@@ -232,7 +240,7 @@ def resolve(
     if run.recipe.deepspeed.pinning == "auto":
         # Decided once, here: the run (its DS JSON, the run directory's recipe.yaml, the checkpoints'
         # recipe hash) carries the allocator it decided on from now on.
-        pinning, notice = auto_pinning(run)
+        pinning, notice = auto_pinning(run, made=made)
         run = run.refine(pinning=pinning, notice=notice)
     backend = os.environ.get(PIN_BACKEND_ENV)
     if backend and backend != ("native" if run.recipe.deepspeed.pinning == "native" else "torch"):
@@ -248,8 +256,11 @@ def resolve(
     return run
 
 
-def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: int | None) -> Resume:
+def check_before_start(
+    run: Resolved, args: argparse.Namespace, nproc_per_node: int | None, estimated: RunEstimate | None = None
+) -> Resume:
     """What a dry run cannot know but a start can: the run directory, kernels, host RAM, the NVMe path.
+    `estimated`: the run's estimate on this node (guards.estimate_run; made here when None), read by every check.
 
     Returns the planned resume (a fresh start without --resume): a layout change a resume cannot
     bridge is refused here, before any worker starts, and a worker trains with the plan it made here.
@@ -270,10 +281,11 @@ def check_before_start(run: Resolved, args: argparse.Namespace, nproc_per_node: 
     check_staged_quantizer(run.recipe.lora, run.layout.zero_stage)  # transformers' op is the tested one
     check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
     check_optimizer_package(run.recipe.optim)
+    estimated = estimated or estimate_run(run, nproc_per_node)
     if not args.skip_ram_check:
-        check_host_ram(run)  # one line now, rather than the OS killing a rank mid-load
-    check_nvme_path(run, nproc_per_node)
-    check_memlock(run, nproc_per_node)
+        check_host_ram(run, estimated=estimated)  # one line now, rather than the OS killing a rank mid-load
+    check_nvme_path(run, nproc_per_node, estimated)
+    check_memlock(run, nproc_per_node, estimated=estimated)
     return resume
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from llm_train import train as train_module
 from llm_train.config.hardware import DriveSpeeds, hardware_for
 from llm_train.errors import UserError
-from llm_train.planning.auto import auto_recipe_yaml, choose_auto, render_auto, written_evaluation
+from llm_train.planning.auto import auto_recipe_yaml, check_written, choose_auto, render_auto
 from llm_train.planning.verdict import plan_recipe, render
 from llm_train.train import main as train_main
 
@@ -110,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     speeds = drive_speeds(args.nvme_read_gbs, args.nvme_write_gbs)
     if args.recipe != "auto":
         for flag in ("model", "write", "output_dir", "seq_len"):
-            if getattr(args, flag):
+            if getattr(args, flag) is not None:  # --seq-len 0 too: given, so not silently ignored
                 raise UserError(f"--{flag.replace('_', '-')} only applies to --recipe auto")
         if args.train:
             raise UserError(
@@ -148,9 +148,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(auto_recipe_yaml(auto))  # the overrides are in it
-        # Resolved in full (layout, parallel and QLoRA rules), as `llm-train plan --recipe FILE` would: the
-        # numbers printed are the written recipe's own.
-        auto.evaluation = written_evaluation(auto, path)
+        try:
+            # The file itself, resolved as `llm-train plan --recipe FILE` resolves it, plans the choice printed
+            # below (choose_auto checked the mapping before; this checks what reached the disk).
+            check_written(auto, path)
+        except UserError:
+            path.unlink()
+            raise
     print(render_auto(auto, path))
     if not args.train:
         return 0

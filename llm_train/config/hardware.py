@@ -346,6 +346,10 @@ def hardware_for(
     detect: bool = True,
 ) -> Hardware:
     """Hardware from flags, else this machine's GPUs, else what the recipe declares, else this CPU."""
+    # 0 is a value given, not "unset": refused rather than replaced by a default the user did not ask for.
+    for flag, value in (("--gpu-mem", gpu_mem_gib), ("--host-ram", host_ram_gib)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} {value:g}: give the memory in GiB (> 0), or leave it out")
     sources: list[str] = []
     spec: GPUSpec | None = gpu_spec(gpu) if gpu else None
     declared = recipe.hardware if recipe is not None else None
@@ -381,9 +385,11 @@ def hardware_for(
         mem = int(gpu_mem_gib * GiB)
         if spec is None and found is None:
             name = f"{gpu_mem_gib:g} GiB GPU"
-    world = gpus or count_default
-    if world < 1:
-        raise UserError(f"--gpus {world}: need at least 1")
+    if gpus is not None and gpus < 1:
+        raise UserError(
+            f"--gpus {gpus}: give the number of GPUs (>= 1), or leave it out for the detected count"
+        )
+    world = count_default if gpus is None else gpus
     if declared is not None and world == declared.world_size:
         per_node = declared.processes_per_node
     elif found is not None:

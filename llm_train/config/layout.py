@@ -322,6 +322,12 @@ def batch_arithmetic(recipe: Recipe, dp: int) -> tuple[int, int]:
     return derived, global_batch
 
 
+def parallel_degrees(recipe: Recipe, ds_config: dict[str, Any]) -> tuple[int, int, int]:
+    """(tp, pp, sp) a recipe and its DS JSON ask for: the data-parallel size is world / (tp x pp x sp)."""
+    tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    return tp, recipe.deepspeed.pipeline_stages, recipe.deepspeed.sequence_parallel
+
+
 def make_layout(
     recipe: Recipe,
     ds_config: dict[str, Any],
@@ -333,8 +339,7 @@ def make_layout(
 
     The rules are Layout's; a broken one is told here in the recipe's and the JSON's terms.
     """
-    tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    pp, sp = recipe.deepspeed.pipeline_stages, recipe.deepspeed.sequence_parallel
+    tp, pp, sp = parallel_degrees(recipe, ds_config)
     stage = ds_json.zero_stage(ds_config)
     try:
         check_degrees(world_size, tp, pp, sp)  # the batch arithmetic below needs dp

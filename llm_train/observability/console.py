@@ -22,7 +22,7 @@ from llm_train.config.layout import make_layout
 from llm_train.config.recipe import load_recipe
 from llm_train.errors import UserError
 from llm_train.observability.profiling import parse_range
-from llm_train.planning.guards import memory_rows
+from llm_train.planning.guards import RunEstimate, estimate_run, memory_rows
 
 if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved
@@ -153,9 +153,13 @@ def eval_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def startup_summary(
-    run: Resolved, say: Callable[[str], None], extra: list[tuple[str, str]] | None = None
+    run: Resolved,
+    say: Callable[[str], None],
+    extra: list[tuple[str, str]] | None = None,
+    estimated: RunEstimate | None = None,
 ) -> None:
-    """Plan, memory estimate and where every output goes, before any weights are loaded."""
+    """Plan, memory estimate and where every output goes, before any weights are loaded. `estimated`: the
+    estimate the checks before start read (reused where the settled run plans the same inputs)."""
 
     recipe, layout = run.recipe, run.layout
     out = recipe.output_dir
@@ -165,7 +169,12 @@ def startup_summary(
     say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
     if untried := unverified_line(recipe, layout):
         say(f"  {'unverified':<12} {untried}")
-    estimate = dict(memory_rows(run)) if layout.device != "cpu" else {}
+    if layout.device != "cpu":
+        known = [estimated] if estimated else []
+        gpus_per_node = estimated.inputs.gpus_per_node if estimated else None
+        estimate = dict(memory_rows(run, estimate_run(run, gpus_per_node, known)))
+    else:
+        estimate = {}
     if estimate:
         say(
             f"  {'memory':<12} ~{estimate.get('GPU total (per GPU)', '?')} per GPU, "

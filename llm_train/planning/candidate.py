@@ -19,6 +19,7 @@ from typing import Any
 from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
+from llm_train.config.recipe import LoraSection
 from llm_train.planning.memory_estimate import (
     ALLOCATOR_SLACK_FRACTION,
     PROCESS_HOST_BYTES,
@@ -34,10 +35,12 @@ from llm_train.planning.speed import StepTime, step_time_on
 # Host RSS of one CPU-only training process before model state (torch, DeepSpeed,
 # transformers, tokenizer): ~0.7 GiB measured for tiny-cpu; no CUDA libraries.
 CPU_PROCESS_HOST_BYTES = 1 * GiB
-# The adapter rank the planner proposes when it suggests LoRA.
-SUGGESTED_LORA_RANK = 16
-# The dropout auto writes with those adapters (PEFT keeps a copy of each adapted input under it: planned).
-SUGGESTED_LORA_DROPOUT = 0.05
+# The adapters the planner proposes and `--recipe auto` writes are the recipe schema's defaults (one source of
+# truth: config/recipe.py LoraSection): rank, alpha, dropout (PEFT keeps a copy of each adapted input under it:
+# planned) and target modules (planning/shapes.LORA_TARGETS).
+SUGGESTED_LORA = LoraSection()
+SUGGESTED_LORA_RANK = SUGGESTED_LORA.rank
+SUGGESTED_LORA_DROPOUT = SUGGESTED_LORA.dropout
 # Candidate micro-batch sizes for `--recipe auto`.
 AUTO_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 

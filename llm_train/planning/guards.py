@@ -1,7 +1,9 @@
-"""Checks before a real run starts, from the planner's own estimate: host RAM, the NVMe directory.
+"""Checks before a real run starts, from the planner's own estimate: host RAM, the NVMe directory, the
+memlock limit.
 
-Also the dry run's memory rows, so that the dry run, the start-up summary and these checks
-read one estimate (`memory_estimate`) and cannot disagree.
+Also the dry run's memory rows. A run's start estimates once per process (`estimate_run`): the one
+RunEstimate is handed to every check and to the start-up summary, so they read the same numbers, and the
+estimate is not made again for each of them (each argument `estimated` takes it; None: made here).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from llm_train.config import ds_json
@@ -22,8 +26,42 @@ from llm_train.planning.memory_estimate import (
     MemoryEstimate,
     estimate_memory,
 )
+from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.pinning import MemlockLimit, choose_auto, memlock_problem
 from llm_train.planning.shapes import shape_from_config
+
+
+@dataclass(frozen=True)
+class RunEstimate:
+    """The planner's estimate of one run on this node: its inputs and the bytes they give."""
+
+    inputs: MemoryInputs
+    estimate: MemoryEstimate
+
+
+def estimate_run(
+    run: Resolved, gpus_per_node: int | None = None, known: Sequence[RunEstimate] = ()
+) -> RunEstimate | None:
+    """The run's estimate (None when the model's shape is not a known family).
+
+    gpus_per_node: processes on this node; default LOCAL_WORLD_SIZE (a worker), else the recipe's hardware.
+    known: estimates this process made already (deepspeed.pinning=auto's candidates, the checks'); the one of
+    the same inputs is returned as it is (a run refined for its step count keeps its memory), so a run's
+    start estimates once per process.
+    """
+    try:
+        shape = shape_from_config(run.model_fields)
+    except UserError:
+        return None
+    inp = memory_inputs(run, shape, gpus_per_node or _local_processes())
+    same = next((k for k in known if k.inputs == inp), None)
+    return same or RunEstimate(inp, estimate_memory(inp))
+
+
+def _local_processes() -> int | None:
+    """LOCAL_WORLD_SIZE in a worker (its launcher sets it), else None: the recipe's processes per node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+
 
 # --- host-RAM guard (called by train.py before anything loads) --------------------------------------------
 
@@ -31,7 +69,7 @@ from llm_train.planning.shapes import shape_from_config
 SKIP_RAM_CHECK_FLAG = "--skip-ram-check"
 
 
-def check_host_ram(run: Resolved, available: int | None = None) -> None:
+def check_host_ram(run: Resolved, available: int | None = None, estimated: RunEstimate | None = None) -> None:
     """Refuse to start when the planner says this node's host RAM cannot hold the run.
 
     Better one line now than the OS killing a rank mid-load (offload paths keep optimizer
@@ -39,14 +77,11 @@ def check_host_ram(run: Resolved, available: int | None = None) -> None:
     model types the estimator does not know; train.py's --skip-ram-check bypasses it when
     you know better than the estimate (an explicit flag, not an environment switch).
     """
-    try:
-        shape = shape_from_config(run.model_fields)
-    except UserError:
+    estimated = estimated or estimate_run(run)
+    if estimated is None:
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    inp = memory_inputs(run, shape, local or None)
+    inp, est = estimated.inputs, estimated.estimate
     kind = "cpu" if run.layout.device == "cpu" else "cuda"
-    est = estimate_memory(inp)
     device, host = needs(est, inp, kind)
     total = host_ram_bytes() if available is None else available
     if host > total:
@@ -76,23 +111,21 @@ def memory_estimate(run: Resolved, gpus_per_node: int | None = None) -> MemoryEs
     The one way a run's memory is estimated: the dry-run table and the NVMe space check
     both read it, so they cannot disagree.
     """
-    try:
-        shape = shape_from_config(run.model_fields)
-    except UserError:
-        return None
-    return estimate_memory(memory_inputs(run, shape, gpus_per_node))
+    estimated = estimate_run(run, gpus_per_node)
+    return estimated.estimate if estimated else None
 
 
-def memory_rows(run: Resolved) -> list[tuple[str, str]]:
-    """The dry run's memory estimate, then the NVMe path check when the run offloads to nvme.
+def memory_rows(run: Resolved, estimated: RunEstimate | None = None) -> list[tuple[str, str]]:
+    """The dry run's (and the start-up summary's) memory estimate, then the NVMe path check when the run
+    offloads to nvme.
 
     A dry run may be prepared on another machine than the one that trains, so a path that
     fails the check is shown here (marked "a real run stops here"), not refused.
     """
-    estimate = memory_estimate(run)
-    rows = estimate.table() if estimate else []
+    estimated = estimated or estimate_run(run)
+    rows = estimated.estimate.table() if estimated else []
     if ds_json.nvme_paths(run.ds_config):
-        problems = nvme_problems(run)
+        problems = nvme_problems(run, estimated=estimated)
         paths = ", ".join(sorted(set(ds_json.nvme_paths(run.ds_config).values())))
         rows.append(
             (
@@ -109,10 +142,14 @@ def memory_rows(run: Resolved) -> list[tuple[str, str]]:
 
 
 def auto_pinning(
-    run: Resolved, limit: MemlockLimit | None = None, host_limit_bytes: int | None = None
+    run: Resolved,
+    limit: MemlockLimit | None = None,
+    host_limit_bytes: int | None = None,
+    made: list[RunEstimate] | None = None,
 ) -> tuple[str, str]:
     """What deepspeed.pinning=auto becomes on this machine, and the notice that says why (host_limit_bytes:
-    usable host RAM; default this machine's less the OS reserve)."""
+    usable host RAM; default this machine's less the OS reserve). made: collects the estimates of the pinnings
+    weighed (the chosen one is the run's own: estimate_run takes it as known)."""
     try:
         shape = shape_from_config(run.model_fields)
     except UserError:
@@ -122,21 +159,31 @@ def auto_pinning(
         )
     if host_limit_bytes is None:
         host_limit_bytes = max(0, host_ram_bytes() - HOST_RESERVE_BYTES)
-    return choose_auto(memory_inputs(run, shape), run.layout.device, limit, host_limit_bytes)
+    seen: list[tuple[MemoryInputs, MemoryEstimate]] = []
+    choice = choose_auto(
+        memory_inputs(run, shape, _local_processes()), run.layout.device, limit, host_limit_bytes, seen
+    )
+    if made is not None:
+        made += [RunEstimate(inputs, estimate) for inputs, estimate in seen]
+    return choice
 
 
-def check_memlock(run: Resolved, gpus_per_node: int | None = None, limit: MemlockLimit | None = None) -> None:
+def check_memlock(
+    run: Resolved,
+    gpus_per_node: int | None = None,
+    limit: MemlockLimit | None = None,
+    estimated: RunEstimate | None = None,
+) -> None:
     """Refuse to start, in one line, when a process would mlock more than its memlock limit allows.
 
     Native pinning and DeepSpeed's async-I/O buffers are mlocked; past the limit DeepSpeed's allocator
     fails inside the engine's set-up, after the model has loaded (planning/pinning.py).
     """
-    try:
-        shape = shape_from_config(run.model_fields)
-    except UserError:
+    estimated = estimated or estimate_run(run, gpus_per_node)
+    if estimated is None:
         return
     source = f"NVMe swapping ({run.ds_path.name})"
-    problem = memlock_problem(memory_inputs(run, shape, gpus_per_node), source, limit)
+    problem = memlock_problem(estimated.inputs, source, limit, estimated.estimate.locked_per_rank)
     if problem:
         raise UserError(problem)
 
@@ -183,7 +230,9 @@ def _reclaimable(directory: Path) -> int:
     return total
 
 
-def nvme_problems(run: Resolved, gpus_per_node: int | None = None) -> list[str]:
+def nvme_problems(
+    run: Resolved, gpus_per_node: int | None = None, estimated: RunEstimate | None = None
+) -> list[str]:
     """One line per problem with the run's NVMe offload directories (empty when all is well).
 
     Each directory must exist, be a directory, take a new file, and have the free space the
@@ -218,8 +267,8 @@ def nvme_problems(run: Resolved, gpus_per_node: int | None = None) -> list[str]:
             free_by_device[device] = max(free_by_device.get(device, 0), free)
     if problems or not free_by_device:
         return problems
-    estimate = memory_estimate(run, gpus_per_node)
-    need = estimate.nvme_bytes if estimate else 0
+    estimated = estimated or estimate_run(run, gpus_per_node)
+    need = estimated.estimate.nvme_bytes if estimated else 0
     free = sum(free_by_device.values())
     if need > free:
         key = _nvme_key(run, next(iter(by_path.values())))
@@ -231,15 +280,15 @@ def nvme_problems(run: Resolved, gpus_per_node: int | None = None) -> list[str]:
     return problems
 
 
-def check_nvme_path(run: Resolved, gpus_per_node: int | None = None) -> None:
+def check_nvme_path(
+    run: Resolved, gpus_per_node: int | None = None, estimated: RunEstimate | None = None
+) -> None:
     """Refuse to start, in one line, when an NVMe offload directory is missing, read-only or too small.
 
     Called by the process that validates a real run before workers or weights exist; DeepSpeed
     itself would fail minutes later, after loading the model, with an aio error or a full disk.
     `gpus_per_node` defaults like the host-RAM check: LOCAL_WORLD_SIZE, else the recipe's hardware.
     """
-    if gpus_per_node is None:
-        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
-    problems = nvme_problems(run, gpus_per_node)
+    problems = nvme_problems(run, gpus_per_node, estimated)
     if problems:
         raise UserError(problems[0])

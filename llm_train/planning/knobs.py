@@ -54,7 +54,6 @@ BY_KEY = {k.key: k for k in KNOBS}
 NOT_PLANNED = {
     "memory.liger_kernels": "Liger's fused kernels change the logits' and MLP's memory",
     "memory.torch_compile": "compiled graphs change activation memory and speed",
-    "lora.target_modules": "the estimate counts adapters on all seven projections",
     "optim.grad_accum": "auto sets the batch by optim.global_batch_size (or --global-batch)",
     "model.name_or_path": "the model is --model",
     "hardware": "the hardware is --gpus, --gpu, --gpu-mem and --host-ram",

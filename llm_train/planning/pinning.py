@@ -26,7 +26,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from llm_train.planning.memory_estimate import GiB, estimate_memory
+from llm_train.planning.memory_estimate import GiB, MemoryEstimate, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 
 CAP_IPC_LOCK = 14  # linux/capability.h: lock memory beyond RLIMIT_MEMLOCK
@@ -80,9 +80,13 @@ def memlock_limit() -> MemlockLimit:
     return MemlockLimit(int(soft), "RLIMIT_MEMLOCK")
 
 
-def memlock_problem(inp: MemoryInputs, source: str, limit: MemlockLimit | None = None) -> str | None:
-    """One line when a process of this run would mlock more than its limit allows (None when it fits)."""
-    locked = estimate_memory(inp).locked_per_rank
+def memlock_problem(
+    inp: MemoryInputs, source: str, limit: MemlockLimit | None = None, locked: int | None = None
+) -> str | None:
+    """One line when a process of this run would mlock more than its limit allows (None when it fits).
+    locked: the bytes a process locks, when the caller has the estimate of `inp` already."""
+    if locked is None:
+        locked = estimate_memory(inp).locked_per_rank
     limit = limit or memlock_limit()
     if locked == 0 or limit.allows(locked):
         return None
@@ -112,8 +116,10 @@ def choose_auto(
     device_kind: str,
     limit: MemlockLimit | None = None,
     host_limit_bytes: int | None = None,
+    seen: list[tuple[MemoryInputs, MemoryEstimate]] | None = None,
 ) -> tuple[str, str]:
     """`deepspeed.pinning=auto` on this machine: ('native' | 'torch' | 'off', the notice that says why).
+    seen: collects (inputs, estimate) of each pinning estimated, for the caller to reuse.
 
     Native pinning sizes every buffer exactly and keeps the fast pinned copies; it needs the
     memlock limit to allow what it locks. Where it does not, torch's pinned allocator keeps the fast
@@ -124,14 +130,19 @@ def choose_auto(
     if device_kind == "cpu":
         return "off", "deepspeed.pinning=auto: off on CPU (no device copies to speed up)"
     limit = limit or memlock_limit()
-    locked = estimate_memory(_pinned_with(inp, "native")).locked_per_rank
+    seen = [] if seen is None else seen
+    native = _pinned_with(inp, "native")
+    seen.append((native, estimate_memory(native)))
+    locked = seen[-1][1].locked_per_rank
     if limit.allows(locked):
         return "native", (
             f"deepspeed.pinning=auto: native (exact-size pinned buffers, ~{_size(locked)} locked per process; "
             f"memlock limit {limit.describe()})"
         )
     if host_limit_bytes is not None:
-        estimate = estimate_memory(_pinned_with(inp, "torch"))
+        torch = _pinned_with(inp, "torch")
+        estimate = estimate_memory(torch)
+        seen.append((torch, estimate))
         if estimate.host_bytes <= host_limit_bytes and limit.allows(estimate.locked_per_rank):
             return "torch", (
                 f"deepspeed.pinning=auto: torch (pinned by torch's allocator, rounded up to powers of two: "

@@ -23,13 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.config.known_models import KNOWN_CONFIGS
+from llm_train.config.recipe import LoraSection
 from llm_train.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-# lora.target_modules' default: every attention and MLP projection.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# lora.target_modules' default (every attention and MLP projection), read from the recipe schema: the one
+# place the default lives, so the estimate counts what a recipe without the key trains.
+LORA_TARGETS = tuple(LoraSection().target_modules)
 
 
 @dataclass(frozen=True)

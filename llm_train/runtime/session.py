@@ -38,6 +38,7 @@ from llm_train.observability.console import quiet, startup_summary
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
+from llm_train.planning.guards import RunEstimate
 from llm_train.runtime import collectives, compat, launch_env
 from llm_train.runtime.benchmark import PeriodicBench, recipe_options
 from llm_train.runtime.benchmark import unavailable as benchmark_unavailable
@@ -69,6 +70,8 @@ class RunOptions:
     profile: str | None = None
     flops_profiler: bool = False
     peak_tflops: float | None = None
+    estimate: RunEstimate | None = None
+    """The planner's estimate this process made before start (train.py): the start-up summary reads it."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,7 @@ def start_world(w: Worker) -> Engine:
         (out / "world.json").write_text(
             json.dumps({"world_size": run.layout.world_size, "ranks": ranks}, indent=2)
         )
-    startup_summary(run, w.say, extra=engine.summary_rows(ranks))
+    startup_summary(run, w.say, extra=engine.summary_rows(ranks), estimated=w.options.estimate)
     return engine
 
 

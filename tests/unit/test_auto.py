@@ -78,10 +78,6 @@ def test_each_override_kind_is_planned(override: str, check: object, tmp_path: P
             "lora.quantize=nf4 cannot offload parameters to nvme",
         ),
         (["memory.liger_kernels=true"], "override memory.liger_kernels=true: --recipe auto cannot plan it"),
-        (
-            ["lora.target_modules=[q_proj]"],
-            "override lora.target_modules=[q_proj]: --recipe auto cannot plan it",
-        ),
         (["optim.grad_accum=4"], "override optim.grad_accum=4"),
         (["hardware.gpu_mem_gib=80"], "override hardware.gpu_mem_gib=80"),
         (["optim.micro_batch_size=oops"], "optim.micro_batch_size"),

@@ -149,3 +149,64 @@ def test_a_worker_resolves_once(tmp_path: Path, scheduled: str, monkeypatch: pyt
     steps = steps_for_epochs(2.0, stream.per_epoch, 2)
     assert run.recipe.optim.max_steps == steps == run.ds_config["scheduler"]["params"]["total_num_steps"]
     assert steps < steps_for_epochs(2.0, stream.per_epoch, 1)  # not the launch's own accumulation of 1
+
+
+def _count_estimates(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every call of the memory estimate from now on, wherever a module imported it from."""
+    import sys
+
+    from llm_train.planning import memory_estimate
+
+    calls: list[object] = []
+    real = memory_estimate.estimate_memory
+
+    def counted(inp: Any) -> Any:
+        calls.append(inp)
+        return real(inp)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "estimate_memory", None) is real:
+            monkeypatch.setattr(module, "estimate_memory", counted)
+    return calls
+
+
+@pytest.mark.parametrize("pinning", ["off", "auto"])
+def test_a_run_start_estimates_its_memory_once(
+    pinning: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host-RAM, NVMe and memlock checks and the start-up summary read one estimate (guards.estimate_run):
+    # they cannot disagree, and a worker does not estimate the run three to five times before it trains.
+    # deepspeed.pinning=auto estimates the pinning it weighs; the chosen one is the run's estimate.
+    from llm_train.observability.console import startup_summary
+
+    calls = _count_estimates(monkeypatch)
+    summaries: list[str] = []
+
+    def worker_start(run: Resolved, options: RunOptions, plan: Resume, say: session.Say) -> int:
+        """run_training up to the summary: the settled run, summarised with the estimate the checks read."""
+        settled = session.settle_run(run, options, 0, say)[0]
+        startup_summary(settled, summaries.append, estimated=options.estimate)
+        return 0
+
+    monkeypatch.setattr(train, "run_training", worker_start)
+    # A GPU worker (the summary estimates only there); nothing here touches CUDA.
+    monkeypatch.setattr(Device, "detect", staticmethod(lambda: Device("cuda", "H100", True)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--recipe", "tiny-cpu", "--ds-config", "zero3_offload", "--output-dir", str(tmp_path / "run")]
+    assert train.main([*argv, f"deepspeed.pinning={pinning}", "memory.attention=sdpa"]) == 0
+    assert len(calls) == 1 and any("per GPU" in line for line in summaries)
+
+
+def test_the_start_up_summary_reuses_the_estimate_of_the_same_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llm_train.observability.console import startup_summary
+    from llm_train.planning.guards import estimate_run
+
+    run = resolve_run("tiny-cpu", [], world_size=1, device=Device("cuda", "H100", True))
+    known = estimate_run(run)
+    calls = _count_estimates(monkeypatch)
+    lines: list[str] = []
+    startup_summary(run, lines.append, estimated=known)
+    assert not calls and any("per GPU" in line for line in lines)
+    startup_summary(run.refine(grad_accum=4), lines.append, estimated=known)  # another run: its own estimate
+    assert len(calls) == 1
