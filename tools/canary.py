@@ -55,6 +55,9 @@ CANARY_E2E = (
     "tests/e2e/test_lora.py",
     "tests/e2e/test_qlora.py",
 )
+# Tests that assert the installed set is inside the windows: true of the lock, false here by design (the
+# moved libraries are printed instead).
+INSIDE_THE_WINDOWS = ("tests/unit/test_compat.py::test_the_installed_set_is_inside_every_window",)
 OFFLINE = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -194,6 +197,7 @@ def run_tests(python: Path, workers: int) -> tuple[int, list[str], str]:
         junit = Path(tmp) / "junit.xml"
         cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
         cmd += ["-n", str(workers), "--dist", "loadscope", "tests/unit", *CANARY_E2E]
+        cmd += [f"--deselect={test}" for test in INSIDE_THE_WINDOWS]
         env = {**os.environ, **OFFLINE, "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         env.pop(
             "CI", None
