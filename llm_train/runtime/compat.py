@@ -64,7 +64,7 @@ WINDOWS = (
     ),
     Window(
         "transformers",
-        ">=5.24,<5.25",
+        ">=5.24,<5.26",
         "QLoRA's staged 4-bit load, ZeRO-3 model builds, packed-row attention masks, the export check",
     ),
     Window(
@@ -164,14 +164,14 @@ WORKAROUNDS = (
     Workaround(
         "without_hf_zero3_config",
         "transformers",
-        "5.24",
+        "5.25",
         "a plain model built during a ZeRO-3 run is built partitioned, inside zero.Init",
     ),
     Workaround("no_progress_bars", "lm_eval", "0.4.13", "lm-eval draws its request bars on every rank 0"),
     Workaround(
         "quantizing_on",
         "transformers",
-        "5.24",
+        "5.25",
         "a 4-bit base is quantised where it is placed: on the host (slow) or whole on the GPU (too large)",
     ),
 )
@@ -561,7 +561,7 @@ def without_hf_zero3_config() -> Iterator[None]:
     """Build a plain (unpartitioned) model while a ZeRO-3 run is registered with transformers.
 
     transformers builds every model inside zero.Init while a ZeRO-3 config is registered
-    (integrations/deepspeed.py is_deepspeed_zero3_enabled, transformers 5.24): the registration
+    (integrations/deepspeed.py is_deepspeed_zero3_enabled, transformers 5.24, unchanged in 5.25): the registration
     (a module-level weak reference) is removed while the block runs, and put back after it.
     """
     from transformers.integrations import deepspeed as hf_deepspeed
