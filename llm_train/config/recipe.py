@@ -634,6 +634,122 @@ class PreferenceSection(Section):
     )
 
 
+class _RewardFields(Section):
+    weight: float = Field(
+        1.0, description="This reward's weight in the sum the advantages are computed from."
+    )
+    name: str | None = Field(
+        None,
+        description="Its name in metrics.jsonl (reward_<name>_mean); default the kind or the function's name.",
+    )
+
+
+class FormatReward(_RewardFields):
+    """1.0 when the completion matches `pattern`, else 0.0: a verifiable format reward."""
+
+    kind: Literal["format"] = "format"
+    pattern: str = Field(description="A Python regular expression the completion must match.")
+    match: Literal["full", "search"] = Field(
+        "full",
+        description="'full': the whole completion (outer whitespace stripped) matches; 'search': a part does.",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        return _compiled(pattern)
+
+
+class ExactMatchReward(_RewardFields):
+    """1.0 when the completion's final answer equals the row's `column`, else 0.0 (numbers compared as numbers)."""
+
+    kind: Literal["exact_match"] = "exact_match"
+    column: str = Field("answer", description="The prompt row's field that holds the right answer.")
+    pattern: str | None = Field(
+        None,
+        description="A regular expression that finds the final answer in the completion (its first group if it "
+        "has one; the last match counts; no match scores 0); default: the whole completion, stripped.",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        return None if pattern is None else _compiled(pattern)
+
+
+class OverlongReward(_RewardFields):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), by completion tokens: 0 up to
+    max_completion_length - buffer, then falling linearly to -1 at max_completion_length."""
+
+    kind: Literal["overlong"] = "overlong"
+    buffer: int = Field(
+        gt=0, description="Tokens before grpo.max_completion_length over which the penalty grows."
+    )
+
+
+class FunctionReward(_RewardFields):
+    """A reward function of yours: `module:function`, called as function(prompts=..., completions=...,
+    completion_ids=..., **columns) with one list entry per completion, returning a float or None for each."""
+
+    kind: Literal["function"] = "function"
+    function: str = Field(
+        description="'module:function' importable from the working directory or PYTHONPATH (e.g. my_rewards:correct)."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _is_a_path(cls, path: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", path):
+            raise ValueError(f"'{path}' is not 'module:function' (e.g. my_rewards:correct)")
+        return path
+
+
+def _compiled(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"not a regular expression ({exc}): {pattern!r}") from None
+    return pattern
+
+
+Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward
+REWARD_CLASSES: dict[str, type[Section]] = {
+    "format": FormatReward,
+    "exact_match": ExactMatchReward,
+    "overlong": OverlongReward,
+    "function": FunctionReward,
+}
+
+
+def _parse_reward(item: Any, where: str) -> Any:
+    """One entry of grpo.rewards, parsed by its `kind` so that a mistake names `grpo.rewards[i].key` in one line."""
+    if isinstance(item, tuple(REWARD_CLASSES.values())):
+        return item
+    if not isinstance(item, dict):
+        raise ValueError(
+            f"{where}: expected a mapping with 'kind' ({', '.join(REWARD_CLASSES)}), got {item!r}"
+        )
+    kind = item.get("kind")
+    cls = REWARD_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"{where}.kind: {kind!r} is not one of {', '.join(REWARD_CLASSES)}")
+    valid = sorted(cls.model_fields)
+    for key in item:
+        if key not in cls.model_fields:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(
+                f"{where}: unknown key '{key}' for kind {kind}; {hint}valid keys: {', '.join(valid)}"
+            )
+    try:
+        return cls.model_validate(item)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{where}{'.' + loc if loc else ''}: {message}") from None
+
+
 class DeepSpeedSection(Section):
     config: str = Field(description="A name in ds_configs/ (e.g. 'zero3') or a path to a DeepSpeed JSON.")
     pipeline_stages: int = Field(
