@@ -307,13 +307,39 @@ def _check_prompt_template(template: str) -> None:
         )
 
 
-Source = TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource
+class PromptSource(_SourceFields):
+    """Prompts for online RL (objective grpo): the model writes the completions, rewards score them.
+
+    The prompt is text (wrapped in `prompt_template`) or a list of {role, content} messages, rendered with
+    the chat template and its generation prompt. Every other field of the row (e.g. `answer`) is handed to
+    the reward functions by name.
+    """
+
+    format: Literal["prompt"] = "prompt"
+    prompt_field: str = Field("prompt", description="Field with the prompt (text or messages).")
+    prompt_template: str = Field(
+        "{prompt}",
+        description="Wraps a text prompt ('{prompt}' is replaced by it); message prompts use the chat template.",
+    )
+    overlong: Literal["drop", "error"] = Field(
+        "drop",
+        description="Prompts longer than data.seq_len - grpo.max_completion_length tokens: drop them, or error.",
+    )
+
+    @model_validator(mode="after")
+    def _template_has_prompt(self) -> PromptSource:
+        _check_prompt_template(self.prompt_template)
+        return self
+
+
+Source = TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource | PromptSource
 SOURCE_CLASSES: dict[str, type[Section]] = {
     "text": TextSource,
     "instruction": InstructionSource,
     "chat": ChatSource,
     "tokenized": TokenizedSource,
     "preference": PreferenceSource,
+    "prompt": PromptSource,
 }
 
 
@@ -352,18 +378,18 @@ def _parse_source(item: Any, where: str) -> Any:
 class DataSection(Section):
     """Where the training data comes from and how it becomes packed sequences (see llm_train/data/)."""
 
-    train: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
-        Field(
-            min_length=1,
-            description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
-            "mappings {path, format: text|instruction|chat|tokenized|preference, weight, ...}.",
-        )
+    train: list[
+        str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource | PromptSource
+    ] = Field(
+        min_length=1,
+        description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
+        "mappings {path, format: text|instruction|chat|tokenized|preference|prompt, weight, ...}.",
     )
-    eval: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
-        Field(
-            default_factory=list,
-            description="Held-out sources (same forms as train); empty = carve eval_fraction.",
-        )
+    eval: list[
+        str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource | PromptSource
+    ] = Field(
+        default_factory=list,
+        description="Held-out sources (same forms as train); empty = carve eval_fraction.",
     )
     eval_fraction: float = Field(
         0.05, ge=0.0, lt=0.5, description="Share of each train source's samples held out for eval."
@@ -598,7 +624,7 @@ class LoraSection(Section):
     )
 
 
-Objective = Literal["lm", "dpo", "simpo"]
+Objective = Literal["lm", "dpo", "simpo", "grpo"]
 # The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
 # (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
@@ -750,6 +776,67 @@ def _parse_reward(item: Any, where: str) -> Any:
         raise ValueError(f"{where}{'.' + loc if loc else ''}: {message}") from None
 
 
+class GrpoSection(Section):
+    """Online RL with GRPO (objective grpo; runtime/grpo.py): each step the model writes num_generations
+    completions per prompt, the rewards score them, and the loss is TRL's GRPO loss (runtime/grpo_loss.py).
+    optim.micro_batch_size counts completions; each rank's completions per step form whole groups."""
+
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group G).")
+    max_completion_length: int = Field(256, ge=1, description="Most tokens a completion may have.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature (the log-probs are taken at it too)."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens of this mass."
+    )
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens; 0 = no limit.")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="How token losses are averaged: grpo (per completion, then over completions), bnpo (per "
+        "micro-batch token), dr_grpo (sum / (completions x max_completion_length)), dapo (per token of the step).",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="'token': a ratio per token (GRPO); 'sequence': one per completion (GSPO)."
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip of the ratio: 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip: 1 + epsilon_high (DAPO's clip-higher uses 0.28); default epsilon.",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the k3 KL to the initial model; 0 = no reference model (TRL's default).",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per generated batch; above 1 the log-probs at generation are kept for the ratio.",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_completion_length (no EOS) out of the loss."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide advantages by the group's reward std (group), the batch's (batch), or not (none: Dr. GRPO).",
+    )
+    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward] = Field(
+        default_factory=list,
+        description="Reward functions, each {kind: format|exact_match|overlong|function, weight, ...}; see docs/rl.md.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_kinds(cls, values: Any) -> Any:
+        if isinstance(values, dict) and isinstance(values.get("rewards"), list):
+            values = {
+                **values,
+                "rewards": [_parse_reward(r, f"grpo.rewards[{i}]") for i, r in enumerate(values["rewards"])],
+            }
+        return values
+
+
 class DeepSpeedSection(Section):
     config: str = Field(description="A name in ds_configs/ (e.g. 'zero3') or a path to a DeepSpeed JSON.")
     pipeline_stages: int = Field(
@@ -890,10 +977,14 @@ class Recipe(Section):
         "lm",
         description="'lm': next-token cross-entropy on the loss mask (pre-training, SFT); 'dpo': DPO's "
         "sigmoid loss against a reference model; 'simpo': SimPO, reference-free (both need "
-        "format: preference data).",
+        "format: preference data); 'grpo': online RL, the model's own completions scored by rewards "
+        "(format: prompt data).",
     )
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection, description="DPO / SimPO settings (objective dpo or simpo)."
+    )
+    grpo: GrpoSection = Field(
+        default_factory=GrpoSection, description="GRPO settings (objective grpo): generation, loss, rewards."
     )
     deepspeed: DeepSpeedSection
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -937,6 +1028,22 @@ class Recipe(Section):
             for split in ("train", "eval")
             for i, source in enumerate(getattr(self.data, split))
         ]
+        if objective != "grpo":
+            prompts = next((key for key, s in sources if isinstance(s, PromptSource)), None)
+            if prompts:
+                raise ValueError(
+                    f"{prompts} is format prompt, which trains with online RL; set objective: grpo, or use another "
+                    "format"
+                )
+            changed = [k for k, v in GrpoSection().model_dump().items() if getattr(self.grpo, k) != v]
+            if changed:
+                raise ValueError(
+                    f"grpo.{changed[0]} is set but objective is {objective}; set objective: grpo, or remove the "
+                    "grpo section"
+                )
+        else:
+            self._check_grpo()
+            return
         if objective == "lm":
             pairs = next((key for key, s in sources if isinstance(s, PreferenceSource)), None)
             if pairs:
@@ -983,10 +1090,53 @@ class Recipe(Section):
             # Filled in here so the resolved recipe (config/recipe.yaml, W&B) shows the beta that trains.
             preference.beta = DEFAULT_BETA[objective]
 
+    def _check_grpo(self) -> None:
+        """Prompts in, completions generated: every source is a prompt source, and a completion fits seq_len."""
+        grpo = self.grpo
+        changed = [k for k, v in PreferenceSection().model_dump().items() if getattr(self.preference, k) != v]
+        if changed:
+            raise ValueError(
+                f"preference.{changed[0]} is set but objective is grpo; remove the preference section (grpo.beta "
+                "weighs the KL to the initial model)"
+            )
+        for split in ("train", "eval"):
+            for i, source in enumerate(getattr(self.data, split)):
+                if split == "eval":
+                    raise ValueError(
+                        f"data.eval[{i}]: objective grpo has no evaluation set (its metrics are the rewards of "
+                        "each step); remove data.eval and set data.eval_fraction=0"
+                    )
+                if not isinstance(source, PromptSource):
+                    fmt = source.format if not isinstance(source, str) else "text"
+                    raise ValueError(
+                        f"data.train[{i}] is format {fmt}, but objective=grpo generates from prompts; give every "
+                        "data.train source format: prompt (a prompt field and the fields your rewards read)"
+                    )
+                if source.streaming:
+                    raise ValueError(
+                        f"data.train[{i}].streaming=true: prompts are read whole; remove streaming"
+                    )
+        if self.data.eval_fraction > 0:
+            raise ValueError(
+                f"data.eval_fraction={self.data.eval_fraction}: objective grpo has no evaluation set (its metrics "
+                "are the rewards of each step); set data.eval_fraction=0"
+            )
+        if not grpo.rewards:
+            raise ValueError(
+                "grpo.rewards is empty; give at least one reward, e.g. [{kind: format, pattern: '...'}]"
+            )
+        if grpo.max_completion_length >= self.data.seq_len:
+            raise ValueError(
+                f"grpo.max_completion_length={grpo.max_completion_length} leaves no room for a prompt in "
+                f"data.seq_len={self.data.seq_len} (prompt + completion); raise data.seq_len or lower it"
+            )
+        if self.memory.tiled_loss:
+            raise ValueError("memory.tiled_loss applies to the token loss; remove it with objective grpo")
+
     @property
     def sequences_per_sample(self) -> int:
         """Sequences one sample trains: two for a preference pair (chosen and rejected), else one."""
-        return 1 if self.objective == "lm" else 2
+        return 2 if self.objective in ("dpo", "simpo") else 1
 
     @property
     def output_dir(self) -> Path:

@@ -81,7 +81,8 @@ def _off_policy(logps: torch.Tensor, seed: int) -> torch.Tensor:
 def _trainer(
     model: LlamaForCausalLM, accumulation: int = 1, rewards: list[Any] | None = None, **options: Any
 ) -> GRPOTrainer:
-    """TRL's trainer on CPU (DESIGN fact 30); the loss reads only what is set here and in `_configure`."""
+    """TRL's trainer on CPU: no vLLM, use_cpu, fp32, no trackers, beta 0 at construction (a non-zero beta
+    would load a reference model; `_run_both` sets `trainer.beta` afterwards, which is all the loss reads)."""
     from datasets import Dataset
 
     args = GRPOConfig(

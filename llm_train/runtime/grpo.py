@@ -1,0 +1,331 @@
+"""Online RL with GRPO on the ZeRO engine: generate -> score rewards -> advantages -> loss and backward.
+
+The step loop (loop.py) and the engine's `train_step` are the same as for every objective. What GRPO adds
+sits on the two sides of them:
+
+- `Rollouts` is the iterator the engine draws its micro-batches from. When it runs dry it takes this rank's
+  next prompts from the dealer (data/prompts.py), has the model write grpo.num_generations completions for
+  each (`Generation`), scores every completion (runtime/rewards.py), gathers the rewards of every rank,
+  computes the group advantages (grpo_loss.py) and cuts this rank's completions into the step's
+  micro-batches, handed out grpo.num_iterations times (one optimizer step each).
+- `Grpo` is the objective: it scores a micro-batch by TRL's GRPO loss on the policy's log-probs.
+
+Each rank generates whole groups for its own prompts (recipe check: num_generations divides each rank's
+completions per step), so gathering the rewards keeps every group's completions consecutive.
+
+Generation runs transformers' `generate` on the engine's module (the HF model, or the PEFT model with its
+adapters active), sampling at grpo.temperature / top_p / top_k, in eval mode and without gradients. Under
+ZeRO-3 each rank holds a shard of every weight: the whole model is gathered for the generation
+(`deepspeed.zero.GatheredParameters`, TRL's ds3_gather_for_generation), which needs the model's full size in
+memory on every rank while it writes. A completion ends at its first EOS (kept, as TRL does) or at
+grpo.max_completion_length; it is then "truncated", and grpo.mask_truncated_completions leaves it out of the
+loss. The generation engine is one small interface (`Generation`): a vLLM one would slot in there.
+
+Metrics per step (metrics.jsonl): the reward mean/std of each function and of the weighted sum, the fraction
+of groups whose rewards are all equal (they teach nothing), completion length mean/max and truncated fraction,
+generation tokens/s, the seconds spent generating and scoring (the rest of step_time is training), and the
+loss's clip ratios and, with beta > 0, the KL to the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from llm_train.config.recipe import GrpoSection
+from llm_train.data.dealer import Batches
+from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.grpo_loss import LossSettings, completion_logps, group_advantages, policy_loss
+from llm_train.runtime.objectives import Scored
+from llm_train.runtime.rewards import RewardFunction, gather, reward_metrics, score
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from llm_train.data.prepare import PackedSplit
+
+Batch = dict[str, Any]
+# Per-token log-probs of a rollout micro-batch under the reference (beta > 0), no grad.
+ReferenceLogps = Callable[[Batch], torch.Tensor]
+
+
+def loss_settings(grpo: GrpoSection) -> LossSettings:
+    return LossSettings(
+        loss_type=grpo.loss_type,
+        importance_sampling_level=grpo.importance_sampling_level,
+        epsilon=grpo.epsilon,
+        epsilon_high=grpo.epsilon_high,
+        beta=grpo.beta,
+        temperature=grpo.temperature,
+        max_completion_length=grpo.max_completion_length,
+    )
+
+
+def rollout_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
+    return completion_logps(
+        model,
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        batch["completion_mask"],
+        temperature,
+    )
+
+
+class Grpo:
+    """The objective: TRL's GRPO loss of a rollout micro-batch (runtime/grpo_loss.py)."""
+
+    name = "grpo"
+
+    def __init__(self, grpo: GrpoSection, reference: ReferenceLogps | None = None) -> None:
+        self.settings = loss_settings(grpo)
+        self.reference = (
+            reference  # beta > 0: the initial model's log-probs, taken when the batch is generated
+        )
+
+    def prepare(
+        self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
+    ) -> None:
+        """Nothing to compute before training."""
+
+    def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
+        logps = rollout_logps(model, batch, self.settings.temperature)
+        loss, metrics = policy_loss(
+            logps,
+            batch["advantages"],
+            batch["completion_mask"],
+            self.settings,
+            batch.get("old_logps"),
+            batch.get("ref_logps"),
+            batch["dapo_tokens"],
+        )
+        # The step's rollout metrics ride on each of its micro-batches: their mean over micro-batches is them.
+        rollout = {k: torch.tensor(v, dtype=torch.float32) for k, v in batch["rollout_metrics"].items()}
+        return Scored(loss, {**metrics, **rollout})
+
+    def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
+        return {"eval_loss": means["loss"]}
+
+
+class Generation(Protocol):
+    """What writes completions: token ids in, token ids out (transformers' generate here; vLLM would fit)."""
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        """One completion per prompt (prompts repeated by the caller), each cut after its first EOS."""
+        ...
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def right_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def cut_at_eos(generated: torch.Tensor, eos_ids: list[int]) -> list[list[int]]:
+    """Each row up to and including its first EOS (TRL keeps the EOS: the model learns to stop)."""
+    out = []
+    for row in generated.tolist():
+        end = next((i for i, t in enumerate(row) if t in eos_ids), None)
+        out.append(row if end is None else row[: end + 1])
+    return out
+
+
+class HfGeneration:
+    """transformers' `generate` on the engine's module: sampling, eval mode, no grad; under ZeRO-3 every
+    weight gathered while it writes (see the module docstring)."""
+
+    def __init__(self, module: Any, zero3: bool, grpo: GrpoSection, pad_id: int, eos_ids: list[int]) -> None:
+        self.module, self.zero3, self.grpo = module, zero3, grpo
+        self.pad_id, self.eos_ids = pad_id, eos_ids
+
+    @contextlib.contextmanager
+    def _whole_model(self) -> Iterator[None]:
+        if not self.zero3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+            yield
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        device = next(self.module.parameters()).device
+        ids, mask = left_pad(prompts, self.pad_id)
+        grpo = self.grpo
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with self._whole_model():
+                out = self.module.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    do_sample=True,
+                    temperature=grpo.temperature,
+                    top_p=grpo.top_p,
+                    top_k=grpo.top_k,  # 0: no top-k filter (None would mean the model's default, 50)
+                    max_new_tokens=grpo.max_completion_length,
+                    pad_token_id=self.pad_id,
+                    eos_token_id=self.eos_ids,
+                )
+        finally:
+            if was_training:
+                self.module.train()
+        return cut_at_eos(out[:, ids.shape[1] :].cpu(), self.eos_ids)
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """How a step's completions are cut: micro-batch rows, micro-batches per step, data-parallel ranks."""
+
+    micro_batch: int
+    accumulation: int
+    dp_size: int
+
+
+class Rollouts(Iterator[Batch]):
+    """The engine's micro-batches under GRPO: generated, scored and cut per step (see the module docstring)."""
+
+    def __init__(
+        self,
+        prompts: Batches,
+        generate: Generation,
+        rewards: list[RewardFunction],
+        grpo: GrpoSection,
+        shape: RolloutShape,
+        tokenizer: PreTrainedTokenizerBase,
+        comm: Collectives,
+        rank: int,
+        policy_logps: Callable[[Batch], torch.Tensor],
+        reference_logps: ReferenceLogps | None = None,
+    ) -> None:
+        self.rank = (
+            rank  # this rank's place in the gathered rewards (grpo runs data parallel only: the global rank)
+        )
+        self.prompts, self.generate, self.rewards, self.grpo = prompts, generate, rewards, grpo
+        self.shape, self.tokenizer, self.comm = shape, tokenizer, comm
+        self.policy_logps, self.reference_logps = policy_logps, reference_logps
+        self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+        self._queue: list[Batch] = []
+
+    def __iter__(self) -> Rollouts:
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._queue:
+            step = self._rollout()
+            # num_iterations optimizer steps on one generation; later passes report no new generation time.
+            later = [
+                dict(b, rollout_metrics={**b["rollout_metrics"], "time_generate_s": 0.0, "time_score_s": 0.0})
+                for b in step
+            ]
+            self._queue = step + later * (self.grpo.num_iterations - 1)
+        return self._queue.pop(0)
+
+    def _rollout(self) -> list[Batch]:
+        grpo, shape = self.grpo, self.shape
+        prompts = next(self.prompts)["prompts"]
+        repeated = [p for p in prompts for _ in range(grpo.num_generations)]
+        t0 = time.perf_counter()
+        completions_ids = self.generate([p.ids for p in repeated])
+        t1 = time.perf_counter()
+        texts = self.tokenizer.batch_decode(completions_ids, skip_special_tokens=True)
+        columns = {k: [p.columns[k] for p in repeated] for k in repeated[0].columns}
+        local = score(self.rewards, [p.text for p in repeated], texts, completions_ids, columns)
+        table = gather(local, self.comm)  # every rank's completions, in rank order
+        advantages = group_advantages(table, self.weights, grpo.num_generations, grpo.scale_rewards)
+        t2 = time.perf_counter()
+        n, rank = len(repeated), self.rank
+        mine = advantages.advantages[rank * n : (rank + 1) * n]
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        eos = set(_eos_ids(self.tokenizer))
+        truncated = torch.tensor([not ids or ids[-1] not in eos for ids in completions_ids])
+        prompt_ids, prompt_mask = left_pad([p.ids for p in repeated], pad)
+        completion_ids, completion_mask = right_pad(completions_ids, pad)
+        if grpo.mask_truncated_completions:
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+        lengths = torch.tensor([len(c) for c in completions_ids], dtype=torch.float32)
+        totals = self.comm.sum(
+            torch.stack(
+                [
+                    completion_mask.sum().float(),
+                    lengths.sum(),
+                    truncated.float().sum(),
+                    torch.tensor(float(n)),
+                ]
+            )
+        )
+        longest = max(self.comm.gather_objects(int(lengths.max())))
+        metrics = {
+            **reward_metrics(self.rewards, table, advantages.rewards, advantages.zero_std),
+            "completion_length_mean": float(totals[1] / totals[3]),
+            "completion_length_max": float(longest),
+            "completion_truncated_frac": float(totals[2] / totals[3]),
+            "generation_tokens_per_s": float(lengths.sum()) / max(t1 - t0, 1e-9),  # this rank's
+            "time_generate_s": t1 - t0,
+            "time_score_s": t2 - t1,
+        }
+        # dapo: the step's scored tokens over all ranks / (ranks x micro-batches), see grpo_loss.py.
+        dapo_tokens = float(totals[0]) / (shape.dp_size * shape.accumulation)
+        rows = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": mine,
+        }
+        batches = []
+        for k in range(shape.accumulation):
+            part = slice(k * shape.micro_batch, (k + 1) * shape.micro_batch)
+            batch: Batch = {name: value[part] for name, value in rows.items()}
+            batch = _trim(batch)
+            if grpo.num_iterations > 1:  # the policy that generated them, for the ratio of later passes
+                batch["old_logps"] = self.policy_logps(batch).detach()
+            if self.reference_logps is not None:
+                batch["ref_logps"] = self.reference_logps(batch).detach()
+            # What tokens/s counts: the rows' real tokens (data/model_inputs.real_tokens reads this mask).
+            batch["attention_mask"] = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            batch["dapo_tokens"] = dapo_tokens
+            batch["rollout_metrics"] = metrics
+            batches.append(batch)
+        return batches
+
+
+def _trim(batch: Batch) -> Batch:
+    """A micro-batch without the padding columns every one of its rows has (shorter forwards)."""
+    keep_prompt = batch["prompt_mask"].any(dim=0)
+    first = int(keep_prompt.float().argmax()) if keep_prompt.any() else 0
+    used = batch["completion_mask"].any(dim=0)
+    last = int(used.nonzero().max()) + 1 if used.any() else 1
+    return {
+        **batch,
+        "prompt_ids": batch["prompt_ids"][:, first:],
+        "prompt_mask": batch["prompt_mask"][:, first:],
+        "completion_ids": batch["completion_ids"][:, :last],
+        "completion_mask": batch["completion_mask"][:, :last],
+    }
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
