@@ -40,6 +40,7 @@ import torch
 from llm_train.config.recipe import GrpoSection
 from llm_train.data.dealer import Batches
 from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.compat import gathered_for_generation
 from llm_train.runtime.grpo_loss import LossSettings, completion_logps, group_advantages, policy_loss
 from llm_train.runtime.objectives import Scored
 from llm_train.runtime.rewards import RewardFunction, gather, reward_metrics, score
@@ -153,19 +154,12 @@ class HfGeneration:
     """transformers' `generate` on the engine's module: sampling, eval mode, no grad; under ZeRO-3 every
     weight gathered while it writes (see the module docstring)."""
 
-    def __init__(self, module: Any, zero3: bool, grpo: GrpoSection, pad_id: int, eos_ids: list[int]) -> None:
-        self.module, self.zero3, self.grpo = module, zero3, grpo
+    def __init__(self, engine: Any, zero3: bool, grpo: GrpoSection, pad_id: int, eos_ids: list[int]) -> None:
+        self.engine, self.module, self.zero3, self.grpo = engine, engine.module, zero3, grpo
         self.pad_id, self.eos_ids = pad_id, eos_ids
 
-    @contextlib.contextmanager
-    def _whole_model(self) -> Iterator[None]:
-        if not self.zero3:
-            yield
-            return
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-            yield
+    def _whole_model(self) -> contextlib.AbstractContextManager[None]:
+        return gathered_for_generation(self.engine) if self.zero3 else contextlib.nullcontext()
 
     @torch.no_grad()
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:

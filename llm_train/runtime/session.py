@@ -337,7 +337,7 @@ def rollouts(w: Worker, engine: Engine, data: RunData) -> Rollouts:
     tokenizer = data.tokenizer
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    generation = HfGeneration(ds.module, layout.zero_stage == 3, grpo, pad, [eos])
+    generation = HfGeneration(ds, layout.zero_stage == 3, grpo, pad, [eos])
 
     @torch.no_grad()
     def policy_logps(batch: dict[str, Any]) -> torch.Tensor:
