@@ -134,8 +134,9 @@ def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
     for setting, (degree, reason) in why.items():
         if degree > 1:
             raise UserError(
-                f"{degrees}: {asked} is not supported with {setting}={degree}: {reason}; train {recipe.objective} "
-                "with ZeRO data parallelism (ZeRO-0..3, offload, LoRA)"
+                f"{degrees}: {asked} is not supported with {setting}={degree}: {reason}; train "
+                f"{'with GRPO' if recipe.objective == 'grpo' else 'preferences'} with ZeRO data parallelism "
+                "(ZeRO-0..3, offload, LoRA)"
             )
     if recipe.objective == "grpo":
         per_rank = layout.micro_batch_size * layout.grad_accum
