@@ -16,10 +16,10 @@ completions per step), so gathering the rewards keeps every group's completions 
 Generation runs transformers' `generate` on the engine's module (the HF model, or the PEFT model with its
 adapters active), sampling at grpo.temperature / top_p / top_k, in eval mode and without gradients. Under
 ZeRO-3 each rank holds a shard of every weight: the whole model is gathered for the generation
-(`deepspeed.zero.GatheredParameters`, TRL's ds3_gather_for_generation), which needs the model's full size in
-memory on every rank while it writes. A completion ends at its first EOS (kept, as TRL does) or at
-grpo.max_completion_length; it is then "truncated", and grpo.mask_truncated_completions leaves it out of the
-loss. The generation engine is one small interface (`Generation`): a vLLM one would slot in there.
+with ZeRO-3's module hooks off (compat.gathered_for_generation; TRL's ds3_gather_for_generation), which needs
+the model's full size in memory on every rank while it writes. A completion ends at its first EOS (kept, as
+TRL does) or at grpo.max_completion_length; it is then "truncated" (it ends without EOS), and
+grpo.mask_truncated_completions leaves it out of the loss. The generation engine is one small interface (`Generation`): a vLLM one would slot in there.
 
 Metrics per step (metrics.jsonl): the reward mean/std of each function and of the weighted sum, the fraction
 of groups whose rewards are all equal (they teach nothing), completion length mean/max and truncated fraction,
