@@ -1,10 +1,13 @@
 """GRPO in real 2-process DeepSpeed runs on CPU (recipe tiny-cpu-grpo: the bundled prompts, a digit reward).
 
-Three launches:
+Five launches:
 - the recipe as shipped (ZeRO-2, 30 steps): the mean reward of the last 5 steps exceeds the first 5 steps'
   by at least 0.4, every GRPO metric reaches metrics.jsonl, the world was 2 ranks, the export verifies;
 - the same with a learning rate of 1e-12 (the schema wants lr > 0; Adam's steps are then ~1e-12, far below
   anything that moves a sampled token): the reward does not rise, so the rise above comes from training;
+- 8 steps checkpointed every 4, and the same killed with -9 after step 5 and resumed with --resume auto: the
+  prompts, the sampling RNG and the weights come back, so every step's rewards and loss equal the
+  uninterrupted run's exactly;
 - ZeRO-3 + LoRA + beta 0.04 + num_iterations 2: generation with the weights gathered and the hooks off
   (compat.gathered_for_generation), the reference by the adapters switched off, the ratio of the second
   pass off 1 (clipping logged) and the KL positive once the adapters have moved.
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_ok, launch, read_metrics
+from tests.helpers import assert_ok, launch, read_metrics, resume_after_kill_9
 
 pytestmark = pytest.mark.e2e
 
@@ -106,3 +109,14 @@ def test_zero3_lora_with_a_reference_and_two_iterations(tmp_path: Path) -> None:
     assert rows[-1]["kl"] > 0
     assert rows[0]["clip_ratio_region"] == 0  # first pass: ratio exp(0)
     assert all(m["reward_mean"] == rows[0]["reward_mean"] for m in rows[:2])  # one generation, reported twice
+
+
+def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
+    common = ["--max-steps=8", "checkpoint.every_steps=4", "--resume", "auto"]
+    whole = _run(tmp_path / "whole", *common)
+    args = ["--recipe", "tiny-cpu-grpo", "--output-dir", str(tmp_path / "killed"), *common]
+    resume_after_kill_9(tmp_path / "killed", args, step=5)
+    resumed = {m["step"]: m for m in read_metrics(tmp_path / "killed") if "reward_mean" in m}  # last wins
+    for m in whole:
+        for key in ("reward_mean", "loss", "completion_length_mean"):
+            assert resumed[m["step"]][key] == m[key], (m["step"], key)
