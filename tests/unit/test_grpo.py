@@ -268,3 +268,14 @@ def test_truncated_completions_can_be_left_out_and_generations_reused(tokenizer:
         and step[2]["rollout_metrics"]["time_generate_s"] == 0
     )
     assert torch.equal(step[0]["old_logps"], torch.full(step[0]["completion_ids"].shape, -1.0))
+
+
+def test_data_inspect_shows_the_prompts_as_generation_sees_them(capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_train.cli import main
+
+    assert main(["data", "inspect", "--recipe", "tiny-cpu-grpo", "-n", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts of at most 48 tokens (objective grpo; nothing to prepare)" in out
+    assert "185 prompts from" in out and "\"Explain the Python topic 'assert'.\"" in out
+    assert "fields for rewards: {'topic': 'assert'}" in out
+    assert main(["data", "prepare", "--recipe", "tiny-cpu-grpo"]) == 0  # nothing to tokenise ahead
