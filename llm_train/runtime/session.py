@@ -220,7 +220,9 @@ def grpo_data(run: Resolved, tokenizer: PreTrainedTokenizerBase, dp_rank: int, s
     room = recipe.data.seq_len - grpo.max_completion_length
     stream = prompt_stream(recipe.data, tokenizer, room, per_step, dp_rank, layout.dp, recipe.optim.seed, say)
     assert stream.per_epoch is not None  # prompts have a known number
-    max_steps = recipe.optim.max_steps or steps_for_epochs(recipe.optim.epochs or 1.0, stream.per_epoch, 1)
+    # Each generation trains grpo.num_iterations optimizer steps: an epoch of prompts is that many times longer.
+    generations = stream.per_epoch * grpo.num_iterations
+    max_steps = recipe.optim.max_steps or steps_for_epochs(recipe.optim.epochs or 1.0, generations, 1)
     return RunData(tokenizer, stream, None, max_steps)
 
 

@@ -279,3 +279,14 @@ def test_data_inspect_shows_the_prompts_as_generation_sees_them(capsys: pytest.C
     assert "185 prompts from" in out and "\"Explain the Python topic 'assert'.\"" in out
     assert "fields for rewards: {'topic': 'assert'}" in out
     assert main(["data", "prepare", "--recipe", "tiny-cpu-grpo"]) == 0  # nothing to tokenise ahead
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_optim_epochs_count_passes_over_the_prompts(iterations: int) -> None:
+    from llm_train.runtime.session import grpo_data
+
+    overrides = ["optim.max_steps=null", "optim.epochs=1", f"grpo.num_iterations={iterations}"]
+    run = resolve_run("tiny-cpu-grpo", overrides, world_size=2, device=CPU)
+    data = grpo_data(run, load_tokenizer(run.recipe.model), 0, lambda _: None)
+    # 185 prompts, 2 per rank per generation on 2 ranks: 46 generations, each trained num_iterations steps.
+    assert data.max_steps == 46 * iterations and data.eval_blocks is None
