@@ -39,6 +39,7 @@ import torch
 
 from llm_train.config.recipe import GrpoSection
 from llm_train.data.dealer import Batches
+from llm_train.data.prompts import Prompt
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.compat import gathered_for_generation
 from llm_train.runtime.grpo_loss import LossSettings, completion_logps, group_advantages, policy_loss
@@ -212,9 +213,8 @@ class Rollouts(Iterator[Batch]):
         policy_logps: Callable[[Batch], torch.Tensor],
         reference_logps: ReferenceLogps | None = None,
     ) -> None:
-        self.rank = (
-            rank  # this rank's place in the gathered rewards (grpo runs data parallel only: the global rank)
-        )
+        # This rank's place in the gathered rewards: the global rank (grpo runs data parallel only).
+        self.rank = rank
         self.prompts, self.generate, self.rewards, self.grpo = prompts, generate, rewards, grpo
         self.shape, self.tokenizer, self.comm = shape, tokenizer, comm
         self.policy_logps, self.reference_logps = policy_logps, reference_logps
@@ -236,73 +236,87 @@ class Rollouts(Iterator[Batch]):
         return self._queue.pop(0)
 
     def _rollout(self) -> list[Batch]:
-        grpo, shape = self.grpo, self.shape
+        """One generation: this rank's prompts -> completions -> rewards (all ranks) -> the step's micro-batches."""
         prompts = next(self.prompts)["prompts"]
-        repeated = [p for p in prompts for _ in range(grpo.num_generations)]
+        repeated = [p for p in prompts for _ in range(self.grpo.num_generations)]
         t0 = time.perf_counter()
-        completions_ids = self.generate([p.ids for p in repeated])
+        completions = self.generate([p.ids for p in repeated])
         t1 = time.perf_counter()
-        texts = self.tokenizer.batch_decode(completions_ids, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         columns = {k: [p.columns[k] for p in repeated] for k in repeated[0].columns}
-        local = score(self.rewards, [p.text for p in repeated], texts, completions_ids, columns)
+        local = score(self.rewards, [p.text for p in repeated], texts, completions, columns)
         table = gather(local, self.comm)  # every rank's completions, in rank order
-        advantages = group_advantages(table, self.weights, grpo.num_generations, grpo.scale_rewards)
+        advantages = group_advantages(table, self.weights, self.grpo.num_generations, self.grpo.scale_rewards)
         t2 = time.perf_counter()
-        n, rank = len(repeated), self.rank
-        mine = advantages.advantages[rank * n : (rank + 1) * n]
-
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        eos = set(_eos_ids(self.tokenizer))
-        truncated = torch.tensor([not ids or ids[-1] not in eos for ids in completions_ids])
-        prompt_ids, prompt_mask = left_pad([p.ids for p in repeated], pad)
-        completion_ids, completion_mask = right_pad(completions_ids, pad)
-        if grpo.mask_truncated_completions:
-            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
-        lengths = torch.tensor([len(c) for c in completions_ids], dtype=torch.float32)
-        totals = self.comm.sum(
-            torch.stack(
-                [
-                    completion_mask.sum().float(),
-                    lengths.sum(),
-                    truncated.float().sum(),
-                    torch.tensor(float(n)),
-                ]
-            )
-        )
-        longest = max(self.comm.gather_objects(int(lengths.max())))
+        n = len(repeated)
+        rows = self._rows(repeated, completions, advantages.advantages[self.rank * n : (self.rank + 1) * n])
+        stats, dapo_tokens = self._completion_stats(completions, rows["completion_mask"])
         metrics = {
             **reward_metrics(self.rewards, table, advantages.rewards, advantages.zero_std),
-            "completion_length_mean": float(totals[1] / totals[3]),
-            "completion_length_max": float(longest),
-            "completion_truncated_frac": float(totals[2] / totals[3]),
-            "generation_tokens_per_s": float(lengths.sum()) / max(t1 - t0, 1e-9),  # this rank's
+            **stats,
+            "generation_tokens_per_s": sum(map(len, completions)) / max(t1 - t0, 1e-9),
             "time_generate_s": t1 - t0,
             "time_score_s": t2 - t1,
         }
-        # dapo: the step's scored tokens over all ranks / (ranks x micro-batches), see grpo_loss.py.
-        dapo_tokens = float(totals[0]) / (shape.dp_size * shape.accumulation)
-        rows = {
+        return [self._micro_batch(rows, k, dapo_tokens, metrics) for k in range(self.shape.accumulation)]
+
+    def _rows(self, repeated: list[Prompt], completions: list[list[int]], advantages: torch.Tensor) -> Batch:
+        """This rank's completions as padded tensors, with their advantages (truncated ones masked if asked)."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        prompt_ids, prompt_mask = left_pad([p.ids for p in repeated], pad)
+        completion_ids, completion_mask = right_pad(completions, pad)
+        if self.grpo.mask_truncated_completions:
+            kept = ~_truncated(completions, self.tokenizer)
+            completion_mask = completion_mask * kept.unsqueeze(1).long()
+        return {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "advantages": mine,
+            "advantages": advantages,
         }
-        batches = []
-        for k in range(shape.accumulation):
-            part = slice(k * shape.micro_batch, (k + 1) * shape.micro_batch)
-            batch: Batch = {name: value[part] for name, value in rows.items()}
-            batch = _trim(batch)
-            if grpo.num_iterations > 1:  # the policy that generated them, for the ratio of later passes
-                batch["old_logps"] = self.policy_logps(batch).detach()
-            if self.reference_logps is not None:
-                batch["ref_logps"] = self.reference_logps(batch).detach()
-            # What tokens/s counts: the rows' real tokens (data/model_inputs.real_tokens reads this mask).
-            batch["attention_mask"] = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            batch["dapo_tokens"] = dapo_tokens
-            batch["rollout_metrics"] = metrics
-            batches.append(batch)
-        return batches
+
+    def _completion_stats(
+        self, completions: list[list[int]], completion_mask: torch.Tensor
+    ) -> tuple[dict[str, float], float]:
+        """(the completions' length metrics over every rank, loss_type dapo's tokens per micro-batch)."""
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
+        truncated = _truncated(completions, self.tokenizer).float()
+        local = [
+            completion_mask.sum().float(),
+            lengths.sum(),
+            truncated.sum(),
+            torch.tensor(float(len(lengths))),
+        ]
+        scored, total_length, total_truncated, count = self.comm.sum(torch.stack(local)).tolist()
+        longest = max(self.comm.gather_objects(int(lengths.max())))
+        stats = {
+            "completion_length_mean": total_length / count,
+            "completion_length_max": float(longest),
+            "completion_truncated_frac": total_truncated / count,
+        }
+        # dapo: the step's scored tokens over all ranks / (ranks x micro-batches), see grpo_loss.py.
+        return stats, scored / (self.shape.dp_size * self.shape.accumulation)
+
+    def _micro_batch(self, rows: Batch, k: int, dapo_tokens: float, metrics: dict[str, float]) -> Batch:
+        """Micro-batch k of the step, with the log-probs it needs from the generating and the reference policy."""
+        size = self.shape.micro_batch
+        batch = _trim({name: value[k * size : (k + 1) * size] for name, value in rows.items()})
+        if self.grpo.num_iterations > 1:  # the policy that generated them, for the ratio of later passes
+            batch["old_logps"] = self.policy_logps(batch).detach()
+        if self.reference_logps is not None:
+            batch["ref_logps"] = self.reference_logps(batch).detach()
+        # What tokens/s counts: the rows' real tokens (data/model_inputs.real_tokens reads this mask).
+        batch["attention_mask"] = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        batch["dapo_tokens"] = dapo_tokens
+        batch["rollout_metrics"] = metrics
+        return batch
+
+
+def _truncated(completions: list[list[int]], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """Completions that end without EOS: cut at grpo.max_completion_length."""
+    eos = set(_eos_ids(tokenizer))
+    return torch.tensor([not ids or ids[-1] not in eos for ids in completions])
 
 
 def _trim(batch: Batch) -> Batch:
