@@ -41,6 +41,7 @@ from llm_train.runtime.launch_env import PIN_BACKEND_ENV
 from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.optim import check_optimizer_package
 from llm_train.runtime.quantized_base import check_bitsandbytes, check_staged_quantizer
+from llm_train.runtime.rewards import load_rewards
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
@@ -142,6 +143,11 @@ def print_dry_run(run: Resolved) -> None:
     # that would loop over its data more than data.max_epochs times.
     recipe = run.recipe
     print("# data volume")
+    if recipe.objective == "grpo":  # prompts are read at start-up, and an RL run revisits them by design
+        grpo = recipe.grpo
+        prompts = run.layout.global_batch_size // grpo.num_generations
+        print(f"  {prompts} prompts per step, {grpo.num_generations} completions each (objective grpo)")
+        return
     line = planned_volume(
         recipe.data, recipe.optim, run.layout, lambda: load_tokenizer(recipe.model), lambda m: print(f"  {m}")
     )
@@ -281,6 +287,8 @@ def check_before_start(
     check_staged_quantizer(run.recipe.lora, run.layout.zero_stage)  # transformers' op is the tested one
     check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
     check_optimizer_package(run.recipe.optim)
+    if run.recipe.objective == "grpo":  # a reward function that cannot be imported: one line, now
+        load_rewards(run.recipe.grpo.rewards, run.recipe.grpo.max_completion_length)
     estimated = estimated or estimate_run(run, nproc_per_node)
     if not args.skip_ram_check:
         check_host_ram(run, estimated=estimated)  # one line now, rather than the OS killing a rank mid-load

@@ -1,4 +1,4 @@
-"""Build the tiny bundled corpus, tokenizer, chat examples and preference pairs used by the tiny recipes.
+"""Build the tiny bundled corpus, tokenizer, chat examples, preference pairs and RL prompts used by the tiny recipes.
 
 The source text is ``pydoc_data.topics.topics`` (the Python language reference as plain text), which
 ships with every CPython, so the assets can be rebuilt offline without downloading anything.
@@ -201,6 +201,21 @@ def build_preferences(chat: Sequence[dict[str, list[dict[str, str]]]]) -> list[d
     return pairs
 
 
+def build_prompts(chat: Sequence[dict[str, list[dict[str, str]]]]) -> list[dict[str, str]]:
+    """Prompts for online RL (``format: prompt``): each chat example's question, with its topic as a column.
+
+    ``tiny-cpu-grpo`` rewards a completion that contains a digit: a random tiny model writes one in about a
+    quarter of its completions (58 of the tokenizer's 4,096 tokens hold a digit), so the groups' rewards
+    differ from the first step and the policy gradient has something to push on.
+    """
+    prompts = []
+    for example in chat:
+        user = next(m for m in example["messages"] if m["role"] == "user")
+        topic = user["content"].split("'")[1] if user["content"].count("'") >= 2 else ""
+        prompts.append({"prompt": user["content"], "topic": topic})
+    return prompts
+
+
 def train_tokenizer(corpus_path: Path, out_dir: Path) -> None:
     """Train a byte-level BPE on the corpus and save it as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -277,6 +292,9 @@ def build(out: Path) -> dict[str, Any]:
         "".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in preferences),
     )
 
+    prompts = build_prompts(chat)
+    _write_text(out / "prompts.jsonl", "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in prompts))
+
     # Start from an empty folder so stale files (e.g. from another transformers layout) do not linger.
     tok_dir = out / "tokenizer"
     if tok_dir.exists():
@@ -288,6 +306,7 @@ def build(out: Path) -> dict[str, Any]:
         out / "chat.jsonl",
         out / "corpus.txt",
         out / "preferences.jsonl",
+        out / "prompts.jsonl",
         *sorted(p for p in tok_dir.rglob("*") if p.is_file()),
     ]
     manifest: dict[str, Any] = {
@@ -299,6 +318,7 @@ def build(out: Path) -> dict[str, Any]:
         "corpus_chars": len(corpus),
         "chat_examples": len(chat),
         "preference_pairs": len(preferences),
+        "prompt_rows": len(prompts),
         "files": {p.relative_to(out).as_posix(): _sha256(p) for p in files},
     }
     _write_text(out / "MANIFEST.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -2,6 +2,7 @@
 
     llm-train data prepare --recipe tiny-cpu-chat            tokenise + pack into data.cache_dir
     llm-train data inspect --recipe tiny-cpu-chat -n 3       statistics + 3 decoded samples, trained-on text in ⟦ ⟧
+    llm-train data inspect --recipe tiny-cpu-grpo -n 3       objective grpo: the prompts as generation sees them
 
 Both take recipe overrides (`data.seq_len=512`); prepare on a CPU box before GPU time is spent,
 and training finds everything in the cache.
@@ -15,6 +16,7 @@ from typing import Any
 from llm_train.config.recipe import load_recipe
 from llm_train.data.dealer import EpochOrder
 from llm_train.data.prepare import prepare_data
+from llm_train.data.prompts import load_prompts
 from llm_train.data.stream_windows import is_streaming
 from llm_train.data.summary import describe_split, mapped_conversations, sample_views
 from llm_train.runtime.model import load_tokenizer
@@ -48,10 +50,26 @@ def _prepared(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         )
         return recipe, None, None
     tokenizer = load_tokenizer(recipe.model)
+    if recipe.objective == "grpo":
+        _show_prompts(recipe, tokenizer, getattr(args, "n", 0))
+        return recipe, None, None
     print(
         f"data for recipe {recipe.name}: seq_len {recipe.data.seq_len}, {recipe.data.packing}, cache {recipe.data.cache_dir}"
     )
     return recipe, tokenizer, prepare_data(recipe.data, tokenizer, recipe.optim.seed, say=print)
+
+
+def _show_prompts(recipe: Any, tokenizer: Any, n: int) -> None:
+    """objective grpo: prompts are read when the run starts (nothing to prepare); show them as generation sees them."""
+    room = recipe.data.seq_len - recipe.grpo.max_completion_length
+    print(
+        f"data for recipe {recipe.name}: prompts of at most {room} tokens (objective grpo; nothing to prepare)"
+    )
+    parts = load_prompts(recipe.data, tokenizer, room, say=lambda m: print(f"  {m}"))
+    for prompt in [p for part in parts for p in part][: max(0, n)]:
+        print(
+            f"\n{tokenizer.decode(prompt.ids)!r} ({len(prompt.ids)} tokens), fields for rewards: {prompt.columns}"
+        )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

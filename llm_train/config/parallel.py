@@ -15,6 +15,7 @@ TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with Z
     through Accelerate's ParallelismConfig (tests/e2e/test_sequence_parallel.py: losses and gradient
     norms against sp=1 within 1e-5, ZeRO-3 and ZeRO-2)
   preference objectives (dpo, simpo) with ZeRO data parallelism only: each rank scores whole sequences
+  grpo likewise, with each rank's completions per step whole groups of grpo.num_generations
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: st
 
 
 def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
-    """Preference objectives score whole sequences on one rank: what splits a sequence or its logits is refused."""
+    """Preference and RL objectives score whole sequences on one rank: what splits a sequence or its logits is
+    refused; GRPO's groups are generated whole on one rank."""
     if recipe.objective == "lm":
         return
     asked = f"objective={recipe.objective}"
@@ -124,11 +126,26 @@ def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
             "Ulysses splits each sequence over ranks, so no rank holds a sequence's log-prob",
         ),
     }
+    if recipe.objective == "grpo":
+        why["deepspeed.pipeline_stages"] = (
+            layout.pp,
+            "generation needs the whole model on each rank's forward, which DeepSpeed's pipeline engine never runs",
+        )
     for setting, (degree, reason) in why.items():
         if degree > 1:
             raise UserError(
-                f"{degrees}: {asked} is not supported with {setting}={degree}: {reason}; train preferences with "
-                "ZeRO data parallelism (ZeRO-0..3, offload, LoRA)"
+                f"{degrees}: {asked} is not supported with {setting}={degree}: {reason}; train "
+                f"{'with GRPO' if recipe.objective == 'grpo' else 'preferences'} with ZeRO data parallelism "
+                "(ZeRO-0..3, offload, LoRA)"
+            )
+    if recipe.objective == "grpo":
+        per_rank = layout.micro_batch_size * layout.grad_accum
+        generations = recipe.grpo.num_generations
+        if per_rank % generations:
+            raise UserError(
+                f"grpo.num_generations={generations} does not divide each rank's completions per step (micro batch "
+                f"{layout.micro_batch_size} x accumulation {layout.grad_accum} = {per_rank}): a prompt's group is "
+                f"generated on one rank; make optim.micro_batch_size x grad_accum a multiple of {generations}"
             )
 
 

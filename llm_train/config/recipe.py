@@ -307,13 +307,39 @@ def _check_prompt_template(template: str) -> None:
         )
 
 
-Source = TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource
+class PromptSource(_SourceFields):
+    """Prompts for online RL (objective grpo): the model writes the completions, rewards score them.
+
+    The prompt is text (wrapped in `prompt_template`) or a list of {role, content} messages, rendered with
+    the chat template and its generation prompt. Every other field of the row (e.g. `answer`) is handed to
+    the reward functions by name.
+    """
+
+    format: Literal["prompt"] = "prompt"
+    prompt_field: str = Field("prompt", description="Field with the prompt (text or messages).")
+    prompt_template: str = Field(
+        "{prompt}",
+        description="Wraps a text prompt ('{prompt}' is replaced by it); message prompts use the chat template.",
+    )
+    overlong: Literal["drop", "error"] = Field(
+        "drop",
+        description="Prompts longer than data.seq_len - grpo.max_completion_length tokens: drop them, or error.",
+    )
+
+    @model_validator(mode="after")
+    def _template_has_prompt(self) -> PromptSource:
+        _check_prompt_template(self.prompt_template)
+        return self
+
+
+Source = TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource | PromptSource
 SOURCE_CLASSES: dict[str, type[Section]] = {
     "text": TextSource,
     "instruction": InstructionSource,
     "chat": ChatSource,
     "tokenized": TokenizedSource,
     "preference": PreferenceSource,
+    "prompt": PromptSource,
 }
 
 
@@ -352,18 +378,18 @@ def _parse_source(item: Any, where: str) -> Any:
 class DataSection(Section):
     """Where the training data comes from and how it becomes packed sequences (see llm_train/data/)."""
 
-    train: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
-        Field(
-            min_length=1,
-            description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
-            "mappings {path, format: text|instruction|chat|tokenized|preference, weight, ...}.",
-        )
+    train: list[
+        str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource | PromptSource
+    ] = Field(
+        min_length=1,
+        description="Sources: paths/globs of text (.txt, .jsonl/.json/.parquet/.csv with data.text_field), or "
+        "mappings {path, format: text|instruction|chat|tokenized|preference|prompt, weight, ...}.",
     )
-    eval: list[str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource] = (
-        Field(
-            default_factory=list,
-            description="Held-out sources (same forms as train); empty = carve eval_fraction.",
-        )
+    eval: list[
+        str | TextSource | InstructionSource | ChatSource | TokenizedSource | PreferenceSource | PromptSource
+    ] = Field(
+        default_factory=list,
+        description="Held-out sources (same forms as train); empty = carve eval_fraction.",
     )
     eval_fraction: float = Field(
         0.05, ge=0.0, lt=0.5, description="Share of each train source's samples held out for eval."
@@ -599,7 +625,7 @@ class LoraSection(Section):
     )
 
 
-Objective = Literal["lm", "dpo", "simpo"]
+Objective = Literal["lm", "dpo", "simpo", "grpo"]
 # The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
 # (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
@@ -633,6 +659,183 @@ class PreferenceSection(Section):
         "every step, by the base model with the adapters disabled under LoRA, else by a frozen copy of "
         "the model (sharded like the policy under ZeRO-3; the planner counts its memory).",
     )
+
+
+class _RewardFields(Section):
+    weight: float = Field(
+        1.0, description="This reward's weight in the sum the advantages are computed from."
+    )
+    name: str | None = Field(
+        None,
+        description="Its name in metrics.jsonl (reward_<name>_mean); default the kind or the function's name.",
+    )
+
+
+class FormatReward(_RewardFields):
+    """1.0 when the completion matches `pattern`, else 0.0: a verifiable format reward."""
+
+    kind: Literal["format"] = "format"
+    pattern: str = Field(description="A Python regular expression the completion must match.")
+    match: Literal["full", "search"] = Field(
+        "full",
+        description="'full': the whole completion (outer whitespace stripped) matches; 'search': a part does.",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        return _compiled(pattern)
+
+
+class ExactMatchReward(_RewardFields):
+    """1.0 when the completion's final answer equals the row's `column`, else 0.0 (numbers compared as numbers)."""
+
+    kind: Literal["exact_match"] = "exact_match"
+    column: str = Field("answer", description="The prompt row's field that holds the right answer.")
+    pattern: str | None = Field(
+        None,
+        description="A regular expression that finds the final answer in the completion (its first group if it "
+        "has one; the last match counts; no match scores 0); default: the whole completion, stripped.",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        return None if pattern is None else _compiled(pattern)
+
+
+class OverlongReward(_RewardFields):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), by completion tokens: 0 up to
+    max_completion_length - buffer, then falling linearly to -1 at max_completion_length."""
+
+    kind: Literal["overlong"] = "overlong"
+    buffer: int = Field(
+        gt=0, description="Tokens before grpo.max_completion_length over which the penalty grows."
+    )
+
+
+class FunctionReward(_RewardFields):
+    """A reward function of yours: `module:function`, called as function(prompts=..., completions=...,
+    completion_ids=..., **columns) with one list entry per completion, returning a float or None for each."""
+
+    kind: Literal["function"] = "function"
+    function: str = Field(
+        description="'module:function' importable from the working directory or PYTHONPATH (e.g. my_rewards:correct)."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _is_a_path(cls, path: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", path):
+            raise ValueError(f"'{path}' is not 'module:function' (e.g. my_rewards:correct)")
+        return path
+
+
+def _compiled(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"not a regular expression ({exc}): {pattern!r}") from None
+    return pattern
+
+
+Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward
+REWARD_CLASSES: dict[str, type[Section]] = {
+    "format": FormatReward,
+    "exact_match": ExactMatchReward,
+    "overlong": OverlongReward,
+    "function": FunctionReward,
+}
+
+
+def _parse_reward(item: Any, where: str) -> Any:
+    """One entry of grpo.rewards, parsed by its `kind` so that a mistake names `grpo.rewards[i].key` in one line."""
+    if isinstance(item, tuple(REWARD_CLASSES.values())):
+        return item
+    if not isinstance(item, dict):
+        raise ValueError(
+            f"{where}: expected a mapping with 'kind' ({', '.join(REWARD_CLASSES)}), got {item!r}"
+        )
+    kind = item.get("kind")
+    cls = REWARD_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"{where}.kind: {kind!r} is not one of {', '.join(REWARD_CLASSES)}")
+    valid = sorted(cls.model_fields)
+    for key in item:
+        if key not in cls.model_fields:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(
+                f"{where}: unknown key '{key}' for kind {kind}; {hint}valid keys: {', '.join(valid)}"
+            )
+    try:
+        return cls.model_validate(item)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{where}{'.' + loc if loc else ''}: {message}") from None
+
+
+class GrpoSection(Section):
+    """Online RL with GRPO (objective grpo; runtime/grpo.py): each step the model writes num_generations
+    completions per prompt, the rewards score them, and the loss is TRL's GRPO loss (runtime/grpo_loss.py).
+    optim.micro_batch_size counts completions; each rank's completions per step form whole groups."""
+
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group G).")
+    max_completion_length: int = Field(256, ge=1, description="Most tokens a completion may have.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature (the log-probs are taken at it too)."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens of this mass."
+    )
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens; 0 = no limit.")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="How token losses are averaged: grpo (per completion, then over completions), bnpo (per "
+        "micro-batch token), dr_grpo (sum / (completions x max_completion_length)), dapo (per token of the step).",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="'token': a ratio per token (GRPO); 'sequence': one per completion (GSPO)."
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip of the ratio: 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip: 1 + epsilon_high (DAPO's clip-higher uses 0.28); default epsilon.",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the k3 KL to the initial model; 0 = no reference model (TRL's default).",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per generated batch; above 1 the log-probs at generation are kept for the ratio.",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_completion_length (no EOS) out of the loss."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide advantages by the group's reward std (group), the batch's (batch), or not (none: Dr. GRPO).",
+    )
+    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward] = Field(
+        default_factory=list,
+        description="Reward functions, each {kind: format|exact_match|overlong|function, weight, ...}; see docs/rl.md.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_kinds(cls, values: Any) -> Any:
+        if isinstance(values, dict) and isinstance(values.get("rewards"), list):
+            values = {
+                **values,
+                "rewards": [_parse_reward(r, f"grpo.rewards[{i}]") for i, r in enumerate(values["rewards"])],
+            }
+        return values
 
 
 class DeepSpeedSection(Section):
@@ -775,10 +978,14 @@ class Recipe(Section):
         "lm",
         description="'lm': next-token cross-entropy on the loss mask (pre-training, SFT); 'dpo': DPO's "
         "sigmoid loss against a reference model; 'simpo': SimPO, reference-free (both need "
-        "format: preference data).",
+        "format: preference data); 'grpo': online RL, the model's own completions scored by rewards "
+        "(format: prompt data).",
     )
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection, description="DPO / SimPO settings (objective dpo or simpo)."
+    )
+    grpo: GrpoSection = Field(
+        default_factory=GrpoSection, description="GRPO settings (objective grpo): generation, loss, rewards."
     )
     deepspeed: DeepSpeedSection
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -822,6 +1029,22 @@ class Recipe(Section):
             for split in ("train", "eval")
             for i, source in enumerate(getattr(self.data, split))
         ]
+        if objective != "grpo":
+            prompts = next((key for key, s in sources if isinstance(s, PromptSource)), None)
+            if prompts:
+                raise ValueError(
+                    f"{prompts} is format prompt, which trains with online RL; set objective: grpo, or use another "
+                    "format"
+                )
+            changed = [k for k, v in GrpoSection().model_dump().items() if getattr(self.grpo, k) != v]
+            if changed:
+                raise ValueError(
+                    f"grpo.{changed[0]} is set but objective is {objective}; set objective: grpo, or remove the "
+                    "grpo section"
+                )
+        else:
+            self._check_grpo()
+            return
         if objective == "lm":
             pairs = next((key for key, s in sources if isinstance(s, PreferenceSource)), None)
             if pairs:
@@ -868,10 +1091,53 @@ class Recipe(Section):
             # Filled in here so the resolved recipe (config/recipe.yaml, W&B) shows the beta that trains.
             preference.beta = DEFAULT_BETA[objective]
 
+    def _check_grpo(self) -> None:
+        """Prompts in, completions generated: every source is a prompt source, and a completion fits seq_len."""
+        grpo = self.grpo
+        changed = [k for k, v in PreferenceSection().model_dump().items() if getattr(self.preference, k) != v]
+        if changed:
+            raise ValueError(
+                f"preference.{changed[0]} is set but objective is grpo; remove the preference section (grpo.beta "
+                "weighs the KL to the initial model)"
+            )
+        for split in ("train", "eval"):
+            for i, source in enumerate(getattr(self.data, split)):
+                if split == "eval":
+                    raise ValueError(
+                        f"data.eval[{i}]: objective grpo has no evaluation set (its metrics are the rewards of "
+                        "each step); remove data.eval and set data.eval_fraction=0"
+                    )
+                if not isinstance(source, PromptSource):
+                    fmt = source.format if not isinstance(source, str) else "text"
+                    raise ValueError(
+                        f"data.train[{i}] is format {fmt}, but objective=grpo generates from prompts; give every "
+                        "data.train source format: prompt (a prompt field and the fields your rewards read)"
+                    )
+                if source.streaming:
+                    raise ValueError(
+                        f"data.train[{i}].streaming=true: prompts are read whole; remove streaming"
+                    )
+        if self.data.eval_fraction > 0:
+            raise ValueError(
+                f"data.eval_fraction={self.data.eval_fraction}: objective grpo has no evaluation set (its metrics "
+                "are the rewards of each step); set data.eval_fraction=0"
+            )
+        if not grpo.rewards:
+            raise ValueError(
+                "grpo.rewards is empty; give at least one reward, e.g. [{kind: format, pattern: '...'}]"
+            )
+        if grpo.max_completion_length >= self.data.seq_len:
+            raise ValueError(
+                f"grpo.max_completion_length={grpo.max_completion_length} leaves no room for a prompt in "
+                f"data.seq_len={self.data.seq_len} (prompt + completion); raise data.seq_len or lower it"
+            )
+        if self.memory.tiled_loss:
+            raise ValueError("memory.tiled_loss applies to the token loss; remove it with objective grpo")
+
     @property
     def sequences_per_sample(self) -> int:
         """Sequences one sample trains: two for a preference pair (chosen and rejected), else one."""
-        return 1 if self.objective == "lm" else 2
+        return 2 if self.objective in ("dpo", "simpo") else 1
 
     @property
     def output_dir(self) -> Path:

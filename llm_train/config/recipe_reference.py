@@ -87,6 +87,8 @@ def _type(annotation: Any) -> str:
         return " or ".join(f"`{value}`" for value in args)
     if origin in (typing.Union, types.UnionType):
         kept = [arg for arg in args if arg is not type(None)]
+        if kept and all(isinstance(arg, type) and arg.__name__.endswith("Reward") for arg in kept):
+            return "reward mapping (docs/rl.md)"
         if any(isinstance(arg, type) and issubclass(arg, BaseModel) for arg in kept):
             return "path or source mapping"
         return " or ".join(_type(arg) for arg in kept)

@@ -26,6 +26,7 @@ from llm_train.config.recipe import (
     ChatSource,
     InstructionSource,
     PreferenceSource,
+    PromptSource,
     Source,
     TextSource,
     TokenizedSource,
@@ -60,6 +61,8 @@ def required_fields(source: Source) -> list[str]:
         return [source.messages_field]
     if isinstance(source, PreferenceSource):
         return [source.chosen_field, source.rejected_field]
+    if isinstance(source, PromptSource):
+        return [source.prompt_field]
     return [source.input_ids_field]
 
 
@@ -87,6 +90,7 @@ def check_fields(columns: list[str], source: Source, key: str, where: str) -> No
             "chat": "messages_field",
             "tokenized": "input_ids_field",
             "preference": "chosen_field / rejected_field",
+            "prompt": "prompt_field",
         }[source.format]
         hint = next(
             (
@@ -144,6 +148,11 @@ def make_tokenize_fn(
         return _chat_fn(source, tokenizer, chat_template, key)
     if isinstance(source, PreferenceSource):
         return _preference_fn(source, tokenizer, chat_template, key, make_encoder(tokenizer, memo_words))
+    if isinstance(source, PromptSource):
+        # Prompts are rendered when the run starts (data/prompts.py), never tokenised and packed ahead.
+        raise UserError(
+            f"{key} is format prompt: its prompts are read by objective grpo, not tokenised ahead"
+        )
     return _tokenized_fn(source, tokenizer, key)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from llm_train.config.hardware import GPU_HEADROOM, DriveSpeeds, Hardware, hardware_for
 from llm_train.config.recipe import load_recipe
-from llm_train.config.resolution import resolve_run
+from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.planning.candidate import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
@@ -330,8 +330,10 @@ def plan_recipe(
     saving = bf16_states_note(base, hw)
     if saving:
         report.notes.append(saving)
-    if run.recipe.objective != "lm":
+    if run.recipe.objective in ("dpo", "simpo"):
         report.notes.append(preference_note(ev, run.recipe.objective, run.layout.grad_accum, hw))
+    if run.recipe.objective == "grpo":
+        report.notes.append(grpo_note(run))
     if ev.estimate.nvme_bytes:
         report.notes.append(
             f"NVMe: before start, deepspeed.nvme_path is checked for {ev.estimate.nvme_bytes / 2**30:.1f} GiB "
@@ -357,6 +359,17 @@ def start_up_note(inp: MemoryInputs, hw: Hardware) -> str | None:
             f"({_duration(load.copies)})"
         )
     return f"start-up: the 4-bit base loads in ~{_duration(load.total)}, at every start and resume: {how}"
+
+
+def grpo_note(run: Resolved) -> str:
+    """What the estimate above leaves out of an online-RL run."""
+    grpo = run.recipe.grpo
+    return (
+        f"objective grpo: each step generates {grpo.num_generations} completions per prompt of up to "
+        f"{grpo.max_completion_length} tokens; the rows of data.seq_len are counted above, generation's key-value "
+        "cache (2 x layers x kv heads x head size x micro rows x seq_len values) is not"
+        + ("; beta > 0 adds a reference model" if grpo.beta else "")
+    )
 
 
 def preference_note(ev: Evaluation, objective: str, grad_accum: int, hw: Hardware) -> str:

@@ -174,6 +174,12 @@ WORKAROUNDS = (
         "5.25",
         "a 4-bit base is quantised where it is placed: on the host (slow) or whole on the GPU (too large)",
     ),
+    Workaround(
+        "gathered_for_generation",
+        "deepspeed",
+        "0.19.8",
+        "generate on a ZeRO-3 module inside GatheredParameters fails on exit: a param left in flight",
+    ),
 )
 
 
@@ -551,6 +557,36 @@ def keep_training_layout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if is_quantized_linear(module) and hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+@contextlib.contextmanager
+def gathered_for_generation(engine: DeepSpeedEngine) -> Iterator[None]:
+    """The whole ZeRO-3 model on every rank, without ZeRO-3's module hooks, while the block generates.
+
+    With every weight gathered (`GatheredParameters`) the per-module hooks still run on each of
+    generate's forwards and prefetch parameters; leaving the context then fails with "Cannot partition a
+    param in flight" (deepspeed 0.19.8, seen on the first GRPO step under ZeRO-3, 2 gloo processes). The
+    hooks are taken off the parameter-offload coordinator for the block and registered again after it, with
+    the coordinator's recorded trace invalidated (generation's module order is not training's). TRL's
+    unwrap_model_for_generation does the same (trl/models/utils.py).
+    """
+    import deepspeed
+
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        for param in offload.module.parameters(recurse=True):
+            param.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)
 
 
 # ------------------------------------------------------------ transformers, lm-eval

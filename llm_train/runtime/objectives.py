@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -212,7 +212,18 @@ class Preference:
         return {"eval_loss": means["loss"], **{f"eval_{k}": means[k] for k in PREFERENCE_METRICS}}
 
 
-Objective = LanguageModeling | Preference
+class Objective(Protocol):
+    """What the engines score micro-batches by: LanguageModeling, Preference, or GRPO's (runtime/grpo.py)."""
+
+    name: str
+
+    def score(self, model: torch.nn.Module, batch: Batch) -> Scored: ...
+
+    def prepare(
+        self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
+    ) -> None: ...
+
+    def eval_summary(self, means: dict[str, float]) -> dict[str, float]: ...
 
 
 def reference_forward(

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from llm_train.config.layout import workers_for
 from llm_train.config.resolution import Resolved, steps_for_epochs
 from llm_train.data import (
@@ -32,6 +34,7 @@ from llm_train.data import (
     is_streaming,
     load_blocks,
 )
+from llm_train.data.prompts import prompt_stream
 from llm_train.data.volume import DataVolume, check_volume
 from llm_train.errors import EXIT_PREEMPTED, UserError
 from llm_train.observability.console import quiet, startup_summary
@@ -45,11 +48,13 @@ from llm_train.runtime.benchmark import unavailable as benchmark_unavailable
 from llm_train.runtime.checkpointing.resume import Resume, TrainerState
 from llm_train.runtime.checkpointing.run_state import Saver
 from llm_train.runtime.control import RunControl
-from llm_train.runtime.engine import Engine, process_group_timeout
+from llm_train.runtime.engine import Engine, process_group_timeout, to_device
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
+from llm_train.runtime.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, rollout_logps
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.rewards import load_rewards
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:
@@ -181,6 +186,8 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
     """
     recipe, layout = run.recipe, run.layout
     tokenizer = load_tokenizer(recipe.model)
+    if recipe.objective == "grpo":
+        return grpo_data(run, tokenizer, dp_rank, say)
     workers = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
     if is_streaming(recipe.data):
         # Tokenised and packed on the fly (data/stream_windows.py). A stream has no length: recipe.py demands
@@ -203,6 +210,23 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
     requested = recipe.optim.epochs if recipe.optim.max_steps is None else None
     say(check_volume(volume, recipe.data.max_epochs, requested))
     return RunData(tokenizer, batches, eval_blocks, max_steps)
+
+
+def grpo_data(run: Resolved, tokenizer: PreTrainedTokenizerBase, dp_rank: int, say: Say) -> RunData:
+    """GRPO's prompts, one batch per step: each rank's completions per step / num_generations prompts.
+
+    No data-volume guard: an RL run visits its prompts many times by design (each visit samples anew).
+    """
+    recipe, layout = run.recipe, run.layout
+    grpo = recipe.grpo
+    per_step = layout.micro_batch_size * layout.grad_accum // grpo.num_generations
+    room = recipe.data.seq_len - grpo.max_completion_length
+    stream = prompt_stream(recipe.data, tokenizer, room, per_step, dp_rank, layout.dp, recipe.optim.seed, say)
+    assert stream.per_epoch is not None  # prompts have a known number
+    # Each generation trains grpo.num_iterations optimizer steps: an epoch of prompts is that many times longer.
+    generations = stream.per_epoch * grpo.num_iterations
+    max_steps = recipe.optim.max_steps or steps_for_epochs(recipe.optim.epochs or 1.0, generations, 1)
+    return RunData(tokenizer, stream, None, max_steps)
 
 
 def make_engine(run: Resolved, say: Say) -> Engine:
@@ -303,10 +327,39 @@ def train(
         options.profile, options.flops_profiler, recipe.output_dir, w.rank, state.step, data.max_steps, w.say
     )
     bench = periodic_bench(w, engine, data)
+    # GRPO's micro-batches are generated from the prompts the stream deals (runtime/grpo.py).
+    batches = rollouts(w, engine, data) if recipe.objective == "grpo" else data.stream
     with profiler:
-        return train_loop(
-            engine, data.stream, evals, cfg, tracker, control, save, w.say, meter, profiler, bench
-        )
+        return train_loop(engine, batches, evals, cfg, tracker, control, save, w.say, meter, profiler, bench)
+
+
+def rollouts(w: Worker, engine: Engine, data: RunData) -> Rollouts:
+    """The engine's micro-batches under GRPO: completions of the model itself, scored by the recipe's rewards."""
+    recipe, layout = w.run.recipe, w.run.layout
+    grpo, ds = recipe.grpo, engine.ds
+    objective = engine.objective
+    assert isinstance(objective, Grpo)  # zero_engine builds it for objective grpo
+    tokenizer = data.tokenizer
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    generation = HfGeneration(ds, layout.zero_stage == 3, grpo, pad, [eos])
+
+    @torch.no_grad()
+    def policy_logps(batch: dict[str, Any]) -> torch.Tensor:
+        return rollout_logps(ds, to_device(batch, ds.device), grpo.temperature)
+
+    return Rollouts(
+        data.stream,
+        generation,
+        load_rewards(grpo.rewards, grpo.max_completion_length),
+        grpo,
+        RolloutShape(layout.micro_batch_size, layout.grad_accum, layout.dp),
+        tokenizer,
+        collectives.WORLD,
+        w.rank,
+        policy_logps,
+        objective.reference,
+    )
 
 
 def periodic_bench(w: Worker, engine: Engine, data: RunData) -> PeriodicBench | None:

@@ -32,6 +32,7 @@ from llm_train.runtime.export import (
     write_reference,
 )
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
+from llm_train.runtime.grpo import Grpo, rollout_logps
 from llm_train.runtime.lora import apply_lora, is_peft_model
 from llm_train.runtime.model import build_model, loss_tokens
 from llm_train.runtime.objectives import (
@@ -225,6 +226,8 @@ class ZeroEngine:
     def _objective(self) -> Objective:
         """The recipe's objective; for DPO with the reference it asks for (see reference.py)."""
         recipe = self.run.recipe
+        if recipe.objective == "grpo":
+            return Grpo(recipe.grpo, self._grpo_reference() if recipe.grpo.beta else None)
         if recipe.objective != "dpo":
             return make_objective(recipe)
         unwrapped = self.accelerator.unwrap_model(self.ds)
@@ -242,6 +245,31 @@ class ZeroEngine:
             return make_objective(recipe, live_reference=own)
         self._reference = frozen_reference(self.run, self._load_device())
         return make_objective(recipe, live_reference=reference_forward(self._reference, chunked=chunked))
+
+    def _grpo_reference(self) -> Callable[[Batch], torch.Tensor]:
+        """GRPO's reference for beta > 0, the initial model: under LoRA the policy's own engine with its adapters
+        off, else a frozen copy (reference.py), partitioned like the policy under ZeRO-3. Eval mode, no grad."""
+        temperature = self.run.recipe.grpo.temperature
+        if self.run.recipe.lora is not None:
+            model: Any = self.ds
+            switch = self.accelerator.unwrap_model(self.ds).disable_adapter
+        else:
+            self._reference = model = frozen_reference(self.run, self._load_device())
+            switch = contextlib.nullcontext
+
+        @torch.no_grad()
+        def logps(batch: Batch) -> torch.Tensor:
+            module = getattr(model, "module", model)
+            was_training = module.training
+            model.eval()
+            try:
+                with switch():
+                    return rollout_logps(model, to_device(batch, self.ds.device), temperature)
+            finally:
+                if was_training:
+                    model.train()
+
+        return logps
 
     def token_flops(self) -> TokenFlops | None:
         return model_token_flops(self.model)

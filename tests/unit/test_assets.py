@@ -138,6 +138,7 @@ BUILT_FROM = {
     "corpus.txt": ("python_version",),
     "chat.jsonl": ("python_version",),
     "preferences.jsonl": ("python_version",),
+    "prompts.jsonl": ("python_version",),
     "tokenizer/tokenizer.json": ("python_version", "tokenizers_version"),
     "tokenizer/tokenizer_config.json": ("python_version", "tokenizers_version", "transformers_version"),
     "tokenizer/chat_template.jinja": ("transformers_version",),

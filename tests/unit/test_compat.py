@@ -34,6 +34,7 @@ EXPECTED = {
     "without_hf_zero3_config": "transformers",
     "no_progress_bars": "lm_eval",
     "quantizing_on": "transformers",
+    "gathered_for_generation": "deepspeed",
 }
 
 

@@ -1,0 +1,214 @@
+"""GRPO's arithmetic: group advantages from rewards, per-token log-probs, and the clipped policy loss.
+
+Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, section 4.1) samples G completions
+per prompt, scores each with rewards, and uses each completion's reward relative to its group as the
+advantage of every one of its tokens:
+
+    A_i = (R_i - mean(R_group)) / (std(R_group) + 1e-4)       std unbiased (n - 1), as TRL's nanstd
+
+`scale_rewards`: 'group' divides by the group's std (the paper), 'batch' by the std of the whole
+generation batch, 'none' not at all (Dr. GRPO, Liu et al. 2025, argues the division biases towards
+easy and hard prompts). A reward function may return None for a completion: it is left out of that
+function's sum; a completion no function scored gets advantage 0. Rewards must be gathered over every
+rank first: a group's G completions may be spread over ranks.
+
+The loss is PPO's clipped surrogate per completion token, with r = pi / pi_old:
+
+    -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A)  (+ beta * KL)
+
+`importance_sampling_level`: 'token' takes r per token; 'sequence' (GSPO, Zheng et al. 2025) one r per
+completion, exp of the mean token log-ratio. pi_old is the policy that generated the completions: with
+`num_iterations` 1 every batch is trained on once, right after generation, so pi_old = pi and r =
+exp(0) = 1 with the gradient of pi (`old_logps` None); with more iterations the log-probs stored at
+generation time are passed in. `beta` > 0 adds the k3 estimator of KL(pi || pi_ref) (Schulman 2020),
+exp(ref - logp) - (ref - logp) - 1, weighted by r (TRL's `use_bias_correction_kl`, its default).
+
+How the per-token terms are reduced (`loss_type`, TRL's names):
+
+    grpo     mean over each completion's tokens, then over completions (the paper; favours short answers)
+    bnpo     mean over the micro-batch's tokens
+    dr_grpo  sum over tokens / (completions x max_completion_length): a constant, no length bias
+    dapo     sum over tokens / the step's mean tokens per micro-batch (DAPO, Yu et al. 2025): every token
+             of the step weighs the same whichever micro-batch or rank it landed on. The default.
+
+Scaling against gradient accumulation: the value returned is the micro-batch's loss *before* accumulation.
+DeepSpeed's `engine.backward` divides it by the accumulation steps and its reduction averages gradients
+over data-parallel ranks. TRL divides by the accumulation steps inside its loss instead (and transformers
+calls DeepSpeed's backward with scale_wrt_gas=False), so this loss / accumulation = TRL's loss at that
+accumulation, and the gradients are divided once. For dapo, `dapo_tokens` is the step's completion tokens
+over all ranks / (ranks x accumulation steps): after DeepSpeed's two divisions the step's gradient is the
+sum over every token of the step / the step's token count, TRL's normaliser.
+
+Log-probs follow TRL's `_get_per_token_logps_and_entropies`: logits divided by the sampling temperature
+(the distribution the completions were drawn from), taken in fp32, on the concatenated left-padded
+prompt and right-padded completion with its attention mask and no position ids: the model numbers the
+padded row 0..L-1, pads included, exactly as TRL's training forward does (generation numbers real tokens
+from the mask, a small mismatch both share). tests/unit/test_grpo_loss.py checks the loss, the gradients
+and the advantages against TRL 1.16's GRPOTrainer within 1e-5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+SamplingLevel = Literal["token", "sequence"]
+ScaleRewards = Literal["group", "batch", "none"]
+
+STD_EPSILON = 1e-4  # TRL's, added to the std so a group of equal rewards gives advantages 0, not NaN
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's options (the recipe's `grpo:` section; TRL's names and defaults)."""
+
+    loss_type: LossType = "dapo"
+    importance_sampling_level: SamplingLevel = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon (symmetric clipping)
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_completion_length: int = 256  # dr_grpo's constant denominator
+
+    @property
+    def upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def _unbiased_std(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The std ignoring NaN, with Bessel's correction (n - 1); NaN where fewer than two values."""
+    keep = dim is not None
+    mean = torch.nanmean(x, dim=dim, keepdim=True) if keep else torch.nanmean(x)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keep) if keep else (~torch.isnan(x)).sum()
+    squares = torch.nansum((x - mean) ** 2, dim=dim, keepdim=keep) if keep else torch.nansum((x - mean) ** 2)
+    variance = torch.where(
+        count > 1, squares / (count - 1).clamp(min=1), torch.full_like(squares, float("nan"))
+    )
+    return variance.sqrt()
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """Per completion: its weighted reward (NaN if nothing scored it), its advantage, its group's std is 0."""
+
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    zero_std: torch.Tensor
+
+
+def group_advantages(
+    rewards_per_function: torch.Tensor, weights: torch.Tensor, group: int, scale: ScaleRewards = "group"
+) -> Advantages:
+    """Advantages of a whole generation batch, [completions, functions] rewards (NaN = None), each
+    prompt's `group` completions consecutive. Call on the rewards of every rank (see the module docstring)."""
+    n = rewards_per_function.shape[0]
+    if n % group:
+        raise ValueError(f"{n} completions do not form groups of {group}")
+    unscored = torch.isnan(rewards_per_function).all(dim=1)
+    rewards = (rewards_per_function * weights.to(rewards_per_function).unsqueeze(0)).nansum(dim=1)
+    rewards = rewards.masked_fill(unscored, float("nan"))
+    grouped = rewards.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    if scale == "batch":
+        std = _unbiased_std(rewards).expand_as(rewards) if n > 1 else torch.zeros_like(rewards)
+    else:  # 'none' still measures the group's std: the fraction of groups that teach nothing is logged
+        std = (
+            _unbiased_std(grouped, dim=1).repeat_interleave(group) if group > 1 else torch.zeros_like(rewards)
+        )
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + STD_EPSILON)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    return Advantages(rewards, torch.nan_to_num(advantages, nan=0.0), zero_std)
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """[rows, completion length] fp32 log-probs of each completion token under `model` at `temperature`.
+
+    Only the last completion-length + 1 positions' logits are computed (`logits_to_keep`): the prompt's
+    are never needed, and the [rows x length x vocabulary] tensor is the largest one of the step.
+    """
+    width = completion_ids.shape[1]
+    logits = model(
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+        logits_to_keep=width + 1,
+        use_cache=False,
+    ).logits[:, :-1]  # position t predicts token t + 1: the last one predicts nothing we scored
+    logits = logits.float() / temperature
+    token = -F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), completion_ids.reshape(-1), reduction="none"
+    )
+    return token.view(completion_ids.shape)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over completion tokens, or over completions when `x` holds one value per completion (GSPO)."""
+    if x.shape[1] == 1:
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    dapo_tokens: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the micro-batch's loss before accumulation, its detached metrics): see the module docstring.
+
+    logps, old_logps, ref_logps: [rows, completion length] (`completion_logps`); advantages: [rows];
+    mask: the completion mask (1 = a scored token); dapo_tokens: loss_type dapo's normaliser.
+    """
+    mask = mask.to(logps.dtype)
+    advantages = advantages.to(logps.dtype).unsqueeze(1)
+    old = logps.detach() if old_logps is None else old_logps
+    log_ratio = logps - old
+    if settings.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
+    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    metrics: dict[str, torch.Tensor] = {}
+    if settings.beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference model's log-probs")
+        delta = ref_logps - logps
+        kl = (torch.exp(delta) - delta - 1) * ratio
+        per_token = per_token + settings.beta * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask)
+
+    if settings.loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif settings.loss_type == "bnpo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    elif settings.loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (per_token.shape[0] * settings.max_completion_length)
+    else:
+        if dapo_tokens is None:
+            raise ValueError(
+                "loss_type dapo needs dapo_tokens, the step's mean completion tokens per micro-batch"
+            )
+        loss = (per_token * mask).sum() / torch.as_tensor(dapo_tokens, dtype=logps.dtype).clamp(min=1.0)
+
+    ratio = ratio.detach()
+    low = (ratio < 1 - settings.epsilon) & (advantages < 0)
+    high = (ratio > 1 + settings.upper) & (advantages > 0)
+    metrics["clip_ratio_low"] = _masked_mean(low.to(logps.dtype), mask)
+    metrics["clip_ratio_high"] = _masked_mean(high.to(logps.dtype), mask)
+    metrics["clip_ratio_region"] = _masked_mean((low | high).to(logps.dtype), mask)
+    return loss, metrics
