@@ -108,6 +108,25 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     )
 
 
+def tiny_llama(vocab_size: int = 97, seed: int = 0, **over: object):  # -> LlamaForCausalLM
+    """A 2-layer fp32 Llama with GQA (4 heads, 2 KV heads), eager attention: the losses' reference model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    fields: dict[str, object] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "attn_implementation": "eager",
+    }
+    return LlamaForCausalLM(LlamaConfig(**(fields | over))).float()
+
+
 def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:
     """A tiny-cpu-shaped Llama saved with save_pretrained: the fine-tuning path, on a local directory."""
     import torch

@@ -357,14 +357,18 @@ def _parse_source(item: Any, where: str) -> Any:
     cls = SOURCE_CLASSES.get(fmt) if isinstance(fmt, str) else None
     if cls is None:
         raise ValueError(f"{where}.format: unknown format {fmt!r}; use one of {', '.join(SOURCE_CLASSES)}")
+    return _validate_entry(cls, item, where, f"format {fmt}")
+
+
+def _validate_entry(cls: type[Section], item: dict[str, Any], where: str, what: str) -> Section:
+    """`item` as `cls` (one entry of a list of tagged mappings: a data source, a reward), or one line naming
+    `where`'s key: an unknown key with the valid ones ("did you mean"), or the first invalid value."""
     valid = sorted(cls.model_fields)
     for key in item:
         if key not in cls.model_fields:
             close = difflib.get_close_matches(str(key), valid, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ValueError(
-                f"{where}: unknown key '{key}' for format {fmt}; {hint}valid keys: {', '.join(valid)}"
-            )
+            raise ValueError(f"{where}: unknown key '{key}' for {what}; {hint}valid keys: {', '.join(valid)}")
     try:
         return cls.model_validate(item)
     except ValidationError as exc:
@@ -760,21 +764,7 @@ def _parse_reward(item: Any, where: str) -> Any:
     cls = REWARD_CLASSES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"{where}.kind: {kind!r} is not one of {', '.join(REWARD_CLASSES)}")
-    valid = sorted(cls.model_fields)
-    for key in item:
-        if key not in cls.model_fields:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ValueError(
-                f"{where}: unknown key '{key}' for kind {kind}; {hint}valid keys: {', '.join(valid)}"
-            )
-    try:
-        return cls.model_validate(item)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        raise ValueError(f"{where}{'.' + loc if loc else ''}: {message}") from None
+    return _validate_entry(cls, item, where, f"kind {kind}")
 
 
 class GrpoSection(Section):

@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 # TRL is test-only (pyproject's dev extra, which `make install` installs): imported, not skipped.
 from trl import GRPOConfig, GRPOTrainer
 
 from llm_train.runtime.grpo_loss import LossSettings, completion_logps, group_advantages, policy_loss
-from tests.helpers import REPO
+from tests.helpers import REPO, tiny_llama
 
 TOLERANCE = 1e-5
 ROWS, PROMPT, COMPLETION, VOCAB = 8, 6, 7, 97
@@ -39,18 +39,7 @@ TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).float().train()
+    return tiny_llama(VOCAB).train()
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 # TRL is test-only (pyproject's dev extra, which `make install` installs): imported, not skipped.
 from trl.experimental.cpo import CPOTrainer
@@ -29,24 +29,14 @@ from trl.trainer.utils import add_fused_lm_head
 
 from llm_train.config.recipe import PreferenceSection
 from llm_train.runtime.objectives import Preference, dpo_loss, sequence_logps
+from tests.helpers import tiny_llama
 
 TOLERANCE = 1e-5
 PAIRS, WIDTH, VOCAB = 4, 24, 97
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).float()
+    return tiny_llama(VOCAB)
 
 
 def _batch() -> dict[str, torch.Tensor]:
