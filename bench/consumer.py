@@ -84,6 +84,9 @@ class Consumer:
     overrides: tuple[str, ...]
     finish: bool  # run to the end (export + verification), or stop once the steps are logged
     steps: int = STEPS
+    on_gpu: tuple[
+        str, ...
+    ] = ()  # only on the GPU: --cpu-tiny runs CPU_TINY instead (flex cannot train on CPU)
 
 
 # The attention kernel is pinned to what the emulated card runs, so the plan (made for that card) and the
@@ -93,14 +96,17 @@ class Consumer:
 # for it (flash-attn is not on that machine; both compute only each document's causal blocks).
 ON_RTX_40 = ("memory.attention=sdpa",)
 CONSUMERS = (
-    Consumer("qlora_12", "8b-qlora-rtx4070", (*TORCHTUNE, *ON_RTX_40), finish=True),  # 7 targets: attn + MLP
+    Consumer(
+        "qlora_12", "8b-qlora-rtx4070", TORCHTUNE, finish=True, on_gpu=ON_RTX_40
+    ),  # 7 targets: attn + MLP
     Consumer(
         "lora_24",
         "8b-lora-rtx4090",
-        (*TORCHTUNE, *ON_RTX_40, "lora.target_modules=[q_proj,v_proj]"),
+        (*TORCHTUNE, "lora.target_modules=[q_proj,v_proj]"),
         finish=True,
+        on_gpu=ON_RTX_40,
     ),
-    Consumer("qlora_64k", LONG_RECIPE, ("memory.attention=sdpa_flex",), finish=False, steps=2),
+    Consumer("qlora_64k", LONG_RECIPE, (), finish=False, steps=2, on_gpu=("memory.attention=sdpa_flex",)),
 )
 
 
@@ -186,7 +192,7 @@ def run_consumer(case: Consumer, ctx: Context) -> dict[str, Any]:
         f"model.name_or_path={base_dir(ctx)}",
         *COMMON,
         *case.overrides,
-        *([] if ctx.gpu else CPU_TINY),
+        *(case.on_gpu if ctx.gpu else CPU_TINY),
     ]
     overrides.append(one_micro_batch_per_step(case.recipe, overrides))
     record: dict[str, Any] = {
@@ -194,7 +200,7 @@ def run_consumer(case: Consumer, ctx: Context) -> dict[str, Any]:
         "recipe": case.recipe,
         **hw,
         "finish": case.finish,
-        "overrides": list(case.overrides),
+        "overrides": [*case.overrides, *(case.on_gpu if ctx.gpu else ())],
     }
     card, cap = (hw["card"], hw["gpu_cap_gib"]) if ctx.gpu else (None, None)  # CPU: the planner's CPU numbers
     record.update(plan(case.recipe, overrides, card, cap, hw["host_ram_gib"]))
