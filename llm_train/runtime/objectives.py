@@ -314,6 +314,8 @@ def make_objective(
 ) -> Objective:
     if recipe.objective == "lm":
         return LanguageModeling()
+    if recipe.objective == "reward":
+        return RewardModelling(recipe.reward.margin, recipe.reward.center_rewards_coefficient)
     return Preference(recipe.objective, recipe.preference, live_reference, prepare, recipe.memory.tiled_loss)
 
 
