@@ -752,6 +752,17 @@ class FunctionReward(_RewardFields):
         return path
 
 
+class RewardModelReward(_RewardFields):
+    """The score a trained reward model (an objective reward run's final/) gives prompt + completion."""
+
+    kind: Literal["reward_model"] = "reward_model"
+    path: str = Field(
+        description="A directory AutoModelForSequenceClassification loads with num_labels=1 and a pad id, e.g. "
+        "runs/tiny-cpu-reward/final; it scores each prompt text followed by its completion, on the CPU of "
+        "every rank."
+    )
+
+
 def _compiled(pattern: str) -> str:
     try:
         re.compile(pattern)
@@ -760,12 +771,13 @@ def _compiled(pattern: str) -> str:
     return pattern
 
 
-Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward
+Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward
 REWARD_CLASSES: dict[str, type[Section]] = {
     "format": FormatReward,
     "exact_match": ExactMatchReward,
     "overlong": OverlongReward,
     "function": FunctionReward,
+    "reward_model": RewardModelReward,
 }
 
 
@@ -829,9 +841,12 @@ class GrpoSection(Section):
         "group",
         description="Divide advantages by the group's reward std (group), the batch's (batch), or not (none: Dr. GRPO).",
     )
-    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward] = Field(
-        default_factory=list,
-        description="Reward functions, each {kind: format|exact_match|overlong|function, weight, ...}; see docs/rl.md.",
+    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward] = (
+        Field(
+            default_factory=list,
+            description="Reward functions, each {kind: format|exact_match|overlong|function|reward_model, weight, ...}; "
+            "see docs/rl.md.",
+        )
     )
 
     @model_validator(mode="before")
