@@ -174,6 +174,10 @@ def build_model(
                 attn_implementation=memory.attention,
                 trust_remote_code=model.trust_remote_code,
             )
+    if scored:
+        # Checkpoints save the config alone (checkpointing/run_state.py), which leaves architectures unset;
+        # `llm-train export` builds from it and must know this is a sequence classifier, not the causal LM.
+        lm.config.architectures = [type(lm).__name__]
     if quantized(lora):
         keep_training_layout(lm)
     if memory.activation_checkpointing:

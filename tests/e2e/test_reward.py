@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from llm_train.cli import main as cli_main
 from llm_train.runtime.export import read_reference
 from llm_train.runtime.objectives import REWARD_METRICS
 from tests.helpers import assert_ok, launch, read_metrics
@@ -59,3 +60,10 @@ def test_a_reward_model_learns_to_rank_held_out_pairs_and_exports_as_a_sequence_
     assert difference <= 1e-5, difference
     check = json.loads((final / "export_check.json").read_text())
     assert check["ok"] and check["max_logit_diff"] <= check["tolerance"]
+
+    # `llm-train export` of the last checkpoint: the same sequence classifier, verified the same way.
+    out = tmp_path / "from-checkpoint"
+    assert cli_main(["export", "--dtype", "fp32", str(run_dir), str(out)]) == 0
+    again = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=reference.input_ids).logits, scores)  # the same fp32 weights
