@@ -629,7 +629,7 @@ class LoraSection(Section):
     )
 
 
-Objective = Literal["lm", "dpo", "simpo", "grpo"]
+Objective = Literal["lm", "dpo", "simpo", "grpo", "reward"]
 # The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
 # (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
@@ -662,6 +662,23 @@ class PreferenceSection(Section):
         "pass before training and cached beside the data (training holds one model); 'live': computed "
         "every step, by the base model with the adapters disabled under LoRA, else by a frozen copy of "
         "the model (sharded like the policy under ZeRO-3; the planner counts its memory).",
+    )
+
+
+class RewardSection(Section):
+    """Reward-model training on `format: preference` pairs (objective reward; runtime/objectives.py)."""
+
+    margin: float = Field(
+        0.0,
+        description="Margin m in -log sigmoid(r_chosen - r_rejected - m): how much higher the chosen answer must "
+        "score before a pair stops contributing; one constant for every pair (the preference format has no "
+        "per-pair margin column).",
+    )
+    center_rewards_coefficient: float | None = Field(
+        None,
+        gt=0,
+        description="Adds this times mean((r_chosen + r_rejected)^2) to the loss, which keeps the rewards centred "
+        "on 0 (the pairwise loss only fixes their differences); Eisenstein et al. 2023 use 0.01. None = off.",
     )
 
 
@@ -735,6 +752,17 @@ class FunctionReward(_RewardFields):
         return path
 
 
+class RewardModelReward(_RewardFields):
+    """The score a trained reward model (an objective reward run's final/) gives prompt + completion."""
+
+    kind: Literal["reward_model"] = "reward_model"
+    path: str = Field(
+        description="A directory AutoModelForSequenceClassification loads with num_labels=1 and a pad id, e.g. "
+        "runs/tiny-cpu-reward/final; it scores each prompt text followed by its completion, on the CPU of "
+        "every rank."
+    )
+
+
 def _compiled(pattern: str) -> str:
     try:
         re.compile(pattern)
@@ -743,12 +771,13 @@ def _compiled(pattern: str) -> str:
     return pattern
 
 
-Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward
+Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward
 REWARD_CLASSES: dict[str, type[Section]] = {
     "format": FormatReward,
     "exact_match": ExactMatchReward,
     "overlong": OverlongReward,
     "function": FunctionReward,
+    "reward_model": RewardModelReward,
 }
 
 
@@ -812,9 +841,12 @@ class GrpoSection(Section):
         "group",
         description="Divide advantages by the group's reward std (group), the batch's (batch), or not (none: Dr. GRPO).",
     )
-    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward] = Field(
-        default_factory=list,
-        description="Reward functions, each {kind: format|exact_match|overlong|function, weight, ...}; see docs/rl.md.",
+    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward] = (
+        Field(
+            default_factory=list,
+            description="Reward functions, each {kind: format|exact_match|overlong|function|reward_model, weight, ...}; "
+            "see docs/rl.md.",
+        )
     )
 
     @model_validator(mode="before")
@@ -969,13 +1001,19 @@ class Recipe(Section):
         description="'lm': next-token cross-entropy on the loss mask (pre-training, SFT); 'dpo': DPO's "
         "sigmoid loss against a reference model; 'simpo': SimPO, reference-free (both need "
         "format: preference data); 'grpo': online RL, the model's own completions scored by rewards "
-        "(format: prompt data).",
+        "(format: prompt data); 'reward': a reward model (a one-output sequence-classification head on the "
+        "model) trained on format: preference pairs with the Bradley-Terry loss, exported as "
+        "AutoModelForSequenceClassification.",
     )
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection, description="DPO / SimPO settings (objective dpo or simpo)."
     )
     grpo: GrpoSection = Field(
         default_factory=GrpoSection, description="GRPO settings (objective grpo): generation, loss, rewards."
+    )
+    reward: RewardSection = Field(
+        default_factory=RewardSection,
+        description="Reward-model settings (objective reward): margin, centring.",
     )
     deepspeed: DeepSpeedSection
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -1035,6 +1073,13 @@ class Recipe(Section):
         else:
             self._check_grpo()
             return
+        if objective != "reward":
+            changed = [k for k, v in RewardSection().model_dump().items() if getattr(self.reward, k) != v]
+            if changed:
+                raise ValueError(
+                    f"reward.{changed[0]} is set but objective is {objective}; set objective: reward, or remove "
+                    "the reward section"
+                )
         if objective == "lm":
             pairs = next((key for key, s in sources if isinstance(s, PreferenceSource)), None)
             if pairs:
@@ -1067,6 +1112,9 @@ class Recipe(Section):
                 f"objective={objective} trains each pair as two padded rows (chosen and rejected); set "
                 "data.packing=padded"
             )
+        if objective == "reward":
+            self._check_reward()
+            return
         defaults = PreferenceSection()
         if objective == "simpo" and preference.reference != defaults.reference:
             raise ValueError(
@@ -1080,6 +1128,22 @@ class Recipe(Section):
         if preference.beta is None:
             # Filled in here so the resolved recipe (config/recipe.yaml, W&B) shows the beta that trains.
             preference.beta = DEFAULT_BETA[objective]
+
+    def _check_reward(self) -> None:
+        """A reward model reads the pairs DPO reads, but has a score head instead of an LM head."""
+        changed = [k for k, v in PreferenceSection().model_dump().items() if getattr(self.preference, k) != v]
+        if changed:
+            raise ValueError(
+                f"preference.{changed[0]} applies to objective dpo or simpo; remove it (objective reward is set "
+                "in the reward section: margin, center_rewards_coefficient)"
+            )
+        if self.lora is not None:
+            raise ValueError(
+                "lora: objective reward trains the whole model and its new score head (LoRA on a reward model is "
+                "not supported yet); remove the lora section"
+            )
+        if self.memory.tiled_loss:
+            raise ValueError("memory.tiled_loss applies to the token loss; remove it with objective reward")
 
     def _check_grpo(self) -> None:
         """Prompts in, completions generated: every source is a prompt source, and a completion fits seq_len."""
@@ -1127,7 +1191,7 @@ class Recipe(Section):
     @property
     def sequences_per_sample(self) -> int:
         """Sequences one sample trains: two for a preference pair (chosen and rejected), else one."""
-        return 2 if self.objective in ("dpo", "simpo") else 1
+        return 2 if self.objective in ("dpo", "simpo", "reward") else 1
 
     @property
     def output_dir(self) -> Path:

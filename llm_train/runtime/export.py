@@ -1,6 +1,7 @@
 """Write and verify a plain Hugging Face model directory (config, safetensors, tokenizer).
 
-The exported directory loads with `AutoModelForCausalLM.from_pretrained` and no DeepSpeed.
+The exported directory loads with `AutoModelForCausalLM.from_pretrained` (a reward model: with
+`AutoModelForSequenceClassification`, see `auto_class`) and no DeepSpeed.
 It is verified the way a user loads it, not against llm_train's own idea of parameter
 names: transformers renames some families' weights between memory and disk (GPT-NeoX's
 head is `embed_out`, MoE experts are fused in memory and stored one by one) and stores tied
@@ -47,7 +48,7 @@ from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
 from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 REFERENCE_FILE = "export_reference.safetensors"
 # Any fixed text will do: it only has to be the same batch in the training process and after
@@ -122,16 +123,29 @@ def save_hf_model(
     tokenizer.save_pretrained(out_dir)
 
 
+def auto_class(config: PretrainedConfig) -> Any:
+    """The transformers Auto class a user loads an export with: AutoModelForSequenceClassification for a reward
+    model (its config's architectures name a *ForSequenceClassification, as save_pretrained writes them),
+    else AutoModelForCausalLM. Every check below builds and loads through it, so a reward model's export is
+    verified the same way: keys, then its scores on the fixed batch against the run's."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    names = getattr(config, "architectures", None) or []
+    if any(name.endswith("ForSequenceClassification") for name in names):
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
+
+
 def expected_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes of the architecture in model_dir/config.json (built on the meta device).
 
     In-memory names, for counting parameters; the export check itself does not use them.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = auto_class(config).from_config(config)
     return {name: tuple(p.shape) for name, p in _untied(skeleton.state_dict(keep_vars=True)).items()}
 
 
@@ -235,14 +249,15 @@ def _transformers_quiet() -> Iterator[None]:
 
 
 def _load(model_dir: Path) -> tuple[PreTrainedModel, dict[str, Any]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         with _transformers_quiet():
+            auto = auto_class(AutoConfig.from_pretrained(model_dir))
             # output_loading_info=True makes it a (model, info) pair, which its annotation does not say.
             return cast(
                 "tuple[PreTrainedModel, dict[str, Any]]",
-                AutoModelForCausalLM.from_pretrained(
+                auto.from_pretrained(
                     model_dir,
                     dtype="auto",  # the dtype it was saved in, as a user gets it
                     output_loading_info=True,
@@ -306,12 +321,12 @@ class _Architecture:
 
 
 def _architecture(model_dir: Path) -> _Architecture:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"), _transformers_quiet():  # no memory, no initialisation
-            skeleton = AutoModelForCausalLM.from_config(config)
+            skeleton = auto_class(config).from_config(config)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ExportError(
             f"export {model_dir}: config.json does not build a model ({first_line(exc)})"
@@ -540,7 +555,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     The reference logits are the ones the training engine recorded in the checkpoint when it was
     saved; the tolerance covers the dtypes of that forward and of the export (`logit_tolerance`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"export output {out_dir} is not empty; choose a new directory")
@@ -557,7 +572,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
         return {"tensors": count, "max_logit_diff": float("nan"), "verified": f"{why}; {masters}"}
     config = AutoConfig.from_pretrained(hf_dir)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reference = auto_class(config).from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.
     aliases = _aliases(reference.state_dict())
     expected = reference.state_dict()

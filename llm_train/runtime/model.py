@@ -1,4 +1,5 @@
-"""Build the tokenizer and the Hugging Face causal LM a recipe names.
+"""Build the tokenizer and the Hugging Face causal LM a recipe names (or, for a reward model, that LM's
+family with a one-output sequence-classification head instead of its LM head).
 
 This module knows nothing of DeepSpeed. Under ZeRO-3 the caller registers an
 `HfDeepSpeedConfig` first; transformers then creates the weights inside `zero.Init`
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.hardware import Device
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# "lm": the causal LM; "score": a reward model, AutoModelForSequenceClassification with num_labels=1 (one score
+# per row, read at its last non-pad token, so the config must name the pad id the data pads with).
+Head = Literal["lm", "score"]
 
 
 def load_tokenizer(model: ModelSection) -> PreTrainedTokenizerBase:
@@ -94,8 +98,14 @@ def build_model(
     lora: LoraSection | None = None,
     device: str | None = None,
     loss_tokens: int | None = None,
+    head: Head = "lm",
+    pad_token_id: int | None = None,
 ) -> torch.nn.Module:
     """The causal LM, ready for training: weights loaded or randomly initialised, checkpointing set.
+
+    `head="score"`: the same family with a one-output score head (a reward model; `pad_token_id` is required,
+    as the head finds each row's last token by it). A pretrained causal LM's body loads into it, and the head,
+    which the checkpoint lacks, is drawn from the seed.
 
     `loss_tokens`: the most tokens one forward scores (micro-batch rows x data.seq_len / sp), which
     sets memory.tiled_loss's chunk count on every rank alike (runtime/chunked_loss.py).
@@ -107,8 +117,13 @@ def build_model(
     With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantized_base.py).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    # The ALST loss tiling and LoRA's causal-LM task both assume the LM head; recipe.py refuses them for a
+    # reward model, so reaching here with them is a bug, not a user error.
+    assert head == "lm" or (pad_token_id is not None and not memory.tiled_loss and lora is None)
+    auto = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    scored: dict[str, Any] = {} if head == "lm" else {"num_labels": 1, "pad_token_id": pad_token_id}
     dtype = getattr(torch, _DTYPES[precision])
     if memory.attention == "auto":
         # A resolved run never gets here with "auto" (config/resolution.py picks the kernel for its layout);
@@ -125,15 +140,17 @@ def build_model(
             # Quantised one tensor at a time as it loads, never a full 16-bit copy, onto `device` (the
             # host, for a base ZeRO-3 partitions: quantized_base.py) or, without one, the current CUDA device.
             placement["quantization_config"] = quantization_config(lora, dtype)
+        if scored:
+            torch.manual_seed(seed)  # the new score head's weights
         try:
-            lm = AutoModelForCausalLM.from_pretrained(
+            lm = auto.from_pretrained(
                 model.name_or_path,
                 revision=model.revision,
                 trust_remote_code=model.trust_remote_code,
                 dtype=dtype,
                 attn_implementation=memory.attention,
                 **placement,
-                **({"config": _with_overrides(model)} if model.config else {}),
+                **({"config": _with_overrides(model, scored)} if model.config else scored),
             )
         except OSError as exc:
             raise UserError(
@@ -144,17 +161,23 @@ def build_model(
         # a GPU draws other numbers than the CPU from the same seed).
         torch.manual_seed(seed)
         config = model_config(model)
+        for key, value in scored.items():
+            setattr(config, key, value)
         # Drawn where they train: on the CPU a 1B shape took ~50 s per launch on the first H200 run
         # (bench/results/gpu_check-h200-20261130-1904.log: set-up 64.8 s under ZeRO-2, 13.0 s under
         # ZeRO-3, whose zero.Init builds on the GPU), on the GPU about a second; DeepSpeed would move
         # them there anyway.
         with torch.device(device) if device else contextlib.nullcontext():
-            lm = AutoModelForCausalLM.from_config(
+            lm = auto.from_config(
                 config,
                 dtype=dtype,
                 attn_implementation=memory.attention,
                 trust_remote_code=model.trust_remote_code,
             )
+    if scored:
+        # Checkpoints save the config alone (checkpointing/run_state.py), which leaves architectures unset;
+        # `llm-train export` builds from it and must know this is a sequence classifier, not the causal LM.
+        lm.config.architectures = [type(lm).__name__]
     if quantized(lora):
         keep_training_layout(lm)
     if memory.activation_checkpointing:
@@ -177,5 +200,8 @@ def build_model(
     return lm
 
 
-def _with_overrides(model: ModelSection) -> PretrainedConfig:
-    return model_config(model)
+def _with_overrides(model: ModelSection, scored: dict[str, Any]) -> PretrainedConfig:
+    config = model_config(model)
+    for key, value in scored.items():
+        setattr(config, key, value)
+    return config

@@ -2,7 +2,8 @@
 
 Built in (config/recipe.py has their options): `format` (a regular expression the completion matches),
 `exact_match` (the completion's final answer against a column of the prompt's row) and `overlong`
-(DAPO's soft length penalty). `function` imports yours, `module:function`, from the working directory or
+(DAPO's soft length penalty), `reward_model` (a trained reward model's score, objective reward's final/).
+`function` imports yours, `module:function`, from the working directory or
 PYTHONPATH, and calls it the way TRL calls a reward function, with keyword arguments only:
 
     function(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> [float | None, ...]
@@ -40,6 +41,7 @@ from llm_train.config.recipe import (
     FunctionReward,
     OverlongReward,
     Reward,
+    RewardModelReward,
 )
 from llm_train.errors import UserError, first_line
 from llm_train.runtime.collectives import Collectives
@@ -150,6 +152,38 @@ def _overlong(spec: OverlongReward, max_completion_length: int, key: str) -> Rew
     return reward
 
 
+def _reward_model(spec: RewardModelReward, key: str) -> RewardCall:
+    """Loaded once, when the rewards are built (before any worker starts, then in each), so a wrong path is one
+    line up front. Scored in fp32 on the CPU: the policy's engine holds the accelerator."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(spec.path, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(spec.path)
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"{key}.path: cannot load a reward model from '{spec.path}' ({first_line(exc)}); give the final/ "
+            "directory of an objective reward run"
+        ) from None
+    if model.config.num_labels != 1 or model.config.pad_token_id is None:
+        raise UserError(
+            f"{key}.path: '{spec.path}' has {model.config.num_labels} outputs and pad id "
+            f"{model.config.pad_token_id}; a reward model has one output and a pad id (objective reward's final/)"
+        )
+    # Right padding with the model's own pad id: the head reads each row at its last non-pad token.
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = model.config.pad_token_id
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        texts = [f"{p}{c}" for p, c in zip(prompts, completions, strict=True)]
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            return [float(v) for v in model(**batch).logits[:, 0]]
+
+    return reward
+
+
 def build_reward(spec: Reward, index: int, max_completion_length: int) -> RewardFunction:
     key = f"grpo.rewards[{index}]"
     call: RewardCall
@@ -163,6 +197,8 @@ def build_reward(spec: Reward, index: int, max_completion_length: int) -> Reward
             call = _format(spec)
         elif isinstance(spec, ExactMatchReward):
             call = _exact_match(spec, key)
+        elif isinstance(spec, RewardModelReward):
+            call = _reward_model(spec, key)
         else:
             call = _overlong(spec, max_completion_length, key)
     return RewardFunction(spec.name or default_name, key, label, spec.weight, call)

@@ -408,7 +408,8 @@ def finish(
     )
     engine.finish()
     if w.rank == 0:
-        verify_final(final, recipe.output.sample_prompt, w.say)
+        # A reward model scores text and generates none: no sample.
+        verify_final(final, recipe.output.sample_prompt if recipe.objective != "reward" else None, w.say)
 
 
 def verify_final(final: Path, sample_prompt: str | None, say: Say) -> None:

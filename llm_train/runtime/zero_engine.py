@@ -34,7 +34,7 @@ from llm_train.runtime.export import (
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.grpo import Grpo, rollout_logps
 from llm_train.runtime.lora import apply_lora, is_peft_model
-from llm_train.runtime.model import build_model, loss_tokens
+from llm_train.runtime.model import build_model, load_tokenizer, loss_tokens
 from llm_train.runtime.objectives import (
     LanguageModeling,
     Objective,
@@ -125,6 +125,10 @@ class ZeroEngine:
         if notice := apply_liger(recipe.memory, self.run.model_fields.get("model_type"), layout.zero_stage):
             self.say(notice)
         staged = staged_on_host(recipe.lora, layout.zero_stage)
+        # A reward model scores each row at its last non-pad token: its config names the id the data pads with
+        # (load_tokenizer's, which data/prepare.py pads with too).
+        reward = recipe.objective == "reward"
+        pad_id = load_tokenizer(recipe.model).pad_token_id if reward else None
         with self._staged_load() if staged else contextlib.nullcontext():
             self.model = build_model(
                 recipe.model,
@@ -134,6 +138,8 @@ class ZeroEngine:
                 recipe.lora,
                 self._load_device(),
                 loss_tokens=loss_tokens(self.run),
+                head="score" if reward else "lm",
+                pad_token_id=pad_id,
             )
         if staged:
             self._partition_staged_base()

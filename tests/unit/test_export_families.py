@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from llm_train.errors import ExportError
 from llm_train.runtime import export as export_module
@@ -250,3 +250,35 @@ def test_moe_experts_pass_in_either_stored_form_and_a_missing_expert_is_named(tm
     # The in-memory (fused) form, as a directory written layer by layer holds it, is complete too.
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, file, metadata={"format": "pt"})
     keys_only(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_reward_model_export_is_checked_as_a_sequence_classifier_by_keys_and_scores(
+    family: str, tokenizer, tmp_path: Path
+) -> None:
+    """objective reward exports a *ForSequenceClassification (num_labels=1): the check builds and loads it with
+    AutoModelForSequenceClassification, compares its one score per row, and names a missing score head."""
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tokenizer), num_labels=1, **COMMON, **FAMILIES[family]
+    )
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    input_ids = reference_input_ids(tokenizer, config.vocab_size)
+    with torch.no_grad():
+        scores = model(input_ids=input_ids).logits
+    assert scores.shape == (1, 1)
+    model.save_pretrained(tmp_path)
+    reference = Reference(input_ids, scores.float(), torch.float32)
+    report = verify_export(tmp_path, reference)
+    # Same weights, same kernels, same process: fp32 noise at most.
+    assert report.max_logit_diff is not None and report.max_logit_diff <= 1e-5
+
+    (file,) = tmp_path.glob("*.safetensors")
+    saved = load_file(file)
+    rewrite(file, lambda tensors: tensors.update({"score.weight": changed(saved["score.weight"])}))
+    with pytest.raises(ExportError, match="logits on a fixed batch differ"):
+        verify_export(tmp_path, reference)
+    rewrite(file, lambda tensors: tensors.pop("score.weight"))
+    with pytest.raises(ExportError, match="missing, e.g. score.weight") as dropped:
+        verify_export(tmp_path, reference)
+    assert "\n" not in str(dropped.value)

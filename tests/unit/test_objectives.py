@@ -6,7 +6,9 @@ the loss, TRL's logged rewards, accuracy, margin and log-probs, and every parame
 SimPO: against `trl.experimental.cpo.CPOTrainer.get_batch_logps` + `cpo_loss(loss_type="simpo")`.
 Label smoothing: TRL 1.16's DPO "sigmoid" loss has none (its label_smoothing belongs to the robust
 and EXO losses), so conservative DPO is checked against its formula (Mitchell 2023), written out
-here in float64. Tolerance 1e-5 (the issue's): both sides run the same fp32 model, and the
+here in float64. Reward model: llm_train's `RewardModelling.score` against
+`trl.RewardTrainer.compute_loss` (Bradley-Terry with a margin and reward centring) on a copy of one
+Llama sequence classifier (num_labels=1). Tolerance 1e-5 (the issue's): both sides run the same fp32 model, and the
 differences come from summation order alone (measured: printed by each test, ~1e-7).
 """
 
@@ -20,15 +22,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 # TRL is test-only (pyproject's dev extra, which `make install` installs): imported, not skipped.
 from trl.experimental.cpo import CPOTrainer
 from trl.trainer.dpo_trainer import DPOTrainer
+from trl.trainer.reward_trainer import RewardTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from llm_train.config.recipe import PreferenceSection
-from llm_train.runtime.objectives import Preference, dpo_loss, sequence_logps
+from llm_train.runtime.objectives import Preference, RewardModelling, dpo_loss, sequence_logps
 from tests.helpers import tiny_llama
 
 TOLERANCE = 1e-5
@@ -213,3 +216,52 @@ def test_conservative_dpo_follows_its_formula() -> None:
         assert float(rejected_r[i]) == pytest.approx(
             beta * (float(rejected[i]) - float(ref_rejected[i])), abs=TOLERANCE
         )
+
+
+def _reward_model() -> LlamaForSequenceClassification:
+    """The losses' 2-layer Llama with a one-output score head; pad id 0, which `_batch` pads with and never
+    draws as a token, so both sides score each row at its last attended token."""
+    config = tiny_llama(VOCAB).config
+    config.num_labels, config.pad_token_id = 1, 0
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(config).float()
+
+
+@pytest.mark.parametrize(("margin", "center"), [(0.0, None), (0.3, 0.01)])
+def test_reward_model_loss_metrics_and_gradients_equal_trls(margin: float, center: float | None) -> None:
+    ours_model = _reward_model()
+    trl_model = copy.deepcopy(ours_model)
+    batch = {k: _batch()[k] for k in ("input_ids", "attention_mask")}
+    # What the engine hands over: labels too, which the reward model must not pass to its head.
+    scored = RewardModelling(margin, center).score(ours_model, {**batch, "labels": batch["input_ids"]})
+    scored.loss.backward()
+
+    # TRL reads a per-pair margin column; llm_train's margin is one recipe constant, so every pair gets it.
+    inputs: dict[str, Any] = dict(batch)
+    if margin:
+        inputs["margin"] = torch.full((PAIRS,), margin)
+    trainer = SimpleNamespace(
+        model=trl_model,
+        accelerator=SimpleNamespace(gather=lambda t: t, gather_for_metrics=lambda t: t),
+        args=SimpleNamespace(center_rewards_coefficient=center),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    loss = RewardTrainer.compute_loss(trainer, trl_model, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    assert 0 < metrics["accuracy"] < 1  # a batch that tells right from wrong
+    differences = {
+        "loss": abs(float(scored.loss) - float(loss)),
+        "reward_accuracy": abs(float(scored.metrics["reward_accuracy"]) - metrics["accuracy"]),
+        "reward_margin": abs(float(scored.metrics["reward_margin"]) - metrics["margin"]),
+        "mean_reward": abs(
+            float(scored.metrics["reward_chosen"] + scored.metrics["reward_rejected"]) / 2
+            - metrics["mean_reward"]
+        ),
+        "gradients": _largest(_grads(ours_model), _grads(trl_model)),
+    }
+    print(f"reward model (margin {margin}, centring {center}) vs TRL 1.16 RewardTrainer: {differences}")
+    assert max(differences.values()) <= TOLERANCE, differences

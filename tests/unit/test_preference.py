@@ -247,3 +247,36 @@ def test_the_cached_reference_scores_once_reads_after_and_rescores_what_does_not
         "tiny-cpu-dpo", [*overrides, "data.eval_fraction=0", "optim.seed=7"], world_size=1, device=CPU
     )
     assert CachedReference(other, counted, model.config, 2, torch.device("cpu")).identity != scorer.identity
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "match"),
+    [
+        (
+            "tiny-cpu",
+            ["objective=reward"],
+            r"data.train\[0\] is format text, but objective=reward trains on pairs",
+        ),
+        (
+            "tiny-cpu-dpo",
+            ["reward.margin=0.5"],
+            r"reward.margin is set but objective is dpo; set objective: reward",
+        ),
+        ("tiny-cpu-reward", ["preference.beta=0.2"], r"preference.beta applies to objective dpo or simpo"),
+        ("tiny-cpu-reward", ["lora.rank=8"], r"lora: objective reward trains the whole model"),
+        ("tiny-cpu-reward", ["memory.tiled_loss=true"], r"memory.tiled_loss applies to the token loss"),
+        ("tiny-cpu-reward", ["data.packing=packed"], r"objective=reward trains each pair as two padded rows"),
+        ("tiny-cpu-reward", ["reward.center_rewards_coefficient=0"], r"center_rewards_coefficient"),
+    ],
+    ids=["text-data", "reward-for-dpo", "beta", "lora", "tiled-loss", "packed", "centring-0"],
+)
+def test_a_reward_model_reads_pairs_and_refuses_what_it_cannot_use_in_one_line(
+    recipe: str, overrides: list[str], match: str
+) -> None:
+    _refused(recipe, overrides, match)
+
+
+def test_a_reward_recipe_trains_two_rows_per_pair_and_keeps_its_reward_settings() -> None:
+    recipe = load_recipe("tiny-cpu-reward", ["reward.center_rewards_coefficient=0.01"])
+    assert recipe.objective == "reward" and recipe.sequences_per_sample == 2
+    assert recipe.reward.center_rewards_coefficient == 0.01 and recipe.preference.beta is None

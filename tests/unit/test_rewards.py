@@ -210,3 +210,50 @@ def test_two_rewards_with_one_name_and_no_rewards() -> None:
 def test_a_function_reward_is_named_after_its_function() -> None:
     spec = FunctionReward(function="pkg.sub:check")
     assert spec.kind == "function" and spec.weight == 1.0
+
+
+def _reward_model_dir(path: Path) -> Path:
+    """A tiny Llama reward model (one output, pad id set) with the bundled tokenizer, as objective reward exports."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from tests.unit.data_fixtures import TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=pad,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_reward_model_scores_prompt_plus_completion_as_it_scores_each_alone(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = _reward_model_dir(tmp_path / "rm")
+    table = _score({"kind": "reward_model", "path": str(path), "weight": 0.5})
+    (reward,) = _rewards({"kind": "reward_model", "path": str(path), "weight": 0.5})
+    assert (reward.name, reward.weight) == ("reward_model", 0.5)
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        alone = [
+            float(model(**tokenizer(p + c, return_tensors="pt")).logits[0, 0])
+            for p, c in zip(PROMPTS, COMPLETIONS, strict=True)
+        ]
+    # Padding the batch changes only the shapes the kernels see: fp32 rounding, far below 1e-5.
+    assert table.shape == (4, 1)
+    assert torch.allclose(table[:, 0], torch.tensor(alone), atol=1e-5, rtol=0), (table, alone)
+    assert len(set(alone)) == 4  # the texts differ, and so do their scores: the test tells rows apart
+
+
+def test_a_reward_model_path_that_does_not_load_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(
+        UserError, match=r"grpo.rewards\[0\].path: cannot load a reward model from"
+    ) as missing:
+        _rewards({"kind": "reward_model", "path": str(tmp_path / "nowhere")})
+    assert "\n" not in str(missing.value)
