@@ -72,10 +72,10 @@ WINDOWS = (
         ">=1.16,<1.17",
         "the launch (llm_train checks its arguments with accelerate's own parser)",
     ),
-    Window("peft", ">=0.21,<0.22", "LoRA and QLoRA adapters: wrapping, merging and adapter export"),
+    Window("peft", ">=0.21.2,<0.22", "LoRA and QLoRA adapters: wrapping, merging and adapter export"),
     Window("bitsandbytes", ">=0.50.2,<0.51", "QLoRA's 4-bit layers and 8-bit optimizers"),
     Window("lm-eval", ">=0.4.13,<0.4.14", "llm-train eval and eval.tasks (its HF model wrapper and results)"),
-    Window("datasets", ">=5.0,<6", "data preparation and streaming (load_dataset, map, Arrow features)"),
+    Window("datasets", ">=5.2,<6", "data preparation and streaming (load_dataset, map, Arrow features)"),
 )
 WINDOW = {w.library: w for w in WINDOWS}
 # The DeepSpeed releases every DeepSpeed workaround below was verified on.
