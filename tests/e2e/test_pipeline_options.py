@@ -127,6 +127,60 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
         "preference.reference=live",
         "preference.reference is set but objective is lm",
     ),
+    # GRPO and reward-model options belong to their objectives (which run without pipeline stages): with
+    # objective lm each is refused as set without its objective.
+    "grpo.beta": ("refused", "grpo.beta=0.04", "grpo.beta is set but objective is lm"),
+    "grpo.epsilon": ("refused", "grpo.epsilon=0.3", "grpo.epsilon is set but objective is lm"),
+    "grpo.epsilon_high": (
+        "refused",
+        "grpo.epsilon_high=0.28",
+        "grpo.epsilon_high is set but objective is lm",
+    ),
+    "grpo.importance_sampling_level": (
+        "refused",
+        "grpo.importance_sampling_level=sequence",
+        "grpo.importance_sampling_level is set but objective is lm",
+    ),
+    "grpo.loss_type": ("refused", "grpo.loss_type=grpo", "grpo.loss_type is set but objective is lm"),
+    "grpo.mask_truncated_completions": (
+        "refused",
+        "grpo.mask_truncated_completions=true",
+        "grpo.mask_truncated_completions is set but objective is lm",
+    ),
+    "grpo.max_completion_length": (
+        "refused",
+        "grpo.max_completion_length=32",
+        "grpo.max_completion_length is set but objective is lm",
+    ),
+    "grpo.num_generations": (
+        "refused",
+        "grpo.num_generations=4",
+        "grpo.num_generations is set but objective is lm",
+    ),
+    "grpo.num_iterations": (
+        "refused",
+        "grpo.num_iterations=2",
+        "grpo.num_iterations is set but objective is lm",
+    ),
+    "grpo.rewards": (
+        "refused",
+        "grpo.rewards=[{kind: format, pattern: x}]",
+        "grpo.rewards is set but objective is lm",
+    ),
+    "grpo.scale_rewards": (
+        "refused",
+        "grpo.scale_rewards=batch",
+        "grpo.scale_rewards is set but objective is lm",
+    ),
+    "grpo.temperature": ("refused", "grpo.temperature=0.7", "grpo.temperature is set but objective is lm"),
+    "grpo.top_k": ("refused", "grpo.top_k=5", "grpo.top_k is set but objective is lm"),
+    "grpo.top_p": ("refused", "grpo.top_p=0.9", "grpo.top_p is set but objective is lm"),
+    "reward.center_rewards_coefficient": (
+        "refused",
+        "reward.center_rewards_coefficient=0.01",
+        "reward.center_rewards_coefficient is set but objective is lm",
+    ),
+    "reward.margin": ("refused", "reward.margin=0.5", "reward.margin is set but objective is lm"),
     # A quantised base is loaded from a checkpoint; tiny-cpu-pp2 builds a random one, refused first.
     "lora.quantize": ("refused", "lora.quantize=int8", "lora.quantize=int8 quantises a pretrained base"),
     "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),
