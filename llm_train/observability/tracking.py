@@ -84,6 +84,7 @@ class Tracker(Protocol):
     run_id: str | None  # the W&B run's id; None for every other tracker
 
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
+    def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -93,25 +94,42 @@ class NullTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
 
+    def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 class JsonlTracker:
-    """metrics.jsonl: one JSON object per call, flushed at once (a crash loses nothing logged)."""
+    """metrics.jsonl: one JSON object per call, flushed at once (a crash loses nothing logged).
+
+    A table (GRPO's sampled completions) goes to its own KEY.jsonl beside it, one row per line with its step.
+    """
 
     run_id: str | None = None
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.handle = path.open("a", encoding="utf-8")
+        self.tables: dict[str, Any] = {}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.handle.write(json.dumps({"step": step, **metrics}) + "\n")
         self.handle.flush()
 
+    def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        if key not in self.tables:
+            self.tables[key] = self.path.with_name(f"{key}.jsonl").open("a", encoding="utf-8")
+        handle = self.tables[key]
+        handle.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        handle.flush()
+
     def close(self) -> None:
         self.handle.close()
+        for handle in self.tables.values():
+            handle.close()
 
 
 PERF_KEYS = (
@@ -143,6 +161,12 @@ def tensorboard_tag(key: str) -> str:
     return f"train/{key}"
 
 
+def _cell(value: Any) -> str:
+    """A markdown table cell: pipes and newlines would break the row."""
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 class TensorBoardTracker:
     run_id: str | None = None
 
@@ -164,6 +188,14 @@ class TensorBoardTracker:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(tensorboard_tag(key), value, step)
         self.writer.flush()
+
+    def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        if rows:  # TensorBoard has no tables: a markdown one in its text tab
+            head = list(rows[0])
+            lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            lines += ["| " + " | ".join(_cell(row.get(k)) for k in head) + " |" for row in rows]
+            self.writer.add_text(key, "\n".join(lines), step)
+            self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
@@ -209,6 +241,15 @@ class WandbTracker:
             return
         self.run.log(metrics, step=step)
 
+    def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        import wandb
+
+        if rows:
+            head: list[str | int] = list(rows[0])
+            self.run.log(
+                {key: wandb.Table(columns=head, data=[[r.get(str(k)) for k in head] for r in rows])}, step=step
+            )
+
     def close(self) -> None:
         import wandb
 
@@ -232,6 +273,11 @@ class Trackers:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         for tracker in self.trackers:
             tracker.log(metrics, step)
+
+    def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows of one table (each a dict of the same keys) at `step`: KEY.jsonl, a W&B table, TensorBoard text."""
+        for tracker in self.trackers:
+            tracker.log_table(key, rows, step)
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -24,7 +24,8 @@ grpo.mask_truncated_completions leaves it out of the loss. The generation engine
 Metrics per step (metrics.jsonl): the reward mean/std of each function and of the weighted sum, the fraction
 of groups whose rewards are all equal (they teach nothing), completion length mean/max and truncated fraction,
 generation tokens/s, the seconds spent generating and scoring (the rest of step_time is training), and the
-loss's clip ratios and, with beta > 0, the KL to the reference.
+loss's clip ratios, the policy's entropy over the completion tokens (TRL's `entropy`) and, with beta > 0, the
+KL to the reference.
 """
 
 from __future__ import annotations
@@ -40,9 +41,17 @@ import torch
 from llm_train.config.recipe import GrpoSection
 from llm_train.data.dealer import Batches
 from llm_train.data.prompts import Prompt
+from llm_train.errors import UserError
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.compat import gathered_for_generation
-from llm_train.runtime.grpo_loss import LossSettings, completion_logps, group_advantages, policy_loss
+from llm_train.runtime.grpo_loss import (
+    Advantages,
+    LossSettings,
+    completion_logps,
+    completion_logps_and_entropy,
+    group_advantages,
+    policy_loss,
+)
 from llm_train.runtime.objectives import Scored
 from llm_train.runtime.rewards import RewardFunction, gather, reward_metrics, score
 
@@ -52,6 +61,10 @@ if TYPE_CHECKING:
     from llm_train.data.prepare import PackedSplit
 
 Batch = dict[str, Any]
+# What a logging interval shows of a generation: a few completions with their rewards (session.py puts them in
+# completions.jsonl and a W&B table on the steps it logs).
+SampleLog = Callable[[list[dict[str, Any]]], None]
+SAMPLES_PER_GENERATION = 4
 # Per-token log-probs of a rollout micro-batch under the reference (beta > 0), no grad.
 ReferenceLogps = Callable[[Batch], torch.Tensor]
 
@@ -96,7 +109,15 @@ class Grpo:
         """Nothing to compute before training."""
 
     def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
-        logps = rollout_logps(model, batch, self.settings.temperature)
+        logps, entropy = completion_logps_and_entropy(
+            model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+            self.settings.temperature,
+        )
+        assert entropy is not None
         loss, metrics = policy_loss(
             logps,
             batch["advantages"],
@@ -108,6 +129,8 @@ class Grpo:
         )
         # The step's rollout metrics ride on each of its micro-batches: their mean over micro-batches is them.
         rollout = {k: torch.tensor(v, dtype=torch.float32) for k, v in batch["rollout_metrics"].items()}
+        mask = batch["completion_mask"].to(entropy.dtype)
+        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)  # mean over scored tokens
         return Scored(loss, {**metrics, **rollout})
 
     def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
@@ -212,6 +235,7 @@ class Rollouts(Iterator[Batch]):
         rank: int,
         policy_logps: Callable[[Batch], torch.Tensor],
         reference_logps: ReferenceLogps | None = None,
+        samples: SampleLog | None = None,
     ) -> None:
         # This rank's place in the gathered rewards: the global rank (grpo runs data parallel only).
         self.rank = rank
@@ -219,6 +243,7 @@ class Rollouts(Iterator[Batch]):
         self.shape, self.tokenizer, self.comm = shape, tokenizer, comm
         self.policy_logps, self.reference_logps = policy_logps, reference_logps
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+        self.samples = samples
         self._queue: list[Batch] = []
 
     def __iter__(self) -> Rollouts:
@@ -244,11 +269,18 @@ class Rollouts(Iterator[Batch]):
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         columns = {k: [p.columns[k] for p in repeated] for k in repeated[0].columns}
-        local = score(self.rewards, [p.text for p in repeated], texts, completions, columns)
+        try:
+            local: torch.Tensor | UserError = score(
+                self.rewards, [p.text for p in repeated], texts, completions, columns
+            )
+        except UserError as exc:  # every rank stops on this line (see rewards.gather)
+            local = exc
         table = gather(local, self.comm)  # every rank's completions, in rank order
         advantages = group_advantages(table, self.weights, self.grpo.num_generations, self.grpo.scale_rewards)
         t2 = time.perf_counter()
         n = len(repeated)
+        if self.samples is not None:
+            self.samples(self._sample_rows(repeated, texts, table, advantages, self.rank * n))
         rows = self._rows(repeated, completions, advantages.advantages[self.rank * n : (self.rank + 1) * n])
         stats, dapo_tokens = self._completion_stats(completions, rows["completion_mask"])
         metrics = {
@@ -259,6 +291,33 @@ class Rollouts(Iterator[Batch]):
             "time_score_s": t2 - t1,
         }
         return [self._micro_batch(rows, k, dapo_tokens, metrics) for k in range(self.shape.accumulation)]
+
+    def _sample_rows(
+        self,
+        repeated: list[Prompt],
+        texts: list[str],
+        table: torch.Tensor,
+        advantages: Advantages,
+        offset: int,
+    ) -> list[dict[str, Any]]:
+        """The first completions of this rank's first group, with what each reward gave them (None: unscored)."""
+        rows = []
+        for i in range(min(SAMPLES_PER_GENERATION, self.grpo.num_generations)):
+            rewards = {
+                f"reward_{r.name}": None if torch.isnan(v) else float(v)
+                for r, v in zip(self.rewards, table[offset + i], strict=True)
+            }
+            total = advantages.rewards[offset + i]
+            rows.append(
+                {
+                    "prompt": repeated[i].text,
+                    "completion": texts[i],
+                    "reward": None if torch.isnan(total) else float(total),
+                    "advantage": float(advantages.advantages[offset + i]),
+                    **rewards,
+                }
+            )
+        return rows
 
     def _rows(self, repeated: list[Prompt], completions: list[list[int]], advantages: torch.Tensor) -> Batch:
         """This rank's completions as padded tensors, with their advantages (truncated ones masked if asked)."""

@@ -134,7 +134,23 @@ def completion_logps(
     completion_mask: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """[rows, completion length] fp32 log-probs of each completion token under `model` at `temperature`.
+    """[rows, completion length] fp32 log-probs of each completion token under `model` at `temperature`."""
+    logps, _ = completion_logps_and_entropy(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, entropy=False
+    )
+    return logps
+
+
+def completion_logps_and_entropy(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs as `completion_logps`, with `entropy` the detached entropy of each position's distribution).
 
     Only the last completion-length + 1 positions' logits are computed (`logits_to_keep`): the prompt's
     are never needed, and the [rows x length x vocabulary] tensor is the largest one of the step.
@@ -150,7 +166,22 @@ def completion_logps(
     token = -F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), completion_ids.reshape(-1), reduction="none"
     )
-    return token.view(completion_ids.shape)
+    return token.view(completion_ids.shape), token_entropy(logits) if entropy else None
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, length] entropy -sum p log p of each position's distribution, one row at a time.
+
+    A metric (TRL's `entropy`: how far the policy is from collapsing onto one answer), never a loss term,
+    so no graph is kept; row by row, the extra fp32 [length x vocabulary] buffer is one row's (a 256-token
+    completion over a 128k vocabulary: 128 MiB), not the micro-batch's.
+    """
+    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for i, row in enumerate(logits.detach()):
+        logp = torch.log_softmax(row.float(), dim=-1)
+        out[i] = -(logp.exp() * logp).sum(-1)
+    return out
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

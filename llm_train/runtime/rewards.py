@@ -274,9 +274,18 @@ def score(
     return table
 
 
-def gather(local: torch.Tensor, comm: Collectives) -> torch.Tensor:
-    """Every rank's reward rows, in rank order (each rank's completions are whole groups, see grpo.py)."""
-    return torch.cat(comm.gather_objects(local.cpu()), dim=0)
+def gather(local: torch.Tensor | UserError, comm: Collectives) -> torch.Tensor:
+    """Every rank's reward rows, in rank order (each rank's completions are whole groups, see grpo.py).
+
+    `local` is this rank's scoring error when its rewards failed (`score` raised): the gather then raises
+    that one line on every rank. A rank that raised alone would leave the others waiting in this
+    collective until gloo/NCCL broke it, and their tracebacks would bury the line that says what to fix.
+    """
+    gathered = comm.gather_objects(local.cpu() if isinstance(local, torch.Tensor) else str(local))
+    failed = [g for g in gathered if isinstance(g, str)]
+    if failed:
+        raise UserError(failed[0])
+    return torch.cat([g for g in gathered if isinstance(g, torch.Tensor)], dim=0)
 
 
 def reward_metrics(

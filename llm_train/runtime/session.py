@@ -50,7 +50,7 @@ from llm_train.runtime.checkpointing.run_state import Saver
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine, process_group_timeout, to_device
 from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
-from llm_train.runtime.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, rollout_logps
+from llm_train.runtime.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, SampleLog, rollout_logps
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model import load_tokenizer
@@ -328,12 +328,12 @@ def train(
     )
     bench = periodic_bench(w, engine, data)
     # GRPO's micro-batches are generated from the prompts the stream deals (runtime/grpo.py).
-    batches = rollouts(w, engine, data) if recipe.objective == "grpo" else data.stream
+    batches = rollouts(w, engine, data, tracker, cfg) if recipe.objective == "grpo" else data.stream
     with profiler:
         return train_loop(engine, batches, evals, cfg, tracker, control, save, w.say, meter, profiler, bench)
 
 
-def rollouts(w: Worker, engine: Engine, data: RunData) -> Rollouts:
+def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: LoopConfig) -> Rollouts:
     """The engine's micro-batches under GRPO: completions of the model itself, scored by the recipe's rewards."""
     recipe, layout = w.run.recipe, w.run.layout
     grpo, ds = recipe.grpo, engine.ds
@@ -359,7 +359,24 @@ def rollouts(w: Worker, engine: Engine, data: RunData) -> Rollouts:
         w.rank,
         policy_logps,
         objective.reference,
+        sample_log(tracker, cfg, grpo.num_iterations),
     )
+
+
+def sample_log(tracker: Trackers, cfg: LoopConfig, iterations: int) -> SampleLog:
+    """A few completions of each generation that trains a logged step (loop.py's rule), as table
+    `completions` (completions.jsonl in the run, a W&B table) at that generation's first step."""
+    generations = 0
+
+    def log(rows: list[dict[str, Any]]) -> None:
+        nonlocal generations
+        first = cfg.start_step + generations * iterations + 1
+        generations += 1
+        steps = range(first, first + iterations)
+        if first == cfg.start_step + 1 or any(s % cfg.log_every == 0 or s == cfg.max_steps for s in steps):
+            tracker.log_table("completions", rows, first)
+
+    return log
 
 
 def periodic_bench(w: Worker, engine: Engine, data: RunData) -> PeriodicBench | None:

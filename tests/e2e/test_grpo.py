@@ -23,6 +23,8 @@ The loss itself, its gradients and the advantages are checked against TRL in tes
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ GRPO_METRICS = (
     "clip_ratio_low",
     "clip_ratio_high",
     "clip_ratio_region",
+    "entropy",
     "completion_length_mean",
     "completion_length_max",
     "completion_truncated_frac",
@@ -81,7 +84,14 @@ def test_tiny_cpu_grpo_learns_its_reward(tmp_path: Path) -> None:
         assert "kl" not in m  # beta 0: no reference model, no KL
     # num_iterations 1: the ratio is exp(0), nothing is ever clipped.
     assert all(m["clip_ratio_region"] == 0 for m in rows)
+    assert all(
+        0 < m["entropy"] < math.log(4096) for m in rows
+    )  # nats, below the uniform 4096-token vocabulary's
     assert (tmp_path / "zero2" / "final" / "model.safetensors").is_file()
+    # A few completions of each logged step (log_every 1: every step) with their rewards, in the run.
+    shown = [json.loads(line) for line in (tmp_path / "zero2" / "completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in shown}) == list(range(1, 31)) and len(shown) == 30 * 4
+    assert all(r["reward_has_digit"] == r["reward"] in (0.0, 1.0) and r["prompt"] for r in shown)
 
 
 def test_without_learning_the_reward_does_not_rise(tmp_path: Path) -> None:
@@ -120,3 +130,28 @@ def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
     for m in whole:
         for key in ("reward_mean", "loss", "completion_length_mean"):
             assert resumed[m["step"]][key] == m[key], (m["step"], key)
+
+
+def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_with_its_one_line(tmp_path: Path) -> None:
+    """Rank 0's function raises while rank 1's scores: rank 1 must not die in the reward gather with a gloo
+    traceback (it did), both stop on rank 0's line, exit code 2."""
+    (tmp_path / "one_rank_rewards.py").write_text(
+        "import os\n\n\n"
+        "def boom(completions, **_):\n"
+        "    if os.environ['RANK'] == '0':\n"
+        "        raise ValueError('no answer column')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    }
+    rewards = "grpo.rewards=[{kind: function, function: 'one_rank_rewards:boom'}]"
+    result = launch(["--recipe", "tiny-cpu-grpo", "--output-dir", str(tmp_path / "run"), rewards], env=env)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("llm-train: error:")]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert errors == [
+        "llm-train: error: grpo.rewards[0] (one_rank_rewards:boom) raised ValueError: no answer column; fix the "
+        "function (it is called with prompts, completions, completion_ids and the prompt rows' fields as keywords)"
+    ], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -1,13 +1,15 @@
 """A reward model in a real 2-process DeepSpeed run on CPU (recipe tiny-cpu-reward: the bundled preference pairs).
 
 One launch covers the feature: the tiny Llama with a one-output score head learns to rank the held-out
-pairs, and final/ is a plain transformers sequence classifier whose scores are the run's. The loss and
+pairs, and final/ is a plain transformers sequence classifier whose scores are the run's. A second one
+uses that final/ as the reward of tiny-cpu-grpo (grpo.rewards kind reward_model) for two steps. The loss and
 its gradients are checked against TRL's RewardTrainer in tests/unit/test_objectives.py.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,22 @@ def test_a_reward_model_learns_to_rank_held_out_pairs_and_exports_as_a_sequence_
     again = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(again(input_ids=reference.input_ids).logits, scores)  # the same fp32 weights
+
+    # The trained model as GRPO's reward: every completion gets a finite score, logged and shown with it.
+    grpo_dir = tmp_path / "grpo"
+    result = launch(
+        [
+            "--recipe",
+            "tiny-cpu-grpo",
+            "--output-dir",
+            str(grpo_dir),
+            "--max-steps=2",
+            f"grpo.rewards=[{{kind: reward_model, name: rm, path: '{final}'}}]",
+        ]
+    )
+    assert_ok(result)
+    rows = [m for m in read_metrics(grpo_dir) if "reward_rm_mean" in m]
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all(math.isfinite(m["reward_rm_mean"]) and m["reward_rm_std"] > 0 for m in rows), rows
+    shown = [json.loads(line) for line in (grpo_dir / "completions.jsonl").read_text().splitlines()]
+    assert shown and all(math.isfinite(r["reward_rm"]) for r in shown)

@@ -19,9 +19,11 @@ from llm_train.config.recipe import DataSection, GrpoSection, _parse_reward, loa
 from llm_train.config.resolution import resolve_run
 from llm_train.data.prompts import Prompt, load_prompts, prompt_stream
 from llm_train.errors import UserError
-from llm_train.runtime.grpo import Rollouts, RolloutShape, cut_at_eos, left_pad, right_pad
+from llm_train.runtime.grpo import Rollouts, RolloutShape, SampleLog, cut_at_eos, left_pad, right_pad
+from llm_train.runtime.loop import LoopConfig
 from llm_train.runtime.model import load_tokenizer
 from llm_train.runtime.rewards import load_rewards
+from llm_train.runtime.session import sample_log
 from tests.helpers import REPO
 
 CPU = Device("cpu", None, False)
@@ -204,7 +206,7 @@ class _Prompts:
         return {"prompts": [Prompt("p", [1, 5, 6], {"answer": "7"}), Prompt("q", [1, 9], {"answer": "8"})]}
 
 
-def _rollouts(tokenizer: Any, rank: int = 0, **grpo: Any) -> Rollouts:
+def _rollouts(tokenizer: Any, rank: int = 0, samples: SampleLog | None = None, **grpo: Any) -> Rollouts:
     completions = [[7, 2], [8, 8, 8, 2], [7, 7, 7, 7], [30, 2]]  # the third never ends: truncated at 4
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
@@ -227,6 +229,7 @@ def _rollouts(tokenizer: Any, rank: int = 0, **grpo: Any) -> Rollouts:
         _Rank(rank, other=0.0),  # type: ignore[arg-type]
         rank,
         policy_logps=lambda batch: torch.full(batch["completion_ids"].shape, -1.0),
+        samples=samples,
     )
 
 
@@ -256,6 +259,33 @@ def test_one_generation_becomes_the_steps_micro_batches(tokenizer: Any) -> None:
     assert (
         metrics["completion_truncated_frac"] == pytest.approx(0.25) and metrics["completion_length_max"] == 4
     )
+
+
+def test_a_generation_shows_its_first_completions_with_their_rewards(tokenizer: Any) -> None:
+    shown: list[list[dict[str, Any]]] = []
+    next(_rollouts(tokenizer, rank=1, samples=shown.append))
+    (rows,) = shown
+    assert [r["prompt"] for r in rows] == ["p"] * 4  # rank 1's first group
+    assert [r["reward_length"] for r in rows] == [2.0, 4.0, 4.0, 2.0]  # its own rows of the gathered table
+    assert [r["reward"] for r in rows] == [2.0, 4.0, 4.0, 2.0]  # weight 1
+    assert rows[1]["advantage"] > 0 > rows[0]["advantage"]
+    assert rows[0]["completion"] == tokenizer.decode([7, 2], skip_special_tokens=True)
+
+
+def test_completions_are_logged_at_the_generations_that_train_a_logged_step() -> None:
+    class Tables:
+        steps: list[int] = []
+
+        def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+            assert key == "completions" and rows == [{"completion": "x"}]
+            self.steps.append(step)
+
+    tables = Tables()
+    cfg = LoopConfig(max_steps=10, log_every=4, eval_every=0)
+    log = sample_log(tables, cfg, iterations=2)  # type: ignore[arg-type]
+    for _ in range(5):  # generations train steps 1-2, 3-4, 5-6, 7-8, 9-10
+        log([{"completion": "x"}])
+    assert tables.steps == [1, 3, 7, 9]  # the first, those holding steps 4 and 8, the last
 
 
 def test_truncated_completions_can_be_left_out_and_generations_reused(tokenizer: Any) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from typing import Any
 
 import pytest
@@ -29,7 +30,13 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 # TRL is test-only (pyproject's dev extra, which `make install` installs): imported, not skipped.
 from trl import GRPOConfig, GRPOTrainer
 
-from llm_train.runtime.grpo_loss import LossSettings, completion_logps, group_advantages, policy_loss
+from llm_train.runtime.grpo_loss import (
+    LossSettings,
+    completion_logps,
+    completion_logps_and_entropy,
+    group_advantages,
+    policy_loss,
+)
 from tests.helpers import REPO, tiny_llama
 
 TOLERANCE = 1e-5
@@ -203,6 +210,25 @@ def test_loss_and_gradients_equal_trls(
     assert abs(float(metrics["clip_ratio_region"]) - trl_metrics["clip_ratio/region_mean"][-1]) <= TOLERANCE
     if beta:
         assert abs(float(metrics["kl"]) - trl_metrics["kl"][-1]) <= TOLERANCE and float(metrics["kl"]) > 0
+
+
+def test_entropy_equals_trls(models: tuple[LlamaForCausalLM, LlamaForCausalLM, GRPOTrainer]) -> None:
+    """The logged entropy (Grpo.score: the mean over the scored completion tokens) is TRL's `entropy` metric."""
+    ours, theirs, trainer = models
+    settings = LossSettings(temperature=TEMPERATURE, max_completion_length=COMPLETION)
+    _run_both(ours, theirs, trainer, settings, iterations=1)
+    batch = _batch()
+    with torch.no_grad():
+        _, entropy = completion_logps_and_entropy(
+            ours,
+            *(batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")),
+            TEMPERATURE,
+        )
+    assert entropy is not None
+    mask = batch["completion_mask"].float()
+    mean = float((entropy * mask).sum() / mask.sum())
+    assert 0 < mean < math.log(ours.config.vocab_size)  # a distribution's entropy, below the uniform one's
+    assert abs(mean - trainer._metrics["train"]["entropy"][-1]) <= TOLERANCE
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])

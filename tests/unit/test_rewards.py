@@ -112,6 +112,25 @@ def test_gather_puts_every_ranks_rows_together_in_rank_order() -> None:
     assert gather(local, TwoRanks()).flatten().tolist() == [1.0, 2.0, 11.0, 12.0]  # type: ignore[arg-type]
 
 
+def test_a_failure_on_one_rank_is_the_same_one_line_on_every_rank() -> None:
+    """The rank whose function raised and the rank whose did not both raise its line from the gather: no rank
+    is left waiting in a collective that a peer's exit breaks (a gloo traceback instead of the fix)."""
+    line = "grpo.rewards[0] (m:f) raised ValueError: boom; fix the function"
+
+    class TwoRanks:
+        def __init__(self, other: object) -> None:
+            self.other = other
+
+        def gather_objects(self, obj: object) -> list[object]:
+            return [obj, self.other]
+
+    failing = UserError(line)
+    with pytest.raises(UserError, match="raised ValueError: boom"):
+        gather(failing, TwoRanks(torch.ones(1, 1)))  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="raised ValueError: boom"):
+        gather(torch.ones(1, 1), TwoRanks(line))  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------ every bad input: one line, the key, the fix
 
 

@@ -134,3 +134,22 @@ def test_wandb_offline_run_holds_metrics_config_and_no_secret(
     assert again.run_id == run_id
     again.log({"loss": 1.0}, 2)
     again.close()
+
+
+def test_a_table_reaches_its_file_tensorboard_and_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRPO's sampled completions: completions.jsonl in the run, a TensorBoard text table, a W&B table."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trackers = open_trackers(TrackingSection(mode="offline", tensorboard=True), tmp_path, {}, True)
+    rows = [{"completion": "a | b\nc", "reward": 0.5}, {"completion": "d", "reward": None}]
+    trackers.log_table("completions", rows, 3)
+    trackers.close()
+    lines = (tmp_path / "completions.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 3, **row} for row in rows]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    (text,) = events.Tensors("completions/text_summary")
+    assert text.step == 3 and "a \\| b c | 0.5" in text.tensor_proto.string_val[0].decode()
+    (table,) = list((tmp_path / "wandb").rglob("completions_*.table.json"))
+    assert json.loads(table.read_text())["data"] == [["a | b\nc", 0.5], ["d", None]]
