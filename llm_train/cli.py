@@ -25,22 +25,16 @@ from importlib import metadata
 from llm_train.commands import convert, data, doctor, generate, plan, report
 from llm_train.commands import eval as eval_command
 from llm_train.commands import train as train_command
-from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.commands.recipes import cmd_recipes
+from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
-from llm_train.observability.console import print_recipe_table
 from llm_train.runtime.export import export_checkpoint
 from llm_train.train import build_parser as train_parser
 from llm_train.train import main as train_main
 
 DISTRIBUTION = "llm_train"
-
-
-def cmd_recipes(args: argparse.Namespace) -> int:
-
-    print_recipe_table(available_recipes())
-    return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from llm_train.config.hardware import Device, gpus_without_p2p
 from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
-from llm_train.observability.console import add_train_args
+from llm_train.observability.profiling import parse_range
 from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.guards import (
     RunEstimate,
@@ -96,11 +96,43 @@ def build_parser(recipe_positional: bool = False, add_help: bool = True) -> argp
     parser.add_argument("--world-size", type=int, help="With --dry-run: plan for this many processes.")
     parser.add_argument("--verbose", action="store_true", help="Keep DeepSpeed / torch / transformers logs.")
 
-    add_train_args(parser)  # --peak-tflops, --profile A-B, --flops-profiler
+    add_observability_args(parser)  # --peak-tflops, --profile A-B, --flops-profiler
     parser.add_argument(
         "overrides", nargs="*", metavar="key.sub=value", help="Recipe overrides, e.g. optim.lr=1e-4."
     )
     return parser
+
+
+def add_observability_args(parser: argparse.ArgumentParser) -> None:
+    """The observability flags of `llm_train/train.py` (metrics peak, profiling)."""
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="Dense bf16 peak TFLOP/s of one device, for MFU (default: from the GPU table; none on CPU).",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="A-B",
+        type=_profile_range,
+        help="Record a torch.profiler trace of optimizer steps A..B into RUN_DIR/profile/ "
+        "(open in TensorBoard or https://ui.perfetto.dev).",
+    )
+    parser.add_argument(
+        "--flops-profiler",
+        action="store_true",
+        help="Also run DeepSpeed's flops profiler at the first --profile step (or step 2); "
+        "summary in RUN_DIR/profile/flops_profiler.txt.",
+    )
+
+
+def _profile_range(spec: str) -> str:
+    # Checked while parsing, so a typo fails in a second, not after the model has loaded.
+
+    try:
+        parse_range(spec)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+    return spec
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -27,7 +27,7 @@ from llm_train.commands.model_source import (
     torch_dtype,
 )
 from llm_train.errors import UserError
-from llm_train.observability.console import quiet
+from llm_train.observability.library_logs import quiet
 from llm_train.observability.tracking import open_trackers
 from llm_train.runtime.benchmark import BenchOptions, evaluate, require_lm_eval, task_manager, write_results
 from llm_train.runtime.checkpointing.commit import committed, step_name

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from llm_train.commands.model_source import load_model, load_tokenizer, resolve_source, torch_dtype
 from llm_train.errors import UserError
-from llm_train.observability.console import quiet
+from llm_train.observability.library_logs import quiet
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

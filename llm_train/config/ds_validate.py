@@ -141,7 +141,7 @@ def _deepspeed_warnings() -> Iterator[list[str]]:
     """
     logger = logging.getLogger("DeepSpeed")
     collected = _Warnings()
-    # First among the logger's filters: one that drops records ahead of it (console.quiet's, which a
+    # First among the logger's filters: one that drops records ahead of it (library_logs.quiet's, which a
     # command such as `llm-train eval` installs in this process) would hide the deprecation warnings read
     # here. And a logger drops records below its level before any filter sees them.
     logger.filters.insert(0, collected)

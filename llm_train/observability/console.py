@@ -1,5 +1,6 @@
 """What a run prints on rank 0: a start-up summary, one progress line per logged step, and
-little else (DeepSpeed / torch / transformers chatter is kept quiet unless --verbose).
+little else (observability/library_logs.py keeps DeepSpeed / torch / transformers chatter quiet
+unless --verbose).
 
 The progress line is plain text, one line per logged step, so it reads the same in a
 terminal, a SLURM log and CI; its bar, ETA and tokens/s come from the metrics row the
@@ -8,81 +9,16 @@ trackers receive, so the console and metrics.jsonl never disagree.
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config import ds_json
 from llm_train.config.gpu_evidence import unverified_line
-from llm_train.config.hardware import Device, find_gpu
-from llm_train.config.layout import make_layout
-from llm_train.config.recipe import load_recipe
-from llm_train.errors import UserError
-from llm_train.observability.profiling import parse_range
 from llm_train.planning.guards import RunEstimate, estimate_run, memory_rows
 
 if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved
 
 BAR_WIDTH = 20
-
-
-class _BelowError(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR
-
-
-def quiet(verbose: bool) -> None:
-    """Keep library logs and progress bars out of the training output unless --verbose.
-
-    Must run before DeepSpeed is imported: its logger is (re)configured at import, but a
-    filter attached to the logger object beforehand survives that and drops the
-    "Setting accelerator to CPU" style warnings every rank prints.
-    """
-    if verbose:
-        return
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Writing model shards" bars on export
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    warnings.filterwarnings("ignore")
-    logging.getLogger("DeepSpeed").addFilter(_BelowError())
-    for name in ("accelerate", "torch.distributed", "torch._dynamo", "torch._inductor", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def add_train_args(parser: argparse.ArgumentParser) -> None:
-    """The observability flags of `llm_train/train.py` (metrics peak, profiling)."""
-    parser.add_argument(
-        "--peak-tflops",
-        type=float,
-        help="Dense bf16 peak TFLOP/s of one device, for MFU (default: from the GPU table; none on CPU).",
-    )
-    parser.add_argument(
-        "--profile",
-        metavar="A-B",
-        type=_profile_range,
-        help="Record a torch.profiler trace of optimizer steps A..B into RUN_DIR/profile/ "
-        "(open in TensorBoard or https://ui.perfetto.dev).",
-    )
-    parser.add_argument(
-        "--flops-profiler",
-        action="store_true",
-        help="Also run DeepSpeed's flops profiler at the first --profile step (or step 2); "
-        "summary in RUN_DIR/profile/flops_profiler.txt.",
-    )
-
-
-def _profile_range(spec: str) -> str:
-    # Checked while parsing, so a typo fails in a second, not after the model has loaded.
-
-    try:
-        parse_range(spec)
-    except UserError as exc:
-        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
-    return spec
 
 
 def duration(seconds: float) -> str:
@@ -190,40 +126,3 @@ def startup_summary(
         say(f"  {key:<12} {value}")
     if run.notice:
         say(f"notice: {run.notice}")
-
-
-RECIPE_COLUMNS = ("recipe", "model", "ZeRO/TP/PP/SP", "GPUs", "VRAM", "host RAM", "description")
-
-
-def recipe_row(name: str) -> tuple[str, ...]:
-    """One line of `llm-train recipes`: what the recipe trains, how it is split, what it needs."""
-
-    recipe = load_recipe(name)
-    hw = recipe.hardware
-    _, raw = ds_json.load_ds_config(recipe.deepspeed.config)
-    try:
-        layout, _ = make_layout(recipe, raw, hw.world_size, Device.declared(recipe))
-        stage, tp, pp, sp = layout.zero_stage, layout.tp, layout.pp, layout.sp
-        offload = layout.offload_optimizer != "none" or layout.offload_params != "none"
-    except UserError:  # a recipe whose declared hardware does not divide; show what the JSON says
-        stage, tp, pp, sp, offload = ds_json.zero_stage(raw), 0, 0, 0, False
-    degrees = f"{stage}{'+off' if offload else ''}/{tp or '?'}/{pp or '?'}/{sp or '?'}"
-    count = f"{hw.nodes} nodes x {hw.processes_per_node}" if hw.nodes > 1 else str(hw.processes_per_node)
-    if hw.device == "cpu":
-        gpus, vram = f"none (cpu x{hw.world_size})", "-"
-    else:
-        spec = find_gpu(hw.gpu_name) if hw.gpu_name else None
-        gpus = f"{count} x {hw.gpu_name or 'GPU'}"
-        mem = hw.gpu_mem_gib or (spec.memory_gib if spec else None)
-        vram = f"{mem:.0f} GiB" if mem else "-"
-    ram = f"{hw.host_ram_gib:.0f} GiB" if hw.host_ram_gib else "-"
-    model = recipe.model.name_or_path or f"random {recipe.model.config.get('model_type', 'model')}"
-    return (name, model, degrees, gpus, vram, ram, recipe.description)
-
-
-def print_recipe_table(names: list[str]) -> None:
-    """`llm-train recipes`: an aligned table; the description column is left ragged."""
-    rows = [RECIPE_COLUMNS, *(recipe_row(name) for name in names)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(RECIPE_COLUMNS) - 1)]
-    for row in rows:
-        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])) + "  " + row[-1])

@@ -247,7 +247,8 @@ class WandbTracker:
         if rows:
             head: list[str | int] = list(rows[0])
             self.run.log(
-                {key: wandb.Table(columns=head, data=[[r.get(str(k)) for k in head] for r in rows])}, step=step
+                {key: wandb.Table(columns=head, data=[[r.get(str(k)) for k in head] for r in rows])},
+                step=step,
             )
 
     def close(self) -> None:

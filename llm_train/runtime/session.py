@@ -37,7 +37,8 @@ from llm_train.data import (
 from llm_train.data.prompts import prompt_stream
 from llm_train.data.volume import DataVolume, check_volume
 from llm_train.errors import EXIT_PREEMPTED, UserError
-from llm_train.observability.console import quiet, startup_summary
+from llm_train.observability.console import startup_summary
+from llm_train.observability.library_logs import quiet
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
