@@ -108,23 +108,36 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     )
 
 
+def tiny_llama_config(**over: object):  # -> LlamaConfig
+    """The unit tests' Llama: 2 layers, hidden 64, GQA (4 query heads, 2 key-value heads), a 256-token
+    vocabulary; `over` changes any field (a test states only what it needs differently)."""
+    from transformers import LlamaConfig
+
+    fields: dict[str, object] = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    return LlamaConfig(**(fields | over))
+
+
 def tiny_llama(vocab_size: int = 97, seed: int = 0, **over: object):  # -> LlamaForCausalLM
-    """A 2-layer fp32 Llama with GQA (4 heads, 2 KV heads), eager attention: the losses' reference model."""
+    """A smaller fp32 tiny_llama_config (hidden 32), eager attention: the losses' reference model."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     fields: dict[str, object] = {
         "vocab_size": vocab_size,
         "hidden_size": 32,
         "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         "max_position_embeddings": 64,
         "attn_implementation": "eager",
     }
-    return LlamaForCausalLM(LlamaConfig(**(fields | over))).float()
+    return LlamaForCausalLM(tiny_llama_config(**(fields | over))).float()
 
 
 def make_tiny_pretrained(path: Path, seed: int = 0) -> Path:

@@ -130,6 +130,20 @@ def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
     for m in whole:
         for key in ("reward_mean", "loss", "completion_length_mean"):
             assert resumed[m["step"]][key] == m[key], (m["step"], key)
+    # The completions themselves: each step's shown ones (the resumed run's, where a step was written twice).
+    assert _shown(tmp_path / "killed") == _shown(tmp_path / "whole")
+
+
+def _shown(run_dir: Path) -> dict[int, list[dict]]:
+    """completions.jsonl by step; a step written again by a resumed run keeps its last rows."""
+    by_step: dict[int, list[dict]] = {}
+    for line in (run_dir / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows = by_step.setdefault(row["step"], [])
+        if len(rows) == 4:  # a second writing of that step begins
+            rows.clear()
+        rows.append(row)
+    return by_step
 
 
 def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_with_its_one_line(tmp_path: Path) -> None:

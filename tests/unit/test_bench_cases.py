@@ -9,6 +9,7 @@ import pytest
 
 from bench import consumer, doc_isolation, full_ft
 from bench.harness import Budget, Context, Judging, Results
+from tests.helpers import tiny_llama_config
 
 
 def context(tmp_path: Path, gpu: bool = True) -> Context:
@@ -165,12 +166,9 @@ def test_a_packed_rows_documents_are_where_its_positions_restart() -> None:
 
 def test_the_isolation_check_passes_a_masked_row_and_sees_a_planted_leak() -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-    )  # fmt: skip
+    config = tiny_llama_config(use_cache=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     input_ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(0))

@@ -13,6 +13,7 @@ from llm_train.data.model_inputs import build_rows
 from llm_train.data.packing import best_fit_decreasing, make_spans, placement
 from llm_train.data.store import TokenStore
 from llm_train.errors import UserError
+from tests.helpers import tiny_llama_config
 from tests.unit.data_fixtures import data_section, get_tokenizer, text_rows, write_jsonl
 
 
@@ -94,18 +95,10 @@ def test_layout_groups_spans_into_sequences(tmp_path: Path) -> None:
 
 
 def _tiny_model(attention: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(get_tokenizer()),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config(vocab_size=len(get_tokenizer()), max_position_embeddings=256)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32).eval()
 
 

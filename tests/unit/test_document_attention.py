@@ -28,6 +28,7 @@ from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_of
 from llm_train.runtime import document_attention as sdpa_flex
+from tests.helpers import tiny_llama_config
 from tests.unit.data_fixtures import data_section, get_tokenizer, text_rows, write_jsonl
 
 # fp32 on CPU: the same math in another order (one causal row vs. a block-diagonal one) differs by
@@ -37,19 +38,11 @@ CPU_KERNELS = ["sdpa", "eager", "flex_attention", "sdpa_flex"]
 
 
 def _model(attention: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     sdpa_flex.register_sdpa_flex()
     torch.manual_seed(0)  # the same weights for every kernel
-    config = LlamaConfig(
-        vocab_size=len(get_tokenizer()),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config(vocab_size=len(get_tokenizer()), max_position_embeddings=256)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32).eval()
 
 

@@ -7,7 +7,7 @@ has to be a change to these lines too.
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from llm_train.observability.metrics import (
     StepMeter,
@@ -17,6 +17,7 @@ from llm_train.observability.metrics import (
 )
 from llm_train.planning.flops import attention_flops_per_token, training_flops_per_token
 from llm_train.planning.shapes import shape_of
+from tests.helpers import tiny_llama_config
 from tests.unit.test_metrics import tiny_llama
 
 # Llama-3.1-8B: 8,030,261,248 parameters; the input embedding (128256 x 4096, untied) is a lookup.
@@ -66,13 +67,8 @@ def test_causal_attention_costs_half_of_the_full_score_matrix() -> None:
 def test_attention_counts_query_heads_whatever_the_kv_heads() -> None:
     # Grouped-query attention shares keys and values, but every query head still computes its own scores.
     def attention_only(kv_heads: int) -> float:
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=kv_heads,
+        config = tiny_llama_config(
+            vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_key_value_heads=kv_heads
         )
         model = LlamaForCausalLM(config)
         for param in model.parameters():

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from llm_train.planning.memory_estimate import (
     DENSE_LOSS_BYTES_PER_LOGIT,
@@ -37,6 +37,7 @@ from llm_train.planning.memory_estimate import (
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime.chunked_loss import enable_tiled_loss
+from tests.helpers import tiny_llama_config
 
 LINE_TOLERANCE = 0.15
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -58,7 +59,7 @@ def peak_bytes(step: Callable[[], None]) -> int:
 
 
 def llama(precision: str, **fields: Any) -> LlamaForCausalLM:
-    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", **fields)
+    config = tiny_llama_config(attn_implementation="sdpa", **fields)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(DTYPES[precision]).train()
 

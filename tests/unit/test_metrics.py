@@ -21,21 +21,14 @@ from llm_train.observability.metrics import (
 )
 from llm_train.planning.flops import TokenFlops, token_flops, training_flops_per_token
 from llm_train.planning.shapes import shape_from_config
+from tests.helpers import tiny_llama_config
 
 
 def tiny_llama(tie: bool = False):
     """Vocab 256, hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads (also used by test_flops)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
+    config = tiny_llama_config(tie_word_embeddings=tie)
     torch.manual_seed(0)
     return LlamaForCausalLM(config), config
 

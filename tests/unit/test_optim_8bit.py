@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from llm_train import train
 from llm_train.config.hardware import Device
@@ -25,6 +25,7 @@ from llm_train.planning.memory_estimate import EIGHT_BIT_STATE_BYTES, estimate_m
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.shapes import shape_of
 from llm_train.runtime.optim import build_optimizer
+from tests.helpers import tiny_llama_config
 from tests.optional import import_or_skip
 
 bnb = import_or_skip("bitsandbytes")
@@ -40,15 +41,8 @@ CURVE_DISTANCE = 0.01
 
 def curve(name: str, lr: float = 2e-3) -> tuple[list[float], torch.optim.Optimizer]:
     """Losses of STEPS steps of a tiny Llama on a learnable pattern (every odd token follows from the one before)."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,  # every matrix has >= 4096 elements: 8-bit moments (bitsandbytes' min_8bit_size)
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    # hidden 64, intermediate 128: every matrix has >= 4096 elements, 8-bit moments (bitsandbytes' min_8bit_size)
+    config = tiny_llama_config(max_position_embeddings=64)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).train()
     optimizer = build_optimizer(

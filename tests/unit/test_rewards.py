@@ -14,6 +14,7 @@ from llm_train.config.recipe import FunctionReward, _parse_reward
 from llm_train.errors import UserError
 from llm_train.runtime.grpo_loss import group_advantages
 from llm_train.runtime.rewards import gather, load_rewards, reward_metrics, score
+from tests.helpers import tiny_llama_config
 
 PROMPTS = ["2+2=", "2+2=", "3+4=", "3+4="]
 COMPLETIONS = ["<a>4</a>", "so <a>5</a>", "<a>7.0</a>", "seven"]
@@ -233,16 +234,15 @@ def test_a_function_reward_is_named_after_its_function() -> None:
 
 def _reward_model_dir(path: Path) -> Path:
     """A tiny Llama reward model (one output, pad id set) with the bundled tokenizer, as objective reward exports."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
 
     from tests.unit.data_fixtures import TOKENIZER_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=pad,
-    )  # fmt: skip
+    config = tiny_llama_config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_labels=1, pad_token_id=pad
+    )
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

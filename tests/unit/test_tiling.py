@@ -21,13 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.model import build_model
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
+from tests.helpers import tiny_llama_config
 from tests.optional import require
 
 HIDDEN, SEQ, VOCAB, LAYERS = 32, 256, 256, 2
@@ -38,13 +39,11 @@ Grads = dict[str, torch.Tensor]
 
 
 def tiny_llama(tie: bool = False) -> LlamaForCausalLM:
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=2 * HIDDEN,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=SEQ,
         tie_word_embeddings=tie,
     )
