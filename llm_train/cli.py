@@ -25,7 +25,8 @@ from importlib import metadata
 from llm_train.commands import convert, data, doctor, generate, plan, report
 from llm_train.commands import eval as eval_command
 from llm_train.commands import train as train_command
-from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_files import available_recipes
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
