@@ -5,12 +5,13 @@ A recipe is one YAML file in `recipes/` (or any path). It is loaded, overridden 
 downstream ever sees an unknown key or a missing value read as None. *How* the run is
 distributed lives in the DeepSpeed JSON the recipe names (see ds_json.py).
 
-The schema is in four modules, this one on top: recipe_sections.py (hardware, model, data, optim,
-memory, LoRA, DeepSpeed, eval, output, checkpoint, tracking), sources.py (the data formats' keys),
-objective_sections.py (preference, reward model, GRPO and its rewards) and section.py (their strict
-base). Here: `Recipe`, the checks across sections (which objective trains on which data format and
-what it cannot be combined with), and `load_recipe`; recipe_files.py reads the file, applies the
-overrides and anchors paths before this module validates the result.
+This module is the schema's top: `Recipe`, the checks across its sections (which objective trains on
+which data format, and what it cannot be combined with) and `load_recipe`. The parts sit beside it:
+recipe_sections.py (hardware, model, data, optim, memory, LoRA, DeepSpeed, eval, output, checkpoint,
+tracking), sources.py (the data formats' keys), objective_sections.py (preference, reward model, GRPO
+and its rewards), section.py (their strict base), and recipe_files.py, which reads the file, applies the
+overrides and anchors paths before this module validates the result. Nothing is re-exported here:
+every name is imported from the module that defines it.
 """
 
 from __future__ import annotations
