@@ -70,6 +70,18 @@ class Source(Section):
         return self
 
 
+class _PromptTemplated(Source):
+    """A source whose prompts go through its `prompt_template` (each class declares it, with its own default)."""
+
+    if TYPE_CHECKING:
+        prompt_template: str
+
+    @model_validator(mode="after")
+    def _template_has_prompt(self) -> _PromptTemplated:
+        check_prompt_template(self.prompt_template)
+        return self
+
+
 class TextSource(Source):
     """Raw text for (continued) pre-training: every token is trained on."""
 
@@ -87,7 +99,7 @@ class TextSource(Source):
         return self if self.text_field is not None else self.model_copy(update={"text_field": text_field})
 
 
-class InstructionSource(Source):
+class InstructionSource(_PromptTemplated):
     """Prompt/response rows (alpaca-style by default); loss only on the response."""
 
     format: Literal["instruction"] = "instruction"
@@ -104,13 +116,8 @@ class InstructionSource(Source):
         "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
     )
 
-    @model_validator(mode="after")
-    def _template_has_prompt(self) -> InstructionSource:
-        check_prompt_template(self.prompt_template)
-        return self
 
-
-class CompletionSource(Source):
+class CompletionSource(_PromptTemplated):
     """Prompt-completion rows as TRL writes them (`{prompt, completion}`); loss only on the completion.
 
     Both fields are text, or both lists of {role, content} messages (TRL's conversational form). Text: the
@@ -134,11 +141,6 @@ class CompletionSource(Source):
     overlong: Overlong = Field(
         "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
     )
-
-    @model_validator(mode="after")
-    def _template_has_prompt(self) -> CompletionSource:
-        check_prompt_template(self.prompt_template)
-        return self
 
 
 # The roles a conversation's messages may have once mapped (what chat templates are written for), and
@@ -244,7 +246,7 @@ class TokenizedSource(Source):
     )
 
 
-class PreferenceSource(Source):
+class PreferenceSource(_PromptTemplated):
     """Preference pairs: a prompt with a chosen and a rejected response (objective dpo or simpo).
 
     Each of the three fields holds text or a list of {role, content} messages. Message lists
@@ -275,11 +277,6 @@ class PreferenceSource(Source):
         "beginning first, down to half of seq_len, then the responses their ends), drop or error.",
     )
 
-    @model_validator(mode="after")
-    def _template_has_prompt(self) -> PreferenceSource:
-        check_prompt_template(self.prompt_template)
-        return self
-
 
 def check_prompt_template(template: str) -> None:
     names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
@@ -290,7 +287,7 @@ def check_prompt_template(template: str) -> None:
         )
 
 
-class PromptSource(Source):
+class PromptSource(_PromptTemplated):
     """Prompts for online RL (objective grpo): the model writes the completions, rewards score them.
 
     The prompt is text (wrapped in `prompt_template`) or a list of {role, content} messages, rendered with
@@ -309,11 +306,6 @@ class PromptSource(Source):
         "drop",
         description="Prompts longer than data.seq_len - grpo.max_completion_length tokens: drop them, or error.",
     )
-
-    @model_validator(mode="after")
-    def _template_has_prompt(self) -> PromptSource:
-        check_prompt_template(self.prompt_template)
-        return self
 
 
 SOURCE_CLASSES: dict[str, type[Source]] = {

@@ -209,7 +209,7 @@ class _Job:
             signature = rows._fingerprint
         fields = source.model_dump(exclude={"path", "weight", "overlong", "revision"})
         # Formats that never render messages ignore the template: it is not part of their key.
-        chat = self.template if fmt.chat_template != "never" else None
+        chat = self.template if fmt.uses_chat_template != "never" else None
         tok_key = digest("tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat)
         entry = self.cache_dir / f"tokens-{tok_key}"
         where = f"{key}: {located.describe()}"

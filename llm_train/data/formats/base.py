@@ -39,7 +39,7 @@ class Format(Generic[S]):
     """A sample is two stored rows (chosen, then rejected) that are carved, packed and dealt together."""
     loss_mask: bool = True
     """False: every token is trained on and no mask is stored (a pre-training cache a fifth smaller)."""
-    chat_template: Literal["never", "always", "when_available"] = "never"
+    uses_chat_template: Literal["never", "always", "when_available"] = "never"
     """Whether its rows are rendered with the chat template: never, always (refused without one), or when
     the recipe or the tokenizer has one (message rows need it; text rows do without)."""
     looks_like: frozenset[str] = frozenset()
@@ -84,9 +84,9 @@ class Format(Generic[S]):
 
     def needs_chat_template(self, configured: str | None, tokenizer: PreTrainedTokenizerBase) -> bool:
         """Whether preparing this source looks up the chat template (data.chat_template or the tokenizer's)."""
-        if self.chat_template == "when_available":
+        if self.uses_chat_template == "when_available":
             return bool(configured or tokenizer.chat_template)
-        return self.chat_template == "always"
+        return self.uses_chat_template == "always"
 
     def mapping_lines(
         self, source: S, key: str, first_row: Callable[[], tuple[dict[str, Any], str]]

@@ -24,7 +24,7 @@ _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 class Chat(Format[ChatSource]):
     source_class = ChatSource
-    chat_template = "always"
+    uses_chat_template = "always"
     looks_like = frozenset({"messages"})
     field_keys = "messages_field"
 

@@ -24,7 +24,7 @@ from llm_train.errors import UserError
 
 class Completion(PromptedFormat[CompletionSource]):
     source_class = CompletionSource
-    chat_template = "when_available"
+    uses_chat_template = "when_available"
     looks_like = frozenset({"prompt", "completion"})
     field_keys = "prompt_field / completion_field"
 

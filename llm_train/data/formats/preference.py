@@ -32,7 +32,7 @@ SIDES = ("chosen", "rejected")
 class Preference(PromptedFormat[PreferenceSource]):
     source_class = PreferenceSource
     pairs = True
-    chat_template = "when_available"
+    uses_chat_template = "when_available"
     looks_like = frozenset({"chosen", "rejected"})
     field_keys = "chosen_field / rejected_field"
 
