@@ -63,7 +63,7 @@ from bench.harness import ASSETS, REPO, TOKENIZER
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from llm_train.config.recipe import DataSection  # noqa: E402 - after the offline switches
+from llm_train.config.recipe_sections import DataSection
 from llm_train.data import BatchStream, StreamingBatches, StreamSpec, prepare_data  # noqa: E402
 
 PIPELINE = (
@@ -164,7 +164,7 @@ def pipeline(
     path: Path, tokenizer, seq_len: int, cache: Path, num_proc: int | None, memo: bool = True
 ) -> tuple[int, float, float, float]:
     """(tokens, cold seconds, warm seconds, packing efficiency, stream digest) of prepare_data."""
-    from llm_train.config.recipe import DataSection
+    from llm_train.config.recipe_sections import DataSection
     from llm_train.data import prepare_data
 
     shutil.rmtree(cache, ignore_errors=True)

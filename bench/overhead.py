@@ -49,7 +49,7 @@ from bench.harness import (
     versions,
     write_result,
 )
-from llm_train.config.recipe import TrackingSection
+from llm_train.config.recipe_sections import TrackingSection
 from llm_train.config.resolution import resolve_run
 from llm_train.observability.metrics import StepMeter
 from llm_train.observability.tracking import open_trackers

@@ -124,7 +124,7 @@ def measure_load(path: str, staging: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llm_train.config.recipe import LoraSection
+    from llm_train.config.recipe_sections import LoraSection
     from llm_train.planning.quantized_bytes import quantized_weight_params
     from llm_train.planning.shapes import shape_from_config
     from llm_train.runtime.compat import quantizing_on

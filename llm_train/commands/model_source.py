@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.commands.convert import checkpoint_of
-from llm_train.config.recipe import LoraSection, Recipe, load_recipe
-from llm_train.data.formats import chat_template_for
+from llm_train.config.recipe import Recipe, load_recipe
+from llm_train.config.recipe_sections import LoraSection
+from llm_train.data.formats.messages import chat_template_for
 from llm_train.errors import UserError, first_line
 from llm_train.runtime.export import EXPORT_DTYPES, export_checkpoint
 from llm_train.runtime.lora import is_adapter_export

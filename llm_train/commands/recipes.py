@@ -7,7 +7,8 @@ import argparse
 from llm_train.config import ds_json
 from llm_train.config.hardware import Device, find_gpu
 from llm_train.config.layout import make_layout
-from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_files import available_recipes
 from llm_train.errors import UserError
 
 

@@ -1,8 +1,8 @@
 """The recipe reference (docs/recipe.md), written from the schema's own field descriptions.
 
-Every field of the recipe schema (recipe.py) carries a description; this renders them, with each
-key's type and default, as Markdown: `llm-train show --schema` prints it, and docs/recipe.md is that
-output, committed. tests/unit/test_recipe_reference.py fails when the two differ, so a field added to
+Every field of the recipe schema (recipe.py and the modules it names) carries a description; this
+renders them, with each key's type and default, as Markdown: `llm-train show --schema` prints it, and
+docs/recipe.md is that output, committed. tests/unit/test_recipe_reference.py fails when the two differ, so a field added to
 the schema without regenerating the page (the command is in the page's header) is caught in CI.
 """
 
@@ -17,15 +17,17 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from llm_train.config.recipe import SOURCE_CLASSES, Recipe, Section
+from llm_train.config.recipe import Recipe
+from llm_train.config.section import Section
+from llm_train.config.sources import SOURCE_CLASSES
 
 REGENERATE = "llm-train show --schema > docs/recipe.md"
 
 HEADER = f"""# Recipe reference
 
 Every key a recipe (`recipes/*.yaml`, or any YAML path) may set, with its type, its default and what
-it does. Generated from the schema's field descriptions (`llm_train/config/recipe.py`); regenerate
-with `{REGENERATE}` after changing the schema (a test fails until this page matches it).
+it does. Generated from the schema's field descriptions (`llm_train/config/recipe.py` and the modules it
+names); regenerate with `{REGENERATE}` after changing the schema (a test fails until this page matches it).
 
 Any key can be overridden on the command line with its dotted name, anywhere among the options:
 `optim.lr=1e-4`, `data.seq_len=4096`, `deepspeed.config=zero3_offload`. An unknown key, a wrong type
@@ -86,7 +88,11 @@ def _type(annotation: Any) -> str:
     if origin is Literal:
         return " or ".join(f"`{value}`" for value in args)
     if origin in (typing.Union, types.UnionType):
-        kept = [arg for arg in args if arg is not type(None)]
+        # SerializeAsAny[Source] is Annotated[Source, ...]: the type is its first argument.
+        kept = [
+            typing.get_args(arg)[0] if typing.get_origin(arg) is typing.Annotated else arg for arg in args
+        ]
+        kept = [arg for arg in kept if arg is not type(None)]
         if kept and all(isinstance(arg, type) and arg.__name__.endswith("Reward") for arg in kept):
             return "reward mapping (docs/rl.md)"
         if any(isinstance(arg, type) and issubclass(arg, BaseModel) for arg in kept):

@@ -1,7 +1,7 @@
 """Data: sources -> tokenised (cached) -> packed -> micro-batches per data-parallel rank.
 
     sources.py      find a source (files, globs, save_to_disk folders, hub ids) and load its rows
-    formats.py      per-format tokenisation: text, instruction, chat, tokenized -> ids + loss mask
+    formats/        one module per data format (tokenise, loss mask, fields), asked through its registry
     fingerprint.py  cache keys from source content and tokenizer
     cache.py        build-once cache entries (file lock + atomic rename)
     store.py        tokenised rows as flat memory-mapped arrays

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
-from llm_train.config.recipe import ChatSource, DataSection, PreferenceSource, Source
+from llm_train.config.recipe_sections import DataSection
+from llm_train.config.sources import Source
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
+from llm_train.data.formats.messages import chat_template_for
 from llm_train.data.packing import (
     Placement,
     length_stats,
@@ -69,7 +71,7 @@ class PackedSource:
 
     @property
     def pairs(self) -> bool:
-        return isinstance(self.source, PreferenceSource)
+        return formats.of(self.source).pairs
 
 
 @dataclass
@@ -184,7 +186,7 @@ class _Tokens:
     @property
     def samples(self) -> int:
         """Source rows: store rows, or half of them for pairs (two store rows each)."""
-        return self.store.rows // 2 if isinstance(self.source, PreferenceSource) else self.store.rows
+        return self.store.rows // 2 if formats.of(self.source).pairs else self.store.rows
 
 
 class _Job:
@@ -197,6 +199,7 @@ class _Job:
         self.tokenizer_key = tokenizer_fingerprint(tokenizer)
 
     def tokens(self, source: Source, key: str, label: str) -> _Tokens:
+        fmt = formats.of(source)
         located = locate(source.path, key)
         check_revision(located, source, key)
         rows = None
@@ -205,8 +208,8 @@ class _Job:
             rows = load_rows(located, source, key, self.cache_dir)
             signature = rows._fingerprint
         fields = source.model_dump(exclude={"path", "weight", "overlong", "revision"})
-        # Other formats ignore the template (a preference source renders message rows with it).
-        chat = self.template if isinstance(source, (ChatSource, PreferenceSource)) else None
+        # Formats that never render messages ignore the template: it is not part of their key.
+        chat = self.template if fmt.uses_chat_template != "never" else None
         tok_key = digest("tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat)
         entry = self.cache_dir / f"tokens-{tok_key}"
         where = f"{key}: {located.describe()}"
@@ -215,33 +218,31 @@ class _Job:
             started = time.perf_counter()
             loaded = rows if rows is not None else load_rows(located, source, key, self.cache_dir)
             formats.check_fields(loaded.column_names, source, key, located.describe())
-            fn = formats.make_tokenize_fn(
-                source, self.tokenizer, self.template, where, self.data.tokenize_memo
-            )
+            fn = fmt.tokenize_fn(source, self.tokenizer, self.template, where, self.data.tokenize_memo)
             procs = auto_num_proc(len(loaded), loaded.data.nbytes, self.data.num_proc)
-            columns = formats.fields_read(source, loaded.column_names)
-            meta = build_store(out, loaded, fn, columns, formats.has_loss_mask(source), procs, tok_key)
+            columns = fmt.fields_read(source, loaded.column_names)
+            meta = build_store(out, loaded, fn, columns, fmt.loss_mask, procs, tok_key)
             if meta["tokens"] == 0:
                 raise UserError(f"{where}: every row is empty after tokenisation")
-            if isinstance(source, PreferenceSource):
+            if fmt.pairs:
                 meta["rows"] //= 2  # source rows; the store holds two (chosen, rejected) per pair
             self.say(
-                f"data: {label}: tokenised {meta['rows']:,} {unit} -> {meta['tokens']:,} tokens "
+                f"data: {label}: tokenised {meta['rows']:,} {fmt.unit} -> {meta['tokens']:,} tokens "
                 f"in {time.perf_counter() - started:.1f}s ({procs} process{'es' if procs > 1 else ''})"
             )
             return {**meta, "source": located.describe(), "format": source.format}
 
-        unit = "pairs" if isinstance(source, PreferenceSource) else "rows"
         meta, status = cached(entry, build)
         if status != "miss":
             how = "cached" if status == "hit" else "tokenised by another process"
-            self.say(f"data: {label}: {meta['rows']:,} {unit}, {meta['tokens']:,} tokens ({how})")
+            self.say(f"data: {label}: {meta['rows']:,} {fmt.unit}, {meta['tokens']:,} tokens ({how})")
         return _Tokens(source, label, tok_key, TokenStore.open(entry), status)
 
     def pack(
         self, tokens: _Tokens, role: Literal["train", "eval"], rows: np.ndarray, carved: bool
     ) -> PackedSource:
         data, source, store = self.data, tokens.source, tokens.store
+        pairs = formats.of(source).pairs
         carve_key = (data.eval_fraction, self.seed) if carved else None
         key = digest(
             "packed", CODE_VERSION, tokens.key, role, carve_key, data.seq_len, source.overlong, data.packing
@@ -249,7 +250,7 @@ class _Job:
         entry = self.cache_dir / f"packed-{key}"
 
         def build(out: Path) -> dict[str, Any]:
-            if isinstance(source, PreferenceSource):
+            if pairs:
                 spans, counts = make_pair_spans(store, rows, data.seq_len, source.overlong, tokens.label)
                 lay, row_count = pair_placement(spans), len(spans)  # two padded rows per pair
                 lengths = _pair_lengths(store, rows)
@@ -264,7 +265,7 @@ class _Job:
             return {
                 **counts,
                 "role": role,
-                "samples": lay.n_sequences if isinstance(source, PreferenceSource) else len(spans),
+                "samples": lay.n_sequences if pairs else len(spans),
                 "tokens": n_tokens,
                 "trained_tokens": int(trained_per_span(store, spans).sum()),
                 "sequences": lay.n_sequences,
@@ -274,7 +275,7 @@ class _Job:
             }
 
         stats, status = cached(entry, build)
-        if role == "train" and status == "miss" and stats["samples"] and isinstance(source, PreferenceSource):
+        if role == "train" and status == "miss" and stats["samples"] and pairs:
             self.say(
                 f"data: {tokens.label}: {stats['samples']:,} pairs as {2 * stats['samples']:,} padded rows of "
                 f"{data.seq_len} ({stats['efficiency']:.1%} of slots used; truncated {stats['truncated']}, "
@@ -293,11 +294,9 @@ class _Job:
 def _chat_template_if_needed(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> str | None:
     for split in ("train", "eval"):
         for source in data.sources(split):
-            if isinstance(source, ChatSource):
-                return formats.chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
-            if isinstance(source, PreferenceSource) and (data.chat_template or tokenizer.chat_template):
-                # Text pairs need none; message pairs without one fail on their first row (formats.py).
-                return formats.chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
+            # Formats whose text rows need none ask only when there is one; their message rows fail without.
+            if formats.of(source).needs_chat_template(data.chat_template, tokenizer):
+                return chat_template_for(tokenizer, data.chat_template, f"data.{split} {source.path}")
     return None
 
 

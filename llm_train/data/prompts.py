@@ -2,8 +2,8 @@
 
 A prompt is text (wrapped in the source's `prompt_template`, tokenised with the tokenizer's special tokens,
 as generation is prompted) or a list of {role, content} messages (rendered with the chat template and its
-generation prompt). Every other field of the row travels with it to the reward functions (runtime/rewards.py).
-Prompts longer than data.seq_len - grpo.max_completion_length tokens are dropped, or refused (`overlong`).
+generation prompt; data/formats/prompt.py). Every other field of the row travels with it to the reward
+functions (runtime/rewards.py). Prompts longer than data.seq_len - grpo.max_completion_length tokens are dropped, or refused (`overlong`).
 
 Prompts are few and small, so they are read whole at start-up, not cached; `PromptSequences` hands them to
 the one dealer (dealer.py `Batches`), which deals one batch of prompts per step and data-parallel rank in a
@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config.recipe import DataSection, PromptSource
+from llm_train.config.recipe_sections import DataSection
+from llm_train.config.sources import PromptSource
 from llm_train.data import formats
 from llm_train.data.dealer import Batches, EpochOrder, Sequences
+from llm_train.data.formats.messages import chat_template_for
+from llm_train.data.formats.prompt import render_prompt
 from llm_train.data.sources import check_revision, load_rows, locate
 from llm_train.errors import UserError
 
@@ -41,39 +44,13 @@ class Prompt:
     columns: dict[str, Any]  # the row's other fields, by name
 
 
-def render(
-    value: Any,
-    source: PromptSource,
-    tokenizer: PreTrainedTokenizerBase,
-    template: str | None,
-    key: str,
-    row: int,
-) -> list[int]:
-    """The prompt's token ids: text in its template with special tokens, or messages through the chat template."""
-    if isinstance(value, list):
-        if not template:
-            raise UserError(
-                f"{key}: row {row}'s prompt is a list of messages but the tokenizer has no chat template; set "
-                "data.chat_template"
-            )
-        text = tokenizer.apply_chat_template(
-            value, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not isinstance(value, str):
-        raise UserError(
-            f"{key}: row {row}'s {source.prompt_field} is a {type(value).__name__}; give text or a list of messages"
-        )
-    return list(tokenizer(source.prompt_template.format(prompt=value))["input_ids"])
-
-
 def load_prompts(
     data: DataSection, tokenizer: PreTrainedTokenizerBase, room: int, say: Callable[[str], None]
 ) -> list[list[Prompt]]:
     """Every data.train source's prompts of at most `room` tokens (data.seq_len - grpo.max_completion_length)."""
     template = None
     if data.chat_template or tokenizer.chat_template:
-        template = formats.chat_template_for(tokenizer, data.chat_template, "data.chat_template")
+        template = chat_template_for(tokenizer, data.chat_template, "data.chat_template")
     out = []
     for i, source in enumerate(data.sources("train")):
         key = f"data.train[{i}]"
@@ -85,7 +62,7 @@ def load_prompts(
         prompts, dropped = [], 0
         for r, row in enumerate(rows):
             value = row[source.prompt_field]
-            ids = render(value, source, tokenizer, template, key, r)
+            ids = render_prompt(value, source, tokenizer, template, key, r)
             if len(ids) > room:
                 if source.overlong == "error":
                     raise UserError(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llm_train.data.formats import Batch, TokenizeFn
+from llm_train.data.formats.base import Batch, TokenizeFn
 from llm_train.data.rows import IDS, MASK, to_arrow
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 A corpus too large to tokenise up front is read through `datasets.load_dataset(...,
 streaming=True)` in windows of WINDOW_ROWS rows. Each window is tokenised by the format's
-own function (formats.py), cut by the source's over-long policy and packed best-fit
+own function (formats/), cut by the source's over-long policy and packed best-fit
 decreasing (packing.py), exactly as the tokenise-first path does, only per window instead
 of per source; its sequences are then shuffled with a seed of (optim.seed, source, pass,
 window). With several streaming sources a deterministic weighted round robin picks which
@@ -44,9 +44,12 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
-from llm_train.config.recipe import ChatSource, DataSection, Source
+from llm_train.config.recipe_sections import DataSection
+from llm_train.config.sources import Source
 from llm_train.data.dealer import Batches, Sequences, _fork_context
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
+from llm_train.data.formats.base import TokenizeFn
+from llm_train.data.formats.messages import chat_template_for
 from llm_train.data.model_inputs import build_rows
 from llm_train.data.packing import Placement, make_spans, placement, require_packing_support
 from llm_train.data.prepare import PackedSplit, prepare_data
@@ -88,7 +91,7 @@ class StreamSpec:
     fingerprint: str
     # Per source: the hub commit it is read at (data/revision.py); None for local files or unknown.
     revisions: list[str | None]
-    tokenize_memo: bool = True  # data.tokenize_memo (formats.make_encoder)
+    tokenize_memo: bool = True  # data.tokenize_memo (formats.base.make_encoder)
 
     @classmethod
     def build(
@@ -115,8 +118,8 @@ class StreamSpec:
             for s, w in zip(sources, located, strict=True)
         ]
         template = None
-        if any(isinstance(s, ChatSource) for s in sources):
-            template = formats.chat_template_for(tokenizer, data.chat_template, "data.train (chat)")
+        if any(formats.of(s).needs_chat_template(data.chat_template, tokenizer) for s in sources):
+            template = chat_template_for(tokenizer, data.chat_template, "data.train (chat)")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # Local files by name, size and mtime (hashing the edges of thousands of shards, as the cache key
         # does, would read gigabytes at every start); a hub id by its name (split and subset are in fields).
@@ -269,10 +272,10 @@ class PackedWindow:
         return len(self.order)
 
 
-def tokenize_fns(spec: StreamSpec) -> list[formats.TokenizeFn]:
+def tokenize_fns(spec: StreamSpec) -> list[TokenizeFn]:
     """Each source's tokenise function, built once per process (the per-word memo lives in it)."""
     return [
-        formats.make_tokenize_fn(
+        formats.of(s).tokenize_fn(
             s, spec.tokenizer, spec.chat_template, f"data.train[{i}] {s.path}", spec.tokenize_memo
         )
         for i, s in enumerate(spec.sources)
@@ -280,14 +283,14 @@ def tokenize_fns(spec: StreamSpec) -> list[formats.TokenizeFn]:
 
 
 def pack_window(
-    spec: StreamSpec, index: int, table: pa.Table, cursor: dict[str, Any], tokenize: formats.TokenizeFn
+    spec: StreamSpec, index: int, table: pa.Table, cursor: dict[str, Any], tokenize: TokenizeFn
 ) -> PackedWindow:
     """Tokenise one window of rows and pack it with the tokenise-first path's rules."""
     source = spec.sources[index]
     key = f"data.train[{index}]"
     where = f"{key}: {spec.located[index].describe()} (pass {cursor['pass']}, window {cursor['window']})"
     formats.check_fields(table.column_names, source, key, spec.located[index].describe())
-    columns = formats.fields_read(source, table.column_names)
+    columns = formats.of(source).fields_read(source, table.column_names)
     batch = {c: table.column(c).to_pylist() for c in columns}
     rows = len(table)
     out = tokenize(batch, list(range(rows)))
@@ -295,7 +298,7 @@ def pack_window(
     offsets = np.asarray(ids_array.offsets.to_numpy(), dtype=np.int64)
     ids = np.asarray(ids_array.flatten().to_numpy(zero_copy_only=False), dtype=np.int32)
     mask = None
-    if formats.has_loss_mask(source):
+    if formats.of(source).loss_mask:
         mask = np.asarray(to_arrow(out["loss_mask"], MASK).flatten().to_numpy(zero_copy_only=False), np.uint8)
     store = TokenStore(Path(where), ids, mask, offsets)
     spans, counts = make_spans(store, np.arange(rows), spec.seq_len, source.overlong, where)

@@ -7,12 +7,15 @@ preference pair only on its two responses after their shared prompt.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from llm_train.config.recipe import ChatSource, DataSection
-from llm_train.data.formats import ChatMapping, map_messages
+from llm_train.config.recipe_sections import DataSection
+from llm_train.config.sources import Source
+from llm_train.data import formats
 from llm_train.data.prepare import PackedSource, PackedSplit
 from llm_train.data.sources import load_rows, locate
 
@@ -108,38 +111,21 @@ def sample_views(
 
 
 def mapped_conversations(data: DataSection) -> list[str]:
-    """Per chat source: its mapping, and its first row as the messages the chat template receives.
+    """Per source whose format maps its rows (chat): the mapping, and its first row as the template receives it.
 
     What a field or role mapping did is visible here before it is rendered (the samples below show
     the rendered text): `[role] content`, tool calls as `name(arguments)`.
     """
-    from pathlib import Path
-
     lines: list[str] = []
     for split in ("train", "eval"):
         for i, source in enumerate(data.sources(split)):
-            if not isinstance(source, ChatSource):
-                continue
             key = f"data.{split}[{i}]"
-            located = locate(source.path, key)
-            rows = load_rows(located, source, key, Path(data.cache_dir).expanduser())
-            first = rows[0]
-            system = first.get(source.system_field) if source.system_field else None
-            mapping = ChatMapping.of(source)
-            messages = map_messages(
-                first[source.messages_field], 0, f"{key}: {located.describe()}", mapping, system
-            )
-            renamed = ", ".join(f"{k}->{v}" for k, v in mapping.roles.items() if k != v) or "none"
-            lines.append(
-                f"{key} {source.path} (chat, preset {source.preset}): {source.messages_field}[]."
-                f"{source.role_field} -> role, .{source.content_field} -> content; roles renamed: {renamed}"
-            )
-            lines.append(f"  row 1 as the chat template receives it ({len(messages)} messages):")
-            for message in messages:
-                text = message.get("content") or ", ".join(
-                    f"{c['function']['name']}({c['function'].get('arguments')})"
-                    for c in message.get("tool_calls", [])
-                )
-                line = " ".join(str(text).split())
-                lines.append(f"    [{message['role']}] {line[:100]}{'...' if len(line) > 100 else ''}")
+            first_row = functools.partial(_first_row, source, key, Path(data.cache_dir).expanduser())
+            lines += formats.of(source).mapping_lines(source, key, first_row)
     return lines
+
+
+def _first_row(source: Source, key: str, cache_dir: Path) -> tuple[dict[str, Any], str]:
+    """A source's first row, and where it was read from."""
+    located = locate(source.path, key)
+    return dict(load_rows(located, source, key, cache_dir)[0]), located.describe()

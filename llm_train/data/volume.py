@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_train.config.layout import Layout
-from llm_train.config.recipe import DataSection, OptimSection
+from llm_train.config.recipe_sections import DataSection, OptimSection
 from llm_train.config.resolution import steps_for_epochs
 from llm_train.data.dealer import EpochOrder
 from llm_train.data.prepare import PackedSplit, load_blocks

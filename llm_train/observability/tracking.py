@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llm_train.config.credentials import is_secret_key
-from llm_train.config.recipe import TrackingSection
+from llm_train.config.recipe_sections import TrackingSection
 from llm_train.errors import UserError
 
 REDACTED = "<redacted>"

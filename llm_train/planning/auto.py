@@ -51,7 +51,8 @@ from llm_train.config.attention_kernel import FLEX_KERNELS, Installed, flex_fits
 from llm_train.config.ds_json import load_ds_config, nvme_paths
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import default_precision, degrees_divide, parallel_degrees
-from llm_train.config.recipe import Recipe, parse_override, recipe_from_data, yaml_load
+from llm_train.config.recipe import Recipe, recipe_from_data
+from llm_train.config.recipe_files import parse_override, yaml_load
 from llm_train.config.resolution import Resolved, largest_weight, model_fields, resolve_recipe, resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.candidate import (

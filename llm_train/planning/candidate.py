@@ -19,7 +19,7 @@ from typing import Any
 from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
-from llm_train.config.recipe import LoraSection
+from llm_train.config.recipe_sections import LoraSection
 from llm_train.planning.memory_estimate import (
     ALLOCATOR_SLACK_FRACTION,
     PROCESS_HOST_BYTES,

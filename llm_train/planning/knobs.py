@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llm_train.config.recipe import parse_override
+from llm_train.config.recipe_files import parse_override
 from llm_train.errors import UserError
 from llm_train.planning.memory_inputs import MemoryInputs
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.config.known_models import KNOWN_CONFIGS
-from llm_train.config.recipe import LoraSection
+from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train import ASSETS_DIR
-from llm_train.config.recipe import EvalSection
+from llm_train.config.recipe_sections import EvalSection
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.observability.tracking import BENCH

@@ -13,7 +13,7 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 from llm_train.config.hardware import describe_pairs
-from llm_train.config.recipe import MemorySection
+from llm_train.config.recipe_sections import MemorySection
 from llm_train.errors import UserError
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from llm_train.config.recipe import GrpoSection
+from llm_train.config.objective_sections import GrpoSection
 from llm_train.data.dealer import Batches
 from llm_train.data.prompts import Prompt
 from llm_train.errors import UserError

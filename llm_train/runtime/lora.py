@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config.recipe import LoraSection
+from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import ExportError, UserError
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
-from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
+from llm_train.config.recipe_sections import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
 from llm_train.runtime.chunked_loss import enable_tiled_loss

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from llm_train.config.recipe import PreferenceSection, Recipe
+from llm_train.config.objective_sections import PreferenceSection
+from llm_train.config.recipe import Recipe
 
 if TYPE_CHECKING:
     from llm_train.data.prepare import PackedSplit

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from llm_train.config.layout import EIGHT_BIT_OPTIMIZERS
-from llm_train.config.recipe import OptimSection
+from llm_train.config.recipe_sections import OptimSection
 from llm_train.errors import UserError
 from llm_train.runtime.quantized_base import INSTALL_HINT
 

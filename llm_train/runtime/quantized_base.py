@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
-from llm_train.config.recipe import LoraSection
+from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import UserError
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from llm_train.config.recipe import (
+from llm_train.config.objective_sections import (
     ExactMatchReward,
     FormatReward,
     FunctionReward,

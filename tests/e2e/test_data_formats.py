@@ -2,7 +2,8 @@
 
 One launch trains on a mixture of all four formats at once (text, instruction, chat,
 tokenized; packed); a second runs the shipped tiny-cpu-chat recipe in padded mode, a third the same
-recipe on its chat examples in ShareGPT's shape (preset: sharegpt). Each
+recipe on its chat examples in ShareGPT's shape (preset: sharegpt), a fourth on them as TRL's
+conversational prompt-completion rows (format: completion). Each
 use their own cache folder, so tokenisation runs inside the launch (both ranks racing for
 the same cache entry: one builds, the other waits and reads).
 """
@@ -126,12 +127,32 @@ def test_a_sharegpt_file_trains_through_tiny_cpu_chat_with_the_preset(
         for line in (ASSETS / "chat.jsonl").read_text().splitlines():
             turns = [{"from": names[m["role"]], "value": m["content"]} for m in json.loads(line)["messages"]]
             out.write(json.dumps({"conversations": turns}) + "\n")
+    # Mapped, the same conversations train on the same tokens with the same loss mask (the assistant
+    # turns only: tests/unit/test_data_chat_mapping.py), so every step's loss is the OpenAI file's.
+    _trains_like_the_chat_file(tmp_path, padded_chat, f"{{path: {shared}, format: chat, preset: sharegpt}}")
+
+
+def test_the_chat_examples_as_prompt_completion_rows_train_to_the_same_losses(
+    tmp_path: Path, padded_chat: tuple[Path, str]
+) -> None:
+    # TRL's conversational shape: each conversation's turns before its one assistant turn as the prompt,
+    # that turn as the completion. The loss covers the same tokens (tests/unit/test_data_completion.py),
+    # so every step's loss is the chat file's.
+    rows = tmp_path / "completion.jsonl"
+    with rows.open("w") as out:
+        for line in (ASSETS / "chat.jsonl").read_text().splitlines():
+            messages = json.loads(line)["messages"]
+            out.write(json.dumps({"prompt": messages[:-1], "completion": messages[-1:]}) + "\n")
+    stdout = _trains_like_the_chat_file(tmp_path, padded_chat, f"{{path: {rows}, format: completion}}")
+    assert _prepared_line("completion", stdout)
+
+
+def _trains_like_the_chat_file(tmp_path: Path, padded_chat: tuple[Path, str], source: str) -> str:
+    """tiny-cpu-chat (padded) on `source` instead of its chat file: every step's loss is the chat file's."""
     run_dir = tmp_path / "run"
-    source = f"data.train=[{{path: {shared}, format: chat, preset: sharegpt}}]"
-    args = ["--recipe", "tiny-cpu-chat", "--output-dir", str(run_dir), *SHORT, source]
+    args = ["--recipe", "tiny-cpu-chat", "--output-dir", str(run_dir), *SHORT, f"data.train=[{source}]"]
     result = launch([*args, "data.packing=padded", f"data.cache_dir={tmp_path / 'cache'}"])
     assert_ok(result)
     _world_ok(run_dir)
-    # Mapped, the same conversations train on the same tokens with the same loss mask (the assistant
-    # turns only: tests/unit/test_data_chat_mapping.py), so every step's loss is the OpenAI file's.
     assert losses(run_dir) == losses(padded_chat[0])
+    return result.stdout

@@ -64,7 +64,7 @@ def _args(run_dir: Path, base: Path, *extra: str) -> list[str]:
 def _quantized_base(base: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from llm_train.config.recipe import LoraSection
+    from llm_train.config.recipe_sections import LoraSection
     from llm_train.runtime.compat import keep_training_layout
     from llm_train.runtime.quantized_base import quantization_config
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_train.config.recipe import LoraSection
+from llm_train.config.recipe_sections import LoraSection
 from tests.optional import import_or_skip
 
 bnb = import_or_skip("bitsandbytes")

@@ -46,7 +46,7 @@ def text_rows(n: int, seed: int = 0, max_words: int = 30) -> list[dict[str, str]
 
 
 def data_section(tmp_path: Path, **fields: Any) -> Any:
-    from llm_train.config.recipe import DataSection
+    from llm_train.config.recipe_sections import DataSection
 
     return DataSection.model_validate({"cache_dir": str(tmp_path / "cache"), "eval_fraction": 0.0, **fields})
 

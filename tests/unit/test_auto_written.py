@@ -236,7 +236,7 @@ def test_a_full_fine_tune_preferred_over_faster_adapters_says_what_it_costs(
 
 def test_the_planners_lora_defaults_are_the_recipe_schemas() -> None:
     # A default moved in config/recipe.py moves in the planner too; a copy kept in planning/ would fail here.
-    from llm_train.config.recipe import LoraSection
+    from llm_train.config.recipe_sections import LoraSection
     from llm_train.planning import candidate, shapes
     from llm_train.planning.auto import suggested_lora
     from llm_train.planning.memory_inputs import MemoryInputs

@@ -17,7 +17,7 @@ import torch
 from llm_train import train
 from llm_train.config.hardware import Device
 from llm_train.config.layout import state_dtype_problem
-from llm_train.config.recipe import OptimSection
+from llm_train.config.recipe_sections import OptimSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.optim import build_optimizer

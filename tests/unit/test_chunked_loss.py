@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from llm_train.config.recipe import LoraSection, MemorySection, PreferenceSection
+from llm_train.config.objective_sections import PreferenceSection
+from llm_train.config.recipe_sections import LoraSection, MemorySection
 from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 from llm_train.runtime.chunked_loss import enable_tiled_loss

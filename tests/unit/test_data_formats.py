@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llm_train.data import prepare_data
-from llm_train.data.formats import make_encoder
+from llm_train.data.formats.base import make_encoder
 from llm_train.data.model_inputs import build_rows
 from tests.unit.data_fixtures import data_section, get_tokenizer, write_jsonl
 

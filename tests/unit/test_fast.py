@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_train.config.recipe import MemorySection
+from llm_train.config.recipe_sections import MemorySection
 from llm_train.errors import UserError
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin, set_cuda_alloc_conf
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from llm_train.config.hardware import Device
-from llm_train.config.recipe import DataSection, GrpoSection, _parse_reward, load_recipe
+from llm_train.config.objective_sections import GrpoSection, parse_reward
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_sections import DataSection
 from llm_train.config.resolution import resolve_run
 from llm_train.data.prompts import Prompt, load_prompts, prompt_stream
 from llm_train.errors import UserError
@@ -216,7 +218,7 @@ def _rollouts(tokenizer: Any, rank: int = 0, samples: SampleLog | None = None, *
     section = GrpoSection(
         num_generations=4,
         max_completion_length=4,
-        rewards=[_parse_reward({"kind": "function", "function": "tests.unit.test_grpo:length"}, "r")],
+        rewards=[parse_reward({"kind": "function", "function": "tests.unit.test_grpo:length"}, "r")],
         **grpo,
     )
     return Rollouts(

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_train.config.recipe import LoraSection, load_recipe
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import UserError
 from llm_train.planning.offload_buffers import trainable_tensors
 from llm_train.planning.shapes import shape_from_config

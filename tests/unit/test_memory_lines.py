@@ -141,7 +141,7 @@ def test_the_activation_line_of_lora_is_what_a_training_step_keeps(
 ) -> None:
     """LoRA r=8 on every projection, bf16 (the adapters cast to bf16, as DeepSpeed's bf16 engine casts
     them): the frozen base keeps less than a full fine-tune, PEFT's dropout a copy of each adapted input."""
-    from llm_train.config.recipe import LoraSection
+    from llm_train.config.recipe_sections import LoraSection
     from llm_train.runtime.lora import apply_lora
 
     base = llama("bf16", vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=4)

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm_train.config.recipe import MemorySection, ModelSection, load_recipe
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_sections import MemorySection, ModelSection
 from llm_train.runtime.model import build_model
 from tests.helpers import make_tiny_pretrained
 

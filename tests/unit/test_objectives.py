@@ -30,7 +30,7 @@ from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.reward_trainer import RewardTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from llm_train.config.recipe import PreferenceSection
+from llm_train.config.objective_sections import PreferenceSection
 from llm_train.runtime.objectives import Preference, RewardModelling, dpo_loss, sequence_logps
 from tests.helpers import tiny_llama
 

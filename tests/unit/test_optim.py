@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from llm_train.config.recipe import OptimSection
+from llm_train.config.recipe_sections import OptimSection
 from llm_train.runtime.optim import build_optimizer
 
 

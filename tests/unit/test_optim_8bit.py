@@ -18,7 +18,7 @@ from transformers import LlamaForCausalLM
 from llm_train import train
 from llm_train.config.hardware import Device
 from llm_train.config.layout import optimizer_problem
-from llm_train.config.recipe import OptimSection
+from llm_train.config.recipe_sections import OptimSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import EIGHT_BIT_STATE_BYTES, estimate_memory

@@ -10,7 +10,8 @@ import pytest
 from llm_train import cli
 from llm_train.config.attention_kernel import Installed
 from llm_train.config.hardware import GPUS, Device, find_gpu, gpu_spec, hardware_for, peak_tflops
-from llm_train.config.recipe import available_recipes, load_recipe
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_files import available_recipes
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.auto import choose_auto

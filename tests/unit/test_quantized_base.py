@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from llm_train.config.recipe import LoraSection, load_recipe
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_sections import LoraSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.export import logit_tolerance
@@ -113,7 +114,7 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _qlora(base: Path, dtype: torch.dtype, quantize: str = "nf4") -> torch.nn.Module:
-    from llm_train.config.recipe import MemorySection, ModelSection
+    from llm_train.config.recipe_sections import MemorySection, ModelSection
     from llm_train.runtime.model import build_model
 
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]

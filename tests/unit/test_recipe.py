@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from llm_train import RECIPES_DIR
-from llm_train.config.recipe import available_recipes, load_recipe, parse_override
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_files import available_recipes, parse_override
 from llm_train.errors import UserError
 
 
@@ -98,7 +99,8 @@ def test_relative_paths_in_a_recipe_are_relative_to_its_file() -> None:
 
 def test_scientific_numbers_are_floats_in_recipes_and_overrides(tmp_path) -> None:
     """PyYAML reads `1e-5` as a string (YAML 1.1); model.config hands values to transformers unchanged."""
-    from llm_train.config.recipe import load_recipe, parse_override
+    from llm_train.config.recipe import load_recipe
+    from llm_train.config.recipe_files import parse_override
 
     assert parse_override("model.config.rms_norm_eps=1e-5") == (["model", "config", "rms_norm_eps"], 1e-5)
     assert (

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 
 from llm_train import cli
-from llm_train.config.recipe import SOURCE_CLASSES, Recipe, Section
+from llm_train.config.recipe import Recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
+from llm_train.config.section import Section
+from llm_train.config.sources import SOURCE_CLASSES
 from tests.helpers import REPO
 
 PAGE = REPO / "docs" / "recipe.md"

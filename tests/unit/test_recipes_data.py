@@ -18,8 +18,10 @@ from datasets import ReadInstruction
 from transformers import AutoTokenizer
 
 from llm_train import RECIPES_DIR
-from llm_train.config.recipe import ChatSource, InstructionSource, load_recipe
-from llm_train.data.formats import check_fields, make_tokenize_fn
+from llm_train.config.recipe import load_recipe
+from llm_train.config.sources import ChatSource, InstructionSource
+from llm_train.data.formats import check_fields
+from llm_train.data.formats.chat import CHAT
 from llm_train.data.sources import locate
 from llm_train.errors import UserError
 
@@ -149,7 +151,7 @@ def test_gpu_recipe_chat_templates_train_on_exactly_the_assistant_turns(name: st
         {"role": "user", "content": "And a tuple?"},
         {"role": "assistant", "content": "An immutable one."},
     ]
-    tokenize = make_tokenize_fn(ChatSource(path="x.jsonl"), tokenizer, template, "data.train[0]")
+    tokenize = CHAT.tokenize_fn(ChatSource(path="x.jsonl"), tokenizer, template, "data.train[0]")
     out = tokenize({"messages": [conversation]}, [0])
     ids, mask = out["input_ids"][0], out["loss_mask"][0]
     eos = tokenizer.eos_token

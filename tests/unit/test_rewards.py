@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from llm_train.config.recipe import FunctionReward, _parse_reward
+from llm_train.config.objective_sections import FunctionReward, parse_reward
 from llm_train.errors import UserError
 from llm_train.runtime.grpo_loss import group_advantages
 from llm_train.runtime.rewards import gather, load_rewards, reward_metrics, score
@@ -24,7 +24,7 @@ COLUMNS = {"answer": ["4", "4", "7", "7"]}
 
 def _rewards(*specs: dict[str, Any], max_completion_length: int = 12) -> list[Any]:
     return load_rewards(
-        [_parse_reward(s, f"grpo.rewards[{i}]") for i, s in enumerate(specs)], max_completion_length
+        [parse_reward(s, f"grpo.rewards[{i}]") for i, s in enumerate(specs)], max_completion_length
     )
 
 
@@ -209,7 +209,7 @@ def test_an_exact_match_column_the_rows_lack() -> None:
 )
 def test_a_bad_reward_entry_names_its_key(spec: dict[str, Any], expected: str) -> None:
     with pytest.raises(ValueError, match=None) as excinfo:
-        _parse_reward(spec, "grpo.rewards[0]")
+        parse_reward(spec, "grpo.rewards[0]")
     assert expected in str(excinfo.value) and "\n" not in str(excinfo.value)
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from llm_train.config.recipe import LoraSection, load_recipe
+from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_sections import LoraSection
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.sharded_export import merged_tensors, no_gather, write_merged
 from tests.helpers import REPO

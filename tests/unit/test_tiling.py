@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
+from llm_train.config.recipe_sections import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError
 from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.model import build_model

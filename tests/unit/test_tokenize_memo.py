@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from llm_train.data import tokenize_memo
-from llm_train.data.formats import make_encoder
+from llm_train.data.formats.base import make_encoder
+from llm_train.data.formats.text import TEXT
 from llm_train.data.tokenize_memo import TokenizeMemo
 from tests.unit.data_fixtures import TOKENIZER_DIR, get_tokenizer
 
@@ -184,15 +185,14 @@ def test_the_pipeline_uses_the_memo_for_the_bundled_tokenizer() -> None:
 def test_data_tokenize_memo_false_tokenises_through_the_tokenizer_alone_to_the_same_rows() -> None:
     from llm_train import ASSETS_DIR
     from llm_train.config.recipe import load_recipe
-    from llm_train.data.formats import make_tokenize_fn
 
     tok = get_tokenizer()
     data = load_recipe("tiny-cpu", ["data.tokenize_memo=false"]).data
     source = data.sources("train")[0]
     texts = (ASSETS_DIR / "tiny" / "corpus.txt").read_text().splitlines()[:200]
     batch, indices = {"text": texts}, list(range(len(texts)))
-    plain = make_tokenize_fn(source, tok, None, "data.train[0]", data.tokenize_memo)
-    memo = make_tokenize_fn(source, tok, None, "data.train[0]")
+    plain = TEXT.tokenize_fn(source, tok, None, "data.train[0]", data.tokenize_memo)
+    memo = TEXT.tokenize_fn(source, tok, None, "data.train[0]")
     assert plain(batch, indices) == memo(batch, indices)
     assert getattr(make_encoder(tok, memo_words=False), "__self__", None).__class__ is not TokenizeMemo
 

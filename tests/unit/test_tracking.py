@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.config.recipe import TrackingSection
+from llm_train.config.recipe_sections import TrackingSection
 from llm_train.observability.tracking import (
     REDACTED,
     is_secret_key,

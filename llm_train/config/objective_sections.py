@@ -1,0 +1,245 @@
+"""What each objective is told: the preference (dpo, simpo), reward-model and GRPO sections, and GRPO's rewards.
+
+`objective` (recipe.py) picks how the model is trained; these are the sections only some objectives
+read, and recipe.py refuses one that is set under another objective. GRPO's rewards are a list of
+tagged mappings (`kind:`), each parsed by its class so that a mistake names `grpo.rewards[i].key`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from llm_train.config.section import Section, validate_entry
+
+Objective = Literal["lm", "dpo", "simpo", "grpo", "reward"]
+# The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
+# (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
+
+
+class PreferenceSection(Section):
+    """Preference tuning on `format: preference` pairs (objective dpo or simpo; runtime/objectives.py)."""
+
+    beta: float | None = Field(
+        None,
+        gt=0,
+        description="Reward scale: how far the policy may move from the reference (dpo) or the per-token "
+        "reward scale (simpo); default 0.1 for dpo, 2.0 for simpo.",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="Probability that a pair's preference is flipped (conservative DPO, Mitchell 2023): "
+        "the loss is (1-e) of the sigmoid loss plus e of the reversed one; 0 = plain sigmoid loss.",
+    )
+    simpo_gamma: float = Field(
+        0.5,
+        ge=0,
+        description="SimPO's target reward margin gamma (objective simpo only; TRL's simpo_gamma).",
+    )
+    reference: Literal["cached", "live"] = Field(
+        "cached",
+        description="dpo only. 'cached': the reference model's log-probs of every pair are computed in one "
+        "pass before training and cached beside the data (training holds one model); 'live': computed "
+        "every step, by the base model with the adapters disabled under LoRA, else by a frozen copy of "
+        "the model (sharded like the policy under ZeRO-3; the planner counts its memory).",
+    )
+
+
+class RewardSection(Section):
+    """Reward-model training on `format: preference` pairs (objective reward; runtime/objectives.py)."""
+
+    margin: float = Field(
+        0.0,
+        description="Margin m in -log sigmoid(r_chosen - r_rejected - m): how much higher the chosen answer must "
+        "score before a pair stops contributing; one constant for every pair (the preference format has no "
+        "per-pair margin column).",
+    )
+    center_rewards_coefficient: float | None = Field(
+        None,
+        gt=0,
+        description="Adds this times mean((r_chosen + r_rejected)^2) to the loss, which keeps the rewards centred "
+        "on 0 (the pairwise loss only fixes their differences); Eisenstein et al. 2023 use 0.01. None = off.",
+    )
+
+
+class _RewardFields(Section):
+    weight: float = Field(
+        1.0, description="This reward's weight in the sum the advantages are computed from."
+    )
+    name: str | None = Field(
+        None,
+        description="Its name in metrics.jsonl (reward_<name>_mean); default the kind or the function's name.",
+    )
+
+
+class FormatReward(_RewardFields):
+    """1.0 when the completion matches `pattern`, else 0.0: a verifiable format reward."""
+
+    kind: Literal["format"] = "format"
+    pattern: str = Field(description="A Python regular expression the completion must match.")
+    match: Literal["full", "search"] = Field(
+        "full",
+        description="'full': the whole completion (outer whitespace stripped) matches; 'search': a part does.",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        return _compiled(pattern)
+
+
+class ExactMatchReward(_RewardFields):
+    """1.0 when the completion's final answer equals the row's `column`, else 0.0 (numbers compared as numbers)."""
+
+    kind: Literal["exact_match"] = "exact_match"
+    column: str = Field("answer", description="The prompt row's field that holds the right answer.")
+    pattern: str | None = Field(
+        None,
+        description="A regular expression that finds the final answer in the completion (its first group if it "
+        "has one; the last match counts; no match scores 0); default: the whole completion, stripped.",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        return None if pattern is None else _compiled(pattern)
+
+
+class OverlongReward(_RewardFields):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), by completion tokens: 0 up to
+    max_completion_length - buffer, then falling linearly to -1 at max_completion_length."""
+
+    kind: Literal["overlong"] = "overlong"
+    buffer: int = Field(
+        gt=0, description="Tokens before grpo.max_completion_length over which the penalty grows."
+    )
+
+
+class FunctionReward(_RewardFields):
+    """A reward function of yours: `module:function`, called as function(prompts=..., completions=...,
+    completion_ids=..., **columns) with one list entry per completion, returning a float or None for each."""
+
+    kind: Literal["function"] = "function"
+    function: str = Field(
+        description="'module:function' importable from the working directory or PYTHONPATH (e.g. my_rewards:correct)."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _is_a_path(cls, path: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", path):
+            raise ValueError(f"'{path}' is not 'module:function' (e.g. my_rewards:correct)")
+        return path
+
+
+class RewardModelReward(_RewardFields):
+    """The score a trained reward model (an objective reward run's final/) gives prompt + completion."""
+
+    kind: Literal["reward_model"] = "reward_model"
+    path: str = Field(
+        description="A directory AutoModelForSequenceClassification loads with num_labels=1 and a pad id, e.g. "
+        "runs/tiny-cpu-reward/final; it scores each prompt text followed by its completion, on the CPU of "
+        "every rank."
+    )
+
+
+def _compiled(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"not a regular expression ({exc}): {pattern!r}") from None
+    return pattern
+
+
+Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward
+REWARD_CLASSES: dict[str, type[Section]] = {
+    "format": FormatReward,
+    "exact_match": ExactMatchReward,
+    "overlong": OverlongReward,
+    "function": FunctionReward,
+    "reward_model": RewardModelReward,
+}
+
+
+def parse_reward(item: Any, where: str) -> Any:
+    """One entry of grpo.rewards, parsed by its `kind` so that a mistake names `grpo.rewards[i].key` in one line."""
+    if isinstance(item, tuple(REWARD_CLASSES.values())):
+        return item
+    if not isinstance(item, dict):
+        raise ValueError(
+            f"{where}: expected a mapping with 'kind' ({', '.join(REWARD_CLASSES)}), got {item!r}"
+        )
+    kind = item.get("kind")
+    cls = REWARD_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"{where}.kind: {kind!r} is not one of {', '.join(REWARD_CLASSES)}")
+    return validate_entry(cls, item, where, f"kind {kind}")
+
+
+class GrpoSection(Section):
+    """Online RL with GRPO (objective grpo; runtime/grpo.py): each step the model writes num_generations
+    completions per prompt, the rewards score them, and the loss is TRL's GRPO loss (runtime/grpo_loss.py).
+    optim.micro_batch_size counts completions; each rank's completions per step form whole groups."""
+
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group G).")
+    max_completion_length: int = Field(256, ge=1, description="Most tokens a completion may have.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature (the log-probs are taken at it too)."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens of this mass."
+    )
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens; 0 = no limit.")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="How token losses are averaged: grpo (per completion, then over completions), bnpo (per "
+        "micro-batch token), dr_grpo (sum / (completions x max_completion_length)), dapo (per token of the step).",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="'token': a ratio per token (GRPO); 'sequence': one per completion (GSPO)."
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip of the ratio: 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip: 1 + epsilon_high (DAPO's clip-higher uses 0.28); default epsilon.",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the k3 KL to the initial model; 0 = no reference model (TRL's default).",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per generated batch; above 1 the log-probs at generation are kept for the ratio.",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_completion_length (no EOS) out of the loss."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide advantages by the group's reward std (group), the batch's (batch), or not (none: Dr. GRPO).",
+    )
+    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward] = (
+        Field(
+            default_factory=list,
+            description="Reward functions, each {kind: format|exact_match|overlong|function|reward_model, weight, ...}; "
+            "see docs/rl.md.",
+        )
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_kinds(cls, values: Any) -> Any:
+        if isinstance(values, dict) and isinstance(values.get("rewards"), list):
+            values = {
+                **values,
+                "rewards": [parse_reward(r, f"grpo.rewards[{i}]") for i, r in enumerate(values["rewards"])],
+            }
+        return values
