@@ -96,8 +96,7 @@ def main() -> None:
     # process group; the matrix's previous launch may hold its port).
     set_single_process_env()
     # DeepSpeed's ops as llm_train's runs load them (the same ninja, one CPU probe): set-up only, untimed.
-    from llm_train.runtime.collectives import skip_unused_shm_op
-    from llm_train.runtime.compat import prepare_op_loads
+    from llm_train.runtime.compat import prepare_op_loads, skip_unused_shm_op
 
     prepare_op_loads()
     skip_unused_shm_op()  # nor the build of DeepSpeed's CPU shm op, which the Trainer's run never calls

@@ -127,12 +127,12 @@ def measure_load(path: str, staging: str) -> dict[str, Any]:
     from llm_train.config.recipe import LoraSection
     from llm_train.planning.quantized_bytes import quantized_weight_params
     from llm_train.planning.shapes import shape_from_config
-    from llm_train.runtime.compat import quantizing_on
     from llm_train.runtime.quantized_base import (
         Staging,
         is_quantized_linear,
         quantization_config,
         quantized_base,
+        quantizing_on,
     )
 
     gpu = staging == "cuda"

@@ -19,11 +19,10 @@ from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
 from llm_train.runtime.chunked_loss import enable_tiled_loss
-from llm_train.runtime.compat import keep_training_layout
 from llm_train.runtime.document_attention import NAME as SDPA_FLEX
 from llm_train.runtime.document_attention import register_sdpa_flex
 from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.quantized_base import quantization_config, quantized
+from llm_train.runtime.quantized_base import keep_training_layout, quantization_config, quantized
 from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
 if TYPE_CHECKING:

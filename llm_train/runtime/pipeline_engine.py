@@ -28,18 +28,18 @@ from llm_train.runtime import collectives
 from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.compat import clip_fp32_across_stages, keep_fp32_rope_buffers
 from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
-from llm_train.runtime.export import reference_input_ids, write_reference
+from llm_train.runtime.logit_reference import reference_input_ids, write_reference
 from llm_train.runtime.model import loss_tokens
 from llm_train.runtime.objectives import LanguageModeling, Objective
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
     ChunkedCausalLMLoss,
-    LayerMap,
     build_pipeline_module,
     export_pipeline,
     hf_config,
     load_stage_weights,
 )
+from llm_train.runtime.pipeline_names import LayerMap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -49,8 +49,9 @@ from llm_train.runtime.checkpointing.resume import Resume, TrainerState
 from llm_train.runtime.checkpointing.run_state import Saver
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine, process_group_timeout, to_device
-from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
+from llm_train.runtime.export import sample_text, verify_export, write_check
 from llm_train.runtime.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, rollout_logps
+from llm_train.runtime.logit_reference import read_reference
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model import load_tokenizer

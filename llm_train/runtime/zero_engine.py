@@ -23,16 +23,12 @@ from llm_train.config.resolution import Resolved
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.runtime.collectives import WORLD, Collectives, destroy
-from llm_train.runtime.compat import quantizing_on, without_hf_zero3_config
+from llm_train.runtime.compat import without_hf_zero3_config
 from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
-from llm_train.runtime.export import (
-    EXPORT_DTYPES,
-    reference_input_ids,
-    save_hf_model,
-    write_reference,
-)
+from llm_train.runtime.export import EXPORT_DTYPES, save_hf_model
 from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.grpo import Grpo, rollout_logps
+from llm_train.runtime.logit_reference import reference_input_ids, write_reference
 from llm_train.runtime.lora import apply_lora, is_peft_model
 from llm_train.runtime.model import build_model, load_tokenizer, loss_tokens
 from llm_train.runtime.objectives import (
@@ -50,6 +46,7 @@ from llm_train.runtime.quantized_base import (
     place_quantization_state,
     quantized,
     quantized_base,
+    quantizing_on,
     release_freed_host_memory,
     staged_on_host,
 )

@@ -58,8 +58,12 @@ def test_gpu_staging_quantises_as_bitsandbytes_does_on_cuda_within_the_planners_
 
     from llm_train.planning.quantized_bytes import quantization_state_bytes, staged_quantize_gpu_bytes
     from llm_train.planning.shapes import shape_from_config
-    from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantized_base import Staging, is_quantized_linear, quantization_config
+    from llm_train.runtime.quantized_base import (
+        Staging,
+        is_quantized_linear,
+        quantization_config,
+        quantizing_on,
+    )
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -44,7 +44,7 @@ def test_every_workaround_is_listed_with_the_version_it_was_verified_on() -> Non
     listed = {w.name: w.library for w in compat.WORKAROUNDS}
     assert listed == EXPECTED
     for w in compat.WORKAROUNDS:
-        fn = getattr(compat, w.name)
+        fn = getattr(importlib.import_module(w.module), w.name)
         assert callable(fn) and fn.__doc__, w.name
         # The docstring names the version it describes, and that is the version listed.
         assert w.verified in fn.__doc__ or w.verified.rsplit(".", 1)[0] in fn.__doc__, w.name
@@ -275,18 +275,25 @@ def _library_patches(tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(set(found))
 
 
+def _module_file(module: str) -> str:
+    return module.replace(".", "/") + ".py"
+
+
 def test_only_compat_patches_a_library() -> None:
-    """A process-wide patch (a library module's attribute replaced) anywhere else would escape the list above."""
+    """A process-wide patch (a library module's attribute replaced) anywhere but in a module WORKAROUNDS names
+    (compat itself, and the 4-bit base beside its own workarounds) would escape the list above."""
+    homes = {_module_file(w.module) for w in compat.WORKAROUNDS}
+    assert homes == {"llm_train/runtime/compat.py", "llm_train/runtime/quantized_base.py"}
     elsewhere = {
         (str(path.relative_to(REPO)), target)
         for path in (REPO / "llm_train").rglob("*.py")
-        if path.name != "compat.py"
+        if str(path.relative_to(REPO)) not in homes
         for _, target in _library_patches(ast.parse(path.read_text()))
     }
     # Not a library's internals: sys.argv is swapped and put back around W&B's start (it records argv).
     assert elsewhere == {("llm_train/observability/tracking.py", "sys.argv")}
-    here = {t for _, t in _library_patches(ast.parse((REPO / "llm_train/runtime/compat.py").read_text()))}
-    # The rule sees compat's own patches, as it would see them anywhere else.
+    here = {t for home in homes for _, t in _library_patches(ast.parse((REPO / home).read_text()))}
+    # The rule sees the listed modules' own patches, as it would see them anywhere else.
     assert here == {
         "cpuinfo.get_cpu_info",
         "cpp_extension.load",

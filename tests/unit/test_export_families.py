@@ -21,12 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from llm_train.errors import ExportError
 from llm_train.runtime import export as export_module
-from llm_train.runtime.export import (
-    Reference,
-    logit_tolerance,
-    reference_input_ids,
-    verify_export,
-)
+from llm_train.runtime.export import logit_tolerance, verify_export
+from llm_train.runtime.logit_reference import Reference, reference_input_ids
 from tests.unit.data_fixtures import TOKENIZER_DIR
 
 COMMON = {

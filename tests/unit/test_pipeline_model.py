@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from llm_train.runtime.pipeline_engine import as_pipeline_batch
-from llm_train.runtime.pipeline_model import LayerMap, attention_mask, causal_lm_loss, layer_specs, tied_head
+from llm_train.runtime.pipeline_model import attention_mask, causal_lm_loss, layer_specs, tied_head
+from llm_train.runtime.pipeline_names import LayerMap
 
 SMALL = {
     "vocab_size": 96,

@@ -237,8 +237,7 @@ def _staged_load(base: Path, dtype: torch.dtype, staging: object | None) -> torc
 
     from transformers import AutoModelForCausalLM
 
-    from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantized_base import Staging
+    from llm_train.runtime.quantized_base import Staging, quantizing_on
 
     assert staging is None or isinstance(staging, Staging)
     with quantizing_on(staging) if staging is not None else contextlib.nullcontext():
@@ -309,8 +308,7 @@ def test_a_transformers_whose_quantize_op_differs_is_refused_in_one_line_before_
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
-    from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantized_base import Staging, check_staged_quantizer
+    from llm_train.runtime.quantized_base import Staging, check_staged_quantizer, quantizing_on
 
     def convert(self, input_dict, model=None, full_layer_name=None, **kwargs):  # Bnb4bitDeserialize's order
         raise AssertionError("never called")

@@ -40,7 +40,7 @@ from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, live_maste
 from llm_train.runtime.checkpointing.universal import universal_dir
 from llm_train.runtime.control import RunControl
 from llm_train.runtime.engine import Engine
-from llm_train.runtime.export import write_reference_file
+from llm_train.runtime.logit_reference import write_reference_file
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
