@@ -103,7 +103,7 @@ INTERNALS: dict[str, str] = {
     "transformers.integrations.flex_attention:flex_attention_forward": "runtime/document_attention.py",
     "transformers.masking_utils:flex_attention_mask": "runtime/document_attention.py (per-document blocks)",
     "transformers.masking_utils:AttentionMaskInterface": "runtime/document_attention.py",
-    "transformers.loss.loss_utils:LOSS_MAPPING": "runtime/chunked_loss.py (the model's own loss, by name)",
+    "transformers.loss.loss_utils:LOSS_MAPPING": "runtime/loss/chunked.py (the model's own loss, by name)",
     "transformers.modeling_layers:GradientCheckpointingLayer": "runtime/tiling.py",
     "transformers.masking_utils:find_packed_sequence_indices": "data/packing.py (packed rows kept apart)",
     "accelerate.commands.launch:_validate_launch_command": "runtime/launch_env.py (accelerate's own reading)",

@@ -110,7 +110,7 @@ def apply_liger(memory: MemorySection, model_type: str | None, zero_stage: int) 
         raise UserError(
             f"memory.liger_kernels=true: Liger has no kernels for model_type '{model_type}'; supported: {known}"
         )
-    # memory.tiled_loss replaces the model's forward on the instance (runtime/chunked_loss.py), which
+    # memory.tiled_loss replaces the model's forward on the instance (runtime/loss/chunked.py), which
     # bypasses Liger's patched class forward: it calls Liger's fused kernel itself where it can run.
     tiled_loss = getattr(memory, "tiled_loss", False)
     fused = zero_stage != 3 and not tiled_loss

@@ -1,6 +1,6 @@
 """The step loop: step, log, evaluate, checkpoint, stop. Nothing else happens here.
 
-One loop for every engine (runtime/engine.py) and every objective (runtime/objectives.py): the
+One loop for every engine (runtime/engine.py) and every objective (runtime/loss/): the
 engine runs one optimizer step and reports its loss; the loop agrees with the other ranks on that
 loss and on the stop and checkpoint flags in one collective, meters, logs (with the objective's own
 metrics, averaged over ranks on logged steps only), evaluates and saves on schedule.

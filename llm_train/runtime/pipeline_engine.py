@@ -29,11 +29,11 @@ from llm_train.runtime.collectives import Collectives
 from llm_train.runtime.compat import clip_fp32_across_stages, keep_fp32_rope_buffers
 from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
 from llm_train.runtime.logit_reference import reference_input_ids, write_reference
+from llm_train.runtime.loss.interface import Objective
+from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, LanguageModeling
 from llm_train.runtime.model import loss_tokens
-from llm_train.runtime.objectives import LanguageModeling, Objective
 from llm_train.runtime.optim import build_optimizer, build_scheduler
 from llm_train.runtime.pipeline_model import (
-    ChunkedCausalLMLoss,
     build_pipeline_module,
     export_pipeline,
     hf_config,

@@ -35,7 +35,7 @@ from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import loss_chunks
 from llm_train.runtime import collectives
-from llm_train.runtime.chunked_loss import token_logps
+from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, causal_lm_loss
 from llm_train.runtime.model import model_config
 from llm_train.runtime.pipeline_names import TIED_KEY, LayerMap
 
@@ -156,29 +156,6 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     if config.model_type == "mistral" or layer_types is None:
         return int(window)  # Mistral: every layer is windowed when sliding_window is set
     return int(window) if layer_types[layer_idx] == "sliding_attention" else None
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's causal-LM loss: predict token t+1 from t, mean over tokens, computed in fp32."""
-    vocab = logits.shape[-1]
-    return nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100
-    )
-
-
-class ChunkedCausalLMLoss:
-    """`causal_lm_loss` from the last stage's final hidden states, by the chunked loss (memory.tiled_loss):
-    the output layer runs inside the loss, chunk by chunk (runtime/chunked_loss.py), never whole."""
-
-    def __init__(
-        self, head: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter], chunks: int
-    ) -> None:
-        self.head, self.params, self.chunks = head, params, chunks
-
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # token t predicts label t+1
-        logps = token_logps(self.head, self.params, hidden, shifted, self.chunks)
-        return -logps.sum() / (shifted != -100).sum()
 
 
 def _hidden(hidden: torch.Tensor) -> torch.Tensor:

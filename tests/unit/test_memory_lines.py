@@ -36,7 +36,7 @@ from llm_train.planning.memory_estimate import (
 )
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_from_config
-from llm_train.runtime.chunked_loss import enable_tiled_loss
+from llm_train.runtime.loss.chunked import enable_tiled_loss
 
 LINE_TOLERANCE = 0.15
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

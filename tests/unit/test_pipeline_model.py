@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from llm_train.runtime.loss.language_modeling import causal_lm_loss
 from llm_train.runtime.pipeline_engine import as_pipeline_batch
-from llm_train.runtime.pipeline_model import attention_mask, causal_lm_loss, layer_specs, tied_head
+from llm_train.runtime.pipeline_model import attention_mask, layer_specs, tied_head
 from llm_train.runtime.pipeline_names import LayerMap
 
 SMALL = {

@@ -12,7 +12,7 @@ import torch
 
 from llm_train.config.recipe import FunctionReward, _parse_reward
 from llm_train.errors import UserError
-from llm_train.runtime.grpo_loss import group_advantages
+from llm_train.runtime.loss.grpo import group_advantages
 from llm_train.runtime.rewards import gather, load_rewards, reward_metrics, score
 
 PROMPTS = ["2+2=", "2+2=", "3+4=", "3+4="]
