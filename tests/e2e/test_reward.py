@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from llm_train.cli import main as cli_main
-from llm_train.runtime.logit_reference import read_reference
+from llm_train.runtime.checkpointing.logit_reference import read_reference
 from llm_train.runtime.loss.reward import REWARD_METRICS
 from tests.helpers import assert_ok, launch, read_metrics
 

@@ -23,10 +23,10 @@ import torch
 from llm_train.config.recipe import LoraSection, MemorySection, PreferenceSection
 from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
+from llm_train.runtime.engines.pipeline_model import ChunkedCausalLMLoss, causal_lm_loss
 from llm_train.runtime.loss.chunked import enable_tiled_loss
 from llm_train.runtime.loss.preference import Preference, reference_forward, sequence_logps
-from llm_train.runtime.model import build_model
-from llm_train.runtime.pipeline_model import ChunkedCausalLMLoss, causal_lm_loss
+from llm_train.runtime.model.model import build_model
 from tests.unit.test_tiling import (
     SEQ,
     TILES,

@@ -1,4 +1,4 @@
-"""The compatibility boundary (runtime/compat.py): every library patch listed, in one module, inside the window.
+"""The compatibility boundary (runtime/base/compat.py): every library patch listed, in one module, inside the window.
 
 Each workaround is listed here by name, with the library it bends; each is verified on a DeepSpeed
 inside the tested window, which pyproject.toml's dependency states too; no other module patches a
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llm_train.runtime import compat
+from llm_train.runtime.base import compat
 from tests.helpers import REPO
 
 # Every patch of a library's internals and every workaround of a library's behaviour llm_train makes.
@@ -283,7 +283,7 @@ def test_only_compat_patches_a_library() -> None:
     """A process-wide patch (a library module's attribute replaced) anywhere but in a module WORKAROUNDS names
     (compat itself, and the 4-bit base beside its own workarounds) would escape the list above."""
     homes = {_module_file(w.module) for w in compat.WORKAROUNDS}
-    assert homes == {"llm_train/runtime/compat.py", "llm_train/runtime/quantized_base.py"}
+    assert homes == {"llm_train/runtime/base/compat.py", "llm_train/runtime/model/quantized_base.py"}
     elsewhere = {
         (str(path.relative_to(REPO)), target)
         for path in (REPO / "llm_train").rglob("*.py")
@@ -310,7 +310,7 @@ def test_deepspeed_op_loads_ask_py_cpuinfo_once_per_process(monkeypatch: pytest.
     import cpuinfo
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
-    from llm_train.runtime.compat import remember_cpu_info
+    from llm_train.runtime.base.compat import remember_cpu_info
 
     calls = []
 
@@ -332,7 +332,7 @@ def test_op_builds_use_the_environments_own_ninja(monkeypatch: pytest.MonkeyPatc
     """Two ninjas on one machine do not read each other's build log: each rebuilt what the other built."""
     import sys
 
-    from llm_train.runtime.compat import use_environment_ninja
+    from llm_train.runtime.base.compat import use_environment_ninja
 
     env_bin, system_bin = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
     for folder in (env_bin, system_bin):
@@ -359,7 +359,7 @@ def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import() -> 
     # A fresh interpreter: whether inductor and the Muon module are imported is process-wide state.
     code = """
 import sys, torch
-from llm_train.runtime.compat import defer_muon_compile
+from llm_train.runtime.base.compat import defer_muon_compile
 assert defer_muon_compile()
 from deepspeed.runtime.zero.muon import original_muon
 assert "torch._inductor.compile_fx" not in sys.modules, "inductor imported with the Muon module"
@@ -384,7 +384,7 @@ def test_deepspeeds_op_builds_compile_without_debug_info(monkeypatch: pytest.Mon
     import torch.utils.cpp_extension as cpp_extension
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    from llm_train.runtime.compat import NO_DEBUG_INFO, build_ops_without_debug_info
+    from llm_train.runtime.base.compat import NO_DEBUG_INFO, build_ops_without_debug_info
 
     class Built(Exception):
         pass
@@ -416,12 +416,12 @@ def test_deepspeeds_shared_memory_op_is_never_built() -> None:
     code = """
 import torch.distributed as dist
 from deepspeed.ops.op_builder.cpu import comm
-from llm_train.runtime.compat import skip_unused_shm_op
+from llm_train.runtime.base.compat import skip_unused_shm_op
 def refuse(self, *args, **kwargs):
     raise AssertionError(f"{self.NAME} was built or loaded")
 comm.ShareMemCommBuilder.load = comm.ShareMemCommBuilder.jit_load = refuse
 assert skip_unused_shm_op()
-from llm_train.runtime.launch_env import free_port
+from llm_train.runtime.base.launch_env import free_port
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 import deepspeed
 deepspeed.init_distributed("gloo")  # the CPU accelerator's TorchBackend, as a training worker makes it

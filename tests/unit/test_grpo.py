@@ -19,9 +19,9 @@ from llm_train.config.recipe import DataSection, GrpoSection, _parse_reward, loa
 from llm_train.config.resolution import resolve_run
 from llm_train.data.prompts import Prompt, load_prompts, prompt_stream
 from llm_train.errors import UserError
-from llm_train.runtime.grpo import Rollouts, RolloutShape, cut_at_eos, left_pad, right_pad
-from llm_train.runtime.model import load_tokenizer
-from llm_train.runtime.rewards import load_rewards
+from llm_train.runtime.model.model import load_tokenizer
+from llm_train.runtime.rl.grpo import Rollouts, RolloutShape, cut_at_eos, left_pad, right_pad
+from llm_train.runtime.rl.rewards import load_rewards
 from tests.helpers import REPO
 
 CPU = Device("cpu", None, False)

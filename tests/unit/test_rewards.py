@@ -13,7 +13,7 @@ import torch
 from llm_train.config.recipe import FunctionReward, _parse_reward
 from llm_train.errors import UserError
 from llm_train.runtime.loss.grpo import group_advantages
-from llm_train.runtime.rewards import gather, load_rewards, reward_metrics, score
+from llm_train.runtime.rl.rewards import gather, load_rewards, reward_metrics, score
 
 PROMPTS = ["2+2=", "2+2=", "3+4=", "3+4="]
 COMPLETIONS = ["<a>4</a>", "so <a>5</a>", "<a>7.0</a>", "seven"]

@@ -10,7 +10,7 @@
     preference.py         dpo and simpo on pairs of rows
     reward.py             reward: Bradley-Terry on a classifier's scores
     grpo.py               grpo's arithmetic: group advantages and the clipped policy loss (the rollouts
-                          and the Objective that runs them: runtime/grpo.py)
+                          and the Objective that runs them: runtime/rl/grpo.py)
 
 An engine hands its model and batch to the objective (ZeRO) or gives DeepSpeed's pipeline schedule the last
 stage's loss function (pipeline); the step loop (runtime/loop.py) sees only the means.

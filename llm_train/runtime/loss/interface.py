@@ -44,7 +44,7 @@ def mean_scores(scored: list[Scored]) -> dict[str, torch.Tensor]:
 
 class Objective(Protocol):
     """What the engines score micro-batches by: LanguageModeling, SequenceParallelLM, Preference,
-    RewardModelling, or GRPO's (runtime/grpo.py, its arithmetic in grpo.py here)."""
+    RewardModelling, or GRPO's (runtime/rl/grpo.py, its arithmetic in grpo.py here)."""
 
     name: str
 

@@ -6,14 +6,14 @@ One loss, computed where each engine's forward leaves it:
                           loss: the mean over the labelled tokens, in fp32). Under `memory.tiled_loss` the
                           model's forward is patched to compute that same loss chunk by chunk (chunked.py).
     SequenceParallelLM    the ZeRO engine with Ulysses (sp > 1): each rank scores its slice of the row
-                          (runtime/sequence_parallel.py `SequenceShard.shard`, which passes the group's
+                          (runtime/engines/sequence_parallel.py `SequenceShard.shard`, which passes the group's
                           token count as `num_items_in_batch`), so its loss is its *share* of the group's
                           token mean; it backpropagates the share and logs the group's sum (one all-reduce).
                           Summing the shares' gradients over the group gives the gradient of the sp=1 loss.
     causal_lm_loss        the pipeline engine's last stage, from the logits (DeepSpeed calls it per
                           micro-batch, `PipelineModule(loss_fn=...)`).
     ChunkedCausalLMLoss   the same under `memory.tiled_loss`: the output layer runs inside the loss, chunk
-                          by chunk (chunked.py `token_logps`), never whole (runtime/pipeline_model.py
+                          by chunk (chunked.py `token_logps`), never whole (runtime/engines/pipeline_model.py
                           `chunk_the_loss` moves it there).
 
 All four give transformers' loss to fp32 rounding (tests/unit/test_chunked_loss.py, test_pipeline_model.py,
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.base.collectives import Collectives
 from llm_train.runtime.loss.chunked import token_logps
 from llm_train.runtime.loss.interface import Batch, Scored
 

@@ -5,7 +5,7 @@ lm      language_modeling.py `LanguageModeling` (`SequenceParallelLM` under sequ
 dpo     preference.py `Preference`, with the reference the engine provides (cached, live, frozen)
 simpo   preference.py `Preference`, reference-free
 reward  reward.py `RewardModelling`
-grpo    runtime/grpo.py `Grpo` (rollouts, then grpo.py's policy loss), built by the ZeRO engine
+grpo    runtime/rl/grpo.py `Grpo` (rollouts, then grpo.py's policy loss), built by the ZeRO engine
 """
 
 from __future__ import annotations

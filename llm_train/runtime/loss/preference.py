@@ -128,7 +128,7 @@ PrepareReference = Callable[[list["PackedSplit | None"], int, int, Callable[[str
 
 class Preference:
     """DPO or SimPO on batches of pairs. DPO's reference log-probs come with the batch (cached, see
-    runtime/reference.py) or from `live_reference`, a no-grad forward of the reference model."""
+    runtime/engines/reference.py) or from `live_reference`, a no-grad forward of the reference model."""
 
     def __init__(
         self,

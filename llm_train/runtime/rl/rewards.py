@@ -44,7 +44,7 @@ from llm_train.config.recipe import (
     RewardModelReward,
 )
 from llm_train.errors import UserError, first_line
-from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.base.collectives import Collectives
 
 RewardCall = Callable[..., Sequence[Any]]
 

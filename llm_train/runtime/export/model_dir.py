@@ -17,7 +17,7 @@ architecture config.json builds and the names save_pretrained gives it. The chec
    away is no check;
 2. logits: the reloaded model's logits on a fixed batch equal the ones the trained model
    gave on that batch *in the training process*, before anything was written. The engines
-   record that reference (runtime/logit_reference.py, every rank takes part in the forward) in
+   record that reference (runtime/checkpointing/logit_reference.py, every rank takes part in the forward) in
    RUN_DIR/export_reference.safetensors, next to final/ so final/ stays a clean HF folder.
    The tolerance comes from the precision of the two computations (`logit_tolerance`).
 3. masters (checkpoints only, before any merge): each optimizer shard holds the fp32 master
@@ -42,11 +42,17 @@ import torch
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError, first_line
 from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
+from llm_train.runtime.checkpointing.logit_reference import (
+    Reference,
+    read_reference_file,
+    reference_input_ids,
+)
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
-from llm_train.runtime.logit_reference import Reference, read_reference_file, reference_input_ids
-from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
-from llm_train.runtime.pipeline_names import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
+from llm_train.runtime.model.lora import checkpoint_lora, export_adapter_checkpoint
+from llm_train.runtime.model.pipeline_names import (
+    pipeline_checkpoint_state_dict,  # pipeline runs: a file per layer
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase

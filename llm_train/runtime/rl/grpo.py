@@ -5,7 +5,7 @@ sits on the two sides of them:
 
 - `Rollouts` is the iterator the engine draws its micro-batches from. When it runs dry it takes this rank's
   next prompts from the dealer (data/prompts.py), has the model write grpo.num_generations completions for
-  each (`Generation`), scores every completion (runtime/rewards.py), gathers the rewards of every rank,
+  each (`Generation`), scores every completion (runtime/rl/rewards.py), gathers the rewards of every rank,
   computes the group advantages (loss/grpo.py) and cuts this rank's completions into the step's
   micro-batches, handed out grpo.num_iterations times (one optimizer step each).
 - `Grpo` is the objective: it scores a micro-batch by TRL's GRPO loss on the policy's log-probs.
@@ -40,11 +40,11 @@ import torch
 from llm_train.config.recipe import GrpoSection
 from llm_train.data.dealer import Batches
 from llm_train.data.prompts import Prompt
-from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.compat import gathered_for_generation
+from llm_train.runtime.base.collectives import Collectives
+from llm_train.runtime.base.compat import gathered_for_generation
 from llm_train.runtime.loss.grpo import LossSettings, completion_logps, group_advantages, policy_loss
 from llm_train.runtime.loss.interface import Scored
-from llm_train.runtime.rewards import RewardFunction, gather, reward_metrics, score
+from llm_train.runtime.rl.rewards import RewardFunction, gather, reward_metrics, score
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

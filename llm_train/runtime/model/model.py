@@ -18,12 +18,12 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
-from llm_train.runtime.document_attention import NAME as SDPA_FLEX
-from llm_train.runtime.document_attention import register_sdpa_flex
-from llm_train.runtime.lora import apply_lora
 from llm_train.runtime.loss.chunked import enable_tiled_loss
-from llm_train.runtime.quantized_base import keep_training_layout, quantization_config, quantized
-from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
+from llm_train.runtime.model.document_attention import NAME as SDPA_FLEX
+from llm_train.runtime.model.document_attention import register_sdpa_flex
+from llm_train.runtime.model.lora import apply_lora
+from llm_train.runtime.model.quantized_base import keep_training_layout, quantization_config, quantized
+from llm_train.runtime.model.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
 if TYPE_CHECKING:
     import torch

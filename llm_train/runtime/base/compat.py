@@ -8,7 +8,7 @@ leaves wrong. Each of those lives here, is listed in `WORKAROUNDS` with the libr
 checked against, and is guarded: where the library no longer has what a
 patch replaces, the patch does nothing and says so (returns False). The one exception to "lives here": the workarounds of
 QLoRA's 4-bit base (`quantizing_on`, `keep_training_layout`) are steps of that base's own load and
-evaluation, so they live beside it in runtime/quantized_base.py; `WORKAROUNDS` still lists them, with
+evaluation, so they live beside it in runtime/model/quantized_base.py; `WORKAROUNDS` still lists them, with
 that module (`Workaround.module`), and tests/unit/test_compat.py holds them to the same rules.
 
 `WINDOWS` holds, for every library whose internals llm_train touches, the versions the suite passed on
@@ -93,24 +93,24 @@ PUBLIC_MODULES = (
     "accelerate.utils", "bitsandbytes.nn", "peft.tuners.lora",
 )  # fmt: skip
 INTERNALS: dict[str, str] = {
-    "transformers.core_model_loading:revert_weight_conversion": "runtime/export.py (save_pretrained's key names)",
-    "transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING": "runtime/quantized_base.py quantizing_on (the staged 4-bit load)",
-    "transformers.quantizers.quantizer_bnb_4bit:Bnb4BitHfQuantizer": "runtime/quantized_base.py",
-    "transformers.integrations.bitsandbytes:Bnb4bitQuantize": "runtime/quantized_base.py (the staged quantize op)",
+    "transformers.core_model_loading:revert_weight_conversion": "runtime/export/model_dir.py (save_pretrained's key names)",
+    "transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING": "runtime/model/quantized_base.py quantizing_on (the staged 4-bit load)",
+    "transformers.quantizers.quantizer_bnb_4bit:Bnb4BitHfQuantizer": "runtime/model/quantized_base.py",
+    "transformers.integrations.bitsandbytes:Bnb4bitQuantize": "runtime/model/quantized_base.py (the staged quantize op)",
     "transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref": "compat.without_hf_zero3_config",
-    "transformers.integrations.deepspeed:unset_hf_deepspeed_config": "runtime/zero_engine.py, compat",
-    "transformers.integrations.sdpa_attention:sdpa_attention_forward": "runtime/document_attention.py",
-    "transformers.integrations.flex_attention:flex_attention_forward": "runtime/document_attention.py",
-    "transformers.masking_utils:flex_attention_mask": "runtime/document_attention.py (per-document blocks)",
-    "transformers.masking_utils:AttentionMaskInterface": "runtime/document_attention.py",
+    "transformers.integrations.deepspeed:unset_hf_deepspeed_config": "runtime/engines/zero_engine.py, compat",
+    "transformers.integrations.sdpa_attention:sdpa_attention_forward": "runtime/model/document_attention.py",
+    "transformers.integrations.flex_attention:flex_attention_forward": "runtime/model/document_attention.py",
+    "transformers.masking_utils:flex_attention_mask": "runtime/model/document_attention.py (per-document blocks)",
+    "transformers.masking_utils:AttentionMaskInterface": "runtime/model/document_attention.py",
     "transformers.loss.loss_utils:LOSS_MAPPING": "runtime/loss/chunked.py (the model's own loss, by name)",
-    "transformers.modeling_layers:GradientCheckpointingLayer": "runtime/tiling.py",
+    "transformers.modeling_layers:GradientCheckpointingLayer": "runtime/model/tiling.py",
     "transformers.masking_utils:find_packed_sequence_indices": "data/packing.py (packed rows kept apart)",
-    "accelerate.commands.launch:_validate_launch_command": "runtime/launch_env.py (accelerate's own reading)",
-    "accelerate.commands.launch:launch_command_parser": "runtime/launch_env.py",
-    "accelerate.commands.config:default_config_file": "runtime/launch_env.py",
-    "accelerate.utils.dataclasses:DeepSpeedSequenceParallelConfig": "runtime/sequence_parallel.py (Ulysses)",
-    "peft.utils.integrations:dequantize_bnb_weight": "runtime/quantized_base.py (the merged export of QLoRA)",
+    "accelerate.commands.launch:_validate_launch_command": "runtime/base/launch_env.py (accelerate's own reading)",
+    "accelerate.commands.launch:launch_command_parser": "runtime/base/launch_env.py",
+    "accelerate.commands.config:default_config_file": "runtime/base/launch_env.py",
+    "accelerate.utils.dataclasses:DeepSpeedSequenceParallelConfig": "runtime/engines/sequence_parallel.py (Ulysses)",
+    "peft.utils.integrations:dequantize_bnb_weight": "runtime/model/quantized_base.py (the merged export of QLoRA)",
 }
 
 P = ParamSpec("P")  # the wrapped function's parameters (the op loader, DeepSpeed's Muon kernels)
@@ -125,10 +125,10 @@ class Workaround:
     library: str
     verified: str  # the library version it was checked against
     what: str  # what goes wrong without it
-    module: str = "llm_train.runtime.compat"  # where the function lives (see the module docstring)
+    module: str = "llm_train.runtime.base.compat"  # where the function lives (see the module docstring)
 
 
-QUANTIZED_BASE = "llm_train.runtime.quantized_base"
+QUANTIZED_BASE = "llm_train.runtime.model.quantized_base"
 WORKAROUNDS = (
     Workaround(
         "remember_cpu_info", "deepspeed", "0.19.8", "every op load starts a 1.1 s py-cpuinfo subprocess"
@@ -454,7 +454,7 @@ def load_universal_checkpoint(engine: DeepSpeedEngine, per_group: list[dict[str,
 
     DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3)
     copies the first param group's hyperparameters into every group ("generally the same"), so the
-    no-decay group (norms, biases: runtime/optim.py) came back with weight decay: a 2 -> 1
+    no-decay group (norms, biases: runtime/model/optim.py) came back with weight decay: a 2 -> 1
     zero3_offload resume ended 3.2e-5 off in the weights. The same load sets each sub-group's
     `state["step"]` to one and the same tensor (the first saved state's); torch's Adam/AdamW increments
     it in place once per sub-group, so with two param groups (decay and no decay) the bias correction

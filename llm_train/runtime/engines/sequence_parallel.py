@@ -39,7 +39,7 @@ import torch
 
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
-from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.base.collectives import Collectives
 
 if TYPE_CHECKING:
     from accelerate.utils import ParallelismConfig

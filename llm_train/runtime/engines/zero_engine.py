@@ -23,21 +23,29 @@ import torch
 from llm_train.config.resolution import Resolved
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
-from llm_train.runtime.collectives import WORLD, Collectives, destroy
-from llm_train.runtime.compat import without_hf_zero3_config
-from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
-from llm_train.runtime.export import EXPORT_DTYPES, save_hf_model
-from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
-from llm_train.runtime.grpo import Grpo, rollout_logps
-from llm_train.runtime.logit_reference import reference_input_ids, write_reference
-from llm_train.runtime.lora import apply_lora, is_peft_model
+from llm_train.runtime.base.collectives import WORLD, Collectives, destroy
+from llm_train.runtime.base.compat import without_hf_zero3_config
+from llm_train.runtime.checkpointing.logit_reference import reference_input_ids, write_reference
+from llm_train.runtime.engines.engine import (
+    Batch,
+    NonFiniteLoss,
+    StepResult,
+    process_group_timeout,
+    to_device,
+)
+from llm_train.runtime.engines.reference import CachedReference, frozen_reference
+from llm_train.runtime.engines.sequence_parallel import SequenceShard, evaluating, parallelism_config
+from llm_train.runtime.export.model_dir import EXPORT_DTYPES, save_hf_model
+from llm_train.runtime.export.sharded import no_gather, write_adapter, write_merged
 from llm_train.runtime.loss.interface import Objective, Scored, mean_scores
 from llm_train.runtime.loss.language_modeling import LanguageModeling, SequenceParallelLM
 from llm_train.runtime.loss.objectives import make_objective
 from llm_train.runtime.loss.preference import reference_forward
-from llm_train.runtime.model import build_model, load_tokenizer, loss_tokens
-from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
-from llm_train.runtime.quantized_base import (
+from llm_train.runtime.model.fast import apply_liger, compile_notice, dynamo_plugin
+from llm_train.runtime.model.lora import apply_lora, is_peft_model
+from llm_train.runtime.model.model import build_model, load_tokenizer, loss_tokens
+from llm_train.runtime.model.optim import build_optimizer, build_scheduler, release_moments
+from llm_train.runtime.model.quantized_base import (
     Staging,
     describe_quantized,
     place_quantization_state,
@@ -47,9 +55,7 @@ from llm_train.runtime.quantized_base import (
     release_freed_host_memory,
     staged_on_host,
 )
-from llm_train.runtime.reference import CachedReference, frozen_reference
-from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
-from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
+from llm_train.runtime.rl.grpo import Grpo, rollout_logps
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

@@ -20,7 +20,7 @@ Why these settings:
   checkpointing (model.py) are what QLoRA training needs.
 
 Under ZeRO-3 (nf4) the base is staged on the host and partitioned before the engine exists
-(runtime/zero_engine.py): transformers loads a quantised model outside zero.Init (modeling_utils
+(runtime/engines/zero_engine.py): transformers loads a quantised model outside zero.Init (modeling_utils
 `get_init_context`, 5.24: zero.Init is skipped for quantised models) and puts it whole on the current
 GPU, and DeepSpeed's engine moves a model not built under zero.Init to the GPU whole before it
 partitions it (engine.py `_configure_distributed_model`, 0.19.8); a 70B base (~37 GiB packed) fits no
@@ -324,7 +324,7 @@ def quantizing_on(staging: Staging) -> Iterator[None]:
     """While a 4-bit base loads onto the host (device_map cpu): each weight quantised on `staging.device`.
 
     A patch of transformers 5.24's quantizer registry (unchanged in 5.25), for the time of the load only (its
-    quantize op: runtime/quantized_base.py `staged_quantizer`, which refuses in one line a transformers whose
+    quantize op: runtime/model/quantized_base.py `staged_quantizer`, which refuses in one line a transformers whose
     op takes other parameters than the ones it was verified with: `check_quantize_op`).
 
     transformers' loader (core_model_loading.py `convert_and_load_state_dict_in_model`, 5.24) reads the

@@ -1,6 +1,6 @@
 """Pipeline parallelism's model side: a Llama-family HF causal LM as DeepSpeed `PipelineModule` stages.
 
-The engine that runs it is runtime/pipeline_engine.py. The model is expressed as a flat
+The engine that runs it is runtime/engines/pipeline_engine.py. The model is expressed as a flat
 list of pipeline layers that pass plain tensors:
 
     embedding                      input_ids            -> (hidden, position_ids)
@@ -34,10 +34,10 @@ from torch import nn
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import loss_chunks
-from llm_train.runtime import collectives
+from llm_train.runtime.base import collectives
 from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, causal_lm_loss
-from llm_train.runtime.model import model_config
-from llm_train.runtime.pipeline_names import TIED_KEY, LayerMap
+from llm_train.runtime.model.model import model_config
+from llm_train.runtime.model.pipeline_names import TIED_KEY, LayerMap
 
 if TYPE_CHECKING:
     from deepspeed.pipe import PipelineModule

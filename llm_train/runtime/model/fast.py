@@ -2,7 +2,7 @@
 
 Each is a recipe field (`memory.liger_kernels`, `memory.torch_compile`) or a safe default
 (the CUDA allocator's expandable segments), documented in docs/observability.md with
-what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/optim.py.
+what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/model/optim.py.
 """
 
 from __future__ import annotations
