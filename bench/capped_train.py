@@ -13,7 +13,7 @@ NVML's device-wide peak against the real card's memory for that.
 psutil.virtual_memory() reports N GiB in total and N less this process's resident memory available, so
 every decision the run takes from the host's RAM is the one it takes there: the planner's guards at
 start, and the export's verification, which reloads final/ on the CPU only when the model fits half the
-free RAM (runtime/export.py). On a 128 GiB machine it reloaded the merged 15 GiB 8B, a path a 16 GiB
+free RAM (runtime/export/model_dir.py). On a 128 GiB machine it reloaded the merged 15 GiB 8B, a path a 16 GiB
 desktop never takes and the planner does not count. Nothing bounds the real use: the checks measure it.
 
 Everything after the options goes to train.py unchanged, and its exit code (75 after a preemption, 2
@@ -34,7 +34,7 @@ USAGE = "usage: python -m bench.capped_train --gpu-cap-gib GIB [--host-ram-gib G
 
 def cap_gpu_memory(cap_gib: float) -> str:
     """Set the allocator's cap on device 0; returns what was done, for the run's log."""
-    from llm_train.runtime.fast import set_cuda_alloc_conf
+    from llm_train.runtime.model.fast import set_cuda_alloc_conf
 
     # The allocator reads its configuration when CUDA is first initialised, which the cap below does:
     # set it first, as train.py would, so the capped run allocates the same way.

@@ -297,7 +297,7 @@ STAGED_LOAD_CPU = ("--layers", "2", "--hidden", "256", "--intermediate", "512", 
 
 
 def staged_load(ctx: Context) -> dict[str, Any]:
-    """The 4-bit base of a ZeRO-3 QLoRA run, loaded as the run loads it (runtime/quantized_base.py `quantizing_on`):
+    """The 4-bit base of a ZeRO-3 QLoRA run, loaded as the run loads it (runtime/model/quantized_base.py `quantizing_on`):
     each weight quantised on the GPU, its codes back to the host. On the GPU: the allocator's peak during the
     load and the state left there, each within +-15% of the planner's (quantized.staged_quantize_gpu_bytes,
     quantization_state_bytes); the host's anonymous peak against the planner's `model_load_peak` for one

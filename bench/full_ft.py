@@ -141,7 +141,7 @@ COSTS = {"f_7b_cpu_offload": (120, 170), NVME_REFERENCE: (45, 70), "f_1p5b_nvme"
 
 BUILD = """
 import json, time
-from llm_train.runtime.compat import prepare_op_loads
+from llm_train.runtime.base.compat import prepare_op_loads
 prepare_op_loads()  # as the training runs do: another ninja would build the ops again
 from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 out = {}

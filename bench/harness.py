@@ -80,7 +80,7 @@ def capped_train(cap_gib: float, host_ram_gib: float | None = None) -> list[str]
 def accelerate_launch(target: str, *args: str, deepspeed: bool = False) -> list[str]:
     """`accelerate launch` of a script (`llm_train/train.py`) or a module (`bench.overhead`) on 2 CPU
     processes, on its own port (run from the repository root)."""
-    from llm_train.runtime.launch_env import free_port
+    from llm_train.runtime.base.launch_env import free_port
 
     accelerate = Path(sys.executable).with_name("accelerate")
     flags = ["--use_deepspeed"] if deepspeed else []

@@ -2,7 +2,7 @@
 
 bench/mfu_matrix.py runs it as one of its variants. Same job means: the same model config and the
 same initial weights (torch.manual_seed(seed), then `AutoModelForCausalLM.from_config` on the device
-it trains on, as llm_train's runtime/model.py builds a random model), the same micro-batches in the same order
+it trains on, as llm_train's runtime/model/model.py builds a random model), the same micro-batches in the same order
 (the rows llm_train's data layer deals to rank 0, written by `save_job`: packed rows keep their
 restarting position ids, as Trainer users pass them with DataCollatorWithFlattening), the same
 DeepSpeed JSON (the shipped ds_configs file, whose "auto" values the Trainer fills itself), the same
@@ -44,7 +44,7 @@ def save_job(run: Any, folder: Path, steps: int) -> None:
     import torch
 
     from llm_train.data import BatchStream, load_blocks
-    from llm_train.runtime.model import load_tokenizer, model_config
+    from llm_train.runtime.model.model import load_tokenizer, model_config
 
     recipe, seed = run.recipe, run.recipe.optim.seed
     model_config(recipe.model).save_pretrained(folder / "model")
@@ -90,14 +90,13 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from llm_train.runtime.launch_env import set_single_process_env
+    from llm_train.runtime.base.launch_env import set_single_process_env
 
     # A world of one on a free port, as `python llm_train/train.py` makes it (the Trainer's DeepSpeed needs a
     # process group; the matrix's previous launch may hold its port).
     set_single_process_env()
     # DeepSpeed's ops as llm_train's runs load them (the same ninja, one CPU probe): set-up only, untimed.
-    from llm_train.runtime.collectives import skip_unused_shm_op
-    from llm_train.runtime.compat import prepare_op_loads
+    from llm_train.runtime.base.compat import prepare_op_loads, skip_unused_shm_op
 
     prepare_op_loads()
     skip_unused_shm_op()  # nor the build of DeepSpeed's CPU shm op, which the Trainer's run never calls

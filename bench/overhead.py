@@ -53,9 +53,9 @@ from llm_train.config.recipe_sections import TrackingSection
 from llm_train.config.resolution import resolve_run
 from llm_train.observability.metrics import StepMeter
 from llm_train.observability.tracking import open_trackers
-from llm_train.runtime.control import RunControl
+from llm_train.runtime.checkpointing.control import RunControl
+from llm_train.runtime.engines.zero_engine import ZeroEngine
 from llm_train.runtime.loop import LoopConfig, train_loop
-from llm_train.runtime.zero_engine import ZeroEngine
 
 # One intra-op thread per rank (what llm_train's launcher and Accelerate pick on a 2-core machine
 # anyway), so threading never differs between the loops.

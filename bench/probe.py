@@ -77,7 +77,7 @@ def libaio() -> dict[str, Any]:
     """Whether DeepSpeed's async-I/O op can build here (its own check: libaio's library and header)."""
     out: dict[str, Any] = {"libaio_library": ctypes.util.find_library("aio")}
     try:
-        from llm_train.runtime.compat import prepare_op_loads
+        from llm_train.runtime.base.compat import prepare_op_loads
 
         prepare_op_loads()
         from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -114,7 +114,7 @@ def gpu() -> dict[str, Any]:
 
 def cap_works() -> dict[str, Any]:
     """0.5 GiB fits a 1 GiB cap and 1.5 GiB more does not (the allocator's cap, as capped_train sets it)."""
-    from llm_train.runtime.fast import set_cuda_alloc_conf
+    from llm_train.runtime.model.fast import set_cuda_alloc_conf
 
     set_cuda_alloc_conf()  # before CUDA starts, as capped_train and train.py do
     import torch

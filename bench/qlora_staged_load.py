@@ -4,7 +4,7 @@
         [--intermediate 3584] [--vocab 32000] [--out DIR]
 
 Under ZeRO-3 an nf4 base loads onto the host, whole on every rank, each weight quantised on the run's
-device as it loads (runtime/quantized_base.py `quantizing_on`), and is partitioned from there. This measures
+device as it loads (runtime/model/quantized_base.py `quantizing_on`), and is partitioned from there. This measures
 that load for a synthetic Llama saved in bf16 (in a fresh process, so its peaks are the load's own),
 with the weights quantised on `--staging` (cpu: a CPU run, bitsandbytes' CPU backend; cuda: a GPU run):
 - the host RSS the load adds (VmRSS after - before) and its peak (VmHWM - VmRSS before), split into
@@ -127,12 +127,12 @@ def measure_load(path: str, staging: str) -> dict[str, Any]:
     from llm_train.config.recipe_sections import LoraSection
     from llm_train.planning.quantized_bytes import quantized_weight_params
     from llm_train.planning.shapes import shape_from_config
-    from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantized_base import (
+    from llm_train.runtime.model.quantized_base import (
         Staging,
         is_quantized_linear,
         quantization_config,
         quantized_base,
+        quantizing_on,
     )
 
     gpu = staging == "cuda"

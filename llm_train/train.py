@@ -33,15 +33,15 @@ from llm_train.planning.guards import (
     estimate_run,
     memory_rows,
 )
-from llm_train.runtime import launch_env
+from llm_train.runtime.base import launch_env
+from llm_train.runtime.base.launch_env import PIN_BACKEND_ENV
 from llm_train.runtime.benchmark import check_recipe_tasks
 from llm_train.runtime.checkpointing.resume import Resume
-from llm_train.runtime.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
-from llm_train.runtime.launch_env import PIN_BACKEND_ENV
-from llm_train.runtime.model import load_tokenizer
-from llm_train.runtime.optim import check_optimizer_package
-from llm_train.runtime.quantized_base import check_bitsandbytes, check_staged_quantizer
-from llm_train.runtime.rewards import load_rewards
+from llm_train.runtime.model.fast import check_attention_kernel, disable_nccl_p2p, set_cuda_alloc_conf
+from llm_train.runtime.model.model import load_tokenizer
+from llm_train.runtime.model.optim import check_optimizer_package
+from llm_train.runtime.model.quantized_base import check_bitsandbytes, check_staged_quantizer
+from llm_train.runtime.rl.rewards import load_rewards
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 

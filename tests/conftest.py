@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.runtime.compat import prepare_op_loads
+from llm_train.runtime.base.compat import prepare_op_loads
 
 # Optional parts (libaio, bitsandbytes, a GPU, ...): skipped where missing, failed in CI, listed at the end.
 pytest_plugins = ["tests.optional"]

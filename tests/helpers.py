@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llm_train.runtime.launch_env import free_port  # noqa: F401 - the tests' port for each launch
+from llm_train.runtime.base.launch_env import free_port  # noqa: F401 - the tests' port for each launch
 from tests.launch_server import LaunchServer, ServedLaunch, servable
 from tests.workers import THREADS_PER_WORKER
 

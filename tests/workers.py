@@ -2,7 +2,7 @@
 
 Every multi-GPU launch (accelerate's torchrun path, `torchrun`, `deepspeed`, srun) hands each worker
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and each worker then checks and trains on
-its own (llm_train/runtime/launch_env.py, case 1). Most e2e tests start their runs like this. What the
+its own (llm_train/runtime/base/launch_env.py, case 1). Most e2e tests start their runs like this. What the
 `accelerate launch` parent adds (accelerate and llm_train imported once more, the run resolved and
 checked before any worker starts: 3-5 s of every launch on 2 cores) is tested where it is the point:
 tests/e2e/test_train_command.py (its stop signal too) and the max-restarts and SLURM tests; those
@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from llm_train.runtime.launch_env import LocalWorld, free_port, supervise, worker_env
+from llm_train.runtime.base.launch_env import LocalWorld, free_port, supervise, worker_env
 
 
 def import_what_workers_import(argv: list[str]) -> None:
@@ -46,8 +46,8 @@ def import_what_workers_import(argv: list[str]) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401 - the tiny-cpu recipes' model
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
+    import llm_train.runtime.engines.zero_engine  # noqa: F401
     import llm_train.runtime.session  # noqa: F401
-    import llm_train.runtime.zero_engine  # noqa: F401
     import llm_train.train  # noqa: F401
 
 

@@ -5,7 +5,7 @@
     python tools/canary.py --resolve-only       # which library moved, without installing or testing
 
 requirements-lock.txt is what the suite last passed on and what `make install` installs; the windows in
-pyproject.toml (and llm_train/runtime/compat.py WINDOWS) are the releases it was tested with. A release
+pyproject.toml (and llm_train/runtime/base/compat.py WINDOWS) are the releases it was tested with. A release
 that appears after the last lock is what a user's `pip install` may get next (transformers 5.25 did: it
 broke the export check of every large model the day it came out). This script finds such a release
 before a user does:

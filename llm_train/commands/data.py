@@ -19,7 +19,7 @@ from llm_train.data.prepare import prepare_data
 from llm_train.data.prompts import load_prompts
 from llm_train.data.stream_windows import is_streaming
 from llm_train.data.summary import describe_split, mapped_conversations, sample_views
-from llm_train.runtime.model import load_tokenizer
+from llm_train.runtime.model.model import load_tokenizer
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

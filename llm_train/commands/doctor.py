@@ -38,7 +38,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
 from llm_train.planning.guards import nvme_problems
-from llm_train.runtime.compat import installed_version, version_problems
+from llm_train.runtime.base.compat import installed_version, version_problems
 from llm_train.units import GiB
 
 DEFAULT_BUILD_TIMEOUT_S = 300.0
@@ -66,7 +66,7 @@ import time, logging
 t = time.perf_counter()
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder import CPUAdamBuilder
-from llm_train.runtime.compat import prepare_op_loads
+from llm_train.runtime.base.compat import prepare_op_loads
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 prepare_op_loads()  # as a training run does: the same ninja, so the build is the run's
 CPUAdamBuilder().load()
@@ -267,7 +267,7 @@ def check_software(report: Report, gpus: list[tuple[str, float, tuple[int, int],
         pass
     for package in PACKAGES[1:]:
         report.add(section, package, installed_version(package) or "not installed")
-    # One warning per library outside its tested window (runtime/compat.py WINDOWS).
+    # One warning per library outside its tested window (runtime/base/compat.py WINDOWS).
     for outside in version_problems():
         report.warn(*outside)
     if not installed_version("peft"):

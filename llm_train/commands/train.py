@@ -56,7 +56,7 @@ from llm_train.errors import (
     UserError,
     first_line,
 )
-from llm_train.runtime.launch_env import read_accelerate_launch
+from llm_train.runtime.base.launch_env import read_accelerate_launch
 
 # Exit codes after which a worker has already said what happened in its own words.
 SELF_EXPLAINED = frozenset({EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_CHECKPOINT_IO, EXIT_PREEMPTED})
@@ -182,7 +182,7 @@ def accelerate_argv(
     """The `accelerate launch` command line that starts train.py with `train_argv`.
 
     Run through this Python and accelerate's own script, so that train.py recognises its parent as
-    `accelerate launch` (runtime/launch_env.py reads the parent's command line on CPU). With
+    `accelerate launch` (runtime/base/launch_env.py reads the parent's command line on CPU). With
     `quiet_defaults` (no accelerate config file on this machine) it also names the values Accelerate
     would otherwise default with a five-line warning; they are its defaults, so nothing changes.
     """
@@ -224,7 +224,7 @@ def _has_accelerate_config(flags: argparse.Namespace) -> bool:
 
 
 def read_launch(args: list[str], config_file: str | None) -> tuple[argparse.Namespace, AccelerateLaunch]:
-    """Accelerate's reading of an `accelerate launch` line (runtime/launch_env.py), its refusals as one line."""
+    """Accelerate's reading of an `accelerate launch` line (runtime/base/launch_env.py), its refusals as one line."""
     try:
         return read_accelerate_launch(args)
     except (ValueError, OSError, TypeError) as exc:

@@ -16,11 +16,11 @@ So every value is reconciled here, once, before the run is resolved, by one rule
   `mixed_precision` map onto the recipe's settings (its DeepSpeed JSON, optim.grad_accum,
   optim.grad_clip, precision); where they differ, the recipe wins (it was planned to fit);
 - `reconcile` writes one start-up notice naming, for every such value, what won and where each
-  came from; the workers then never see Accelerate's own copy of them (runtime/launch_env.py clears it);
+  came from; the workers then never see Accelerate's own copy of them (runtime/base/launch_env.py clears it);
 - a kind llm_train cannot train under (FSDP, Megatron-LM, TPU, mpirun) is one line before any
   worker starts (`refuse`).
 
-No accelerate import here: runtime/launch_env.py reads the command line with Accelerate's own parser
+No accelerate import here: runtime/base/launch_env.py reads the command line with Accelerate's own parser
 and hands this module plain values.
 """
 

@@ -13,7 +13,7 @@ The kernels (transformers' `attn_implementation` names, plus llm_train's `sdpa_f
   128 x 128 blocks a sample's causal triangle touches are computed. torch has no flex_attention
   backward on CPU ("FlexAttention does not support backward on CPU", checked with torch 2.13), so
   it trains on GPUs only; its forward runs on CPU (the exactness tests use it).
-- `sdpa_flex`: per batch, the cheaper exact one of the two (runtime/document_attention.py): sdpa with
+- `sdpa_flex`: per batch, the cheaper exact one of the two (runtime/model/document_attention.py): sdpa with
   `is_causal` where the batch has no sample boundary and no padding (the very call `sdpa` makes),
   flex_attention with the block mask where it has. It never builds the dense mask, and is never
   slower than `sdpa` once the flex kernels are compiled (the first batch with a boundary compiles
@@ -26,7 +26,7 @@ The kernels (transformers' `attn_implementation` names, plus llm_train's `sdpa_f
 the dry run says which: flash_attention_2 where flash-attn is installed (GPU), else sdpa_flex where
 flex_attention's backward fits the card at the model's head_dim (below), else sdpa. On CPU it is
 sdpa (flex cannot train there). The document-aware kernels are chosen only on the plain ZeRO path:
-pipeline stages build their own masks (runtime/pipeline_model.py), DeepSpeed's Ulysses attention
+pipeline stages build their own masks (runtime/engines/pipeline_model.py), DeepSpeed's Ulysses attention
 wraps sdpa or flash-attention only, and AutoTP with flex is not verified; there `auto` is
 flash_attention_2 where installed, else sdpa, and flex_attention / sdpa_flex are refused
 (config/parallel.py).

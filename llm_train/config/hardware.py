@@ -308,7 +308,7 @@ def gpus_without_p2p() -> list[tuple[int, int]]:
     Consumer cards (RTX 40xx, many RTX 30xx boards and PCIe topologies) have no peer-to-peer
     access; NCCL's P2P transport then hangs or fails on them instead of falling back, which is a
     frequent DeepSpeed report. Empty with fewer than two GPUs or no CUDA. Asks torch, so it
-    initialises CUDA: call it after the allocator settings are in place (runtime/fast.py).
+    initialises CUDA: call it after the allocator settings are in place (runtime/model/fast.py).
     """
     try:
         import torch

@@ -76,7 +76,7 @@ def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: st
     nf4 storage like any 16-bit tensor (its dtype is the compute dtype), and with offload_param on
     the CPU keeps the partitions in host RAM and fetches them per module, like any weight; the
     quantisation state (absmax, code book) is not a parameter: the run puts it on the GPU once,
-    whole (runtime/quantized_base.py), so both travel as they must. NVMe swapping of the packed storage
+    whole (runtime/model/quantized_base.py), so both travel as they must. NVMe swapping of the packed storage
     and int8 (whose scales live beside the weight) are not verified.
     """
     quantize = recipe.lora.quantize if recipe.lora else "none"

@@ -32,13 +32,13 @@ from llm_train.config.recipe_sections import EvalSection
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.observability.tracking import BENCH
+from llm_train.runtime.base.compat import no_progress_bars
 from llm_train.runtime.checkpointing.file_sync import FileSync
-from llm_train.runtime.compat import no_progress_bars
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from llm_train.runtime.collectives import Collectives
+    from llm_train.runtime.base.collectives import Collectives
 
 BUNDLED_TASKS = ASSETS_DIR / "eval_tasks"
 INSTALL_HINT = "pip install 'llm_train[eval]' (or pip install lm-eval)"

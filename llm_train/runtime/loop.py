@@ -1,6 +1,6 @@
 """The step loop: step, log, evaluate, checkpoint, stop. Nothing else happens here.
 
-One loop for every engine (runtime/engine.py) and every objective (runtime/objectives.py): the
+One loop for every engine (runtime/engines/engine.py) and every objective (runtime/loss/): the
 engine runs one optimizer step and reports its loss; the loop agrees with the other ranks on that
 loss and on the stop and checkpoint flags in one collective, meters, logs (with the objective's own
 metrics, averaged over ranks on logged steps only), evaluates and saves on schedule.
@@ -18,10 +18,10 @@ from llm_train.observability.console import bench_line, eval_line, progress_line
 from llm_train.observability.metrics import StepMeter
 from llm_train.observability.profiling import NullProfiler, StepProfiler
 from llm_train.observability.tracking import Trackers
+from llm_train.runtime.base.collectives import WORLD
 from llm_train.runtime.benchmark import PeriodicBench
-from llm_train.runtime.collectives import WORLD
-from llm_train.runtime.control import RunControl
-from llm_train.runtime.engine import Batch, Engine, NonFiniteLoss
+from llm_train.runtime.checkpointing.control import RunControl
+from llm_train.runtime.engines.engine import Batch, Engine, NonFiniteLoss
 
 
 @dataclass(frozen=True)

@@ -43,19 +43,20 @@ from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
 from llm_train.planning.guards import RunEstimate
-from llm_train.runtime import collectives, compat, launch_env
+from llm_train.runtime.base import collectives, compat, launch_env
 from llm_train.runtime.benchmark import PeriodicBench, recipe_options
 from llm_train.runtime.benchmark import unavailable as benchmark_unavailable
+from llm_train.runtime.checkpointing.control import RunControl
+from llm_train.runtime.checkpointing.logit_reference import read_reference
 from llm_train.runtime.checkpointing.resume import Resume, TrainerState
 from llm_train.runtime.checkpointing.run_state import Saver
-from llm_train.runtime.control import RunControl
-from llm_train.runtime.engine import Engine, process_group_timeout, to_device
-from llm_train.runtime.export import read_reference, sample_text, verify_export, write_check
-from llm_train.runtime.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, SampleLog, rollout_logps
+from llm_train.runtime.engines.engine import Engine, process_group_timeout, to_device
+from llm_train.runtime.export.model_dir import sample_text, verify_export, write_check
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
-from llm_train.runtime.lora import is_adapter_export, verify_adapter_export
-from llm_train.runtime.model import load_tokenizer
-from llm_train.runtime.rewards import load_rewards
+from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
+from llm_train.runtime.model.model import load_tokenizer
+from llm_train.runtime.rl.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, SampleLog, rollout_logps
+from llm_train.runtime.rl.rewards import load_rewards
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:
@@ -233,10 +234,10 @@ def grpo_data(run: Resolved, tokenizer: PreTrainedTokenizerBase, dp_rank: int, s
 def make_engine(run: Resolved, say: Say) -> Engine:
     # Accelerate cannot drive DeepSpeed's pipeline engine: pipelines get their own.
     if run.layout.pp > 1:
-        from llm_train.runtime.pipeline_engine import PipelineEngine
+        from llm_train.runtime.engines.pipeline_engine import PipelineEngine
 
         return PipelineEngine(run, say)
-    from llm_train.runtime.zero_engine import ZeroEngine
+    from llm_train.runtime.engines.zero_engine import ZeroEngine
 
     return ZeroEngine(run, say)
 
@@ -284,7 +285,7 @@ def build_engine(w: Worker, engine: Engine, data: RunData) -> StepMeter:
     """The model and the DeepSpeed engine, the objective prepared, the step meter."""
     engine.build(data.max_steps, w.clock.mark)  # marks "model build" and "deepspeed init"
     # DPO with a cached reference scores every pair now, while the engine still holds the initial
-    # model: before a checkpoint's weights are loaded into it (runtime/reference.py).
+    # model: before a checkpoint's weights are loaded into it (runtime/engines/reference.py).
     engine.objective.prepare([data.stream.split, data.eval_blocks], w.dp_rank, w.run.layout.dp, w.say)
     return StepMeter.for_run(w.run, engine.token_flops(), w.options.peak_tflops, w.clock)
 
@@ -328,7 +329,7 @@ def train(
         options.profile, options.flops_profiler, recipe.output_dir, w.rank, state.step, data.max_steps, w.say
     )
     bench = periodic_bench(w, engine, data)
-    # GRPO's micro-batches are generated from the prompts the stream deals (runtime/grpo.py).
+    # GRPO's micro-batches are generated from the prompts the stream deals (runtime/rl/grpo.py).
     batches = rollouts(w, engine, data, tracker, cfg) if recipe.objective == "grpo" else data.stream
     with profiler:
         return train_loop(engine, batches, evals, cfg, tracker, control, save, w.say, meter, profiler, bench)

@@ -43,7 +43,7 @@ def test_tiny_lora_trains_with_two_processes(tmp_path: Path, extra: list[str], m
 
         model = AutoModelForCausalLM.from_pretrained(final)
         assert not any("lora" in n for n, _ in model.named_parameters())
-        from llm_train.runtime.model import build_model
+        from llm_train.runtime.model.model import build_model
 
         recipe = load_recipe("tiny-cpu-lora")  # the run's base weights: same seed, same init
         start = build_model(recipe.model, recipe.memory, "fp32", recipe.optim.seed)

@@ -45,7 +45,7 @@ def test_adamw_8bit_trains_checkpoints_8bit_moments_and_resumes_exactly(
     # Per param group, one flat partition: bitsandbytes nests its quantised state under its own key.
     groups = saved["optimizer_state_dict"]["base_optimizer_state"]["state"].values()
     quantised = [g["__bnb_optimizer_quant_state__"] for g in groups]
-    decayed = quantised[0]  # the matrices (runtime/optim.py puts them in the first group): 8-bit codes
+    decayed = quantised[0]  # the matrices (runtime/model/optim.py puts them in the first group): 8-bit codes
     assert decayed["state1"].dtype == decayed["state2"].dtype == torch.uint8
     assert decayed["absmax1"].numel() == -(-decayed["state1"].numel() // 256)
 

@@ -13,7 +13,7 @@ of Llama, Mistral and Qwen2 is tested without DeepSpeed in tests/unit/test_pipel
     pp2         2 processes, 2 stages  micro 8 x accum 2 x dp 1     (ZeRO-1, checkpoint at step 3)
     pp2_resumed pp2 resumed from its step-3 checkpoint
     pp2_dp2     4 processes, 2 stages  micro 8 x accum 1 x dp 2     (ZeRO-0: llm_train's own clipping
-                                                                  across stages, see runtime/pipeline_engine.py;
+                                                                  across stages, see runtime/engines/pipeline_engine.py;
                                                                   the chunked loss, memory.tiled_loss, on the
                                                                   last stage, through the tied embedding)
 
@@ -172,7 +172,7 @@ def _eval_loss_of_export(final: Path, recipe: str) -> float:
 
     from llm_train.config.recipe import load_recipe
     from llm_train.data import eval_batches, load_blocks
-    from llm_train.runtime.model import load_tokenizer
+    from llm_train.runtime.model.model import load_tokenizer
 
     r = load_recipe(recipe, ["eval.batches=2"])
     _, eval_split = load_blocks(r.data, load_tokenizer(r.model), r.optim.seed)
@@ -209,7 +209,7 @@ def test_llm_train_export_reads_a_pipeline_checkpoint(runs: dict[str, Path], tmp
     from safetensors.torch import load_file
 
     from llm_train.runtime.checkpointing.commit import step_name
-    from llm_train.runtime.export import export_checkpoint
+    from llm_train.runtime.export.model_dir import export_checkpoint
 
     report = export_checkpoint(runs["pp2"] / "checkpoints" / step_name(STEPS), tmp_path / "out", "fp32")
     expected = json.loads((runs["pp2"] / "final" / "export_check.json").read_text())["tensors"]

@@ -65,8 +65,7 @@ def _quantized_base(base: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from llm_train.config.recipe_sections import LoraSection
-    from llm_train.runtime.compat import keep_training_layout
-    from llm_train.runtime.quantized_base import quantization_config
+    from llm_train.runtime.model.quantized_base import keep_training_layout, quantization_config
 
     model = AutoModelForCausalLM.from_pretrained(
         base,
@@ -150,7 +149,7 @@ def test_qlora_zero2_adapter_reloads_and_resumes_exactly_after_kill_9(base: Path
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from llm_train.runtime.export import read_reference
+    from llm_train.runtime.checkpointing.logit_reference import read_reference
 
     extra = ("lora.export=adapter", "checkpoint.every_steps=2", "--resume", "auto")
     reference, killed = tmp_path / "reference", tmp_path / "killed"

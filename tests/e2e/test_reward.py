@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from llm_train.cli import main as cli_main
-from llm_train.runtime.export import read_reference
-from llm_train.runtime.objectives import REWARD_METRICS
+from llm_train.runtime.checkpointing.logit_reference import read_reference
+from llm_train.runtime.loss.reward import REWARD_METRICS
 from tests.helpers import assert_ok, launch, read_metrics
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""llm_train.runtime.collectives on a real CUDA device: a world of one under NCCL.
+"""llm_train.runtime.base.collectives on a real CUDA device: a world of one under NCCL.
 
 The CPU suite (tests/unit/test_collectives.py) can only check where tensors are sent, with
 the meta device standing in for CUDA; NCCL itself is what refuses a CPU tensor ("No backend type
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llm_train.runtime import collectives
-from llm_train.runtime.collectives import Collectives, comm_device
+from llm_train.runtime.base import collectives
+from llm_train.runtime.base.collectives import Collectives, comm_device
 from tests.helpers import free_port
 from tests.unit.test_collectives import CALLS
 

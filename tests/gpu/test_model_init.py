@@ -1,4 +1,4 @@
-"""Random weights are drawn on the device a non-ZeRO-3 run trains on (runtime/model.py build_model).
+"""Random weights are drawn on the device a non-ZeRO-3 run trains on (runtime/model/model.py build_model).
 
 On the CPU a 1B shape took ~50 s per launch on the first H200 run; drawn on the GPU, about a second.
 The same seed must still give every rank (and the HF Trainer peer of bench/mfu_matrix.py, which draws
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llm_train.config.recipe import load_recipe
-from llm_train.runtime.model import build_model
+from llm_train.runtime.model.model import build_model
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""A 4-bit base staged on the host, quantised on the GPU weight by weight (runtime/quantized_base.py `quantizing_on`).
+"""A 4-bit base staged on the host, quantised on the GPU weight by weight (runtime/model/quantized_base.py `quantizing_on`).
 
 On a CUDA machine: the codes and quantisation state the staged load makes equal bitsandbytes' own CUDA
 quantisation of the same bf16 weights, the codes end on the host and the state on the GPU, and the
@@ -58,8 +58,12 @@ def test_gpu_staging_quantises_as_bitsandbytes_does_on_cuda_within_the_planners_
 
     from llm_train.planning.quantized_bytes import quantization_state_bytes, staged_quantize_gpu_bytes
     from llm_train.planning.shapes import shape_from_config
-    from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantized_base import Staging, is_quantized_linear, quantization_config
+    from llm_train.runtime.model.quantized_base import (
+        Staging,
+        is_quantized_linear,
+        quantization_config,
+        quantizing_on,
+    )
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -1,4 +1,4 @@
-"""config/accelerate_launch.py + runtime/launch_env.py: the user's accelerate config, read as accelerate reads it.
+"""config/accelerate_launch.py + runtime/base/launch_env.py: the user's accelerate config, read as accelerate reads it.
 
 Configs are written as `accelerate config` writes them (tests/helpers.py `wizard_config`). What runs is
 launched in tests/e2e/test_accelerate_configs.py; here: what each kind is read as, where each value
@@ -18,7 +18,7 @@ from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.runtime import launch_env
+from llm_train.runtime.base import launch_env
 from tests.helpers import TRAIN, wizard_config
 
 

@@ -20,7 +20,7 @@ from llm_train.config.layout import state_dtype_problem
 from llm_train.config.recipe_sections import OptimSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.runtime.optim import build_optimizer
+from llm_train.runtime.model.optim import build_optimizer
 
 CPU = Device("cpu", "cpu", True)
 BF16_STATES = ["precision=bf16", "optim.state_dtype=bf16"]

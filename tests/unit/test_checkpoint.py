@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from llm_train.runtime.base.collectives import Collectives
 from llm_train.runtime.checkpointing.commit import (
     LATEST,
     Checkpointer,
@@ -18,7 +19,6 @@ from llm_train.runtime.checkpointing.commit import (
     find_resumable,
     verify,
 )
-from llm_train.runtime.collectives import Collectives
 from tests.workers import exit_with
 
 FILES = [

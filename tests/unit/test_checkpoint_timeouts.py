@@ -35,7 +35,7 @@ WORKER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import llm_train.runtime.checkpointing.commit as checkpoint
     from llm_train.runtime.checkpointing import resume, run_state
-    from llm_train.runtime.collectives import WORLD
+    from llm_train.runtime.base.collectives import WORLD
 
     rank, timeout_s, slow_s = int(os.environ["RANK"]), float(sys.argv[2]), float(sys.argv[3])
     root = Path(sys.argv[1])

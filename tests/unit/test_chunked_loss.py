@@ -24,10 +24,10 @@ from llm_train.config.objective_sections import PreferenceSection
 from llm_train.config.recipe_sections import LoraSection, MemorySection
 from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
-from llm_train.runtime.chunked_loss import enable_tiled_loss
-from llm_train.runtime.model import build_model
-from llm_train.runtime.objectives import Preference, reference_forward, sequence_logps
-from llm_train.runtime.pipeline_model import ChunkedCausalLMLoss, causal_lm_loss
+from llm_train.runtime.engines.pipeline_model import ChunkedCausalLMLoss, causal_lm_loss
+from llm_train.runtime.loss.chunked import enable_tiled_loss
+from llm_train.runtime.loss.preference import Preference, reference_forward, sequence_logps
+from llm_train.runtime.model.model import build_model
 from tests.unit.test_tiling import (
     SEQ,
     TILES,
@@ -277,7 +277,7 @@ def test_liger_computes_the_loss_only_where_it_can_read_a_plain_weight(
 ) -> None:
     """Liger's kernel reads `lm_head.weight` itself: CUDA, a plain nn.Linear, not ZeRO-3-partitioned, Liger
     >= 0.8.5 (per-token losses with the gradient recomputed in backward). Elsewhere the chunked loss runs."""
-    from llm_train.runtime import chunked_loss
+    from llm_train.runtime.loss import chunked as chunked_loss
 
     monkeypatch.setattr(chunked_loss, "version", lambda name: "0.8.5")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

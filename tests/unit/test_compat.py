@@ -1,4 +1,4 @@
-"""The compatibility boundary (runtime/compat.py): every library patch listed, in one module, inside the window.
+"""The compatibility boundary (runtime/base/compat.py): every library patch listed, in one module, inside the window.
 
 Each workaround is listed here by name, with the library it bends; each is verified on a DeepSpeed
 inside the tested window, which pyproject.toml's dependency states too; no other module patches a
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llm_train.runtime import compat
+from llm_train.runtime.base import compat
 from tests.helpers import REPO
 
 # Every patch of a library's internals and every workaround of a library's behaviour llm_train makes.
@@ -44,7 +44,7 @@ def test_every_workaround_is_listed_with_the_version_it_was_verified_on() -> Non
     listed = {w.name: w.library for w in compat.WORKAROUNDS}
     assert listed == EXPECTED
     for w in compat.WORKAROUNDS:
-        fn = getattr(compat, w.name)
+        fn = getattr(importlib.import_module(w.module), w.name)
         assert callable(fn) and fn.__doc__, w.name
         # The docstring names the version it describes, and that is the version listed.
         assert w.verified in fn.__doc__ or w.verified.rsplit(".", 1)[0] in fn.__doc__, w.name
@@ -275,18 +275,25 @@ def _library_patches(tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(set(found))
 
 
+def _module_file(module: str) -> str:
+    return module.replace(".", "/") + ".py"
+
+
 def test_only_compat_patches_a_library() -> None:
-    """A process-wide patch (a library module's attribute replaced) anywhere else would escape the list above."""
+    """A process-wide patch (a library module's attribute replaced) anywhere but in a module WORKAROUNDS names
+    (compat itself, and the 4-bit base beside its own workarounds) would escape the list above."""
+    homes = {_module_file(w.module) for w in compat.WORKAROUNDS}
+    assert homes == {"llm_train/runtime/base/compat.py", "llm_train/runtime/model/quantized_base.py"}
     elsewhere = {
         (str(path.relative_to(REPO)), target)
         for path in (REPO / "llm_train").rglob("*.py")
-        if path.name != "compat.py"
+        if str(path.relative_to(REPO)) not in homes
         for _, target in _library_patches(ast.parse(path.read_text()))
     }
     # Not a library's internals: sys.argv is swapped and put back around W&B's start (it records argv).
     assert elsewhere == {("llm_train/observability/tracking.py", "sys.argv")}
-    here = {t for _, t in _library_patches(ast.parse((REPO / "llm_train/runtime/compat.py").read_text()))}
-    # The rule sees compat's own patches, as it would see them anywhere else.
+    here = {t for home in homes for _, t in _library_patches(ast.parse((REPO / home).read_text()))}
+    # The rule sees the listed modules' own patches, as it would see them anywhere else.
     assert here == {
         "cpuinfo.get_cpu_info",
         "cpp_extension.load",
@@ -303,7 +310,7 @@ def test_deepspeed_op_loads_ask_py_cpuinfo_once_per_process(monkeypatch: pytest.
     import cpuinfo
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
-    from llm_train.runtime.compat import remember_cpu_info
+    from llm_train.runtime.base.compat import remember_cpu_info
 
     calls = []
 
@@ -325,7 +332,7 @@ def test_op_builds_use_the_environments_own_ninja(monkeypatch: pytest.MonkeyPatc
     """Two ninjas on one machine do not read each other's build log: each rebuilt what the other built."""
     import sys
 
-    from llm_train.runtime.compat import use_environment_ninja
+    from llm_train.runtime.base.compat import use_environment_ninja
 
     env_bin, system_bin = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
     for folder in (env_bin, system_bin):
@@ -352,7 +359,7 @@ def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import() -> 
     # A fresh interpreter: whether inductor and the Muon module are imported is process-wide state.
     code = """
 import sys, torch
-from llm_train.runtime.compat import defer_muon_compile
+from llm_train.runtime.base.compat import defer_muon_compile
 assert defer_muon_compile()
 from deepspeed.runtime.zero.muon import original_muon
 assert "torch._inductor.compile_fx" not in sys.modules, "inductor imported with the Muon module"
@@ -377,7 +384,7 @@ def test_deepspeeds_op_builds_compile_without_debug_info(monkeypatch: pytest.Mon
     import torch.utils.cpp_extension as cpp_extension
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    from llm_train.runtime.compat import NO_DEBUG_INFO, build_ops_without_debug_info
+    from llm_train.runtime.base.compat import NO_DEBUG_INFO, build_ops_without_debug_info
 
     class Built(Exception):
         pass
@@ -409,12 +416,12 @@ def test_deepspeeds_shared_memory_op_is_never_built() -> None:
     code = """
 import torch.distributed as dist
 from deepspeed.ops.op_builder.cpu import comm
-from llm_train.runtime.compat import skip_unused_shm_op
+from llm_train.runtime.base.compat import skip_unused_shm_op
 def refuse(self, *args, **kwargs):
     raise AssertionError(f"{self.NAME} was built or loaded")
 comm.ShareMemCommBuilder.load = comm.ShareMemCommBuilder.jit_load = refuse
 assert skip_unused_shm_op()
-from llm_train.runtime.launch_env import free_port
+from llm_train.runtime.base.launch_env import free_port
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 import deepspeed
 deepspeed.init_distributed("gloo")  # the CPU accelerator's TorchBackend, as a training worker makes it

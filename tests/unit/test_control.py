@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from llm_train.runtime.control import EXIT_PREEMPTED, RunControl
+from llm_train.runtime.checkpointing.control import EXIT_PREEMPTED, RunControl
 
 
 class Exits:

@@ -27,7 +27,7 @@ from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_of
-from llm_train.runtime import document_attention as sdpa_flex
+from llm_train.runtime.model import document_attention as sdpa_flex
 from tests.helpers import tiny_llama_config
 from tests.unit.data_fixtures import data_section, get_tokenizer, text_rows, write_jsonl
 

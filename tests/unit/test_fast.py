@@ -6,7 +6,7 @@ import pytest
 
 from llm_train.config.recipe_sections import MemorySection
 from llm_train.errors import UserError
-from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin, set_cuda_alloc_conf
+from llm_train.runtime.model.fast import apply_liger, compile_notice, dynamo_plugin, set_cuda_alloc_conf
 
 
 def test_switches_default_off() -> None:
@@ -125,7 +125,7 @@ def test_flash_attention_2_is_refused_in_one_line_when_flash_attn_does_not_impor
     import types
 
     from llm_train.errors import UserError
-    from llm_train.runtime.fast import check_attention_kernel
+    from llm_train.runtime.model.fast import check_attention_kernel
 
     check_attention_kernel(MemorySection(attention="sdpa"))  # nothing to check
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # an import of it raises ImportError

@@ -21,10 +21,10 @@ from llm_train.config.recipe_sections import DataSection
 from llm_train.config.resolution import resolve_run
 from llm_train.data.prompts import Prompt, load_prompts, prompt_stream
 from llm_train.errors import UserError
-from llm_train.runtime.grpo import Rollouts, RolloutShape, SampleLog, cut_at_eos, left_pad, right_pad
 from llm_train.runtime.loop import LoopConfig
-from llm_train.runtime.model import load_tokenizer
-from llm_train.runtime.rewards import load_rewards
+from llm_train.runtime.model.model import load_tokenizer
+from llm_train.runtime.rl.grpo import Rollouts, RolloutShape, SampleLog, cut_at_eos, left_pad, right_pad
+from llm_train.runtime.rl.rewards import load_rewards
 from llm_train.runtime.session import sample_log
 from tests.helpers import REPO
 

@@ -13,7 +13,7 @@ log-probs through its fused, tiled LM head, we through the model's logits, so di
 summation order alone (measured: printed by each test, ~1e-7).
 
 Scaling: TRL divides its loss by the accumulation steps, DeepSpeed's `backward` divides ours (see
-runtime/grpo_loss.py); `test_accumulation_divides_once` checks ours / accumulation == TRL's at accumulation 2.
+runtime/loss/grpo.py); `test_accumulation_divides_once` checks ours / accumulation == TRL's at accumulation 2.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 # TRL is test-only (pyproject's dev extra, which `make install` installs): imported, not skipped.
 from trl import GRPOConfig, GRPOTrainer
 
-from llm_train.runtime.grpo_loss import (
+from llm_train.runtime.loss.grpo import (
     LossSettings,
     completion_logps,
     completion_logps_and_entropy,

@@ -1,4 +1,4 @@
-"""runtime/launch_env.py: a worker's one-line error reaches torchrun's failure report."""
+"""runtime/base/launch_env.py: a worker's one-line error reaches torchrun's failure report."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from llm_train.runtime import launch_env
+from llm_train.runtime.base import launch_env
 
 MESSAGE = "llm-train: error: recipe tiny-cpu.yaml: unknown key 'optim.lrr'; did you mean 'lr'?"
 

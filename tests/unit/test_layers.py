@@ -12,6 +12,9 @@ Function-local imports count: a cycle hidden inside a function is still a cycle.
 allowed only for heavy third-party packages (torch, deepspeed, transformers, ...), never for
 llm_train's own modules. The one exception is the runtime's choice of engine
 (session.make_engine), which imports only the engine a run uses.
+
+Inside runtime the same rule holds between its rooms (RUNTIME_ROOMS, the order runtime/__init__.py
+states): a module imports from its own room or from a room below it, never from one above.
 """
 
 from __future__ import annotations
@@ -37,10 +40,21 @@ LAYERS = {
     "llm_train.commands": 5,
     "llm_train.assets": 5,  # the builder of the bundled assets: a script
 }
+# runtime's rooms, lowest first; the last, runtime itself, holds the run (session, loop, benchmark, rundir).
+RUNTIME_ROOMS = [
+    "llm_train.runtime.base",
+    "llm_train.runtime.loss",
+    "llm_train.runtime.model",
+    "llm_train.runtime.checkpointing",
+    "llm_train.runtime.export",
+    "llm_train.runtime.rl",
+    "llm_train.runtime.engines",
+    "llm_train.runtime",
+]
 # (importer, imported) pairs allowed as function-local imports of the package's own modules.
 LOCAL_OK = {
-    ("llm_train.runtime.session", "llm_train.runtime.pipeline_engine"),
-    ("llm_train.runtime.session", "llm_train.runtime.zero_engine"),
+    ("llm_train.runtime.session", "llm_train.runtime.engines.pipeline_engine"),
+    ("llm_train.runtime.session", "llm_train.runtime.engines.zero_engine"),
 }
 
 
@@ -101,6 +115,37 @@ def test_the_layer_table_covers_every_module() -> None:
         layer(module)  # raises for a module no layer claims
 
 
+def room(module: str) -> int:
+    """The rank of the runtime room that holds `module` (RUNTIME_ROOMS, lowest first)."""
+    return max(
+        (i for i, r in enumerate(RUNTIME_ROOMS) if module == r or module.startswith(r + ".")),
+        key=lambda i: len(RUNTIME_ROOMS[i]),
+    )
+
+
+def test_runtime_states_its_rooms_in_this_order() -> None:
+    """runtime/__init__.py's docstring lists the rooms (`base/`, `loss/`, ...) in RUNTIME_ROOMS' order."""
+    import re
+
+    doc = (PACKAGE / "runtime" / "__init__.py").read_text()
+    stated = re.findall(r"^    (\w+)/ ", doc, re.M)
+    assert stated == [r.rsplit(".", 1)[1] for r in RUNTIME_ROOMS[:-1]], stated
+    rooms = {p.parent.name for p in (PACKAGE / "runtime").glob("*/__init__.py")}
+    assert rooms == set(stated), "every sub-package of runtime is a room in RUNTIME_ROOMS"
+
+
+def test_runtime_imports_only_go_down_its_rooms() -> None:
+    runtime = [m for m in sorted(MODULES) if m.startswith("llm_train.runtime")]
+    assert len({room(m) for m in runtime}) == len(RUNTIME_ROOMS)  # every room holds modules
+    upward = [
+        f"{m} ({RUNTIME_ROOMS[room(m)]}) imports {t} ({RUNTIME_ROOMS[room(t)]}) at line {line}"
+        for m in runtime
+        for t, _, line in imports(m)
+        if t.startswith("llm_train.runtime") and room(t) > room(m) and (m, t) not in LOCAL_OK
+    ]
+    assert upward == [], "\n".join(upward)
+
+
 def test_imports_only_go_down() -> None:
     upward = [
         f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)}) at line {line}"
@@ -143,6 +188,21 @@ def test_no_import_cycles() -> None:
         if module not in state:
             visit(module)
     assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_room_rule_catches_an_arrow_up_inside_runtime() -> None:
+    """A probe in loss/ that imports an engine is upward by the rooms, though both are layer 4."""
+    fake = PACKAGE / "runtime" / "loss" / "_room_rule_probe.py"
+    fake.write_text("from llm_train.runtime.engines.engine import Engine\n")
+    try:
+        MODULES["llm_train.runtime.loss._room_rule_probe"] = fake
+        ((target, _, _),) = imports("llm_train.runtime.loss._room_rule_probe")
+        assert target == "llm_train.runtime.engines.engine"
+        assert room(target) > room("llm_train.runtime.loss._room_rule_probe")
+        assert layer(target) == layer("llm_train.runtime.loss._room_rule_probe")
+    finally:
+        MODULES.pop("llm_train.runtime.loss._room_rule_probe", None)
+        fake.unlink()
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from llm_train.planning.memory_estimate import (
 )
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_from_config
-from llm_train.runtime.chunked_loss import enable_tiled_loss
+from llm_train.runtime.loss.chunked import enable_tiled_loss
 from tests.helpers import tiny_llama_config
 
 LINE_TOLERANCE = 0.15
@@ -125,7 +125,7 @@ def test_the_loss_line_is_what_the_loss_allocates(precision: str, chunked: bool,
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "checkpointed"])
 def test_the_activation_line_is_what_a_training_step_keeps(precision: str, checkpointing: bool) -> None:
     model = llama(precision, vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=4)
-    if checkpointing:  # as runtime/model.py sets it
+    if checkpointing:  # as runtime/model/model.py sets it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     input_ids = torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(0))
     measured = measured_step(model, input_ids)
@@ -142,7 +142,7 @@ def test_the_activation_line_of_lora_is_what_a_training_step_keeps(
     """LoRA r=8 on every projection, bf16 (the adapters cast to bf16, as DeepSpeed's bf16 engine casts
     them): the frozen base keeps less than a full fine-tune, PEFT's dropout a copy of each adapted input."""
     from llm_train.config.recipe_sections import LoraSection
-    from llm_train.runtime.lora import apply_lora
+    from llm_train.runtime.model.lora import apply_lora
 
     base = llama("bf16", vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=4)
     if checkpointing:

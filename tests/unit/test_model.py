@@ -1,4 +1,4 @@
-"""runtime/model.py: random weights are drawn where they train, and the seed still decides them.
+"""runtime/model/model.py: random weights are drawn where they train, and the seed still decides them.
 
 Non-ZeRO-3 GPU runs draw them on the GPU (tests/gpu/test_model_init.py); on the CPU, with or without a
 device, the seed gives the weights every parity test compares. A reward model (head="score") is the same
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import MemorySection, ModelSection
-from llm_train.runtime.model import build_model
+from llm_train.runtime.model.model import build_model
 from tests.helpers import make_tiny_pretrained
 
 

@@ -31,7 +31,8 @@ from trl.trainer.reward_trainer import RewardTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from llm_train.config.objective_sections import PreferenceSection
-from llm_train.runtime.objectives import Preference, RewardModelling, dpo_loss, sequence_logps
+from llm_train.runtime.loss.preference import Preference, dpo_loss, sequence_logps
+from llm_train.runtime.loss.reward import RewardModelling
 from tests.helpers import tiny_llama
 
 TOLERANCE = 1e-5

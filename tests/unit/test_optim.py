@@ -7,7 +7,7 @@ import copy
 import torch
 
 from llm_train.config.recipe_sections import OptimSection
-from llm_train.runtime.optim import build_optimizer
+from llm_train.runtime.model.optim import build_optimizer
 
 
 def _model() -> torch.nn.Module:
@@ -47,7 +47,7 @@ def test_fused_adamw_on_every_device_with_the_update_of_the_unfused_one() -> Non
 def test_release_moments_frees_adam_state_inside_a_deepspeed_style_wrapper() -> None:
     from types import SimpleNamespace
 
-    from llm_train.runtime.optim import release_moments
+    from llm_train.runtime.model.optim import release_moments
 
     weights = torch.nn.Parameter(torch.ones(64, 32))
     adam = torch.optim.AdamW([weights], lr=1e-3)
@@ -64,7 +64,7 @@ def test_release_moments_frees_adam_state_inside_a_deepspeed_style_wrapper() -> 
 def test_zero3_placeholders_are_grouped_by_their_real_shape() -> None:
     """Under ZeRO-3 zero.Init leaves each parameter an empty 1-D tensor with its shape in `ds_shape`:
     the matrices must still be decayed (they all fell into the no-decay group before)."""
-    from llm_train.runtime.optim import _param_groups
+    from llm_train.runtime.model.optim import _param_groups
 
     model = _model()
     for param in model.parameters():

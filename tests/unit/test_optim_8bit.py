@@ -24,7 +24,7 @@ from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import EIGHT_BIT_STATE_BYTES, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.shapes import shape_of
-from llm_train.runtime.optim import build_optimizer
+from llm_train.runtime.model.optim import build_optimizer
 from tests.helpers import tiny_llama_config
 from tests.optional import import_or_skip
 

@@ -15,7 +15,7 @@ from llm_train import train
 from llm_train.commands import doctor
 from llm_train.config import hardware
 from llm_train.errors import UserError
-from llm_train.runtime.fast import disable_nccl_p2p
+from llm_train.runtime.model.fast import disable_nccl_p2p
 
 
 def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int, peers: set[tuple[int, int]]) -> None:

@@ -21,7 +21,7 @@ from llm_train.planning.guards import auto_pinning, check_memlock
 from llm_train.planning.memory_estimate import GiB, estimate_memory
 from llm_train.planning.pinning import MemlockLimit, has_cap_ipc_lock
 from llm_train.planning.shapes import shape_from_config
-from llm_train.runtime.launch_env import PIN_BACKEND_ENV, use_pin_memory_backend
+from llm_train.runtime.base.launch_env import PIN_BACKEND_ENV, use_pin_memory_backend
 from tests.optional import require
 from tests.unit.offload_arithmetic import EMBED_8B, PSI_7B, SUB_GROUPS_7B, zero3_cpu_offload_host
 

@@ -1,4 +1,4 @@
-"""The pipeline layers (llm_train/runtime/pipeline_model.py) compute exactly what the HF model computes.
+"""The pipeline layers (llm_train/runtime/engines/pipeline_model.py) compute exactly what the HF model computes.
 
 No DeepSpeed world is needed: the layer list is run in order in one process and compared
 with the plain HF model on packed rows (restarting position ids), for each supported
@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from llm_train.runtime.pipeline_engine import as_pipeline_batch
-from llm_train.runtime.pipeline_model import LayerMap, attention_mask, causal_lm_loss, layer_specs, tied_head
+from llm_train.runtime.engines.pipeline_engine import as_pipeline_batch
+from llm_train.runtime.engines.pipeline_model import attention_mask, layer_specs, tied_head
+from llm_train.runtime.loss.language_modeling import causal_lm_loss
+from llm_train.runtime.model.pipeline_names import LayerMap
 
 SMALL = {
     "vocab_size": 96,

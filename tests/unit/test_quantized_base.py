@@ -17,8 +17,8 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.runtime.export import logit_tolerance
-from llm_train.runtime.quantized_base import check_bitsandbytes, quantization_config
+from llm_train.runtime.export.model_dir import logit_tolerance
+from llm_train.runtime.model.quantized_base import check_bitsandbytes, quantization_config
 from llm_train.units import GiB
 from tests.helpers import make_tiny_pretrained
 from tests.optional import import_or_skip
@@ -87,7 +87,7 @@ def test_the_optimizer_may_go_to_the_cpu() -> None:
 
 def test_nf4_weights_may_go_to_the_cpu_under_zero3() -> None:
     # ZeRO-3 partitions the packed storage and offloads the partitions like any weight; the quantisation
-    # state goes to the GPU whole (runtime/quantized_base.py): the 70B two-card recipe's layout.
+    # state goes to the GPU whole (runtime/model/quantized_base.py): the 70B two-card recipe's layout.
     run = resolve_run("tiny-cpu-lora", QLORA + ["deepspeed.config=zero3_offload"], world_size=2)
     assert run.layout.offload_params == "cpu" and run.layout.zero_stage == 3
 
@@ -115,7 +115,7 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _qlora(base: Path, dtype: torch.dtype, quantize: str = "nf4") -> torch.nn.Module:
     from llm_train.config.recipe_sections import MemorySection, ModelSection
-    from llm_train.runtime.model import build_model
+    from llm_train.runtime.model.model import build_model
 
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     lora = LoraSection(rank=4, alpha=8, dropout=0.0, quantize=quantize)  # type: ignore[arg-type]
@@ -145,7 +145,7 @@ def test_nf4_mfu_equals_the_16bit_mfu_at_equal_step_time(tiny_base: Path) -> Non
 
 
 def test_the_base_is_4bit_and_only_adapters_train(tiny_base: Path) -> None:
-    from llm_train.runtime.quantized_base import is_quantized_linear
+    from llm_train.runtime.model.quantized_base import is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layers = [m for m in model.modules() if is_quantized_linear(m)]
@@ -169,7 +169,7 @@ def test_merged_export_gives_the_quantised_models_logits(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llm_train.runtime.sharded_export import no_gather, write_merged
+    from llm_train.runtime.export.sharded import no_gather, write_merged
 
     model = _qlora(tiny_base, dtype)
     ids = torch.tensor([[5, 17, 99, 1000, 7, 3, 250, 11]])
@@ -192,7 +192,7 @@ def test_merged_export_gives_the_quantised_models_logits(
 def test_int8_base_merges_too(tiny_base: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llm_train.runtime.sharded_export import no_gather, write_merged
+    from llm_train.runtime.export.sharded import no_gather, write_merged
 
     model = _qlora(tiny_base, torch.float32, quantize="int8")
     ids = torch.tensor([[5, 17, 99, 1000]])
@@ -213,7 +213,7 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
     """Without it, an eval forward on an AVX512-BF16 CPU rewrites every 4-bit weight in place."""
     from bitsandbytes.functional import has_avx512bf16
 
-    from llm_train.runtime.quantized_base import dequantized_weight, is_quantized_linear
+    from llm_train.runtime.model.quantized_base import dequantized_weight, is_quantized_linear
 
     model = _qlora(tiny_base, torch.float32)
     layer = next(m for m in model.modules() if is_quantized_linear(m))
@@ -228,7 +228,7 @@ def test_keep_training_layout_stops_cpu_repacking_in_eval(tiny_base: Path) -> No
         assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
 
 
-# --- the staged load: each weight quantised on the staging device (runtime/quantized_base.py quantizing_on) ---------
+# --- the staged load: each weight quantised on the staging device (runtime/model/quantized_base.py quantizing_on) ---------
 
 
 def _staged_load(base: Path, dtype: torch.dtype, staging: object | None) -> torch.nn.Module:
@@ -238,8 +238,7 @@ def _staged_load(base: Path, dtype: torch.dtype, staging: object | None) -> torc
 
     from transformers import AutoModelForCausalLM
 
-    from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantized_base import Staging
+    from llm_train.runtime.model.quantized_base import Staging, quantizing_on
 
     assert staging is None or isinstance(staging, Staging)
     with quantizing_on(staging) if staging is not None else contextlib.nullcontext():
@@ -269,7 +268,7 @@ def test_cpu_staging_gives_todays_codes_and_state_bit_for_bit(tiny_base: Path, d
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from llm_train.runtime.quantized_base import Staging, is_quantized_linear
+    from llm_train.runtime.model.quantized_base import Staging, is_quantized_linear
 
     before, after = _staged_load(tiny_base, dtype, None), _staged_load(tiny_base, dtype, Staging("cpu"))
     today, staged = dict(before.named_modules()), dict(after.named_modules())
@@ -297,7 +296,7 @@ def test_the_staged_load_calls_the_quantize_op_it_was_verified_on(tiny_base: Pat
     # The installed transformers (the tested one) passes the check, before a worker starts and at the load.
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from llm_train.runtime.quantized_base import Staging, check_staged_quantizer, staged_quantizer
+    from llm_train.runtime.model.quantized_base import Staging, check_staged_quantizer, staged_quantizer
 
     check_staged_quantizer(LoraSection(quantize="nf4"), zero_stage=3)
     assert issubclass(staged_quantizer(Staging("cpu")), Bnb4BitHfQuantizer)
@@ -310,8 +309,7 @@ def test_a_transformers_whose_quantize_op_differs_is_refused_in_one_line_before_
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
-    from llm_train.runtime.compat import quantizing_on
-    from llm_train.runtime.quantized_base import Staging, check_staged_quantizer
+    from llm_train.runtime.model.quantized_base import Staging, check_staged_quantizer, quantizing_on
 
     def convert(self, input_dict, model=None, full_layer_name=None, **kwargs):  # Bnb4bitDeserialize's order
         raise AssertionError("never called")
@@ -352,7 +350,7 @@ def test_the_load_stages_one_weight_at_a_time(tiny_base: Path) -> None:
     the staging area, and every quantised weight passes through it exactly once, 16-bit and whole."""
     import weakref
 
-    from llm_train.runtime.quantized_base import Staging, is_quantized_linear
+    from llm_train.runtime.model.quantized_base import Staging, is_quantized_linear
 
     class Watched(Staging):
         def __init__(self) -> None:

@@ -82,7 +82,7 @@ def test_a_precision_change_goes_through_universal() -> None:
         ({"zero_stage": 3}, {"zero_stage": 0}, "ZeRO-1/2/3 only"),
         ({"zero_stage": 2}, {"zero_stage": 3}, "between ZeRO-3 and ZeRO-1/2"),
         ({"zero_stage": 3}, {"zero_stage": 1}, "between ZeRO-3 and ZeRO-1/2"),
-        # The swapped optimizer state lives in per-rank swap files (runtime/compat.py), not in DeepSpeed's
+        # The swapped optimizer state lives in per-rank swap files (runtime/base/compat.py), not in DeepSpeed's
         # checkpoint: no universal conversion can read it.
         (
             {"zero_stage": 3, "offload_optimizer": "nvme"},

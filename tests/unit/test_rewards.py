@@ -12,8 +12,8 @@ import torch
 
 from llm_train.config.objective_sections import FunctionReward, parse_reward
 from llm_train.errors import UserError
-from llm_train.runtime.grpo_loss import group_advantages
-from llm_train.runtime.rewards import gather, load_rewards, reward_metrics, score
+from llm_train.runtime.loss.grpo import group_advantages
+from llm_train.runtime.rl.rewards import gather, load_rewards, reward_metrics, score
 from tests.helpers import tiny_llama_config
 
 PROMPTS = ["2+2=", "2+2=", "3+4=", "3+4="]

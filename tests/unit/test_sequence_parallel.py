@@ -17,8 +17,8 @@ from llm_train.config.hardware import Device
 from llm_train.config.layout import Layout, LayoutError
 from llm_train.config.resolution import largest_weight, resolve_run
 from llm_train.errors import UserError
-from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.sequence_parallel import IGNORE, SequenceShard
+from llm_train.runtime.base.collectives import Collectives
+from llm_train.runtime.engines.sequence_parallel import IGNORE, SequenceShard
 from tests.helpers import OFFLINE_ENV, REPO
 
 CPU = Device(kind="cpu", name="cpu", bf16=True)

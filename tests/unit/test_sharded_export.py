@@ -1,4 +1,4 @@
-"""LoRA's final/ written layer by layer (runtime/sharded_export.py): the merge, the files, the host peak."""
+"""LoRA's final/ written layer by layer (runtime/export/sharded.py): the merge, the files, the host peak."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import LoraSection
-from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.sharded_export import merged_tensors, no_gather, write_merged
+from llm_train.runtime.export.sharded import merged_tensors, no_gather, write_merged
+from llm_train.runtime.model.lora import apply_lora
 from tests.helpers import REPO
 from tests.optional import import_or_skip
 from tests.unit.test_lora import TINY, tiny_model
@@ -81,8 +81,8 @@ _MEASURE = textwrap.dedent(
     import psutil, torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from llm_train.config.recipe import LoraSection, load_recipe
-    from llm_train.runtime.lora import apply_lora
-    from llm_train.runtime.sharded_export import no_gather, write_merged
+    from llm_train.runtime.model.lora import apply_lora
+    from llm_train.runtime.export.sharded import no_gather, write_merged
 
     config = AutoConfig.for_model(
         "llama", vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,

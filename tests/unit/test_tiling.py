@@ -25,9 +25,9 @@ from transformers import LlamaForCausalLM
 
 from llm_train.config.recipe_sections import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError
-from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.model import build_model
-from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
+from llm_train.runtime.model.lora import apply_lora
+from llm_train.runtime.model.model import build_model
+from llm_train.runtime.model.tiling import enable_checkpoint_offload, enable_tiled_mlp
 from tests.helpers import tiny_llama_config
 from tests.optional import require
 
@@ -170,7 +170,7 @@ def test_tiled_mlp_under_lora_applied_afterwards_differentiates_the_loss_it_comp
 
 
 def checkpointed(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    # As runtime/model.py configures it.
+    # As runtime/model/model.py configures it.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model

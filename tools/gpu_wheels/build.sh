@@ -71,14 +71,14 @@ pip_ download "${TARGET[@]}" -d "$BNB" "$(pins bitsandbytes)"
 "$PY" tools/gpu_wheels/slim_wheel.py "$BNB"/bitsandbytes-*.whl --drop '\.so$' --keep 'libbitsandbytes_(cpu|cuda130)\.so$' -o "$OUT"
 rm -rf "$BNB"
 
-# The image's own copies of the libraries whose internals llm_train touches (runtime/compat.py WINDOWS:
+# The image's own copies of the libraries whose internals llm_train touches (runtime/base/compat.py WINDOWS:
 # transformers, accelerate, peft on the image), where the image has another release than the lock or one not
 # known here: the lock's release travels and shadows the image's on PYTHONPATH, so the GPU run runs the tested
 # set (transformers 5.17 there). torch stays the image's, and so do libraries used through public calls only
 # (huggingface-hub, tokenizers: the lock's hub 2.x would bring hf-xet and httpx2 along). A wheel that would take
 # the folder past the budget is left out and named; every result records which libraries ran at another
 # release than the lock's (bench/harness.py not_the_lock).
-WINDOWED=$("$PY" -c 'from llm_train.runtime.compat import WINDOWS; print(" ".join(w.library for w in WINDOWS))')
+WINDOWED=$("$PY" -c 'from llm_train.runtime.base.compat import WINDOWS; print(" ".join(w.library for w in WINDOWS))')
 OVER_IMAGE=$("$PY" -m tools.gpu_wheels.over_image --present "$PRESENT" --lock "$LOCK" $WINDOWED)
 OVER=$(mktemp -d)
 for pin in $OVER_IMAGE; do

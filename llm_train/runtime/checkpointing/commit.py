@@ -43,7 +43,7 @@ from llm_train.errors import EXIT_CHECKPOINT_IO, UserError
 from llm_train.runtime.checkpointing.file_sync import FileSync
 
 if TYPE_CHECKING:  # the collectives import torch; verifying a checkpoint does not need it
-    from llm_train.runtime.collectives import Collectives
+    from llm_train.runtime.base.collectives import Collectives
 
 MANIFEST = "manifest.json"
 # The training engine's logits on the export check's fixed batch at the saved step (run_state.py):

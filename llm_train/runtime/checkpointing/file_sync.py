@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from llm_train.errors import UserError
 
 if TYPE_CHECKING:  # an exchange only calls the collective it is handed; verifying needs no torch
-    from llm_train.runtime.collectives import Collectives
+    from llm_train.runtime.base.collectives import Collectives
 
 SYNC_DIR = ".sync"
 BEAT_S = 2.0  # heartbeat period; patience is at least a few beats (see __init__)

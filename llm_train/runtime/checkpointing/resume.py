@@ -16,7 +16,7 @@ restored once the engine is built.
    share of the checkpoint; a fallback to an older one must need the same bridge; the
    universal copy is made when the layout changed; the data position is checked against the
    stream.
-3. `restore`, once the engine is built: DeepSpeed's state (runtime/compat.py puts right what its load
+3. `restore`, once the engine is built: DeepSpeed's state (runtime/base/compat.py puts right what its load
    leaves out), the data position, the RNGs; metrics logged after the checkpoint are dropped.
 
 The rules that compare layouts (`bridge`):
@@ -47,7 +47,9 @@ from llm_train.config.layout import Layout
 from llm_train.config.recipe import Recipe
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.runtime import collectives
+from llm_train.runtime.base import collectives
+from llm_train.runtime.base.collectives import Collectives
+from llm_train.runtime.base.compat import load_engine_checkpoint
 from llm_train.runtime.checkpointing.commit import (
     DS_TAG,
     LATEST,
@@ -67,9 +69,7 @@ from llm_train.runtime.checkpointing.run_state import (
     trainer_state_path,
 )
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir
-from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.compat import load_engine_checkpoint
-from llm_train.runtime.optim import is_eight_bit
+from llm_train.runtime.model.optim import is_eight_bit
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -213,7 +213,7 @@ def bridge(saved: dict[str, Any], now: Layout, allow_batch_change: bool) -> Resu
         # DeepSpeed 0.19.8 keeps a swapped sub-group's master, m and v in per-rank swap files (copied into
         # the checkpoint's offloaded_tensors/rankR): its optimizer state holds empty placeholders for them
         # (stage3.py _rigid_state_dict), so neither the universal conversion nor another offload can read
-        # them (runtime/compat.py restore_swapped_state).
+        # them (runtime/base/compat.py restore_swapped_state).
         raise UserError(
             f"cannot resume a checkpoint across NVMe optimizer offload or on another layout ({what}): the "
             "swapped optimizer state is kept per rank for the layout that wrote it; resume with the "

@@ -22,12 +22,12 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llm_train.config.recipe import Recipe, recipe_to_yaml
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.runtime import collectives
+from llm_train.runtime.base import collectives
 from llm_train.runtime.checkpointing.commit import (
     CHECKPOINT_REFERENCE,
     DS_TAG,
@@ -36,13 +36,13 @@ from llm_train.runtime.checkpointing.commit import (
     committed,
     dir_size,
 )
+from llm_train.runtime.checkpointing.control import RunControl
+from llm_train.runtime.checkpointing.logit_reference import write_reference_file
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, live_master_digest
 from llm_train.runtime.checkpointing.universal import universal_dir
-from llm_train.runtime.control import RunControl
-from llm_train.runtime.engine import Engine
-from llm_train.runtime.export import write_reference_file
 
 if TYPE_CHECKING:
+    import torch
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
@@ -50,6 +50,15 @@ if TYPE_CHECKING:
     from llm_train.observability.tracking import Trackers
 
 Say = Callable[[str], None]
+
+
+class Saved(Protocol):
+    """What a save needs of the run's engine (runtime/engines/engine.py `Engine` has both): checkpointing sits
+    below the engines, so it names only these two."""
+
+    ds: DeepSpeedEngine
+
+    def reference_logits(self, tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def trainer_state_path(ckpt_dir: Path, rank: int) -> Path:
@@ -198,7 +207,7 @@ class Saver:
         self,
         run: Resolved,
         rank: int,
-        engine: Engine,
+        engine: Saved,
         batches: Batches,
         tokenizer: PreTrainedTokenizerBase,
         tracker: Trackers,

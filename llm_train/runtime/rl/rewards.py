@@ -10,7 +10,7 @@ PYTHONPATH, and calls it the way TRL calls a reward function, with keyword argum
 
 one entry per completion (a prompt appears once per generation), `columns` the prompt rows' other fields
 (e.g. `answer=[...]`). None means "not mine to score": the completion is left out of that function's
-mean and of the weighted sum; a completion no function scores gets advantage 0 (grpo_loss.py).
+mean and of the weighted sum; a completion no function scores gets advantage 0 (loss/grpo.py).
 
 Every way a reward function can go wrong is the user's to fix, so each is one line that names the
 recipe key and what to change (UserError): a function that cannot be imported or is not callable (found
@@ -44,7 +44,7 @@ from llm_train.config.objective_sections import (
     RewardModelReward,
 )
 from llm_train.errors import UserError, first_line
-from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.base.collectives import Collectives
 
 RewardCall = Callable[..., Sequence[Any]]
 

@@ -47,11 +47,11 @@ from llm_train.data.fingerprint import CODE_VERSION, digest, files_signature
 from llm_train.data.model_inputs import build_pair_rows
 from llm_train.data.prepare import PackedSplit
 from llm_train.errors import UserError
-from llm_train.runtime import collectives
-from llm_train.runtime.collectives import WORLD
-from llm_train.runtime.engine import to_device
-from llm_train.runtime.model import build_model, loss_tokens
-from llm_train.runtime.objectives import Forward, iter_pairs
+from llm_train.runtime.base import collectives
+from llm_train.runtime.base.collectives import WORLD
+from llm_train.runtime.engines.engine import to_device
+from llm_train.runtime.loss.preference import Forward, iter_pairs
+from llm_train.runtime.model.model import build_model, loss_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -106,7 +106,7 @@ def _read(entry: Path, pairs: int) -> np.ndarray | None:
 
 
 class CachedReference:
-    """The `prepare` of a DPO objective with a cached reference (runtime/objectives.Preference)."""
+    """The `prepare` of a DPO objective with a cached reference (runtime/loss/preference.py Preference)."""
 
     def __init__(
         self,

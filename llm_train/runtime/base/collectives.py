@@ -32,10 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn  # the autograd-aware collectives
 
-# bench/ (hf_trainer_peer.py, gpu_memory_7b.py) imports it from here; its home is runtime/compat.py.
-# Delete this line once bench/ imports it from there.
-from llm_train.runtime.compat import skip_unused_shm_op  # noqa: F401
-
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 

@@ -1,16 +1,11 @@
-"""What a micro-batch's forward pass is scored by: the training objective (recipe `objective:`).
+"""Preference tuning on pairs of rows (`objective: dpo | simpo`).
 
-    lm     next-token cross-entropy on the loss mask: the model's own loss (pre-training, SFT)
     dpo    Direct Preference Optimization (Rafailov et al. 2023, eq. 7), the sigmoid loss
            -log sigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r))) on summed response log-probs,
            with optional label smoothing: the conservative DPO of Mitchell 2023 ("A note on DPO
            with noisy preferences"), (1 - e) of that loss plus e of the reversed pair's
     simpo  SimPO (Meng et al. 2024, eq. 6), reference-free:
            -log sigmoid(beta * (avg_c - avg_r) - gamma) on per-token average log-probs
-    reward reward-model training (Bradley-Terry, as in Ouyang et al. 2022): a one-output
-           sequence-classification head scores each row at its last non-pad token, and the loss is
-           -log sigmoid(r_c - r_r - margin), plus, optionally, c * mean((r_c + r_r)^2), which keeps
-           the rewards centred on 0 (Eisenstein et al. 2023) since the loss only sees differences
 
 Why SimPO as the reference-free objective, not ORPO: llm_train runs preference tuning as the
 step after SFT (Zephyr: SFT, then DPO), and SimPO is the drop-in replacement for DPO at that
@@ -18,7 +13,7 @@ step: the same pairs, the same one forward of chosen and rejected, no reference 
 second model. ORPO (Hong et al. 2024) exists to fold SFT into the preference stage (an NLL
 term on the chosen response plus an odds-ratio term), which duplicates the SFT recipes.
 
-The engine calls `score(model, batch)` for every micro-batch; the step loop (loop.py) stays the
+The engine calls `score(model, batch)` for every micro-batch (interface.py); the step loop stays the
 same for every objective. A pair batch holds its m chosen rows, then its m rejected rows
 (data/model_inputs.py). Rewards and metrics follow TRL's definitions (DPOTrainer, CPOTrainer with
 loss_type="simpo"): rewards are beta times the policy's log-ratio to the reference (DPO) or
@@ -27,28 +22,25 @@ higher. tests/unit/test_objectives.py checks losses, rewards and gradients again
 own code within 1e-5 in fp32.
 
 Log-probs are summed in fp32 from the model's logits, as transformers' own loss upcasts them, or,
-under `memory.tiled_loss`, from the per-token log-probs of the chunked loss (runtime/chunked_loss.py):
+under `memory.tiled_loss`, from the per-token log-probs of the chunked loss (chunked.py):
 the same numbers to fp32 rounding, without the [tokens x vocabulary] logits.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from llm_train.config.objective_sections import PreferenceSection
-from llm_train.config.recipe import Recipe
+from llm_train.runtime.loss.interface import Batch, Scored
 
 if TYPE_CHECKING:
     from llm_train.data.prepare import PackedSplit
 
-Batch = dict[str, Any]
 # Names of the per-step preference metrics (metrics.jsonl, W&B, TensorBoard; eval_ + name at evaluation).
 PREFERENCE_METRICS = (
     "reward_accuracy",
@@ -58,40 +50,6 @@ PREFERENCE_METRICS = (
     "logp_chosen",
     "logp_rejected",
 )
-
-
-@dataclass
-class Scored:
-    """One micro-batch: the loss to backpropagate (its mean) and detached metrics (its means)."""
-
-    loss: torch.Tensor
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def mean_scores(scored: list[Scored]) -> dict[str, torch.Tensor]:
-    """The mean loss and metrics of several micro-batches (this rank's), as detached scalars."""
-    out = {"loss": torch.stack([s.loss.detach().float() for s in scored]).mean()}
-    for name in scored[0].metrics:
-        out[name] = torch.stack([s.metrics[name].float() for s in scored]).mean()
-    return out
-
-
-class LanguageModeling:
-    """The model's own next-token loss over the tokens whose label is not -100."""
-
-    name = "lm"
-
-    def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
-        return Scored(model(**batch).loss)
-
-    def prepare(
-        self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
-    ) -> None:
-        """Nothing to compute before training."""
-
-    def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
-        loss = means["loss"]
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,61 +119,6 @@ def pair_metrics(
     }
 
 
-# Names of the per-step reward-model metrics (eval_ + name at evaluation): the share of pairs scored the right
-# way round, the mean reward of each side, and the mean of r_c - r_r.
-REWARD_METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin")
-
-
-def bradley_terry_loss(
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    margin: float | torch.Tensor = 0.0,
-    center_coefficient: float | None = None,
-) -> torch.Tensor:
-    """The mean pairwise loss of a reward model's scores: -log sigmoid(r_c - r_r - margin), plus the centring
-    term c * mean((r_c + r_r)^2) when `center_coefficient` is set (the scale of the rewards is otherwise free)."""
-    loss = -F.logsigmoid(chosen - rejected - margin).mean()
-    if center_coefficient is not None:
-        loss = loss + center_coefficient * torch.mean((chosen + rejected) ** 2)
-    return loss
-
-
-class RewardModelling:
-    """Trains a one-output sequence classifier on batches of pairs: `model` returns one score per row
-    (transformers' *ForSequenceClassification with num_labels=1 reads it at the last non-pad token)."""
-
-    name = "reward"
-
-    def __init__(self, margin: float = 0.0, center_coefficient: float | None = None) -> None:
-        self.margin, self.center_coefficient = margin, center_coefficient
-
-    def prepare(
-        self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
-    ) -> None:
-        """Nothing to compute before training: the model is its own and only scorer."""
-
-    def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
-        # Labels stay out of the forward: with them the head computes its own (regression) loss.
-        inputs = {k: v for k, v in batch.items() if k not in ("labels", "reference_logps")}
-        rewards = model(**inputs, use_cache=False).logits.squeeze(-1).float()
-        m = rewards.shape[0] // 2
-        chosen, rejected = rewards[:m], rewards[m:]
-        loss = bradley_terry_loss(chosen, rejected, self.margin, self.center_coefficient)
-        chosen, rejected = chosen.detach(), rejected.detach()
-        return Scored(
-            loss,
-            {
-                "reward_accuracy": (chosen > rejected).float().mean(),
-                "reward_chosen": chosen.mean(),
-                "reward_rejected": rejected.mean(),
-                "reward_margin": (chosen - rejected).mean(),
-            },
-        )
-
-    def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
-        return {"eval_loss": means["loss"], **{f"eval_{k}": means[k] for k in REWARD_METRICS}}
-
-
 # A model's summed log-probs per row of a batch (input_ids, attention_mask) for its labels.
 Forward = Callable[[Batch, torch.Tensor], torch.Tensor]
 # Scores what the objective needs before training (DPO's cached reference log-probs):
@@ -225,7 +128,7 @@ PrepareReference = Callable[[list["PackedSplit | None"], int, int, Callable[[str
 
 class Preference:
     """DPO or SimPO on batches of pairs. DPO's reference log-probs come with the batch (cached, see
-    runtime/reference.py) or from `live_reference`, a no-grad forward of the reference model."""
+    runtime/engines/reference.py) or from `live_reference`, a no-grad forward of the reference model."""
 
     def __init__(
         self,
@@ -272,21 +175,6 @@ class Preference:
         return {"eval_loss": means["loss"], **{f"eval_{k}": means[k] for k in PREFERENCE_METRICS}}
 
 
-class Objective(Protocol):
-    """What the engines score micro-batches by: LanguageModeling, Preference, RewardModelling, or GRPO's
-    (runtime/grpo.py)."""
-
-    name: str
-
-    def score(self, model: torch.nn.Module, batch: Batch) -> Scored: ...
-
-    def prepare(
-        self, splits: list[PackedSplit | None], dp_rank: int, dp_size: int, say: Callable[[str], None]
-    ) -> None: ...
-
-    def eval_summary(self, means: dict[str, float]) -> dict[str, float]: ...
-
-
 def reference_forward(
     model: torch.nn.Module,
     switch: Callable[[], AbstractContextManager[Any]] | None = None,
@@ -308,16 +196,6 @@ def reference_forward(
                 model.train()
 
     return forward
-
-
-def make_objective(
-    recipe: Recipe, live_reference: Forward | None = None, prepare: PrepareReference | None = None
-) -> Objective:
-    if recipe.objective == "lm":
-        return LanguageModeling()
-    if recipe.objective == "reward":
-        return RewardModelling(recipe.reward.margin, recipe.reward.center_rewards_coefficient)
-    return Preference(recipe.objective, recipe.preference, live_reference, prepare, recipe.memory.tiled_loss)
 
 
 def iter_pairs(n: int, micro: int, dp_rank: int, dp_size: int) -> Iterator[list[int]]:

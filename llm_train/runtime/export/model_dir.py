@@ -17,7 +17,7 @@ architecture config.json builds and the names save_pretrained gives it. The chec
    away is no check;
 2. logits: the reloaded model's logits on a fixed batch equal the ones the trained model
    gave on that batch *in the training process*, before anything was written. The engines
-   record that reference (`write_reference`, every rank takes part in the forward) in
+   record that reference (runtime/checkpointing/logit_reference.py, every rank takes part in the forward) in
    RUN_DIR/export_reference.safetensors, next to final/ so final/ stays a clean HF folder.
    The tolerance comes from the precision of the two computations (`logit_tolerance`).
 3. masters (checkpoints only, before any merge): each optimizer shard holds the fp32 master
@@ -42,19 +42,21 @@ import torch
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError, first_line
 from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
+from llm_train.runtime.checkpointing.logit_reference import (
+    Reference,
+    read_reference_file,
+    reference_input_ids,
+)
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
-from llm_train.runtime.lora import checkpoint_lora, export_adapter_checkpoint
-from llm_train.runtime.pipeline_model import pipeline_checkpoint_state_dict  # pipeline runs: a file per layer
+from llm_train.runtime.model.lora import checkpoint_lora, export_adapter_checkpoint
+from llm_train.runtime.model.pipeline_names import (
+    pipeline_checkpoint_state_dict,  # pipeline runs: a file per layer
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-REFERENCE_FILE = "export_reference.safetensors"
-# Any fixed text will do: it only has to be the same batch in the training process and after
-# reloading. Tokenised with the run's own tokenizer, so the ids are ones the model has seen.
-REFERENCE_TEXT = "The import statement combines two operations; it searches for the named module."
-REFERENCE_TOKENS = 16
 # Tolerance of the logit check, in units of the coarser dtype's machine epsilon, times the
 # largest reference logit. Why the largest logit: every logit is a dot product of the final
 # hidden state with one output row, so rounding anywhere upstream moves all logits by an
@@ -74,15 +76,6 @@ _FP32_RELATIVE_FLOOR = 1e-4
 # The logit check loads the whole model on this host; above this share of the free RAM only
 # the keys are checked (safetensors headers against the architecture built on the meta device).
 _LOGIT_CHECK_RAM_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The trained model's logits on a fixed batch, computed in the training process."""
-
-    input_ids: torch.Tensor  # (1, T) int64
-    logits: torch.Tensor  # (1, T, vocab) as the training forward gave them, stored as fp32
-    dtype: torch.dtype  # the dtype the training forward computed in
 
 
 @dataclass(frozen=True)
@@ -178,51 +171,6 @@ def saved_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 shapes[key] = tuple(handle.get_slice(key).get_shape())
     return shapes
-
-
-# ------------------------------------------------------------ the reference forward
-
-
-def reference_input_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> torch.Tensor:
-    """The fixed batch (1, REFERENCE_TOKENS) both sides of the logit check run."""
-    ids = list(tokenizer(REFERENCE_TEXT, add_special_tokens=False)["input_ids"])[:REFERENCE_TOKENS]
-    ids += list(range(3, 3 + REFERENCE_TOKENS - len(ids)))  # a tokenizer that makes few tokens: pad
-    return torch.tensor([[i % vocab_size for i in ids]], dtype=torch.long)
-
-
-def reference_path(final: Path) -> Path:
-    return Path(final).parent / REFERENCE_FILE
-
-
-def write_reference(final: Path, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
-    """Record the training process's logits next to final/ (rank 0, after the forward on every rank)."""
-    write_reference_file(reference_path(final), input_ids, logits)
-
-
-def write_reference_file(path: Path, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
-    """input_ids and logits (stored as fp32) with the dtype the forward computed in."""
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        "input_ids": input_ids.cpu().contiguous(),
-        "logits": logits.detach().float().cpu().contiguous(),
-    }
-    save_file(tensors, str(path), metadata={"dtype": str(logits.dtype).removeprefix("torch.")})
-
-
-def read_reference(final: Path) -> Reference | None:
-    return read_reference_file(reference_path(final))
-
-
-def read_reference_file(path: Path) -> Reference | None:
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return None
-    with safe_open(str(path), framework="pt") as handle:
-        dtype = getattr(torch, (handle.metadata() or {}).get("dtype", "float32"))
-        return Reference(handle.get_tensor("input_ids"), handle.get_tensor("logits"), dtype)
 
 
 def logit_tolerance(reference_logits: torch.Tensor, *dtypes: torch.dtype) -> float:

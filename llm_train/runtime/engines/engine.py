@@ -7,7 +7,7 @@ interface; whatever an engine cannot do is refused when the run is resolved
 
 Life of an engine: `start` joins the process group (the world exists from then on),
 `build` creates the model and the DeepSpeed engine (and `objective`, what a forward is scored by:
-runtime/objectives.py), then `train_step` / `evaluate` run,
+runtime/loss/), then `train_step` / `evaluate` run,
 `export` writes final/ (a collective), and `finish` tears the world down.
 """
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
-    from llm_train.runtime.objectives import Objective
+    from llm_train.runtime.loss.interface import Objective
 
 
 class NonFiniteLoss(UserError):
@@ -62,7 +62,7 @@ class Engine(Protocol):
     skipped_microbatches: int
     """Micro-batches dropped so far for a non-finite loss (checkpoint.on_nonfinite=skip)."""
     objective: Objective
-    """What a forward is scored by (runtime/objectives.py); set by `build`. Its `prepare` runs before
+    """What a forward is scored by (runtime/loss/); set by `build`. Its `prepare` runs before
     a checkpoint is loaded (DPO's cached reference scores the initial model)."""
 
     def start(self) -> None:

@@ -4,9 +4,12 @@ behaviour, each with the version it was verified on.
 llm_train drives DeepSpeed's engine (and through it torch's extension builder, py-cpuinfo,
 bitsandbytes and Accelerate) in ways no API promises: it skips an op build, caches a probe,
 appends a compiler flag, defers a compile, completes a checkpoint load and repairs what a load
-leaves wrong. Each of those lives here and nowhere else, is listed in `WORKAROUNDS` with the
-library version it was checked against, and is guarded: where the library no longer has what a
-patch replaces, the patch does nothing and says so (returns False).
+leaves wrong. Each of those lives here, is listed in `WORKAROUNDS` with the library version it was
+checked against, and is guarded: where the library no longer has what a
+patch replaces, the patch does nothing and says so (returns False). The one exception to "lives here": the workarounds of
+QLoRA's 4-bit base (`quantizing_on`, `keep_training_layout`) are steps of that base's own load and
+evaluation, so they live beside it in runtime/model/quantized_base.py; `WORKAROUNDS` still lists them, with
+that module (`Workaround.module`), and tests/unit/test_compat.py holds them to the same rules.
 
 `WINDOWS` holds, for every library whose internals llm_train touches, the versions the suite passed on
 and what may break outside them. pyproject.toml's dependencies state the same windows
@@ -34,8 +37,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
-
-from llm_train.runtime.quantized_base import Staging, is_quantized_linear, staged_quantizer
 
 if TYPE_CHECKING:
     import torch
@@ -92,24 +93,24 @@ PUBLIC_MODULES = (
     "accelerate.utils", "bitsandbytes.nn", "peft.tuners.lora",
 )  # fmt: skip
 INTERNALS: dict[str, str] = {
-    "transformers.core_model_loading:revert_weight_conversion": "runtime/export.py (save_pretrained's key names)",
-    "transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING": "compat.quantizing_on (the staged 4-bit load)",
-    "transformers.quantizers.quantizer_bnb_4bit:Bnb4BitHfQuantizer": "runtime/quantized_base.py, compat",
-    "transformers.integrations.bitsandbytes:Bnb4bitQuantize": "runtime/quantized_base.py (the staged quantize op)",
+    "transformers.core_model_loading:revert_weight_conversion": "runtime/export/model_dir.py (save_pretrained's key names)",
+    "transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING": "runtime/model/quantized_base.py quantizing_on (the staged 4-bit load)",
+    "transformers.quantizers.quantizer_bnb_4bit:Bnb4BitHfQuantizer": "runtime/model/quantized_base.py",
+    "transformers.integrations.bitsandbytes:Bnb4bitQuantize": "runtime/model/quantized_base.py (the staged quantize op)",
     "transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref": "compat.without_hf_zero3_config",
-    "transformers.integrations.deepspeed:unset_hf_deepspeed_config": "runtime/zero_engine.py, compat",
-    "transformers.integrations.sdpa_attention:sdpa_attention_forward": "runtime/document_attention.py",
-    "transformers.integrations.flex_attention:flex_attention_forward": "runtime/document_attention.py",
-    "transformers.masking_utils:flex_attention_mask": "runtime/document_attention.py (per-document blocks)",
-    "transformers.masking_utils:AttentionMaskInterface": "runtime/document_attention.py",
-    "transformers.loss.loss_utils:LOSS_MAPPING": "runtime/chunked_loss.py (the model's own loss, by name)",
-    "transformers.modeling_layers:GradientCheckpointingLayer": "runtime/tiling.py",
+    "transformers.integrations.deepspeed:unset_hf_deepspeed_config": "runtime/engines/zero_engine.py, compat",
+    "transformers.integrations.sdpa_attention:sdpa_attention_forward": "runtime/model/document_attention.py",
+    "transformers.integrations.flex_attention:flex_attention_forward": "runtime/model/document_attention.py",
+    "transformers.masking_utils:flex_attention_mask": "runtime/model/document_attention.py (per-document blocks)",
+    "transformers.masking_utils:AttentionMaskInterface": "runtime/model/document_attention.py",
+    "transformers.loss.loss_utils:LOSS_MAPPING": "runtime/loss/chunked.py (the model's own loss, by name)",
+    "transformers.modeling_layers:GradientCheckpointingLayer": "runtime/model/tiling.py",
     "transformers.masking_utils:find_packed_sequence_indices": "data/packing.py (packed rows kept apart)",
-    "accelerate.commands.launch:_validate_launch_command": "runtime/launch_env.py (accelerate's own reading)",
-    "accelerate.commands.launch:launch_command_parser": "runtime/launch_env.py",
-    "accelerate.commands.config:default_config_file": "runtime/launch_env.py",
-    "accelerate.utils.dataclasses:DeepSpeedSequenceParallelConfig": "runtime/sequence_parallel.py (Ulysses)",
-    "peft.utils.integrations:dequantize_bnb_weight": "runtime/quantized_base.py (the merged export of QLoRA)",
+    "accelerate.commands.launch:_validate_launch_command": "runtime/base/launch_env.py (accelerate's own reading)",
+    "accelerate.commands.launch:launch_command_parser": "runtime/base/launch_env.py",
+    "accelerate.commands.config:default_config_file": "runtime/base/launch_env.py",
+    "accelerate.utils.dataclasses:DeepSpeedSequenceParallelConfig": "runtime/engines/sequence_parallel.py (Ulysses)",
+    "peft.utils.integrations:dequantize_bnb_weight": "runtime/model/quantized_base.py (the merged export of QLoRA)",
 }
 
 P = ParamSpec("P")  # the wrapped function's parameters (the op loader, DeepSpeed's Muon kernels)
@@ -120,12 +121,14 @@ R = TypeVar("R")
 class Workaround:
     """One patch or workaround of this module: the function, the library it bends, the version checked."""
 
-    name: str  # the function in this module
+    name: str  # the function in `module`
     library: str
     verified: str  # the library version it was checked against
     what: str  # what goes wrong without it
+    module: str = "llm_train.runtime.base.compat"  # where the function lives (see the module docstring)
 
 
+QUANTIZED_BASE = "llm_train.runtime.model.quantized_base"
 WORKAROUNDS = (
     Workaround(
         "remember_cpu_info", "deepspeed", "0.19.8", "every op load starts a 1.1 s py-cpuinfo subprocess"
@@ -159,7 +162,11 @@ WORKAROUNDS = (
         "keep_fp32_rope_buffers", "deepspeed", "0.19.8", "initialize casts RoPE frequencies to bf16/fp16"
     ),
     Workaround(
-        "keep_training_layout", "bitsandbytes", "0.50.2", "an eval forward on CPU repacks 4-bit weights"
+        "keep_training_layout",
+        "bitsandbytes",
+        "0.50.2",
+        "an eval forward on CPU repacks 4-bit weights",
+        QUANTIZED_BASE,
     ),
     Workaround(
         "without_hf_zero3_config",
@@ -173,6 +180,7 @@ WORKAROUNDS = (
         "transformers",
         "5.25",
         "a 4-bit base is quantised where it is placed: on the host (slow) or whole on the GPU (too large)",
+        QUANTIZED_BASE,
     ),
     Workaround(
         "gathered_for_generation",
@@ -446,7 +454,7 @@ def load_universal_checkpoint(engine: DeepSpeedEngine, per_group: list[dict[str,
 
     DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3)
     copies the first param group's hyperparameters into every group ("generally the same"), so the
-    no-decay group (norms, biases: runtime/optim.py) came back with weight decay: a 2 -> 1
+    no-decay group (norms, biases: runtime/model/optim.py) came back with weight decay: a 2 -> 1
     zero3_offload resume ended 3.2e-5 off in the weights. The same load sets each sub-group's
     `state["step"]` to one and the same tensor (the first saved state's); torch's Adam/AdamW increments
     it in place once per sub-group, so with two param groups (decay and no decay) the bias correction
@@ -540,25 +548,6 @@ def clip_fp32_across_stages(
     return True
 
 
-# ------------------------------------------------------------ bitsandbytes
-
-
-def keep_training_layout(model: torch.nn.Module) -> None:
-    """Stop bitsandbytes' CPU backend from repacking 4-bit weights in place for inference.
-
-    On CPUs with AVX512-BF16, bitsandbytes 0.50's `Linear4bit.forward` in eval mode without gradients
-    converts its weight to a layout for its CPU GEMV kernel and keeps it converted. After that, a
-    training forward takes the inference kernel (no gradient flows to the layer's input, so every
-    adapter below it stops learning) and dequantising the weight for the merged export reads
-    garbage (seen on this project's CPU test machine: logits off by more than the model's scale).
-    An evaluation during training, and the export's reference forward, are exactly that case.
-    GPUs never repack; this only switches the CPU path off.
-    """
-    for module in model.modules():
-        if is_quantized_linear(module) and hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-
-
 @contextlib.contextmanager
 def gathered_for_generation(engine: DeepSpeedEngine) -> Iterator[None]:
     """The whole ZeRO-3 model on every rank, without ZeRO-3's module hooks, while the block generates.
@@ -631,47 +620,3 @@ def no_progress_bars() -> Iterator[None]:
         yield
     finally:
         tqdm.__init__ = original
-
-
-@contextlib.contextmanager
-def quantizing_on(staging: Staging) -> Iterator[None]:
-    """While a 4-bit base loads onto the host (device_map cpu): each weight quantised on `staging.device`.
-
-    A patch of transformers 5.24's quantizer registry (unchanged in 5.25), for the time of the load only (its
-    quantize op: runtime/quantized_base.py `staged_quantizer`, which refuses in one line a transformers whose
-    op takes other parameters than the ones it was verified with: `check_quantize_op`).
-
-    transformers' loader (core_model_loading.py `convert_and_load_state_dict_in_model`, 5.24) reads the
-    checkpoint one tensor at a time, and with on-the-fly quantisation it reads them in the main thread, one
-    after the other ("sync loading to avoid worker threads loading full-precision tensors ... faster than the
-    main thread can quantize them"); each weight of a `Linear4bit` goes through its quantizer's quantize op
-    (`Bnb4BitHfQuantizer.get_quantize_ops` -> `Bnb4bitQuantize.convert`, which makes the `Params4bit` and
-    moves it to the tensor's device, quantising it there). The hook is that op, and only its device: for the
-    time of the load transformers' registry of quantizers (quantizers/auto.py `AUTO_QUANTIZER_MAPPING`, the
-    dict its `register_quantizer` writes) maps bitsandbytes 4-bit to a subclass whose op stages the weight,
-    runs transformers' own op on it, and moves the packed codes back to the host. transformers has no
-    setting for "quantise on this device, keep on that one" (device_map places a tensor where it is
-    quantised, and on a GPU its allocator warm-up would reserve the whole base there first:
-    modeling_utils `caching_allocator_warmup`), so this much is ours.
-
-    On the GPU at a time: the weight being quantised (16-bit), its packed codes and bitsandbytes' fp32
-    absmax temporaries, plus the quantisation state of the weights before it, which stays there (the run
-    keeps it on the GPU: `place_quantization_state`). With the CPU as staging device every step is today's
-    CPU load, bit for bit (`stage` and the moves back are no-ops).
-    """
-    from transformers.quantizers import auto
-    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
-
-    key = "bitsandbytes_4bit"
-    installed = auto.AUTO_QUANTIZER_MAPPING.get(key)
-    if installed is not Bnb4BitHfQuantizer:
-        # Another transformers (or another hook) behind the key: this hook would change what it does.
-        raise RuntimeError(
-            f"transformers' quantizer for {key} is {installed!r}, not Bnb4BitHfQuantizer: quantizing_on was "
-            "written against transformers 5.24's"
-        )
-    auto.AUTO_QUANTIZER_MAPPING[key] = staged_quantizer(staging)
-    try:
-        yield
-    finally:
-        auto.AUTO_QUANTIZER_MAPPING[key] = installed

@@ -2,7 +2,7 @@
 
 Each is a recipe field (`memory.liger_kernels`, `memory.torch_compile`) or a safe default
 (the CUDA allocator's expandable segments), documented in docs/observability.md with
-what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/optim.py.
+what it costs and what it saves. Fused AdamW on CUDA lives in llm_train/runtime/model/optim.py.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def apply_liger(memory: MemorySection, model_type: str | None, zero_stage: int) 
         raise UserError(
             f"memory.liger_kernels=true: Liger has no kernels for model_type '{model_type}'; supported: {known}"
         )
-    # memory.tiled_loss replaces the model's forward on the instance (runtime/chunked_loss.py), which
+    # memory.tiled_loss replaces the model's forward on the instance (runtime/loss/chunked.py), which
     # bypasses Liger's patched class forward: it calls Liger's fused kernel itself where it can run.
     tiled_loss = getattr(memory, "tiled_loss", False)
     fused = zero_stage != 3 and not tiled_loss

@@ -18,13 +18,12 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.recipe_sections import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
-from llm_train.runtime.chunked_loss import enable_tiled_loss
-from llm_train.runtime.compat import keep_training_layout
-from llm_train.runtime.document_attention import NAME as SDPA_FLEX
-from llm_train.runtime.document_attention import register_sdpa_flex
-from llm_train.runtime.lora import apply_lora
-from llm_train.runtime.quantized_base import quantization_config, quantized
-from llm_train.runtime.tiling import enable_checkpoint_offload, enable_tiled_mlp
+from llm_train.runtime.loss.chunked import enable_tiled_loss
+from llm_train.runtime.model.document_attention import NAME as SDPA_FLEX
+from llm_train.runtime.model.document_attention import register_sdpa_flex
+from llm_train.runtime.model.lora import apply_lora
+from llm_train.runtime.model.quantized_base import keep_training_layout, quantization_config, quantized
+from llm_train.runtime.model.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +107,7 @@ def build_model(
     which the checkpoint lacks, is drawn from the seed.
 
     `loss_tokens`: the most tokens one forward scores (micro-batch rows x data.seq_len / sp), which
-    sets memory.tiled_loss's chunk count on every rank alike (runtime/chunked_loss.py).
+    sets memory.tiled_loss's chunk count on every rank alike (runtime/loss/chunked.py).
 
     `device` (e.g. "cuda:0"): pretrained weights are read from the checkpoint straight onto it,
     one tensor at a time, so the host never holds the whole model (transformers' device_map), and

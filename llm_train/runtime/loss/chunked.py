@@ -40,8 +40,8 @@ Why not one of the libraries:
 The primitive is the per-token log-probability (`token_logps`), differentiable with any upstream
 gradient: the language-modelling loss is minus their sum over the token count (transformers'
 reduction, `num_items_in_batch` included), DPO and SimPO sum them per sequence
-(runtime/objectives.py), the pipeline's last stage averages them over its micro-batch
-(runtime/pipeline_model.py). Exactness: losses (sums of the same per-token values) and weight
+(preference.py), the pipeline's last stage averages them over its micro-batch
+(language_modeling.py). Exactness: losses (sums of the same per-token values) and weight
 gradients agree with transformers' to fp32 rounding (tests/unit/test_chunked_loss.py).
 
 Every rank must cut the same number of chunks, because under ZeRO-3 each chunk's call of the

@@ -6,7 +6,7 @@ parameters after the (possibly `zero.Init`-partitioned, possibly bitsandbytes-qu
 base model exists, and DeepSpeed partitions them with the rest when the engine is built.
 The base weights are frozen, so the optimizer (and any CPU offload) only holds adapter states.
 
-What the run's `final/` holds (written by runtime/sharded_export.py, layer by layer):
+What the run's `final/` holds (written by runtime/export/sharded.py, layer by layer):
 - merged (default): a plain Hugging Face model, W + (alpha/r) * B @ A folded in, that
   loads with `AutoModelForCausalLM.from_pretrained` and no PEFT (a 4-bit base dequantised);
 - adapter: PEFT's adapter_config.json + adapter_model.safetensors, for

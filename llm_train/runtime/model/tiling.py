@@ -1,4 +1,4 @@
-"""The ALST memory switches (`memory.tiled_mlp`, `memory.offload_checkpoints`; `memory.tiled_loss`: chunked_loss.py).
+"""The ALST memory switches (`memory.tiled_mlp`, `memory.offload_checkpoints`; `memory.tiled_loss`: loss/chunked.py).
 
 Arctic Long Sequence Training (arXiv 2506.13996; DeepSpeed `runtime/sequence_parallel/ulysses_sp.py`)
 makes long sequences fit by never holding a whole-sequence intermediate that is not needed:
@@ -8,7 +8,7 @@ makes long sequences fit by never holding a whole-sequence intermediate that is 
   each one in backward. Tiles: ceil(seq_len / hidden_size), ALST's rule.
 - tiled loss: the output layer and the cross-entropy run chunk by chunk, so the [tokens x vocab]
   logits never exist whole; each chunk is recomputed in backward. It serves every path, not only
-  long sequences, and lives in runtime/chunked_loss.py.
+  long sequences, and lives in runtime/loss/chunked.py.
 - checkpoint offload: with activation checkpointing, each layer's input (the only activation
   kept between forward and backward) waits in host RAM.
 

@@ -20,12 +20,12 @@ Why these settings:
   checkpointing (model.py) are what QLoRA training needs.
 
 Under ZeRO-3 (nf4) the base is staged on the host and partitioned before the engine exists
-(runtime/zero_engine.py): transformers loads a quantised model outside zero.Init (modeling_utils
+(runtime/engines/zero_engine.py): transformers loads a quantised model outside zero.Init (modeling_utils
 `get_init_context`, 5.24: zero.Init is skipped for quantised models) and puts it whole on the current
 GPU, and DeepSpeed's engine moves a model not built under zero.Init to the GPU whole before it
 partitions it (engine.py `_configure_distributed_model`, 0.19.8); a 70B base (~37 GiB packed) fits no
 24 GB card that way. So transformers loads it onto the CPU (device_map cpu), each weight quantised on
-the staging device as it loads (compat.py `quantizing_on`: the GPU of a GPU run, one bf16 weight there at a time,
+the staging device as it loads (`quantizing_on` below: the GPU of a GPU run, one bf16 weight there at a time,
 its packed codes back to the host, its quantisation state left on the GPU; the CPU of a CPU run),
 `deepspeed.zero.Init(module=...)` partitions it tensor by tensor (each one moved to the GPU whole,
 broadcast from rank 0, cut, and its partition kept on the GPU, or on the host under offload_param), and
@@ -38,6 +38,8 @@ bitsandbytes 0.50 also runs on CPU (its wheel ships a CPU backend), which is wha
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
@@ -296,3 +298,66 @@ def describe_quantized(model: torch.nn.Module, lora: LoraSection, held_by_rank: 
         f"{base.state / 2**20:,.2f} MiB whole on each; embeddings and output layer 16-bit; "
         f"{trainable:,} trainable adapter parameters"
     )
+
+
+# ------------------------------------------------------------ workarounds (listed in compat.WORKAROUNDS)
+
+
+def keep_training_layout(model: torch.nn.Module) -> None:
+    """Stop bitsandbytes' CPU backend from repacking 4-bit weights in place for inference.
+
+    On CPUs with AVX512-BF16, bitsandbytes 0.50's `Linear4bit.forward` in eval mode without gradients
+    converts its weight to a layout for its CPU GEMV kernel and keeps it converted. After that, a
+    training forward takes the inference kernel (no gradient flows to the layer's input, so every
+    adapter below it stops learning) and dequantising the weight for the merged export reads
+    garbage (seen on this project's CPU test machine: logits off by more than the model's scale).
+    An evaluation during training, and the export's reference forward, are exactly that case.
+    GPUs never repack; this only switches the CPU path off.
+    """
+    for module in model.modules():
+        if is_quantized_linear(module) and hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+@contextlib.contextmanager
+def quantizing_on(staging: Staging) -> Iterator[None]:
+    """While a 4-bit base loads onto the host (device_map cpu): each weight quantised on `staging.device`.
+
+    A patch of transformers 5.24's quantizer registry (unchanged in 5.25), for the time of the load only (its
+    quantize op: runtime/model/quantized_base.py `staged_quantizer`, which refuses in one line a transformers whose
+    op takes other parameters than the ones it was verified with: `check_quantize_op`).
+
+    transformers' loader (core_model_loading.py `convert_and_load_state_dict_in_model`, 5.24) reads the
+    checkpoint one tensor at a time, and with on-the-fly quantisation it reads them in the main thread, one
+    after the other ("sync loading to avoid worker threads loading full-precision tensors ... faster than the
+    main thread can quantize them"); each weight of a `Linear4bit` goes through its quantizer's quantize op
+    (`Bnb4BitHfQuantizer.get_quantize_ops` -> `Bnb4bitQuantize.convert`, which makes the `Params4bit` and
+    moves it to the tensor's device, quantising it there). The hook is that op, and only its device: for the
+    time of the load transformers' registry of quantizers (quantizers/auto.py `AUTO_QUANTIZER_MAPPING`, the
+    dict its `register_quantizer` writes) maps bitsandbytes 4-bit to a subclass whose op stages the weight,
+    runs transformers' own op on it, and moves the packed codes back to the host. transformers has no
+    setting for "quantise on this device, keep on that one" (device_map places a tensor where it is
+    quantised, and on a GPU its allocator warm-up would reserve the whole base there first:
+    modeling_utils `caching_allocator_warmup`), so this much is ours.
+
+    On the GPU at a time: the weight being quantised (16-bit), its packed codes and bitsandbytes' fp32
+    absmax temporaries, plus the quantisation state of the weights before it, which stays there (the run
+    keeps it on the GPU: `place_quantization_state`). With the CPU as staging device every step is today's
+    CPU load, bit for bit (`stage` and the moves back are no-ops).
+    """
+    from transformers.quantizers import auto
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    key = "bitsandbytes_4bit"
+    installed = auto.AUTO_QUANTIZER_MAPPING.get(key)
+    if installed is not Bnb4BitHfQuantizer:
+        # Another transformers (or another hook) behind the key: this hook would change what it does.
+        raise RuntimeError(
+            f"transformers' quantizer for {key} is {installed!r}, not Bnb4BitHfQuantizer: quantizing_on was "
+            "written against transformers 5.24's"
+        )
+    auto.AUTO_QUANTIZER_MAPPING[key] = staged_quantizer(staging)
+    try:
+        yield
+    finally:
+        auto.AUTO_QUANTIZER_MAPPING[key] = installed

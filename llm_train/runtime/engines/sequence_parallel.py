@@ -12,7 +12,9 @@ tests/e2e/test_sequence_parallel.py):
   Labels are shifted over the *whole* row first, so the last token of a slice still predicts
   the first token of the next one.
 - The loss is each rank's share of the group's token-weighted mean: the sum of its token
-  losses over the group's token count (one non-differentiable all-reduce). Summing the
+  losses over the group's token count (`shard` passes that count as num_items_in_batch; the loss
+  itself, and the one non-differentiable all-reduce that logs the group's sum, are
+  runtime/loss/language_modeling.py `SequenceParallelLM`). Summing the
   gradients of the shares over the group gives the gradient of the sp=1 loss, whatever the
   split of masked tokens. DeepSpeed sums gradients over the sequence ranks and averages over
   the data-parallel ones under ZeRO-1/2, and so does ZeRO-3 once its reduce-scatter path is
@@ -37,7 +39,7 @@ import torch
 
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
-from llm_train.runtime.collectives import Collectives
+from llm_train.runtime.base.collectives import Collectives
 
 if TYPE_CHECKING:
     from accelerate.utils import ParallelismConfig
@@ -72,7 +74,7 @@ def parallelism_config(layout: Layout, seq_len: int, attention: str) -> Parallel
 
 
 class SequenceShard:
-    """This rank's slice of every training micro-batch, and the loss reduced over its SP group."""
+    """This rank's slice of every micro-batch (its loss: runtime/loss/language_modeling.py SequenceParallelLM)."""
 
     def __init__(self, sp: int, sp_rank: int, group: Collectives) -> None:
         self.sp, self.sp_rank, self.group = sp, sp_rank, group
@@ -101,10 +103,6 @@ class SequenceShard:
             "num_items_in_batch": group_tokens,
             "use_cache": False,
         }
-
-    def group_loss(self, share: torch.Tensor) -> torch.Tensor:
-        """The SP group's loss (the sum of its ranks' shares), for logging; not differentiable."""
-        return self.group.sum(share.detach())
 
 
 @contextmanager

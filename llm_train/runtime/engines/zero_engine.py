@@ -4,7 +4,8 @@ Covers data parallelism with every ZeRO stage and offload, AutoTP tensor paralle
 Ulysses sequence parallelism (sequence_parallel.py) and LoRA. The DeepSpeed engine owns gradient accumulation: `backward` scales each micro-batch
 loss by 1/accumulation and reduces gradients at the boundary, `step` updates the weights
 (and the LR schedule) only at the boundary. What each micro-batch's loss is comes from the
-recipe's objective (objectives.py: the model's token loss, DPO or SimPO); DPO's reference is
+recipe's objective (runtime/loss/: the model's token loss, a sequence-parallel rank's share of it,
+DPO, SimPO, reward modelling, GRPO's); DPO's reference is
 cached, the policy's own engine with its adapters disabled, or a frozen copy (reference.py).
 """
 
@@ -22,40 +23,39 @@ import torch
 from llm_train.config.resolution import Resolved
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
-from llm_train.runtime.collectives import WORLD, Collectives, destroy
-from llm_train.runtime.compat import quantizing_on, without_hf_zero3_config
-from llm_train.runtime.engine import Batch, NonFiniteLoss, StepResult, process_group_timeout, to_device
-from llm_train.runtime.export import (
-    EXPORT_DTYPES,
-    reference_input_ids,
-    save_hf_model,
-    write_reference,
+from llm_train.runtime.base.collectives import WORLD, Collectives, destroy
+from llm_train.runtime.base.compat import without_hf_zero3_config
+from llm_train.runtime.checkpointing.logit_reference import reference_input_ids, write_reference
+from llm_train.runtime.engines.engine import (
+    Batch,
+    NonFiniteLoss,
+    StepResult,
+    process_group_timeout,
+    to_device,
 )
-from llm_train.runtime.fast import apply_liger, compile_notice, dynamo_plugin
-from llm_train.runtime.grpo import Grpo, rollout_logps
-from llm_train.runtime.lora import apply_lora, is_peft_model
-from llm_train.runtime.model import build_model, load_tokenizer, loss_tokens
-from llm_train.runtime.objectives import (
-    LanguageModeling,
-    Objective,
-    Scored,
-    make_objective,
-    mean_scores,
-    reference_forward,
-)
-from llm_train.runtime.optim import build_optimizer, build_scheduler, release_moments
-from llm_train.runtime.quantized_base import (
+from llm_train.runtime.engines.reference import CachedReference, frozen_reference
+from llm_train.runtime.engines.sequence_parallel import SequenceShard, evaluating, parallelism_config
+from llm_train.runtime.export.model_dir import EXPORT_DTYPES, save_hf_model
+from llm_train.runtime.export.sharded import no_gather, write_adapter, write_merged
+from llm_train.runtime.loss.interface import Objective, Scored, mean_scores
+from llm_train.runtime.loss.language_modeling import LanguageModeling, SequenceParallelLM
+from llm_train.runtime.loss.objectives import make_objective
+from llm_train.runtime.loss.preference import reference_forward
+from llm_train.runtime.model.fast import apply_liger, compile_notice, dynamo_plugin
+from llm_train.runtime.model.lora import apply_lora, is_peft_model
+from llm_train.runtime.model.model import build_model, load_tokenizer, loss_tokens
+from llm_train.runtime.model.optim import build_optimizer, build_scheduler, release_moments
+from llm_train.runtime.model.quantized_base import (
     Staging,
     describe_quantized,
     place_quantization_state,
     quantized,
     quantized_base,
+    quantizing_on,
     release_freed_host_memory,
     staged_on_host,
 )
-from llm_train.runtime.reference import CachedReference, frozen_reference
-from llm_train.runtime.sequence_parallel import SequenceShard, evaluating, parallelism_config
-from llm_train.runtime.sharded_export import no_gather, write_adapter, write_merged
+from llm_train.runtime.rl.grpo import Grpo, rollout_logps
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -232,6 +232,8 @@ class ZeroEngine:
     def _objective(self) -> Objective:
         """The recipe's objective; for DPO with the reference it asks for (see reference.py)."""
         recipe = self.run.recipe
+        if self._sequence is not None:  # config/parallel.py refuses every objective but lm under sp > 1
+            return SequenceParallelLM(self._sequence.shard, self._sequence.group)
         if recipe.objective == "grpo":
             return Grpo(recipe.grpo, self._grpo_reference() if recipe.grpo.beta else None)
         if recipe.objective != "dpo":
@@ -281,35 +283,26 @@ class ZeroEngine:
         return model_token_flops(self.model)
 
     def _score(self, batch: Batch) -> Scored:
-        """The micro-batch scored by the objective (whole rows: evaluation, and training without SP)."""
+        """The micro-batch scored by the objective (runtime/loss/): the loss to backpropagate, what to log."""
         return self.objective.score(self.ds, to_device(batch, self.ds.device))
-
-    def _train_loss(self, batch: Batch) -> tuple[torch.Tensor, Scored]:
-        """(the loss to backpropagate, the micro-batch's loss and metrics to report)."""
-        if self._sequence is None:
-            scored = self._score(batch)
-            return scored.loss, scored
-        # Preference objectives are refused under sequence parallelism (parallel.py): a token loss here.
-        share = self.ds(**self._sequence.shard(to_device(batch, self.ds.device))).loss
-        return share, Scored(self._sequence.group_loss(share))
 
     def train_step(self, batches: Iterator[Batch], measure_grad_norm: bool) -> StepResult:
         skip = self.run.recipe.checkpoint.on_nonfinite == "skip"
         scores, grad_norm = [], None
         for _ in range(self.run.layout.grad_accum):
-            loss, reported = self._train_loss(next(batches))
+            scored = self._score(next(batches))
             # Skipping must be decided before backward, by all ranks together (one collective per
             # micro-batch), so it is only paid for when asked for.
-            while skip and not WORLD.all_finite(loss):
+            while skip and not WORLD.all_finite(scored.loss):
                 if self.skipped_microbatches >= MAX_SKIPS:
                     raise NonFiniteLoss(f"non-finite loss: {self.skipped_microbatches} micro-batches skipped")
                 self.skipped_microbatches += 1  # dropped before backward: the weights never see it
-                loss, reported = self._train_loss(next(batches))
-            self.ds.backward(loss)
+                scored = self._score(next(batches))
+            self.ds.backward(scored.loss)
             if measure_grad_norm and self.ds.is_gradient_accumulation_boundary():
                 grad_norm = self._grad_norm_if_untracked()
             self.ds.step()
-            scores.append(reported)
+            scores.append(scored)
         means = mean_scores(scores)
         return StepResult(means.pop("loss"), grad_norm=grad_norm, metrics=means)
 
@@ -349,8 +342,8 @@ class ZeroEngine:
         if not batches:
             return {"eval_loss": float("nan")}
         if self._sequence is not None:
-            with evaluating(self.ds.module):
-                scores = [self._train_loss(b)[1] for b in batches]
+            with evaluating(self.ds.module):  # sharded like training: SequenceParallelLM
+                scores = [self._score(b) for b in batches]
         else:
             self.ds.eval()
             scores = [self._score(b) for b in batches]

@@ -1,6 +1,6 @@
 """Pipeline parallelism's model side: a Llama-family HF causal LM as DeepSpeed `PipelineModule` stages.
 
-The engine that runs it is runtime/pipeline_engine.py. The model is expressed as a flat
+The engine that runs it is runtime/engines/pipeline_engine.py. The model is expressed as a flat
 list of pipeline layers that pass plain tensors:
 
     embedding                      input_ids            -> (hidden, position_ids)
@@ -24,7 +24,6 @@ import contextlib
 import importlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,9 +34,10 @@ from torch import nn
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import loss_chunks
-from llm_train.runtime import collectives
-from llm_train.runtime.chunked_loss import token_logps
-from llm_train.runtime.model import model_config
+from llm_train.runtime.base import collectives
+from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, causal_lm_loss
+from llm_train.runtime.model.model import model_config
+from llm_train.runtime.model.pipeline_names import TIED_KEY, LayerMap
 
 if TYPE_CHECKING:
     from deepspeed.pipe import PipelineModule
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 # HF module class prefixes of the architectures this path knows how to cut into layers.
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-TIED_KEY = "embed"
 
 
 # ---------------------------------------------------------------- the pipeline layers
@@ -159,29 +158,6 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     return int(window) if layer_types[layer_idx] == "sliding_attention" else None
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's causal-LM loss: predict token t+1 from t, mean over tokens, computed in fp32."""
-    vocab = logits.shape[-1]
-    return nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100
-    )
-
-
-class ChunkedCausalLMLoss:
-    """`causal_lm_loss` from the last stage's final hidden states, by the chunked loss (memory.tiled_loss):
-    the output layer runs inside the loss, chunk by chunk (runtime/chunked_loss.py), never whole."""
-
-    def __init__(
-        self, head: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter], chunks: int
-    ) -> None:
-        self.head, self.params, self.chunks = head, params, chunks
-
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # token t predicts label t+1
-        logps = token_logps(self.head, self.params, hidden, shifted, self.chunks)
-        return -logps.sum() / (shifted != -100).sum()
-
-
 def _hidden(hidden: torch.Tensor) -> torch.Tensor:
     """The last stage's output layer under the chunked loss: the hidden states pass to the loss as they are."""
     return hidden
@@ -200,49 +176,6 @@ def chunk_the_loss(module: PipelineModule, config: PretrainedConfig, tokens: int
     chunks = loss_chunks(tokens, config.vocab_size)
     module.forward_funcs[-1] = _hidden
     module.loss_fn = ChunkedCausalLMLoss(head, list(owner.parameters()), chunks)
-
-
-# ---------------------------------------------------------------- names: HF <-> pipeline
-
-
-@dataclass(frozen=True)
-class LayerMap:
-    """Where each HF weight lives in the pipeline's layer list (and back)."""
-
-    num_layers: int
-    tied: bool
-
-    @property
-    def norm_idx(self) -> int:
-        return self.num_layers + 1
-
-    def to_pipe(self, hf_name: str) -> str | None:
-        if hf_name.startswith("model.embed_tokens."):
-            owner = f"tied_modules.{TIED_KEY}" if self.tied else "0"
-            return f"{owner}.{hf_name.removeprefix('model.')}"
-        if hf_name.startswith("model.layers."):
-            idx, rest = hf_name.removeprefix("model.layers.").split(".", 1)
-            return f"{1 + int(idx)}.layer.{rest}"
-        if hf_name.startswith("model.norm."):
-            return f"{self.norm_idx}.{hf_name.removeprefix('model.')}"
-        if hf_name.startswith("lm_head."):
-            return None if self.tied else f"{self.norm_idx + 1}.{hf_name}"
-        return None
-
-    def to_hf(self, pipe_name: str) -> str | None:
-        head, _, rest = pipe_name.partition(".")
-        if head == "tied_modules":
-            return "model." + rest.split(".", 1)[1]
-        if not head.isdigit():
-            return None
-        idx = int(head)
-        if idx == 0:
-            return f"model.{rest}"
-        if idx <= self.num_layers:
-            return f"model.layers.{idx - 1}.{rest.removeprefix('layer.')}"
-        if idx == self.norm_idx:
-            return f"model.{rest}"
-        return rest  # lm_head.weight
 
 
 def layer_specs(config: PretrainedConfig) -> list[Any]:
@@ -416,25 +349,3 @@ def export_pipeline(
             GenerationConfig.from_model_config(config).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     collectives.WORLD.barrier()
-
-
-def pipeline_checkpoint_state_dict(ds_dir: Path, hf_dir: Path) -> dict[str, torch.Tensor] | None:
-    """HF-named fp32 weights from the layer files of a pipeline engine checkpoint; None for other checkpoints.
-
-    PipelineModule.save_state_dict writes one `layer_NN-model_states.pt` per layer (a plain
-    state dict of tensors, loaded with weights_only); a tied embedding is saved once, by its
-    first stage. The caller verifies the checkpoint's manifest before anything is read.
-    """
-    files = sorted(ds_dir.glob("layer_*-model_states.pt"))
-    if not files:
-        return None
-    config = json.loads((hf_dir / "config.json").read_text())
-    names = LayerMap(int(config["num_hidden_layers"]), bool(config.get("tie_word_embeddings", False)))
-    out: dict[str, torch.Tensor] = {}
-    for file in files:
-        index = int(file.name.split("-", 1)[0].removeprefix("layer_"))
-        for key, tensor in torch.load(file, map_location="cpu", weights_only=True).items():
-            hf_name = names.to_hf(f"{index}.{key}")
-            if hf_name is not None:
-                out[hf_name] = tensor.float()
-    return out

@@ -27,7 +27,7 @@ import torch
 from llm_train.config.layout import EIGHT_BIT_OPTIMIZERS
 from llm_train.config.recipe_sections import OptimSection
 from llm_train.errors import UserError
-from llm_train.runtime.quantized_base import INSTALL_HINT
+from llm_train.runtime.model.quantized_base import INSTALL_HINT
 
 
 def lr_factor(step: int, optim: OptimSection, max_steps: int) -> float:

@@ -5,8 +5,8 @@ sits on the two sides of them:
 
 - `Rollouts` is the iterator the engine draws its micro-batches from. When it runs dry it takes this rank's
   next prompts from the dealer (data/prompts.py), has the model write grpo.num_generations completions for
-  each (`Generation`), scores every completion (runtime/rewards.py), gathers the rewards of every rank,
-  computes the group advantages (grpo_loss.py) and cuts this rank's completions into the step's
+  each (`Generation`), scores every completion (runtime/rl/rewards.py), gathers the rewards of every rank,
+  computes the group advantages (loss/grpo.py) and cuts this rank's completions into the step's
   micro-batches, handed out grpo.num_iterations times (one optimizer step each).
 - `Grpo` is the objective: it scores a micro-batch by TRL's GRPO loss on the policy's log-probs.
 
@@ -42,9 +42,9 @@ from llm_train.config.objective_sections import GrpoSection
 from llm_train.data.dealer import Batches
 from llm_train.data.prompts import Prompt
 from llm_train.errors import UserError
-from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.compat import gathered_for_generation
-from llm_train.runtime.grpo_loss import (
+from llm_train.runtime.base.collectives import Collectives
+from llm_train.runtime.base.compat import gathered_for_generation
+from llm_train.runtime.loss.grpo import (
     Advantages,
     LossSettings,
     completion_logps,
@@ -52,8 +52,8 @@ from llm_train.runtime.grpo_loss import (
     group_advantages,
     policy_loss,
 )
-from llm_train.runtime.objectives import Scored
-from llm_train.runtime.rewards import RewardFunction, gather, reward_metrics, score
+from llm_train.runtime.loss.interface import Scored
+from llm_train.runtime.rl.rewards import RewardFunction, gather, reward_metrics, score
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -93,7 +93,7 @@ def rollout_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> t
 
 
 class Grpo:
-    """The objective: TRL's GRPO loss of a rollout micro-batch (runtime/grpo_loss.py)."""
+    """The objective: TRL's GRPO loss of a rollout micro-batch (runtime/loss/grpo.py)."""
 
     name = "grpo"
 
@@ -354,7 +354,7 @@ class Rollouts(Iterator[Batch]):
             "completion_length_max": float(longest),
             "completion_truncated_frac": total_truncated / count,
         }
-        # dapo: the step's scored tokens over all ranks / (ranks x micro-batches), see grpo_loss.py.
+        # dapo: the step's scored tokens over all ranks / (ranks x micro-batches), see loss/grpo.py.
         return stats, scored / (self.shape.dp_size * self.shape.accumulation)
 
     def _micro_batch(self, rows: Batch, k: int, dapo_tokens: float, metrics: dict[str, float]) -> Batch:

@@ -1,4 +1,4 @@
-"""The pipeline engine: DeepSpeed's `PipelineEngine` over the stages of runtime/pipeline_model.py.
+"""The pipeline engine: DeepSpeed's `PipelineEngine` over the stages of runtime/engines/pipeline_model.py.
 
 Accelerate does not drive DeepSpeed's pipeline engine, so this engine joins the process
 group and builds the engine itself. One optimizer step is one `train_batch`, which pulls
@@ -24,22 +24,22 @@ from llm_train.errors import UserError
 from llm_train.observability.metrics import shape_token_flops
 from llm_train.planning.flops import TokenFlops
 from llm_train.planning.shapes import shape_from_config
-from llm_train.runtime import collectives
-from llm_train.runtime.collectives import Collectives
-from llm_train.runtime.compat import clip_fp32_across_stages, keep_fp32_rope_buffers
-from llm_train.runtime.engine import Batch, StepResult, process_group_timeout
-from llm_train.runtime.export import reference_input_ids, write_reference
-from llm_train.runtime.model import loss_tokens
-from llm_train.runtime.objectives import LanguageModeling, Objective
-from llm_train.runtime.optim import build_optimizer, build_scheduler
-from llm_train.runtime.pipeline_model import (
-    ChunkedCausalLMLoss,
-    LayerMap,
+from llm_train.runtime.base import collectives
+from llm_train.runtime.base.collectives import Collectives
+from llm_train.runtime.base.compat import clip_fp32_across_stages, keep_fp32_rope_buffers
+from llm_train.runtime.checkpointing.logit_reference import reference_input_ids, write_reference
+from llm_train.runtime.engines.engine import Batch, StepResult, process_group_timeout
+from llm_train.runtime.engines.pipeline_model import (
     build_pipeline_module,
     export_pipeline,
     hf_config,
     load_stage_weights,
 )
+from llm_train.runtime.loss.interface import Objective
+from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, LanguageModeling
+from llm_train.runtime.model.model import loss_tokens
+from llm_train.runtime.model.optim import build_optimizer, build_scheduler
+from llm_train.runtime.model.pipeline_names import LayerMap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -1,0 +1,5 @@
+"""Online RL (runtime/__init__.py says where each room sits).
+
+grpo.py     GRPO's rollouts and its Objective: generate, score, advantages, loss (the arithmetic: loss/grpo.py)
+rewards.py  the recipe's reward functions
+"""
