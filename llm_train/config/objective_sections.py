@@ -21,7 +21,7 @@ DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
 
 
 class PreferenceSection(Section):
-    """Preference tuning on `format: preference` pairs (objective dpo or simpo; runtime/objectives.py)."""
+    """Preference tuning on `format: preference` pairs (objective dpo or simpo; runtime/loss/preference.py)."""
 
     beta: float | None = Field(
         None,
@@ -51,7 +51,7 @@ class PreferenceSection(Section):
 
 
 class RewardSection(Section):
-    """Reward-model training on `format: preference` pairs (objective reward; runtime/objectives.py)."""
+    """Reward-model training on `format: preference` pairs (objective reward; runtime/loss/reward.py)."""
 
     margin: float = Field(
         0.0,
@@ -182,8 +182,8 @@ def parse_reward(item: Any, where: str) -> Any:
 
 
 class GrpoSection(Section):
-    """Online RL with GRPO (objective grpo; runtime/grpo.py): each step the model writes num_generations
-    completions per prompt, the rewards score them, and the loss is TRL's GRPO loss (runtime/grpo_loss.py).
+    """Online RL with GRPO (objective grpo; runtime/rl/grpo.py): each step the model writes num_generations
+    completions per prompt, the rewards score them, and the loss is TRL's GRPO loss (runtime/loss/grpo.py).
     optim.micro_batch_size counts completions; each rank's completions per step form whole groups."""
 
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group G).")

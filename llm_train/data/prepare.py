@@ -13,7 +13,7 @@ so no packed sequence mixes train and eval samples.
 A preference source's unit is the pair (two store rows, packing.py): it is carved, counted
 and dealt by pair, and each of its "sequences" is one pair of padded rows. A preference
 objective also attaches the reference model's log-probs of every pair to each part
-(`PackedSource.reference`, runtime/reference.py), which model_inputs.py hands out with the pairs.
+(`PackedSource.reference`, runtime/engines/reference.py), which model_inputs.py hands out with the pairs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A prompt is text (wrapped in the source's `prompt_template`, tokenised with the tokenizer's special tokens,
 as generation is prompted) or a list of {role, content} messages (rendered with the chat template and its
 generation prompt; data/formats/prompt.py). Every other field of the row travels with it to the reward
-functions (runtime/rewards.py). Prompts longer than data.seq_len - grpo.max_completion_length tokens are dropped, or refused (`overlong`).
+functions (runtime/rl/rewards.py). Prompts longer than data.seq_len - grpo.max_completion_length tokens are dropped, or refused (`overlong`).
 
 Prompts are few and small, so they are read whole at start-up, not cached; `PromptSequences` hands them to
 the one dealer (dealer.py `Batches`), which deals one batch of prompts per step and data-parallel rank in a
