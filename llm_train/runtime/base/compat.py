@@ -11,6 +11,9 @@ QLoRA's 4-bit base (`quantizing_on`, `keep_training_layout`) are steps of that b
 evaluation, so they live beside it in runtime/model/quantized_base.py; `WORKAROUNDS` still lists them, with
 that module (`Workaround.module`), and tests/unit/test_compat.py holds them to the same rules.
 
+It is one module of some 600 lines on purpose: the boundary is read whole when a library moves (which
+patches exist, what each replaces, on which version), and a module per library would scatter that list.
+
 `WINDOWS` holds, for every library whose internals llm_train touches, the versions the suite passed on
 and what may break outside them. pyproject.toml's dependencies state the same windows
 (tests/unit/test_compat.py keeps the two equal, every workaround's `verified` inside its library's window,
