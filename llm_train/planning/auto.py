@@ -79,7 +79,7 @@ from llm_train.planning.search import (
     short_config,
 )
 from llm_train.planning.shapes import ModelShape, shape_from_config, shape_of
-from llm_train.planning.verdict import config_line, verdict
+from llm_train.planning.verdict import config_line, generation_line, verdict
 
 # The pinning choices of an offloading candidate (recipe values of deepspeed.pinning).
 PINNING_CHOICES = ("native", "torch", "off")
@@ -1093,7 +1093,8 @@ def written_evaluation(auto: AutoChoice, path: Path) -> Evaluation:
 
 def _speed_parts(ev: Evaluation) -> str:
     t = ev.time
-    parts = [("compute", t.compute), ("4-bit dequantisation", t.dequantize), ("ZeRO comm", t.communication)]
+    parts = [("compute", t.compute), ("generation", t.generation), ("4-bit dequantisation", t.dequantize)]
+    parts += [("ZeRO comm", t.communication)]
     parts += [("PCIe", t.pcie), ("CPU Adam", t.cpu_optimizer), ("NVMe", t.nvme)]
     text = ", ".join(
         f"{name} {seconds:.1f}s" for name, seconds in parts if seconds >= 0.05 or name == "compute"
@@ -1111,6 +1112,7 @@ def render_auto(auto: AutoChoice, path: Path | None) -> str:
         f"chosen:   {config_line(ev.inputs, ev.inputs.grad_accum)}; deepspeed.config={auto.ds_config}",
         f"needs:    {verdict(ev, hw, auto.practicality, auto.nvme_bytes)}",
         f"speed:    ~{ev.time.total:.2f} s/step, ~{ev.time.tokens_per_s:,.0f} tokens/s (rough model: {_speed_parts(ev)})",
+        *([f"          {line}"] if (line := generation_line(ev)) else []),
         *([f"instead:  {auto.practicality.instead}"] if auto.practicality.instead else []),
         "why:",
         *(f"  - {r}" for r in auto.reasons),

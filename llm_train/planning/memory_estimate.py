@@ -127,9 +127,11 @@ busiest one: first pipeline stage); host terms and NVMe are per node.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llm_train.planning.generation import kv_cache_bytes, prefill_bytes, sampling_bytes
 from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError, MemoryInputs
 from llm_train.planning.offload_buffers import (
     HostBuffer,
@@ -390,7 +392,23 @@ _LABELS = {
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
     "export_peak": "final export (transient)",
+    "generation_gathered_parameters": "generation: gathered model",
+    "generation_kv_cache": "generation: key-value cache",
+    "generation_prefill": "generation: prefill, one layer",
+    "generation_sampling": "generation: sampling logits",
 }
+# The training terms generation runs beside (GRPO generates between optimizer steps): the model states and
+# DeepSpeed's buffers stay allocated (gradients counted: conservative), a 4-bit base dequantises each layer
+# for generation's matmuls too; training's activations, logits and masks do not exist yet.
+HELD_THROUGH_GENERATION = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "deepspeed_buffers",
+    "reference_model",
+    "dequantized_weight",
+    "quantization_state",
+)
 
 
 def _gib(n: float) -> str:
@@ -409,10 +427,27 @@ class MemoryEstimate:
     convention: str
     locked_per_rank: int = 0
     """Host bytes one process mlocks (native pinning, async-I/O buffers): what its memlock limit must allow."""
+    generation_terms: dict[str, int] = field(default_factory=dict)
+    """objective grpo: the GPU terms only generation has (planning/generation.py); empty otherwise."""
+    generation_live: int = 0
+    """The generation phase's live tensors: HELD_THROUGH_GENERATION's terms and generation_terms."""
+
+    @property
+    def generation_bytes(self) -> int:
+        """The generation phase's GPU total, with the CUDA context and allocator slack (0: no generation)."""
+        if not self.generation_terms:
+            return 0
+        return int(CUDA_CONTEXT_BYTES + (1 + ALLOCATOR_SLACK_FRACTION) * self.generation_live)
 
     def table(self) -> list[tuple[str, str]]:
         rows = [(f"GPU {_LABELS.get(k, k)}", _gib(v)) for k, v in self.gpu_terms.items()]
-        rows.append(("GPU total (per GPU)", _gib(self.gpu_bytes)))
+        total = "GPU total (per GPU)"
+        if self.generation_terms:  # GRPO: generation runs between steps, beside the states training holds
+            rows.append(("GPU training phase total", _gib(sum(self.gpu_terms.values()))))
+            rows += [(f"GPU {_LABELS.get(k, k)}", _gib(v)) for k, v in self.generation_terms.items()]
+            rows.append(("GPU generation phase total (+ held states)", _gib(self.generation_bytes)))
+            total = "GPU total (per GPU, the larger phase)"
+        rows.append((total, _gib(self.gpu_bytes)))
         rows += [(f"host {_LABELS.get(k, k)}", _gib(v)) for k, v in self.host_terms.items() if v]
         rows.append(("host RAM total (per node)", _gib(self.host_bytes)))
         if self.nvme_bytes:
@@ -441,15 +476,21 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     gpu = gpu_terms(inp, split, activations, reference_gpu)
     host, released, locked = host_terms(inp, split, offloaded_checkpoints, reference_host)
     gpu_int = {k: int(v) for k, v in gpu.items()}
-    return MemoryEstimate(
+    generation = {k: int(v) for k, v in generation_gpu_terms(inp, split).items()}
+    live = sum(v for k, v in gpu_int.items() if k in HELD_THROUGH_GENERATION) + sum(generation.values())
+    phases = MemoryEstimate(
         gpu_terms=gpu_int,
         host_terms={k: int(v) for k, v in host.items()},
         nvme_bytes=int(nvme_space_bytes(inp, split)),
-        gpu_bytes=gpu_peak_bytes(inp, split, sum(gpu_int.values())),
+        gpu_bytes=0,
         host_bytes=int(host_peak_bytes(inp, host, released)),
         convention=CONVENTION,
         locked_per_rank=int(locked),
+        generation_terms=generation,
+        generation_live=live if generation else 0,
     )
+    peak = max(gpu_peak_bytes(inp, split, sum(gpu_int.values())), phases.generation_bytes)
+    return dataclasses.replace(phases, gpu_bytes=peak)
 
 
 @dataclass(frozen=True)
@@ -638,6 +679,10 @@ def logits_and_loss_bytes(inp: MemoryInputs) -> int:
     """
     tokens = inp.local_tokens * inp.rows
     logit_bytes = 4 if inp.precision == "fp32" else 2
+    if inp.generation is not None:
+        # GRPO scores completion tokens only: grpo_loss.completion_logps keeps the last completion + 1
+        # positions' logits (logits_to_keep) and takes their fp32 log-softmax.
+        return logits_bytes(inp.shape, inp.generation.completion_tokens + 1, inp.rows)
     if not inp.tiled_loss:
         return logits_bytes(inp.shape, inp.local_tokens, inp.rows)
     if inp.liger_computes_loss:
@@ -696,6 +741,24 @@ def attention_mask_bytes(inp: MemoryInputs) -> float:
     square = inp.rows * inp.seq_len * inp.seq_len
     act_bytes = 4 if inp.precision == "fp32" else 2
     return square * (1 + act_bytes * layers_alive)
+
+
+def generation_gpu_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, float]:
+    """The GPU terms of GRPO's generate call that training does not have (planning/generation.py); {} without
+    generation. Under ZeRO-3 compat.gathered_for_generation gathers every partitioned parameter at once, at its
+    stored bytes (a 4-bit base packed), beside the shard the rank keeps."""
+    gen = inp.generation
+    if gen is None:
+        return {}
+    shape, rows, dtype = inp.shape, inp.generation_rows, split.weight_bytes
+    terms: dict[str, float] = {}
+    if inp.zero_stage == 3:
+        stored = split.quantized_base - split.quantization_state + (split.weights - split.base) * dtype
+        terms["generation_gathered_parameters"] = stored * split.partitioned / split.weights
+    terms["generation_kv_cache"] = kv_cache_bytes(shape, rows, gen.cache_tokens(inp.seq_len), dtype)
+    terms["generation_prefill"] = prefill_bytes(shape, rows, gen.prompt_tokens(inp.seq_len), dtype)
+    terms["generation_sampling"] = sampling_bytes(shape, rows, dtype, gen.top_p)
+    return terms
 
 
 def gpu_peak_bytes(inp: MemoryInputs, split: ModelSplit, training: int) -> int:

@@ -26,6 +26,7 @@ from llm_train.config.layout import (
     state_dtype_problem,
 )
 from llm_train.errors import UserError
+from llm_train.planning.generation import GenerationInputs
 from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
 from llm_train.planning.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
@@ -155,6 +156,8 @@ class MemoryInputs:
     reference: str = "none"
     """DPO's reference: "none" (lm, simpo), "cached" (log-probs computed before training) or "live" (scored
     every step: a frozen copy of the model, or under LoRA the base with the adapters disabled)."""
+    generation: GenerationInputs | None = None
+    """objective grpo: what each rank generates per step (planning/generation.py); None: no generation."""
 
     def __post_init__(self) -> None:
         buckets = zero_bucket_sizes(self.shape.hidden_size)
@@ -335,6 +338,11 @@ class MemoryInputs:
     def rows(self) -> int:
         """Rows of seq_len tokens per micro-batch: micro_batch samples of sequences_per_sample rows each."""
         return self.micro_batch * self.sequences_per_sample
+
+    @property
+    def generation_rows(self) -> int:
+        """Sequences one generate call writes: the rank's whole step, micro x accum completions (runtime/grpo.py)."""
+        return self.micro_batch * self.grad_accum if self.generation else 0
 
     @property
     def reference_copy(self) -> bool:

@@ -38,6 +38,7 @@ from llm_train.config.hardware import (
     Hardware,
 )
 from llm_train.planning.flops import training_flops_per_token
+from llm_train.planning.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
 from llm_train.planning.memory_estimate import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes
@@ -112,6 +113,10 @@ class StepTime:
     """Bytes each rank moves over its host link per step (both directions)."""
     pcie_hideable: float = 0.0
     """Seconds of those copies that prefetch and streaming could hide behind compute (FETCH_OVERLAP)."""
+    generation: float = 0.0
+    """objective grpo: the generate call's seconds per optimizer step (one call serves num_iterations steps)."""
+    generation_call: GenerationTime | None = None
+    """objective grpo: one generate call, by part (planning/generation.py); None without generation."""
 
     @property
     def overlapped(self) -> float:
@@ -121,6 +126,11 @@ class StepTime:
 
     @property
     def total(self) -> float:
+        return self.training + self.generation
+
+    @property
+    def training(self) -> float:
+        """Seconds of the forward, backward and update: the step without generation."""
         return (
             self.compute + self.dequantize + self.communication + self.pcie + self.cpu_optimizer + self.nvme
         )
@@ -266,6 +276,59 @@ def dequantize_seconds(inp: MemoryInputs, grad_accum: int, memory_bytes_per_s: f
     return grad_accum * passes * per_pass / (memory_bytes_per_s * DEQUANTIZE_BANDWIDTH_EFFICIENCY)
 
 
+def interconnect_bytes_per_s(inp: MemoryInputs, nvlink: bool) -> float:
+    """The bus ZeRO's collectives cross: the network between nodes, else NVLink or a PCIe switch."""
+    if inp.num_nodes > 1:
+        return INTER_NODE_BYTES_PER_S
+    return NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
+
+
+def generation_time(
+    inp: MemoryInputs,
+    grad_accum: int,
+    peak_tflops: float,
+    nvlink: bool = False,
+    pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S,
+    memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_GBS * 1e9,
+) -> GenerationTime | None:
+    """One GRPO generate call on one rank (planning/generation.py: a rough model until measured); None without
+    generation. The prefill is a forward at the training efficiency; each decode step is bounded by streaming
+    the weights (a 4-bit base dequantised: packed read, 16-bit copy written and read) and the cache, by its
+    compute, or by the per-layer launch overhead."""
+    gen = inp.generation
+    if gen is None:
+        return None
+    shape = inp.shape
+    wbytes = 2 if inp.precision != "fp32" else 4
+    rows = inp.micro_batch * grad_accum
+    prompt, completion = gen.prompt_tokens(inp.seq_len), gen.completion_tokens
+    peak = peak_tflops * 1e12
+    forward_flops = (
+        training_flops_per_token(shape.num_params, shape.num_layers, shape.num_heads, shape.head_dim, prompt)
+        / 3.0
+    )
+    tokens = rows * prompt
+    prefill = tokens * forward_flops / (peak * PEAK_EFFICIENCY * tokens / (tokens + EFFICIENCY_HALF_TOKENS))
+    weights = base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
+    if inp.lora_rank:
+        weights += shape.lora_params(inp.lora_rank, inp.lora_targets) * wbytes
+    if inp.quantize != "none":
+        dequantized = quantized_weight_params(shape) * wbytes
+        prefill += (weights + dequantized) / (memory_bytes_per_s * DEQUANTIZE_BANDWIDTH_EFFICIENCY)
+        weights += 2 * dequantized  # each decode step writes the 16-bit copy and its matmul reads it
+    cache = rows * (prompt + completion / 2) * kv_bytes_per_token(shape, wbytes)  # the mean step's cache
+    step, bound = decode_step_seconds(shape, weights, cache, rows, peak * PEAK_EFFICIENCY, memory_bytes_per_s)
+    gather = 0.0
+    dp = inp.zero_partitions
+    if inp.zero_stage == 3:
+        stored = weights if inp.quantize == "none" else weights - 2 * dequantized
+        gather = stored * (dp - 1) / dp / interconnect_bytes_per_s(inp, nvlink)
+        if inp.offload_params != "none":
+            gather += stored / dp / copy_bytes_per_s(inp.param_pinning, pcie_bytes_per_s)
+    old_logps = reference_pass_seconds(inp, grad_accum, peak_tflops) if gen.num_iterations > 1 else 0.0
+    return GenerationTime(prefill, completion * step, gather, old_logps, rows * completion, step, bound)
+
+
 def step_time(
     inp: MemoryInputs,
     grad_accum: int,
@@ -325,10 +388,7 @@ def step_time(
             comm_bytes = grad_accum * (passes * stored + trainable * wbytes) * ring
             if inp.reference_copy:  # the sharded frozen reference is gathered for its forward
                 comm_bytes += grad_accum * weights * wbytes * ring
-    if inp.num_nodes > 1:
-        bandwidth = INTER_NODE_BYTES_PER_S
-    else:
-        bandwidth = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
+    bandwidth = interconnect_bytes_per_s(inp, nvlink)
     exposed = OVERLAPPED_COMM_EXPOSED if inp.overlap_comm else 1.0
     communication = exposed * comm_bytes / bandwidth
     if inp.sp > 1:
@@ -387,6 +447,8 @@ def step_time(
         nvme_write += swapped
     nvme = nvme_read / nvme_read_bytes_per_s + nvme_write / nvme_write_bytes_per_s
 
+    call = generation_time(inp, grad_accum, peak_tflops, nvlink, pcie_bytes_per_s, memory_bytes_per_s)
+
     cpu_optimizer = 0.0
     if inp.offload_optimizer != "none":
         cpu_optimizer = trainable / dp / (CPU_ADAM_PARAMS_PER_S / ranks)
@@ -409,4 +471,6 @@ def step_time(
         dequantize=dequantize,
         pcie_bytes=pcie_bytes,
         pcie_hideable=pcie_raw - pcie,
+        generation=call.total / inp.generation.num_iterations if call and inp.generation else 0.0,
+        generation_call=call,
     )
