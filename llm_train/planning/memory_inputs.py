@@ -25,11 +25,17 @@ from llm_train.config.layout import (
     sequence_parallel_problem,
     state_dtype_problem,
 )
+from llm_train.config.recipe import MemorySection
 from llm_train.errors import UserError
 from llm_train.planning.generation import GenerationInputs
 from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
 from llm_train.planning.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
+
+# The recipe schema's memory switches: the estimate's defaults are the run's (one source of truth; a test
+# ties them, tests/unit/test_lora_defaults.py). memory.attention's default, "auto", is resolved per card by
+# the run; the estimate's default kernel is sdpa, what "auto" gives where nothing faster is installed.
+SCHEMA_MEMORY = MemorySection()
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py) the inputs start from.
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
@@ -89,7 +95,7 @@ class MemoryInputs:
     gpus_per_node: int | None = None
     """GPUs (ranks) per node; None = min(world_size, 8)."""
     seq_len: int = 2048
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = SCHEMA_MEMORY.activation_checkpointing
     attn_impl: str = "sdpa"
     dense_mask: bool = False
     """The rows carry an attention mask (packed rows: block-diagonal; padded rows), which sdpa receives
@@ -100,7 +106,11 @@ class MemoryInputs:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """lora.target_modules: the linear modules that get adapters."""
     lora_dropout: bool = False
-    """lora.dropout > 0: PEFT keeps a dropped-out copy of each adapted layer's input for backward."""
+    """lora.dropout > 0: PEFT keeps a dropped-out copy of each adapted layer's input for backward. Off unless
+    the caller says so, not the schema's 0.05: this is a switch of the estimate, and every estimate of
+    adapters the run will train sets it from the schema (candidate.memory_inputs from a recipe, auto's kinds
+    from suggested_lora, search's LoRA fix from SUGGESTED_LORA_DROPOUT); a planner API caller spelling out
+    `lora_rank` alone asks for the adapters without that copy."""
     quantize: str = "none"
     """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
     quantize_on: str = "gpu"
@@ -142,14 +152,14 @@ class MemoryInputs:
     loader_forks: bool = False
     """DataLoader workers are forked after DeepSpeed's set-up (data.loader_workers > 0; 2 by default on
     CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/offload_buffers.py)."""
-    tiled_mlp: bool = False
+    tiled_mlp: bool = SCHEMA_MEMORY.tiled_mlp
     """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
-    tiled_loss: bool = False
+    tiled_loss: bool = SCHEMA_MEMORY.tiled_loss
     """memory.tiled_loss: logits and loss in chunks of tokens; the full logits tensor never exists."""
-    liger_loss: bool = False
+    liger_loss: bool = SCHEMA_MEMORY.liger_kernels
     """memory.liger_kernels: the chunked loss is Liger's fused linear cross-entropy where it can run
     (`liger_computes_loss`)."""
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool = SCHEMA_MEMORY.offload_checkpoints
     """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
     sequences_per_sample: int = 1
     """Rows per sample: 2 for preference pairs (chosen and rejected), else 1 (micro_batch counts samples)."""
