@@ -103,8 +103,13 @@ class ExactMatchReward(_RewardFields):
         description="A regular expression that finds the final answer in the completion (its first group if it "
         "has one; the last match counts; no match scores 0); default: the whole completion, stripped.",
     )
+    column_pattern: str | None = Field(
+        None,
+        description="A regular expression that finds the right answer in the column's value, as `pattern` does in "
+        "the completion (e.g. GSM8K's '#### (.*)'); default: the whole value, stripped.",
+    )
 
-    @field_validator("pattern")
+    @field_validator("pattern", "column_pattern")
     @classmethod
     def _compiles(cls, pattern: str | None) -> str | None:
         return None if pattern is None else _compiled(pattern)

@@ -20,6 +20,7 @@ from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
 from llm_train.config.recipe_sections import LoraSection
+from llm_train.planning.generation import GenerationInputs
 from llm_train.planning.memory_estimate import (
     ALLOCATOR_SLACK_FRACTION,
     PROCESS_HOST_BYTES,
@@ -105,7 +106,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
             else {}
         ),
         quantize=quantize,
-        quantize_on="gpu" if on_gpu else "cpu",  # the run's own device (runtime/zero_engine.py _staged_load)
+        quantize_on="gpu" if on_gpu else "cpu",  # the run's own device (runtime/engines/zero_engine.py _staged_load)
         zero_init=zero_init_for(quantize),
         direct_load=recipe.model.init == "pretrained",
         state_dtype=recipe.optim.state_dtype,
@@ -115,13 +116,30 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         tiled_loss=recipe.memory.tiled_loss,
         liger_loss=recipe.memory.liger_kernels,
         offload_checkpoints=recipe.memory.offload_checkpoints,
-        # save_on_cpu(pin_memory=True) on CUDA only (runtime/model.py), through torch's allocator.
+        # save_on_cpu(pin_memory=True) on CUDA only (runtime/model/model.py), through torch's allocator.
         checkpoint_pinning="torch" if on_gpu else "off",
         loader_forks=loader_forks_for(recipe.data.loader_workers, layout.offload_optimizer, on_gpu),
         sequences_per_sample=recipe.sequences_per_sample,
-        reference=recipe.preference.reference if recipe.objective == "dpo" else "none",
+        reference=reference_of(recipe),
+        generation=generation_of(recipe),
         **ds_fields(run.ds_config, recipe.deepspeed.pinning, on_gpu, layout.zero_stage),
     )
+
+
+def reference_of(recipe: Any) -> str:
+    """MemoryInputs.reference of a recipe: DPO's choice; GRPO with beta > 0 scores every micro-batch under the
+    initial model live, the same copy (or disabled adapters) DPO's live reference uses (runtime/engines/reference.py)."""
+    if recipe.objective == "dpo":
+        return str(recipe.preference.reference)
+    return "live" if recipe.objective == "grpo" and recipe.grpo.beta > 0 else "none"
+
+
+def generation_of(recipe: Any) -> GenerationInputs | None:
+    """MemoryInputs.generation of a recipe: GRPO's generation settings (planning/generation.py), else None."""
+    if recipe.objective != "grpo":
+        return None
+    grpo = recipe.grpo
+    return GenerationInputs(grpo.num_generations, grpo.max_completion_length, grpo.num_iterations, grpo.top_p)
 
 
 def zero_init_for(quantize: str) -> bool | None:
@@ -212,7 +230,7 @@ def needs(est: MemoryEstimate, inp: MemoryInputs, kind: str) -> tuple[int, int]:
     if kind != "cpu":
         return est.gpu_bytes, est.host_bytes
     device = sum(v for k, v in est.gpu_terms.items() if k != "cuda_context_and_slack")
-    device = int(device * (1 + ALLOCATOR_SLACK_FRACTION))
+    device = int(max(device, est.generation_live) * (1 + ALLOCATOR_SLACK_FRACTION))
     ranks = inp.ranks_per_node
     host = est.host_bytes - ranks * PROCESS_HOST_BYTES + ranks * (CPU_PROCESS_HOST_BYTES + device)
     return device, host

@@ -62,7 +62,7 @@ counted at full width, an upper bound under GQA). ZeRO partitions over all dp*sp
 each MLP over tiles of `hidden_size` tokens and recomputes it per tile in backward: its
 intermediates exist for one tile (and that tile's gradients), not per layer.
 `memory.tiled_loss` computes logits and loss in chunks of at most LOSS_CHUNK_LOGITS_BYTES of fp32
-logits (runtime/chunked_loss.py): one chunk's working set instead of transformers' whole
+logits (runtime/loss/chunked.py): one chunk's working set instead of transformers' whole
 [tokens x vocabulary] logits, their fp32 copy, log-softmax and its gradients (12 bytes per logit). `memory.offload_checkpoints` keeps the per-layer checkpointed
 hidden states in pinned host RAM between forward and backward: on the GPU stays the one
 being copied; the host holds all of them, each in a block of torch's pinned allocator, rounded up to
@@ -87,14 +87,14 @@ like the policy's under ZeRO-3 (on the host with parameter offload) and whole on
 stages 0-2 (TRL's prepare_deepspeed runs it at stage 0). It runs under no_grad before the policy's
 forward, so its activations and logits are freed before the policy's exist: no term.
 
-Export. At the end of a full fine-tune (runtime/zero_engine.py `export`) rank 0 holds the gathered
+Export. At the end of a full fine-tune (runtime/engines/zero_engine.py `export`) rank 0 holds the gathered
 16-bit model on the CPU (Accelerate's get_state_dict: ZeRO-3's consolidated 16-bit state dict, or a
 CPU clone of the module's); `save_hf_model` writes it without another copy (it clones only tensors
-that share storage). Before gathering, every rank frees its Adam moments (runtime/optim.py
+that share storage). Before gathering, every rank frees its Adam moments (runtime/model/optim.py
 `release_moments`: the final checkpoint is committed, the run is over), two thirds of the
 offloaded optimizer state. The export phase is therefore the training phase, less the
 offloaded moments, plus the gathered copy; the host peak is the larger of the phases. A LoRA run
-writes final/ layer by layer from the GPU (runtime/sharded_export.py): the host holds one shard of
+writes final/ layer by layer from the GPU (runtime/export/sharded.py): the host holds one shard of
 EXPORT_SHARD_BYTES (or the largest tensor, if larger) for a merged export, the adapters for an
 adapter export.
 
@@ -108,7 +108,7 @@ QLoRA (`quantize`): the decoder layers' linear weights in 4 or 8 bits, the rest 
 the base loads straight onto each GPU. Under ZeRO-3 an nf4 base is staged on the host, whole on every
 rank (transformers skips zero.Init for a quantised model), each weight quantised as it loads on the run's
 device (`quantize_on`), and zero.Init(module=...) partitions it from there tensor by tensor
-(runtime/quantized_base.py). Quantised on the CPU (a CPU run), the host's load peak is ranks x (the staged base
+(runtime/model/quantized_base.py). Quantised on the CPU (a CPU run), the host's load peak is ranks x (the staged base
 + the quantiser's working set and the loader's freed temporaries, measured: QUANTIZE_*_BYTES_PER_WEIGHT).
 Quantised on the GPU, one weight at a time with its codes sent back to the host, the host holds the staged
 base less its quantisation state (that stays on the GPU), the largest weight as read and its codes, and
@@ -127,239 +127,47 @@ busiest one: first pipeline stage); host terms and NVMe are per node.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
-from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError, MemoryInputs
-from llm_train.planning.offload_buffers import (
-    HostBuffer,
-    OffloadRank,
-    cpu_optimizer_buffers,
-    cpu_parameter_buffers,
-    held_bytes,
-    loader_fork_copies,
-    nvme_optimizer_buffers,
-    nvme_optimizer_bytes,
+from llm_train.planning.generation import kv_cache_bytes, prefill_bytes, sampling_bytes
+
+# The host terms, the model's split and the per-token formulas live in their own modules (host_memory,
+# model_split, memory_formulas); the names callers, the runtime and the tests read from here are re-exported.
+from llm_train.planning.host_memory import export_peak_bytes as export_peak_bytes
+from llm_train.planning.host_memory import host_buffers as host_buffers
+from llm_train.planning.host_memory import host_peak_bytes as host_peak_bytes
+from llm_train.planning.host_memory import host_terms, nvme_space_bytes
+from llm_train.planning.host_memory import model_load_peak_bytes as model_load_peak_bytes
+from llm_train.planning.host_memory import offload_rank as offload_rank
+from llm_train.planning.memory_formulas import (
+    ALLOCATOR_SLACK_FRACTION,
+    CUDA_CONTEXT_BYTES,
+    DS_ALLREDUCE_BUCKET_SIZE,
+    OVERLAP_COMM_FACTOR,
+    activation_bytes_per_layer,
+    chunked_loss_bytes,
+    liger_loss_bytes,
+    logits_bytes,
+    mlp_tile_bytes,
+    sequence_parallel_buffer_bytes,
 )
-from llm_train.planning.quantized_bytes import (
-    NF4_PACKED_BYTES_PER_WEIGHT,
-    base_weight_bytes,
-    dequantized_layer_bytes,
-    largest_quantized_weight,
-    quantization_state_bytes,
-    quantized_weight_params,
-    staged_quantize_gpu_bytes,
+from llm_train.planning.memory_formulas import CHECKPOINT_SHARD_BYTES as CHECKPOINT_SHARD_BYTES
+from llm_train.planning.memory_formulas import DENSE_LOSS_BYTES_PER_LOGIT as DENSE_LOSS_BYTES_PER_LOGIT
+from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES as EIGHT_BIT_STATE_BYTES
+from llm_train.planning.memory_formulas import EXPORT_SHARD_BYTES as EXPORT_SHARD_BYTES
+from llm_train.planning.memory_formulas import LOSS_CHUNK_LOGITS_BYTES as LOSS_CHUNK_LOGITS_BYTES
+from llm_train.planning.memory_formulas import NORM_UPCAST_BYTES_PER_HIDDEN as NORM_UPCAST_BYTES_PER_HIDDEN
+from llm_train.planning.memory_formulas import PROCESS_HOST_BYTES as PROCESS_HOST_BYTES
+from llm_train.planning.memory_formulas import loss_chunks as loss_chunks
+from llm_train.planning.memory_formulas import (
+    mlp_intermediate_bytes_per_token as mlp_intermediate_bytes_per_token,
 )
-from llm_train.planning.shapes import ModelShape
-from llm_train.units import GiB
-
-# CUDA context (driver, cuBLAS/cuDNN handles, NCCL communicators) that `torch.cuda`
-# never reports as allocated: ~0.3-0.6 GiB on Hopper/Ada with recent CUDA.
-CUDA_CONTEXT_BYTES = GiB // 2
-# PyTorch's caching allocator rounds blocks and fragments under the changing
-# activation shapes of training; 5-15% over live tensors is typical, we take 10%.
-ALLOCATOR_SLACK_FRACTION = 0.10
-# Host RSS of one training process before any model state: Python, torch + CUDA
-# libraries, DeepSpeed, tokenizer and data loader. Rough (2-4 GiB measured typically).
-PROCESS_HOST_BYTES = 3 * GiB
-# Hugging Face's default `max_shard_size` when checkpoints are saved ("5GB").
-# With zero.Init each rank reads one shard at a time into CPU memory, partitions
-# it, and frees it, so the load peak per rank is one shard, not the model; loading
-# straight to the GPU (device_map) maps one shard file at a time the same way.
-CHECKPOINT_SHARD_BYTES = 5 * 10**9
-# A LoRA run's final/ shards (runtime/sharded_export.py): the host's share of a merged export.
-EXPORT_SHARD_BYTES = 2 * GiB
-# DeepSpeed's "overlap_comm uses 4.5x the allgather_bucket_size and
-# reduce_bucket_size values" (its ZeRO config documentation).
-OVERLAP_COMM_FACTOR = 4.5
-# DeepSpeed defaults (deepspeed/runtime/zero/config.py, offload_config.py, engine).
-DS_ALLREDUCE_BUCKET_SIZE = 500_000_000  # stage 0 gradient all-reduce bucket (elements)
-DS_NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
-DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
-DS_NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu (elements; the shipped JSON's too)
-
-# The staged load's peak over the staged base itself (bench/qlora_staged_load.py; bench/results/
-# qlora-staged-load-*: 2- and 4-layer models of Llama-3-8B's layer shape on CPU, transformers 5.24,
-# bitsandbytes 0.50, glibc malloc). bitsandbytes' CPU quantiser works on fp32 copies of the weight it
-# quantises (the copy, its scaled values, int32 codes, then the packed bytes) while transformers' loader
-# reads the next tensors: ~16 B per weight of the largest quantised tensor. And the freed temporaries of
-# the smaller tensors stay in glibc's arenas, growing with the model: ~0.28 B per quantised weight (the
-# two models' peaks exceeded the staged base by 1.03 and 1.16 GB; a straight line through two points,
-# extrapolated to 70B). The run hands those back to the OS once the base is loaded (runtime/quantized_base.py
-# `release_freed_host_memory`: after malloc_trim the excess measured ~0.15 GB at both sizes), so they are
-# a load-phase term only.
-QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT = 16
-QUANTIZE_RETAINED_BYTES_PER_WEIGHT = 0.28
-# The chunked loss (memory.tiled_loss): each chunk of a micro-batch's tokens holds at most this many
-# bytes of fp32 logits (runtime/chunked_loss.py cuts its chunks by this same constant). 64 MiB keeps a
-# chunk's working set (CHUNK_BYTES_PER_LOGIT: ~3 times its fp32 logits) under a quarter GiB: the loss
-# of 2 x 2048 tokens of a 128k vocabulary runs in 32 chunks of 128 tokens, each still a large matmul;
-# ALST's 1 GiB slices are more than a whole 2048-token row.
-LOSS_CHUNK_LOGITS_BYTES = 64 * 2**20
-# bitsandbytes' 8-bit Adam per parameter: m and v as uint8 codes, each with one fp32 block maximum per 256
-# elements (bitsandbytes 0.50.2's blockwise states, read on CPU: state1/state2 uint8, absmax1/absmax2 fp32).
-EIGHT_BIT_STATE_BYTES = 2 * (1 + 4 / 256)
-# The all-to-all of Ulysses attention regroups q, k, v and the attention output of one layer.
-SP_ALL_TO_ALL_TENSORS = 4
-
-
-# --- activations --------------------------------------------------------------------------------
-
-# transformers' RMSNorm (LlamaRMSNorm and its copies) upcasts its input to fp32 and keeps that copy for
-# backward: 4 bytes per hidden element, two norms per decoder layer, under bf16/fp16 (with fp32 weights
-# the upcast is the input itself). Measured on CPU (tests/unit/test_memory_lines.py): without it the
-# bf16 activation line was 14% under the measured peak, with it within 2%.
-NORM_UPCAST_BYTES_PER_HIDDEN = 2 * 4
-
-
-def mlp_intermediate_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
-    """What a SwiGLU MLP keeps for backward per token: gate, up, SiLU(gate) and their product, 16-bit."""
-    return 4 * 2 * shape.intermediate_size / tp
-
-
-def activation_bytes_per_layer(
-    shape: ModelShape,
-    seq_len: int,
-    micro_batch: int,
-    attn_impl: str = "sdpa",
-    tp: int = 1,
-    sp: int = 1,
-    tiled_mlp: bool = False,
-    norm_upcast: bool = False,
-    lora_dropout: tuple[str, ...] = (),
-) -> float:
-    """Korthikanti et al. 2022 per-layer activations (16-bit) on one rank, without recomputation,
-    with the SwiGLU MLP's own intermediates (module docstring).
-
-    `norm_upcast` (16-bit training): transformers' RMSNorm computes in fp32 and keeps that fp32 copy
-    of its input for backward: NORM_UPCAST_BYTES_PER_HIDDEN x h more per token (measured, see there).
-    `lora_dropout`: the LoRA targets whose input PEFT's dropout copies (lora.dropout > 0; the MLP's in its
-    tiles under `tiled_mlp`, see `mlp_tile_bytes`).
-
-    sdpa / flash_attention_2: s*b*(h*(10 + 8/t) + 8*i/t); eager adds s*b*h*5*a*s/(h*t).
-    Under sequence parallelism the rank holds s/sp tokens (and a/sp heads of eager's s x s
-    scores); with `tiled_mlp` the MLP intermediates are not kept per layer (see `mlp_tile_bytes`).
-    """
-    s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
-    per_token = h * (10 + 8 / tp) + (NORM_UPCAST_BYTES_PER_HIDDEN * h if norm_upcast else 0)
-    per_token += lora_dropout_bytes_per_token(shape, lora_dropout, mlp=False, tp=tp)
-    if not tiled_mlp:
-        per_token += mlp_intermediate_bytes_per_token(shape, tp)
-        per_token += lora_dropout_bytes_per_token(shape, lora_dropout, mlp=True, tp=tp)
-    if attn_impl == "eager":
-        # The s x s attention scores, softmax output and dropout mask of every head (a/sp heads
-        # per rank under sequence parallelism: per local token, the coefficient of the full s).
-        per_token += h * 5 * a * s / (h * tp)
-    elif attn_impl not in ATTN_IMPLS:
-        raise MemoryInputError(f"attn_impl must be one of {', '.join(ATTN_IMPLS)}, got '{attn_impl}'")
-    return s / sp * b * per_token
-
-
-# PEFT's LoRA dropout (lora.dropout > 0) makes its own copy of each adapted layer's input for the adapter
-# and keeps it, with its 1-byte mask, for backward: per token, the input's width x (2 + 1) bytes in 16 bits.
-# Measured on CPU (tests/unit/test_memory_lines.py): without this term a LoRA layer with dropout 0.05 was 25%
-# over the estimate, with it within 15%.
-LORA_DROPOUT_BYTES_PER_ELEMENT = 2 + 1
-_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-
-
-def lora_dropout_bytes_per_token(
-    shape: ModelShape, targets: tuple[str, ...], mlp: bool, tp: int = 1
-) -> float:
-    """PEFT's dropout copies per token and layer: of the attention targets (`mlp` False) or the MLP ones."""
-    width = {
-        "q_proj": shape.hidden_size,
-        "k_proj": shape.hidden_size,
-        "v_proj": shape.hidden_size,
-        "o_proj": shape.q_dim / tp,
-        "gate_proj": shape.hidden_size,
-        "up_proj": shape.hidden_size,
-        "down_proj": shape.intermediate_size / tp,
-    }
-    chosen = [t for t in set(targets) if t in width and (t in _MLP_TARGETS) == mlp]
-    return sum(width[t] for t in chosen) * LORA_DROPOUT_BYTES_PER_ELEMENT
-
-
-def mlp_tile_tokens(shape: ModelShape, tokens: int) -> int:
-    """Tokens per TiledMLP tile: DeepSpeed cuts a sequence of n tokens into ceil(n / hidden_size) tiles."""
-    return math.ceil(tokens / math.ceil(tokens / shape.hidden_size))
-
-
-def mlp_tile_bytes(
-    shape: ModelShape, tokens: int, micro_batch: int, tp: int = 1, lora_dropout: tuple[str, ...] = ()
-) -> float:
-    """The tiled MLP's working set: one tile's intermediates (and LoRA dropout copies) and their gradients
-    while it is recomputed."""
-    per_token = mlp_intermediate_bytes_per_token(shape, tp) + lora_dropout_bytes_per_token(
-        shape, lora_dropout, mlp=True, tp=tp
-    )
-    return 2 * micro_batch * mlp_tile_tokens(shape, tokens) * per_token
-
-
-def loss_chunks(tokens: int, vocab: int, chunk_bytes: int = LOSS_CHUNK_LOGITS_BYTES) -> int:
-    """Chunks the chunked loss cuts `tokens` into: enough that one holds at most `chunk_bytes` of fp32 logits."""
-    return max(1, min(tokens, math.ceil(tokens * vocab * 4 / chunk_bytes)))
-
-
-# Bytes per logit at the peak of transformers' loss (logits, fp32 upcast, log-softmax kept for
-# backward, its gradient in and out): 12 with 16-bit and with fp32 logits alike (measured on CPU,
-# tests/unit/test_loss_memory.py; the output object is dropped after `.loss`, as the engines do).
-DENSE_LOSS_BYTES_PER_LOGIT = 12
-# The chunked loss per logit of one chunk (runtime/chunked_loss.py), by the logits' bytes: at its peak
-# the log-softmax, its gradient and the logits' fp32 gradient; while the output layer's backward runs,
-# the logits' gradient in their dtype.
-CHUNK_BYTES_PER_LOGIT = {2: 12, 4: 12}
-HEAD_BACKWARD_BYTES_PER_LOGIT = {2: 2, 4: 4}
-
-
-def logits_bytes(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
-    """transformers' loss over the whole [tokens x vocabulary] logits: DENSE_LOSS_BYTES_PER_LOGIT each.
-
-    Not sharded by tensor parallelism (AutoTP leaves lm_head whole).
-    """
-    return shape.vocab_size * seq_len * micro_batch * DENSE_LOSS_BYTES_PER_LOGIT
-
-
-def chunked_loss_bytes(
-    shape: ModelShape,
-    tokens: int,
-    logit_bytes: int,
-    head_trains: bool,
-    chunk_bytes: int = LOSS_CHUNK_LOGITS_BYTES,
-) -> int:
-    """The chunked loss's peak over `tokens` (all rows of a micro-batch): the gradient of the hidden
-    states it returns, and one chunk's working set, or, when the output layer trains over several
-    chunks, its backward's share (the logits and their gradient) and one more [vocab x hidden] weight
-    gradient while each chunk's is added into the running one, if that is more."""
-    chunks = loss_chunks(tokens, shape.vocab_size, chunk_bytes)
-    logits = math.ceil(tokens / chunks) * shape.vocab_size
-    working = logits * CHUNK_BYTES_PER_LOGIT[logit_bytes]
-    if head_trains and chunks > 1:
-        accumulating = logits * HEAD_BACKWARD_BYTES_PER_LOGIT[logit_bytes]
-        working = max(working, accumulating + shape.vocab_size * shape.hidden_size * logit_bytes)
-    return working + tokens * shape.hidden_size * logit_bytes
-
-
-def liger_loss_bytes(shape: ModelShape, tokens: int, logit_bytes: int) -> int:
-    """Liger 0.8.5's fused linear cross-entropy over `tokens` with per-token losses (read from its source,
-    ops/fused_linear_cross_entropy.py; not measured here: it needs CUDA): chunks of next_pow2(tokens /
-    ceil(vocab / hidden)) tokens, whose logits buffer and scaled gradient are in the logits' dtype, the
-    gradient of the hidden states (made in forward and again in backward) and the fp32 losses."""
-    per_chunk = 2 ** math.ceil(math.log2(math.ceil(tokens / math.ceil(shape.vocab_size / shape.hidden_size))))
-    chunk_tokens = min(tokens, per_chunk)
-    return (
-        2 * chunk_tokens * shape.vocab_size * logit_bytes
-        + 2 * tokens * shape.hidden_size * logit_bytes
-        + 4 * tokens
-    )
-
-
-def sequence_parallel_buffer_bytes(
-    shape: ModelShape, local_tokens: int, micro_batch: int, dtype_bytes: int
-) -> int:
-    """Ulysses all-to-all room for one layer: q, k, v and the output of its local tokens, regrouped by head."""
-    return SP_ALL_TO_ALL_TENSORS * local_tokens * micro_batch * shape.hidden_size * dtype_bytes
-
+from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model_split import ModelSplit, layers_per_stage
+from llm_train.planning.model_split import model_split as model_split
+from llm_train.planning.quantized_bytes import dequantized_layer_bytes, staged_quantize_gpu_bytes
+from llm_train.units import GiB as GiB
 
 # --- the estimator ------------------------------------------------------------------------------
 
@@ -390,7 +198,23 @@ _LABELS = {
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
     "export_peak": "final export (transient)",
+    "generation_gathered_parameters": "generation: gathered model",
+    "generation_kv_cache": "generation: key-value cache",
+    "generation_prefill": "generation: prefill, one layer",
+    "generation_sampling": "generation: sampling logits",
 }
+# The training terms generation runs beside (GRPO generates between optimizer steps): the model states and
+# DeepSpeed's buffers stay allocated (gradients counted: conservative), a 4-bit base dequantises each layer
+# for generation's matmuls too; training's activations, logits and masks do not exist yet.
+HELD_THROUGH_GENERATION = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "deepspeed_buffers",
+    "reference_model",
+    "dequantized_weight",
+    "quantization_state",
+)
 
 
 def _gib(n: float) -> str:
@@ -409,10 +233,27 @@ class MemoryEstimate:
     convention: str
     locked_per_rank: int = 0
     """Host bytes one process mlocks (native pinning, async-I/O buffers): what its memlock limit must allow."""
+    generation_terms: dict[str, int] = field(default_factory=dict)
+    """objective grpo: the GPU terms only generation has (planning/generation.py); empty otherwise."""
+    generation_live: int = 0
+    """The generation phase's live tensors: HELD_THROUGH_GENERATION's terms and generation_terms."""
+
+    @property
+    def generation_bytes(self) -> int:
+        """The generation phase's GPU total, with the CUDA context and allocator slack (0: no generation)."""
+        if not self.generation_terms:
+            return 0
+        return int(CUDA_CONTEXT_BYTES + (1 + ALLOCATOR_SLACK_FRACTION) * self.generation_live)
 
     def table(self) -> list[tuple[str, str]]:
         rows = [(f"GPU {_LABELS.get(k, k)}", _gib(v)) for k, v in self.gpu_terms.items()]
-        rows.append(("GPU total (per GPU)", _gib(self.gpu_bytes)))
+        total = "GPU total (per GPU)"
+        if self.generation_terms:  # GRPO: generation runs between steps, beside the states training holds
+            rows.append(("GPU training phase total", _gib(sum(self.gpu_terms.values()))))
+            rows += [(f"GPU {_LABELS.get(k, k)}", _gib(v)) for k, v in self.generation_terms.items()]
+            rows.append(("GPU generation phase total (+ held states)", _gib(self.generation_bytes)))
+            total = "GPU total (per GPU, the larger phase)"
+        rows.append((total, _gib(self.gpu_bytes)))
         rows += [(f"host {_LABELS.get(k, k)}", _gib(v)) for k, v in self.host_terms.items() if v]
         rows.append(("host RAM total (per node)", _gib(self.host_bytes)))
         if self.nvme_bytes:
@@ -441,92 +282,21 @@ def estimate_memory(inp: MemoryInputs) -> MemoryEstimate:
     gpu = gpu_terms(inp, split, activations, reference_gpu)
     host, released, locked = host_terms(inp, split, offloaded_checkpoints, reference_host)
     gpu_int = {k: int(v) for k, v in gpu.items()}
-    return MemoryEstimate(
+    generation = {k: int(v) for k, v in generation_gpu_terms(inp, split).items()}
+    live = sum(v for k, v in gpu_int.items() if k in HELD_THROUGH_GENERATION) + sum(generation.values())
+    phases = MemoryEstimate(
         gpu_terms=gpu_int,
         host_terms={k: int(v) for k, v in host.items()},
         nvme_bytes=int(nvme_space_bytes(inp, split)),
-        gpu_bytes=gpu_peak_bytes(inp, split, sum(gpu_int.values())),
+        gpu_bytes=0,
         host_bytes=int(host_peak_bytes(inp, host, released)),
         convention=CONVENTION,
         locked_per_rank=int(locked),
+        generation_terms=generation,
+        generation_live=live if generation else 0,
     )
-
-
-@dataclass(frozen=True)
-class ModelSplit:
-    """How one GPU's share of the model divides: bytes per element, and elements after tp x pp.
-
-    tp and pp split the model between GPUs before ZeRO partitions it over dp x sp. Approximation: an
-    even split (embeddings and lm_head really sit on the first / last pipeline stage, and AutoTP
-    leaves norms and embeddings whole).
-    """
-
-    weight_bytes: int
-    """2 (16-bit) or 4 (fp32); the frozen LoRA base too: it is loaded in the training dtype."""
-    grad_bytes: int
-    """The gradients' bytes: those of the weights."""
-    optim_bytes: float
-    """fp32 master + m + v (12), just m + v when the weights are fp32 (8), or bf16 master + m + v (6);
-    with an 8-bit optimizer fp32 master + 8-bit m, v (6.03), or just m, v (2.03)."""
-    base: float
-    """The base model's elements on this GPU's tp x pp share."""
-    weights: float
-    """Base and LoRA adapters."""
-    trainable: float
-    """What the optimizer updates: the adapters under LoRA, else the base."""
-    persistent: float
-    """ZeRO-3: tensors under the persistence threshold (norms, Qwen's q/k/v biases), whole on every GPU."""
-    partitioned: float
-    """weights - persistent: what ZeRO-3 partitions."""
-    on_gpu_weights: float
-    """The elements of weights this GPU holds during training."""
-    quantized_base: float
-    """Bytes of the base at its stored precision (4/8-bit under QLoRA, else weight_bytes each), its
-    quantisation state included."""
-    quantization_state: float
-    """Of those, the nf4 quantisation state: not a parameter, so never partitioned or offloaded."""
-
-
-def model_split(inp: MemoryInputs) -> ModelSplit:
-    """The model's elements on one GPU and their bytes per element (see ModelSplit)."""
-    shape = inp.shape
-    assert inp.param_persistence_threshold is not None
-    mixed = inp.precision != "fp32"
-    weight_bytes = 2 if mixed else 4
-    optim_bytes: float = 12 if mixed else 8
-    if inp.state_dtype == "bf16":
-        # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/offload_buffers.py).
-        optim_bytes = 6
-    if inp.optimizer != "adamw":
-        # bitsandbytes' 8-bit m and v: a byte each, plus one fp32 maximum per block of 256 for each;
-        # DeepSpeed's fp32 master copy stays under mixed precision (runtime/optim.py).
-        optim_bytes = (4 if mixed else 0) + EIGHT_BIT_STATE_BYTES
-    shard = inp.tp * inp.pp
-    base = shape.num_params / shard
-    adapters = shape.lora_params(inp.lora_rank, inp.lora_targets) / shard if inp.lora_rank else 0.0
-    weights = base + adapters
-    stage3 = inp.zero_stage == 3
-    persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage3 else 0.0
-    partitioned = weights - persistent
-    if stage3:
-        on_gpu_weights = persistent + (
-            0.0 if inp.offload_params != "none" else partitioned / inp.zero_partitions
-        )
-    else:
-        on_gpu_weights = weights
-    return ModelSplit(
-        weight_bytes=weight_bytes,
-        grad_bytes=weight_bytes,
-        optim_bytes=optim_bytes,
-        base=base,
-        weights=weights,
-        trainable=adapters if inp.lora_rank else base,
-        persistent=persistent,
-        partitioned=partitioned,
-        on_gpu_weights=on_gpu_weights,
-        quantized_base=base_weight_bytes(shape, inp.quantize, weight_bytes) / shard,
-        quantization_state=quantization_state_bytes(shape, inp.quantize) / shard,
-    )
+    peak = max(gpu_peak_bytes(inp, split, sum(gpu_int.values())), phases.generation_bytes)
+    return dataclasses.replace(phases, gpu_bytes=peak)
 
 
 # --- GPU terms (per GPU: the busiest, the first pipeline stage) ----------------------------------------
@@ -581,11 +351,6 @@ def gpu_model_state_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, flo
     return {"parameters": params, "gradients": grads, "optimizer_states": optim}
 
 
-def layers_per_stage(inp: MemoryInputs) -> int:
-    """Decoder layers on the first pipeline stage."""
-    return math.ceil(inp.shape.num_layers / inp.pp)
-
-
 def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
     """(GPU activations, checkpoints offloaded to the host) of the rank's seq_len / sp tokens.
 
@@ -638,6 +403,10 @@ def logits_and_loss_bytes(inp: MemoryInputs) -> int:
     """
     tokens = inp.local_tokens * inp.rows
     logit_bytes = 4 if inp.precision == "fp32" else 2
+    if inp.generation is not None:
+        # GRPO scores completion tokens only: grpo_loss.completion_logps keeps the last completion + 1
+        # positions' logits (logits_to_keep) and takes their fp32 log-softmax.
+        return logits_bytes(inp.shape, inp.generation.completion_tokens + 1, inp.rows)
     if not inp.tiled_loss:
         return logits_bytes(inp.shape, inp.local_tokens, inp.rows)
     if inp.liger_computes_loss:
@@ -698,6 +467,24 @@ def attention_mask_bytes(inp: MemoryInputs) -> float:
     return square * (1 + act_bytes * layers_alive)
 
 
+def generation_gpu_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, float]:
+    """The GPU terms of GRPO's generate call that training does not have (planning/generation.py); {} without
+    generation. Under ZeRO-3 compat.gathered_for_generation gathers every partitioned parameter at once, at its
+    stored bytes (a 4-bit base packed), beside the shard the rank keeps."""
+    gen = inp.generation
+    if gen is None:
+        return {}
+    shape, rows, dtype = inp.shape, inp.generation_rows, split.weight_bytes
+    terms: dict[str, float] = {}
+    if inp.zero_stage == 3:
+        stored = split.quantized_base - split.quantization_state + (split.weights - split.base) * dtype
+        terms["generation_gathered_parameters"] = stored * split.partitioned / split.weights
+    terms["generation_kv_cache"] = kv_cache_bytes(shape, rows, gen.cache_tokens(inp.seq_len), dtype)
+    terms["generation_prefill"] = prefill_bytes(shape, rows, gen.prompt_tokens(inp.seq_len), dtype)
+    terms["generation_sampling"] = sampling_bytes(shape, rows, dtype, gen.top_p)
+    return terms
+
+
 def gpu_peak_bytes(inp: MemoryInputs, split: ModelSplit, training: int) -> int:
     """The GPU's peak: training, or a QLoRA load under ZeRO-3 when it is larger (model_load_gpu_bytes)."""
     return max(training, int(model_load_gpu_bytes(inp, split)))
@@ -715,192 +502,3 @@ def model_load_gpu_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
     if inp.quantize == "nf4" and inp.zero_stage == 3 and inp.quantize_on == "gpu":
         return staged_quantize_gpu_bytes(inp.shape, split.weight_bytes) + CUDA_CONTEXT_BYTES
     return 0.0
-
-
-# --- host terms (per node: `ranks_per_node` processes share it) -------------------------------------------
-
-
-def host_terms(
-    inp: MemoryInputs, split: ModelSplit, offloaded_checkpoints: float, reference_host: float
-) -> tuple[dict[str, float], float, float]:
-    """(host bytes per node by term, the bytes freed before the export, bytes one rank mlocks)."""
-    ranks = inp.ranks_per_node
-    host, released, locked = offload_buffer_terms(inp)
-    if inp.offload_params == "nvme":
-        swap, flat = nvme_parameter_host_bytes(inp, split)
-        host["param_swap_buffers"] = ranks * swap
-        locked += swap
-        host["offloaded_parameters"] += ranks * flat
-        locked += flat if inp.param_pinning == "native" else 0.0
-    if offloaded_checkpoints:
-        host["offloaded_checkpoints"] = offloaded_checkpoint_host_bytes(inp, offloaded_checkpoints)
-    if reference_host:
-        host["offloaded_reference_parameters"] = reference_host
-    host["process_overhead"] = ranks * PROCESS_HOST_BYTES
-    host["model_load_peak"] = model_load_peak_bytes(inp, split)
-    host["export_peak"] = export_peak_bytes(inp)
-    return host, released, locked
-
-
-def offload_buffer_terms(inp: MemoryInputs) -> tuple[dict[str, float], float, float]:
-    """(host terms, bytes freed before the export, bytes one rank mlocks) of DeepSpeed's CPU and NVMe
-    offload: what it allocates, buffer by buffer, read from its source (planning/offload_buffers.py)."""
-    ranks = inp.ranks_per_node
-    host: dict[str, float] = {
-        "offloaded_optimizer_states": 0.0,
-        "offloaded_fp32_gradients": 0.0,
-        "optimizer_swap_buffers": 0.0,
-        "offloaded_parameters": 0.0,
-        "param_swap_buffers": 0.0,
-    }
-    rank = offload_rank(inp)
-    buffers = host_buffers(inp)
-    for buffer in buffers:
-        host[buffer.term] = host.get(buffer.term, 0.0) + ranks * buffer.held(rank.pinning_of(buffer))
-    if inp.offload_optimizer != "none":
-        host["loader_fork_copies"] = ranks * loader_fork_copies(rank, buffers)
-    # Adam's m and v on the host and the step's transients: gone before the export.
-    released = ranks * sum(b.held(rank.pinning_of(b)) for b in buffers if b.released or b.step_only)
-    locked = sum(b.locked(rank.pinning_of(b)) for b in buffers)
-    return host, released, locked
-
-
-def nvme_parameter_host_bytes(inp: MemoryInputs, split: ModelSplit) -> tuple[float, float]:
-    """(swap buffers, flat partition buffer) one rank holds in host RAM for parameters on NVMe."""
-    weight_bytes = split.weight_bytes
-    # DeepSpeed requires buffer_size >= the largest parameter tensor, so the configured 1e8 grows
-    # to vocab*hidden for these models; the aio handle mlocks them (partitioned_param_swapper.py 131).
-    buffer_elems = max(DS_NVME_PARAM_BUFFER_SIZE, inp.shape.largest_layer_params / inp.tp)
-    swap = DS_NVME_PARAM_BUFFER_COUNT * held_bytes(buffer_elems * weight_bytes, "native")
-    # stage3.py 888-907: up to offload_param.max_in_cpu elements of the partitions also stay in a
-    # flat host buffer (pinned as the section says), the first parameter groups first.
-    in_cpu = min(DS_NVME_PARAM_MAX_IN_CPU, split.partitioned / inp.zero_partitions)
-    flat = held_bytes(in_cpu * weight_bytes, inp.param_pinning)
-    return swap, flat
-
-
-def offloaded_checkpoint_host_bytes(inp: MemoryInputs, offloaded_checkpoints: float) -> float:
-    """Host bytes per node of memory.offload_checkpoints' checkpointed hidden states.
-
-    save_on_cpu(pin_memory=True) pins each checkpoint in torch's pinned allocator, rounded up to a
-    power of two, and torch keeps the freed blocks cached for the next step's: a training-phase term
-    to the end (runtime/tiling.py).
-    """
-    count = layers_per_stage(inp) * inp.pp
-    return inp.ranks_per_node * count * held_bytes(offloaded_checkpoints / count, inp.checkpoint_pinning)
-
-
-def model_load_peak_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
-    """Host bytes per node while the model loads (see the module docstring's Loading)."""
-    ranks, weight_bytes = inp.ranks_per_node, split.weight_bytes
-    full_model = inp.shape.num_params * weight_bytes
-    if inp.quantize == "nf4" and inp.zero_stage == 3:
-        # Staged on the host, whole on every rank, then partitioned from there (module docstring).
-        staged = base_weight_bytes(inp.shape, inp.quantize, weight_bytes)
-        largest = largest_quantized_weight(inp.shape)
-        retained = QUANTIZE_RETAINED_BYTES_PER_WEIGHT * quantized_weight_params(inp.shape)
-        if inp.quantize_on == "cpu":
-            workspace = QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT * largest
-            return ranks * (staged + workspace + retained)
-        # Quantised on the GPU: the state stays there; the host holds the weight read from the checkpoint
-        # and its codes coming back. The freed temporaries: the CPU path's measurement, an upper bound
-        # until bench/gpu_run.sh B measures this path (bench/qlora_staged_load.py --staging cuda).
-        state = quantization_state_bytes(inp.shape, inp.quantize)
-        in_flight = largest * (weight_bytes + NF4_PACKED_BYTES_PER_WEIGHT)
-        return ranks * (staged - state + in_flight + retained)
-    if inp.zero_init or (inp.direct_load and inp.pp == 1):
-        # zero.Init, or straight onto the GPU: no rank materialises the model on the host; each
-        # reads one checkpoint shard at a time and keeps only its own tensors, on its device.
-        return ranks * min(CHECKPOINT_SHARD_BYTES, full_model)
-    if inp.pp > 1:
-        # A pipeline stage is built as its own module (~1/pp of the layers) and reads only its
-        # tensors from the checkpoint, one at a time; the first and last stages also hold the
-        # embedding or the head, hence one largest tensor on top. (init: random builds the whole
-        # model once per rank instead; that path is for tiny test models.)
-        stage = full_model / inp.pp + inp.shape.largest_layer_params * weight_bytes
-        return ranks * min(full_model, stage)
-    # Without zero.Init every rank on the node loads the full 16-bit model on the
-    # CPU before DeepSpeed moves it to the GPU (the classic host-RAM OOM at load).
-    return ranks * full_model
-
-
-def host_peak_bytes(inp: MemoryInputs, host: dict[str, float], released: float) -> float:
-    """The host's peak per node: the processes plus the largest of the load, training and export phases.
-
-    Load and training phases do not overlap: without zero.Init the CPU copy is gone before the
-    optimizer states are allocated; with it, offloaded parameter partitions already sit in host RAM
-    while the shards stream in. The export comes at the end of training, with every training-phase
-    buffer still allocated, less the Adam moments freed before it (`released`).
-    """
-    load_phase = host["model_load_peak"] + (host["offloaded_parameters"] if inp.zero_init else 0.0)
-    train_phase = sum(
-        v for k, v in host.items() if k not in ("model_load_peak", "process_overhead", "export_peak")
-    )
-    export_phase = train_phase - released + host["export_peak"]
-    return host["process_overhead"] + max(load_phase, train_phase, export_phase)
-
-
-def nvme_space_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
-    """NVMe space per node: the swapped optimizer states and/or the parameter partitions."""
-    ranks = inp.ranks_per_node
-    nvme = 0.0
-    if inp.offload_optimizer == "nvme":
-        nvme += ranks * nvme_optimizer_bytes(offload_rank(inp))
-    if inp.offload_params == "nvme":
-        nvme += ranks * split.partitioned / inp.zero_partitions * split.weight_bytes
-    return nvme
-
-
-def offload_rank(inp: MemoryInputs) -> OffloadRank:
-    """What one rank's CPU / NVMe offload depends on (planning/offload_buffers.py)."""
-    mixed = inp.precision != "fp32"
-    return OffloadRank(
-        shape=inp.shape,
-        lora_rank=inp.lora_rank,
-        lora_targets=inp.lora_targets,
-        zero_stage=inp.zero_stage,
-        partitions=inp.zero_partitions,
-        shard=inp.tp * inp.pp,
-        model_bytes=2 if mixed else 4,
-        state_bytes=2 if inp.state_dtype == "bf16" else 4,
-        sub_group_size=inp.sub_group_size,
-        grad_accum=inp.grad_accum,
-        pinning=inp.pinning,
-        params_offloaded=inp.offload_params != "none",
-        quantize=inp.quantize,
-        loader_forks=inp.loader_forks,
-        param_pinning=inp.param_pinning,
-        swap=inp.swap,
-    )
-
-
-def host_buffers(inp: MemoryInputs) -> list[HostBuffer]:
-    """One rank's host allocations for its offloaded optimizer and parameters, as DeepSpeed makes them."""
-    rank = offload_rank(inp)
-    buffers: list[HostBuffer] = []
-    if inp.offload_optimizer == "cpu":
-        buffers += cpu_optimizer_buffers(rank)
-    elif inp.offload_optimizer == "nvme":
-        buffers += nvme_optimizer_buffers(rank)
-    if inp.offload_params == "cpu":
-        buffers += cpu_parameter_buffers(rank)
-    return buffers
-
-
-def export_peak_bytes(inp: MemoryInputs) -> float:
-    """Host bytes the final export adds on the busiest node (see the module docstring).
-
-    ZeRO engine: rank 0 holds the gathered 16-bit model, which save_hf_model writes as it is: one
-    copy of the whole model. LoRA: written layer by layer from the GPU (runtime/sharded_export.py),
-    so one shard, or the largest tensor if larger (merged), or the adapters (adapter). Pipeline engine: each stage's data-parallel rank 0
-    copies its stage's weights to the CPU once (pipeline_model.stage_hf_state).
-    """
-    weight_bytes = 2 if inp.precision != "fp32" else 4
-    full_model = inp.shape.num_params * weight_bytes
-    if inp.pp > 1:
-        return min(inp.pp, inp.ranks_per_node) * full_model / inp.pp
-    if inp.lora_rank:
-        if inp.export_adapter_only:
-            return inp.shape.lora_params(inp.lora_rank, inp.lora_targets) * weight_bytes
-        return min(full_model, max(EXPORT_SHARD_BYTES, inp.shape.largest_layer_params * weight_bytes))
-    return 1.0 * full_model

@@ -25,10 +25,17 @@ from llm_train.config.layout import (
     sequence_parallel_problem,
     state_dtype_problem,
 )
+from llm_train.config.recipe_sections import MemorySection
 from llm_train.errors import UserError
+from llm_train.planning.generation import GenerationInputs
 from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
 from llm_train.planning.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
+
+# The recipe schema's memory switches: the estimate's defaults are the run's (one source of truth; a test
+# ties them, tests/unit/test_lora_defaults.py). memory.attention's default, "auto", is resolved per card by
+# the run; the estimate's default kernel is sdpa, what "auto" gives where nothing faster is installed.
+SCHEMA_MEMORY = MemorySection()
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py) the inputs start from.
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000  # stage 1/2 (HF's "auto" does not touch it)
@@ -88,7 +95,7 @@ class MemoryInputs:
     gpus_per_node: int | None = None
     """GPUs (ranks) per node; None = min(world_size, 8)."""
     seq_len: int = 2048
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = SCHEMA_MEMORY.activation_checkpointing
     attn_impl: str = "sdpa"
     dense_mask: bool = False
     """The rows carry an attention mask (packed rows: block-diagonal; padded rows), which sdpa receives
@@ -99,11 +106,15 @@ class MemoryInputs:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """lora.target_modules: the linear modules that get adapters."""
     lora_dropout: bool = False
-    """lora.dropout > 0: PEFT keeps a dropped-out copy of each adapted layer's input for backward."""
+    """lora.dropout > 0: PEFT keeps a dropped-out copy of each adapted layer's input for backward. Off unless
+    the caller says so, not the schema's 0.05: this is a switch of the estimate, and every estimate of
+    adapters the run will train sets it from the schema (candidate.memory_inputs from a recipe, auto's kinds
+    from suggested_lora, search's LoRA fix from SUGGESTED_LORA_DROPOUT); a planner API caller spelling out
+    `lora_rank` alone asks for the adapters without that copy."""
     quantize: str = "none"
     """QLoRA: the frozen base's linear layers in "nf4" or "int8" (bitsandbytes); needs lora_rank."""
     quantize_on: str = "gpu"
-    """Where an nf4 base staged on the host under ZeRO-3 is quantised as it loads (runtime/quantized_base.py
+    """Where an nf4 base staged on the host under ZeRO-3 is quantised as it loads (runtime/model/quantized_base.py
     `quantizing_on`): "gpu", one weight at a time on the run's GPU, or "cpu" (a CPU run: bitsandbytes' CPU
     backend)."""
     direct_load: bool = True
@@ -141,20 +152,22 @@ class MemoryInputs:
     loader_forks: bool = False
     """DataLoader workers are forked after DeepSpeed's set-up (data.loader_workers > 0; 2 by default on
     CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/offload_buffers.py)."""
-    tiled_mlp: bool = False
+    tiled_mlp: bool = SCHEMA_MEMORY.tiled_mlp
     """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
-    tiled_loss: bool = False
+    tiled_loss: bool = SCHEMA_MEMORY.tiled_loss
     """memory.tiled_loss: logits and loss in chunks of tokens; the full logits tensor never exists."""
-    liger_loss: bool = False
+    liger_loss: bool = SCHEMA_MEMORY.liger_kernels
     """memory.liger_kernels: the chunked loss is Liger's fused linear cross-entropy where it can run
     (`liger_computes_loss`)."""
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool = SCHEMA_MEMORY.offload_checkpoints
     """memory.offload_checkpoints: the checkpointed hidden states wait in host RAM (needs checkpointing)."""
     sequences_per_sample: int = 1
     """Rows per sample: 2 for preference pairs (chosen and rejected), else 1 (micro_batch counts samples)."""
     reference: str = "none"
     """DPO's reference: "none" (lm, simpo), "cached" (log-probs computed before training) or "live" (scored
     every step: a frozen copy of the model, or under LoRA the base with the adapters disabled)."""
+    generation: GenerationInputs | None = None
+    """objective grpo: what each rank generates per step (planning/generation.py); None: no generation."""
 
     def __post_init__(self) -> None:
         buckets = zero_bucket_sizes(self.shape.hidden_size)
@@ -322,7 +335,7 @@ class MemoryInputs:
     @property
     def liger_computes_loss(self) -> bool:
         """Liger's kernel computes the chunked loss: it reads the output layer's weight directly, so not under
-        ZeRO-3 (partitioned) nor on pipeline stages (runtime/chunked_loss.py `liger_runs`)."""
+        ZeRO-3 (partitioned) nor on pipeline stages (runtime/loss/chunked.py `liger_runs`)."""
         plain_head = not (self.lora_rank and "lm_head" in self.lora_targets)
         return self.tiled_loss and self.liger_loss and self.zero_stage < 3 and self.pp == 1 and plain_head
 
@@ -335,6 +348,11 @@ class MemoryInputs:
     def rows(self) -> int:
         """Rows of seq_len tokens per micro-batch: micro_batch samples of sequences_per_sample rows each."""
         return self.micro_batch * self.sequences_per_sample
+
+    @property
+    def generation_rows(self) -> int:
+        """Sequences one generate call writes: the rank's whole step, micro x accum completions (runtime/rl/grpo.py)."""
+        return self.micro_batch * self.grad_accum if self.generation else 0
 
     @property
     def reference_copy(self) -> bool:

@@ -94,7 +94,7 @@ class HostBuffer:
     section: str = "optimizer"
     """Whose pin_memory applies: 'optimizer' (offload_optimizer) or 'param' (offload_param)."""
     released: bool = False
-    """Adam's m and v: freed before the final export (runtime/optim.py `release_moments`)."""
+    """Adam's m and v: freed before the final export (runtime/model/optim.py `release_moments`)."""
     step_only: bool = False
     """Exists only while the optimizer steps (a transient of the step)."""
     rewritten: bool = True
@@ -121,7 +121,7 @@ class HostBuffer:
 def trainable_tensors(
     shape: ModelShape, lora_rank: int | None, lora_targets: tuple[str, ...] = LORA_TARGETS
 ) -> tuple[list[int], list[int]]:
-    """Numels of the trainable tensors in the order the model registers them, in runtime/optim.py's
+    """Numels of the trainable tensors in the order the model registers them, in runtime/model/optim.py's
     two optimizer groups (`_param_groups`): (matrices, decayed; vectors: norms and biases).
 
     A full fine-tune trains every tensor (embedding, per layer q, k, v, o, gate, up, down and the

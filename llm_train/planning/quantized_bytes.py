@@ -15,7 +15,7 @@ While a quantised layer computes, bitsandbytes dequantises its weight to the com
 forward, and again for the input gradient in backward): one 16-bit copy of the layer being
 computed exists at a time.
 
-Quantising one weight of n elements on the GPU (a staged base: runtime/quantized_base.py `quantizing_on`;
+Quantising one weight of n elements on the GPU (a staged base: runtime/model/quantized_base.py `quantizing_on`;
 bitsandbytes 0.50.2 `functional.quantize_4bit` and its CUDA kernel, backends/cuda/ops.py 384-420)
 allocates there, besides the 16-bit weight itself: the packed codes (n / 2 B), the fp32 absmax of each
 block of 64 (4n / 64 B) and, for double quantisation, that absmax less its mean (another 4n / 64 B),
@@ -36,7 +36,7 @@ NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
 NF4_PACKED_BYTES_PER_WEIGHT = 0.5
 # The quantisation state (absmax per block, fp32 absmax per nested block): not a parameter, so ZeRO-3
-# never partitions or offloads it; the run keeps it whole on every GPU (runtime/quantized_base.py).
+# never partitions or offloads it; the run keeps it whole on every GPU (runtime/model/quantized_base.py).
 NF4_STATE_BYTES_PER_WEIGHT = 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_NESTED_BLOCK)
 NF4_BYTES_PER_WEIGHT = NF4_PACKED_BYTES_PER_WEIGHT + NF4_STATE_BYTES_PER_WEIGHT
 # Beyond the 16-bit weight and its state: what quantising it on the GPU holds at once (module docstring).
@@ -98,7 +98,7 @@ def packed_numel(numel: int, quantize: str, storage_bytes: int) -> int:
 
 
 def staged_quantize_gpu_bytes(shape: ModelShape, weight_bytes: int) -> float:
-    """The GPU's bytes while an nf4 base loads quantised there weight by weight (runtime/quantized_base.py
+    """The GPU's bytes while an nf4 base loads quantised there weight by weight (runtime/model/quantized_base.py
     `quantizing_on`), at the largest weight: the quantisation state of every weight (it stays on the GPU,
     the run keeps it there), and the largest weight in 16 bits with its codes and absmax temporaries.
     The packed codes go back to the host as each weight is done: the 4-bit base is never on the GPU."""

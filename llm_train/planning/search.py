@@ -34,6 +34,7 @@ from llm_train.config.hardware import Hardware
 from llm_train.config.layout import sequence_parallel_problem
 from llm_train.planning.candidate import (
     SHIPPED_DS_CONFIGS,
+    SUGGESTED_LORA_DROPOUT,
     SUGGESTED_LORA_RANK,
     Evaluation,
     evaluate,
@@ -238,6 +239,8 @@ def _variants(
                 sp=sp,
                 activation_checkpointing=ckpt,
                 lora_rank=rank,
+                # New adapters are the schema's (`lora.rank=N` on a full fine-tune): its dropout copies too.
+                **({"lora_dropout": SUGGESTED_LORA_DROPOUT > 0} if rank and not start.lora_rank else {}),
                 state_dtype=state,
                 tiled_mlp=tiled_mlp,
                 tiled_loss=tiled_loss,

@@ -38,6 +38,7 @@ from llm_train.config.hardware import (
     Hardware,
 )
 from llm_train.planning.flops import training_flops_per_token
+from llm_train.planning.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
 from llm_train.planning.memory_estimate import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes
@@ -112,6 +113,10 @@ class StepTime:
     """Bytes each rank moves over its host link per step (both directions)."""
     pcie_hideable: float = 0.0
     """Seconds of those copies that prefetch and streaming could hide behind compute (FETCH_OVERLAP)."""
+    generation: float = 0.0
+    """objective grpo: the generate call's seconds per optimizer step (one call serves num_iterations steps)."""
+    generation_call: GenerationTime | None = None
+    """objective grpo: one generate call, by part (planning/generation.py); None without generation."""
 
     @property
     def overlapped(self) -> float:
@@ -121,6 +126,11 @@ class StepTime:
 
     @property
     def total(self) -> float:
+        return self.training + self.generation
+
+    @property
+    def training(self) -> float:
+        """Seconds of the forward, backward and update: the step without generation."""
         return (
             self.compute + self.dequantize + self.communication + self.pcie + self.cpu_optimizer + self.nvme
         )
@@ -209,7 +219,7 @@ CHECKPOINT_BYTES_PER_PARAM = 2  # public checkpoints are 16-bit
 
 @dataclass(frozen=True)
 class StagedLoad:
-    """Start-up of an nf4 base staged on the host under ZeRO-3 (runtime/quantized_base.py), per node, seconds."""
+    """Start-up of an nf4 base staged on the host under ZeRO-3 (runtime/model/quantized_base.py), per node, seconds."""
 
     read: float
     """Every rank reads the whole 16-bit checkpoint from the drive (no credit for the page cache)."""
@@ -266,6 +276,219 @@ def dequantize_seconds(inp: MemoryInputs, grad_accum: int, memory_bytes_per_s: f
     return grad_accum * passes * per_pass / (memory_bytes_per_s * DEQUANTIZE_BANDWIDTH_EFFICIENCY)
 
 
+def interconnect_bytes_per_s(inp: MemoryInputs, nvlink: bool) -> float:
+    """The bus ZeRO's collectives cross: the network between nodes, else NVLink or a PCIe switch."""
+    if inp.num_nodes > 1:
+        return INTER_NODE_BYTES_PER_S
+    return NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
+
+
+def generation_time(
+    inp: MemoryInputs,
+    grad_accum: int,
+    peak_tflops: float,
+    nvlink: bool = False,
+    pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S,
+    memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_GBS * 1e9,
+) -> GenerationTime | None:
+    """One GRPO generate call on one rank (planning/generation.py: a rough model until measured); None without
+    generation. The prefill is a forward at the training efficiency; each decode step is bounded by streaming
+    the weights (a 4-bit base dequantised: packed read, 16-bit copy written and read) and the cache, by its
+    compute, or by the per-layer launch overhead."""
+    gen = inp.generation
+    if gen is None:
+        return None
+    shape = inp.shape
+    wbytes = 2 if inp.precision != "fp32" else 4
+    rows = inp.micro_batch * grad_accum
+    prompt, completion = gen.prompt_tokens(inp.seq_len), gen.completion_tokens
+    peak = peak_tflops * 1e12
+    forward_flops = (
+        training_flops_per_token(shape.num_params, shape.num_layers, shape.num_heads, shape.head_dim, prompt)
+        / 3.0
+    )
+    tokens = rows * prompt
+    prefill = tokens * forward_flops / (peak * PEAK_EFFICIENCY * tokens / (tokens + EFFICIENCY_HALF_TOKENS))
+    weights = base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
+    if inp.lora_rank:
+        weights += shape.lora_params(inp.lora_rank, inp.lora_targets) * wbytes
+    if inp.quantize != "none":
+        dequantized = quantized_weight_params(shape) * wbytes
+        prefill += (weights + dequantized) / (memory_bytes_per_s * DEQUANTIZE_BANDWIDTH_EFFICIENCY)
+        weights += 2 * dequantized  # each decode step writes the 16-bit copy and its matmul reads it
+    cache = rows * (prompt + completion / 2) * kv_bytes_per_token(shape, wbytes)  # the mean step's cache
+    step, bound = decode_step_seconds(shape, weights, cache, rows, peak * PEAK_EFFICIENCY, memory_bytes_per_s)
+    gather = 0.0
+    dp = inp.zero_partitions
+    if inp.zero_stage == 3:
+        stored = weights if inp.quantize == "none" else weights - 2 * dequantized
+        gather = stored * (dp - 1) / dp / interconnect_bytes_per_s(inp, nvlink)
+        if inp.offload_params != "none":
+            gather += stored / dp / copy_bytes_per_s(inp.param_pinning, pcie_bytes_per_s)
+    old_logps = reference_pass_seconds(inp, grad_accum, peak_tflops) if gen.num_iterations > 1 else 0.0
+    return GenerationTime(prefill, completion * step, gather, old_logps, rows * completion, step, bound)
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """One rank's share of the model as the step moves it: elements after tp x pp, and bytes as stored."""
+
+    wbytes: int
+    """2 (16-bit) or 4 (fp32) per weight."""
+    weights: float
+    trainable: float
+    """The adapters under LoRA, else every weight."""
+    stored: float
+    """Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed; its
+    quantisation state stays on every GPU (memory_estimate.py), so it never travels."""
+
+    @classmethod
+    def of(cls, inp: MemoryInputs) -> _Weights:
+        shape = inp.shape
+        wbytes = 2 if inp.precision != "fp32" else 4
+        shard = inp.tp * inp.pp
+        trainable = (
+            shape.lora_params(inp.lora_rank, inp.lora_targets) if inp.lora_rank else shape.num_params
+        ) / shard
+        stored = (
+            base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
+        ) / shard
+        stored += trainable * wbytes if inp.lora_rank else 0
+        return cls(wbytes, shape.num_params / shard, trainable, stored)
+
+
+def compute_seconds(inp: MemoryInputs, grad_accum: int, peak_tflops: float) -> float:
+    """The forward and backward of every micro-batch (and DPO's live reference forward), at PEAK_EFFICIENCY
+    scaled down for small micro-batches; ZeRO-3's hooks add ZERO3_COMPUTE_OVERHEAD."""
+    shard = inp.tp * inp.pp
+    tokens_micro = inp.rows * inp.seq_len  # a preference pair trains two rows
+    tokens_rank = tokens_micro / inp.sp  # each of the sp ranks computes its slice of the sequence
+    efficiency = PEAK_EFFICIENCY * tokens_rank / (tokens_rank + EFFICIENCY_HALF_TOKENS)
+    flops_micro = flops_per_token(inp) * tokens_micro / (shard * inp.sp)
+    if inp.reference == "live":
+        # DPO's reference scores the same rows every micro-batch: one forward of the whole model.
+        flops_micro += reference_flops_per_token(inp) * tokens_micro / (shard * inp.sp)
+    compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
+    if inp.zero_stage == 3:
+        compute *= 1 + ZERO3_COMPUTE_OVERHEAD
+    return compute
+
+
+def communication_seconds(inp: MemoryInputs, grad_accum: int, w: _Weights, nvlink: bool) -> float:
+    """ZeRO's collectives (ring: each GPU sends and receives ~(dp-1)/dp of the tensor per pass), the exposed
+    part under overlap_comm, plus Ulysses' all-to-alls."""
+    dp, stage = inp.zero_partitions, inp.zero_stage
+    comm_bytes = 0.0
+    if dp > 1:
+        ring = (dp - 1) / dp
+        passes = 3 if inp.activation_checkpointing else 2  # parameter all-gathers per micro-batch
+        if stage <= 1:
+            comm_bytes = 2 * w.trainable * w.wbytes * ring  # one all-reduce per step
+        elif stage == 2:
+            # Gradients are reduce-scattered every micro-batch, weights all-gathered once per step.
+            comm_bytes = (grad_accum * w.trainable + w.weights) * w.wbytes * ring
+        else:
+            comm_bytes = grad_accum * (passes * w.stored + w.trainable * w.wbytes) * ring
+            if inp.reference_copy:  # the sharded frozen reference is gathered for its forward
+                comm_bytes += grad_accum * w.weights * w.wbytes * ring
+    exposed = OVERLAPPED_COMM_EXPOSED if inp.overlap_comm else 1.0
+    communication = exposed * comm_bytes / interconnect_bytes_per_s(inp, nvlink)
+    if inp.sp > 1:
+        # Ulysses: per layer and pass (forward, backward, + recompute) q, k, v and the output of the
+        # rank's tokens cross an all-to-all, (sp-1)/sp of them to other GPUs of the node; not overlapped.
+        passes = 3 if inp.activation_checkpointing else 2
+        tokens_rank = inp.rows * inp.seq_len / inp.sp
+        a2a = 4 * tokens_rank * inp.shape.hidden_size * w.wbytes * (inp.sp - 1) / inp.sp
+        intra = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
+        communication += grad_accum * inp.shape.num_layers * passes * a2a / intra
+    return communication
+
+
+@dataclass(frozen=True)
+class _HostCopies:
+    """ZeRO-Offload / ZeRO-Infinity's host<->GPU traffic of one step on one rank."""
+
+    exposed: float
+    """Seconds the step waits for them (what prefetch and streaming cannot hide, `_exposed`)."""
+    raw: float
+    """Seconds of all of them, counted whole."""
+    moved: float
+    """Bytes over the rank's host link, both directions."""
+
+
+def host_copy_seconds(
+    inp: MemoryInputs, grad_accum: int, w: _Weights, compute: float, pcie_bytes_per_s: float
+) -> _HostCopies:
+    """Each kind of copy over the rank's own PCIe link at its buffers' pinning, hidden behind the compute it
+    runs beside where it can be (_exposed)."""
+    layers, dp = inp.shape.num_layers, inp.zero_partitions
+    exposed = moved = raw = 0.0
+    fetches = 3 if inp.activation_checkpointing else 2  # forward, backward (+ recompute)
+    if inp.offload_optimizer != "none":
+        # 16-bit gradients leave the GPU every micro-batch during backward (ZeRO-2/3 accumulate on the
+        # host; the backward is ~2/3 of the compute); the updated 16-bit weights come back once per step,
+        # after CPU Adam, with nothing to hide behind, unless the parameters live on the host.
+        grads = grad_accum * w.trainable / dp * w.wbytes
+        rate = copy_bytes_per_s(inp.pinning, pcie_bytes_per_s)
+        pinned = inp.pinning != "off" and inp.overlap_comm
+        exposed += _exposed(grads / rate, compute * 2 / 3, layers, pinned)
+        moved += grads
+        raw += grads / rate
+        if inp.offload_params == "none":
+            exposed += w.trainable / dp * w.wbytes / rate
+            moved += w.trainable / dp * w.wbytes
+            raw += w.trainable / dp * w.wbytes / rate
+    if inp.offload_params != "none":
+        fetched = grad_accum * fetches * w.stored / dp
+        seconds = fetched / copy_bytes_per_s(inp.param_pinning, pcie_bytes_per_s)
+        exposed += _exposed(seconds, compute, layers, inp.param_pinning != "off")
+        moved += fetched
+        raw += seconds
+    if inp.offload_checkpoints:
+        # Each layer's 16-bit checkpoint goes to the host in forward and comes back in backward, copied on
+        # a side stream from pinned memory (save_on_cpu(pin_memory=True)): it overlaps the compute.
+        tokens_rank = inp.rows * inp.seq_len / inp.sp
+        checkpoints = grad_accum * layers * 2 * (2 * tokens_rank * inp.shape.hidden_size)
+        pinned = inp.checkpoint_pinning != "off"
+        seconds = checkpoints / copy_bytes_per_s(inp.checkpoint_pinning, pcie_bytes_per_s)
+        exposed += _exposed(seconds, compute, layers, pinned)
+        moved += checkpoints
+        raw += seconds
+    return _HostCopies(exposed, raw, moved)
+
+
+def nvme_bytes(inp: MemoryInputs, grad_accum: int, w: _Weights) -> tuple[float, float]:
+    """(read, written) bytes per step on the node's drive: swapped parameters and optimizer sub-groups."""
+    ranks, dp = inp.ranks_per_node, inp.zero_partitions
+    fetches = 3 if inp.activation_checkpointing else 2
+    read = written = 0.0
+    if inp.offload_params == "nvme":
+        # Swapped in from the drive (shared by the node's ranks) for every pass; written back once a step.
+        read += ranks * grad_accum * fetches * w.stored / dp
+        written += ranks * w.stored / dp
+    if inp.offload_optimizer == "nvme":
+        # Every swapped sub-group: master, m, v and its large tensors' gradients read in at the step; the
+        # gradients written out at the accumulation boundary and master, m, v written back after the
+        # update (planning/offload_buffers.py, its docstring on NVMe offload). The same bytes each way.
+        swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
+        read += swapped
+        written += swapped
+    return read, written
+
+
+def cpu_adam_seconds(inp: MemoryInputs, w: _Weights, nvme: float) -> float:
+    """DeepSpeed's CPU Adam over this rank's partition, the node's ranks sharing CPU_ADAM_PARAMS_PER_S;
+    pipelined NVMe swapping hides it behind the drive's traffic."""
+    if inp.offload_optimizer == "none":
+        return 0.0
+    cpu_optimizer = w.trainable / inp.zero_partitions / (CPU_ADAM_PARAMS_PER_S / inp.ranks_per_node)
+    if inp.state_dtype == "bf16":
+        cpu_optimizer *= CPU_ADAM_BF16_BYTES_PER_PARAM / CPU_ADAM_BYTES_PER_PARAM
+    if inp.offload_optimizer == "nvme" and (inp.swap.pipeline_read or inp.swap.pipeline_write):
+        cpu_optimizer -= min(cpu_optimizer, nvme)
+    return cpu_optimizer
+
+
 def step_time(
     inp: MemoryInputs,
     grad_accum: int,
@@ -276,137 +499,31 @@ def step_time(
     pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S,
     memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_GBS * 1e9,
 ) -> StepTime:
-    """Estimated seconds per optimizer step on each rank for `inp` with `grad_accum` micro-batches.
+    """Estimated seconds per optimizer step on each rank for `inp` with `grad_accum` micro-batches: the sum
+    of its parts, each a function above.
 
     NVMe traffic is timed at the drive's read and write speeds, one after the other: a drive shares
     its bandwidth between directions, and the swapper reads a sub-group's state before it writes
     the updated one back (pipelined read/write overlap the swaps with CPU Adam, not with each other).
     """
-    shape = inp.shape
-    mixed = inp.precision != "fp32"
-    wbytes = 2 if mixed else 4
-    shard = inp.tp * inp.pp
-    weights = shape.num_params / shard
-    trainable = (
-        shape.lora_params(inp.lora_rank, inp.lora_targets) if inp.lora_rank else shape.num_params
-    ) / shard
-    # Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed; its
-    # quantisation state stays on every GPU (memory_estimate.py), so it never travels.
-    stored = (
-        base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
-    ) / shard
-    stored += trainable * wbytes if inp.lora_rank else 0
-    # ZeRO partitions (and communicates) over the data- and sequence-parallel ranks together.
-    dp, ranks, stage = inp.zero_partitions, inp.ranks_per_node, inp.zero_stage
-    tokens_micro = inp.rows * inp.seq_len  # a preference pair trains two rows
-    tokens_rank = tokens_micro / inp.sp  # each of the sp ranks computes its slice of the sequence
-
-    efficiency = PEAK_EFFICIENCY * tokens_rank / (tokens_rank + EFFICIENCY_HALF_TOKENS)
-    flops_micro = flops_per_token(inp) * tokens_micro / (shard * inp.sp)
-    if inp.reference == "live":
-        # DPO's reference scores the same rows every micro-batch: one forward of the whole model.
-        flops_micro += reference_flops_per_token(inp) * tokens_micro / (shard * inp.sp)
-    compute = grad_accum * flops_micro / (peak_tflops * 1e12 * efficiency)
-    if stage == 3:
-        compute *= 1 + ZERO3_COMPUTE_OVERHEAD
-    dequantize = dequantize_seconds(inp, grad_accum, memory_bytes_per_s)
-
-    # ZeRO collectives (ring: each GPU sends/receives ~(dp-1)/dp of the tensor per pass).
-    comm_bytes = 0.0
-    if dp > 1:
-        ring = (dp - 1) / dp
-        passes = 3 if inp.activation_checkpointing else 2  # parameter all-gathers per micro-batch
-        if stage <= 1:
-            comm_bytes = 2 * trainable * wbytes * ring  # one all-reduce per step
-        elif stage == 2:
-            # Gradients are reduce-scattered every micro-batch, weights all-gathered once per step.
-            comm_bytes = (grad_accum * trainable + weights) * wbytes * ring
-        else:
-            comm_bytes = grad_accum * (passes * stored + trainable * wbytes) * ring
-            if inp.reference_copy:  # the sharded frozen reference is gathered for its forward
-                comm_bytes += grad_accum * weights * wbytes * ring
-    if inp.num_nodes > 1:
-        bandwidth = INTER_NODE_BYTES_PER_S
-    else:
-        bandwidth = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
-    exposed = OVERLAPPED_COMM_EXPOSED if inp.overlap_comm else 1.0
-    communication = exposed * comm_bytes / bandwidth
-    if inp.sp > 1:
-        # Ulysses: per layer and pass (forward, backward, + recompute) q, k, v and the output of the
-        # rank's tokens cross an all-to-all, (sp-1)/sp of them to other GPUs of the node; not overlapped.
-        passes = 3 if inp.activation_checkpointing else 2
-        a2a = 4 * tokens_rank * shape.hidden_size * wbytes * (inp.sp - 1) / inp.sp
-        intra = NVLINK_BYTES_PER_S if nvlink else PCIE_P2P_BYTES_PER_S
-        communication += grad_accum * shape.num_layers * passes * a2a / intra
-
-    # Host <-> GPU traffic of ZeRO-Offload / ZeRO-Infinity, per rank over its own PCIe link: each kind of
-    # copy at its buffers' pinning, and hidden behind the compute it runs beside where it can be (_exposed).
-    layers = shape.num_layers
-    pcie = pcie_bytes = pcie_raw = 0.0
-    nvme_read = nvme_write = 0.0
-    fetches = 3 if inp.activation_checkpointing else 2  # forward, backward (+ recompute)
-    if inp.offload_optimizer != "none":
-        # 16-bit gradients leave the GPU every micro-batch during backward (ZeRO-2/3 accumulate on the
-        # host; the backward is ~2/3 of the compute); the updated 16-bit weights come back once per step,
-        # after CPU Adam, with nothing to hide behind, unless the parameters live on the host.
-        grads = grad_accum * trainable / dp * wbytes
-        rate = copy_bytes_per_s(inp.pinning, pcie_bytes_per_s)
-        pinned = inp.pinning != "off" and inp.overlap_comm
-        pcie += _exposed(grads / rate, compute * 2 / 3, layers, pinned)
-        pcie_bytes += grads
-        pcie_raw += grads / rate
-        if inp.offload_params == "none":
-            pcie += trainable / dp * wbytes / rate
-            pcie_bytes += trainable / dp * wbytes
-            pcie_raw += trainable / dp * wbytes / rate
-    if inp.offload_params != "none":
-        fetched = grad_accum * fetches * stored / dp
-        seconds = fetched / copy_bytes_per_s(inp.param_pinning, pcie_bytes_per_s)
-        pcie += _exposed(seconds, compute, layers, inp.param_pinning != "off")
-        pcie_bytes += fetched
-        pcie_raw += seconds
-    if inp.offload_checkpoints:
-        # Each layer's 16-bit checkpoint goes to the host in forward and comes back in backward, copied on
-        # a side stream from pinned memory (save_on_cpu(pin_memory=True)): it overlaps the compute.
-        moved = grad_accum * layers * 2 * (2 * tokens_rank * shape.hidden_size)
-        pinned = inp.checkpoint_pinning != "off"
-        seconds = moved / copy_bytes_per_s(inp.checkpoint_pinning, pcie_bytes_per_s)
-        pcie += _exposed(seconds, compute, layers, pinned)
-        pcie_bytes += moved
-        pcie_raw += seconds
-    if inp.offload_params == "nvme":
-        # Swapped in from the drive (shared by the node's ranks) for every pass; written back once a step.
-        nvme_read += ranks * grad_accum * fetches * stored / dp
-        nvme_write += ranks * stored / dp
-    if inp.offload_optimizer == "nvme":
-        # Every swapped sub-group: master, m, v and its large tensors' gradients read in at the step; the
-        # gradients written out at the accumulation boundary and master, m, v written back after the
-        # update (planning/offload_buffers.py, its docstring on NVMe offload). The same bytes each way.
-        swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
-        nvme_read += swapped
-        nvme_write += swapped
+    w = _Weights.of(inp)
+    compute = compute_seconds(inp, grad_accum, peak_tflops)
+    copies = host_copy_seconds(inp, grad_accum, w, compute, pcie_bytes_per_s)
+    nvme_read, nvme_write = nvme_bytes(inp, grad_accum, w)
     nvme = nvme_read / nvme_read_bytes_per_s + nvme_write / nvme_write_bytes_per_s
-
-    cpu_optimizer = 0.0
-    if inp.offload_optimizer != "none":
-        cpu_optimizer = trainable / dp / (CPU_ADAM_PARAMS_PER_S / ranks)
-        if inp.state_dtype == "bf16":
-            cpu_optimizer *= CPU_ADAM_BF16_BYTES_PER_PARAM / CPU_ADAM_BYTES_PER_PARAM
-        if inp.offload_optimizer == "nvme" and (inp.swap.pipeline_read or inp.swap.pipeline_write):
-            # Pipelined swapping hides CPU Adam behind the drive's traffic.
-            hidden = min(cpu_optimizer, nvme)
-            cpu_optimizer -= hidden
-
+    call = generation_time(inp, grad_accum, peak_tflops, nvlink, pcie_bytes_per_s, memory_bytes_per_s)
     return StepTime(
         compute=compute,
-        communication=communication,
-        pcie=pcie_raw,
-        cpu_optimizer=cpu_optimizer,
+        communication=communication_seconds(inp, grad_accum, w, nvlink),
+        pcie=copies.raw,
+        cpu_optimizer=cpu_adam_seconds(inp, w, nvme),
         nvme=nvme,
-        tokens_per_step=grad_accum * tokens_micro * inp.dp,
+        tokens_per_step=grad_accum * inp.rows * inp.seq_len * inp.dp,
         nvme_read_bytes=nvme_read,
         nvme_write_bytes=nvme_write,
-        dequantize=dequantize,
-        pcie_bytes=pcie_bytes,
-        pcie_hideable=pcie_raw - pcie,
+        dequantize=dequantize_seconds(inp, grad_accum, memory_bytes_per_s),
+        pcie_bytes=copies.moved,
+        pcie_hideable=copies.raw - copies.exposed,
+        generation=call.total / inp.generation.num_iterations if call and inp.generation else 0.0,
+        generation_call=call,
     )

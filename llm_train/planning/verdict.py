@@ -128,6 +128,7 @@ def render(report: PlanReport) -> str:
     t = ev.time
     parts = [f"compute {t.compute:.2f}s"]
     for label, seconds in (
+        ("generation", t.generation),
         ("4-bit dequantisation", t.dequantize),
         ("ZeRO comm", t.communication),
         (f"PCIe {t.pcie_bytes / 1e9:.0f} GB", t.pcie),
@@ -145,6 +146,8 @@ def render(report: PlanReport) -> str:
     lines.append(
         f"speed (rough model): ~{t.total:.2f} s/step, ~{t.tokens_per_s:,.0f} tokens/s ({', '.join(parts)}{overlap})"
     )
+    if line := generation_line(ev):
+        lines.append(line)
     lines.append("")
     lines.append("verdict: " + verdict(ev, hw, report.practicality, report.nvme_bytes))
     if report.practicality.instead:
@@ -220,7 +223,12 @@ def cpu_rows(ev: Evaluation) -> list[tuple[str, str]]:
         for k, v in est.gpu_terms.items()
         if k != "cuda_context_and_slack"
     ]
-    rows.append(("per process total (+10% allocator slack)", _gib(ev.device_bytes)))
+    if est.generation_terms:  # GRPO: generation runs between steps, beside the states training holds
+        rows += [(f"per process: {_LABELS.get(k, k)}", _gib(v)) for k, v in est.generation_terms.items()]
+        total = "per process total (larger phase, +10% slack)"
+        rows.append((total, _gib(ev.device_bytes)))
+    else:
+        rows.append(("per process total (+10% allocator slack)", _gib(ev.device_bytes)))
     rows += [
         (f"host {_LABELS.get(k, k)}", _gib(v))
         for k, v in est.host_terms.items()
@@ -361,14 +369,43 @@ def start_up_note(inp: MemoryInputs, hw: Hardware) -> str | None:
     return f"start-up: the 4-bit base loads in ~{_duration(load.total)}, at every start and resume: {how}"
 
 
+def generation_line(ev: Evaluation) -> str | None:
+    """GRPO's generate call by part (planning/generation.py), and which part of the step dominates."""
+    call, t, inp = ev.time.generation_call, ev.time, ev.inputs
+    if call is None or inp.generation is None:
+        return None
+    gen = inp.generation
+    extra = "".join(
+        f", {label} {seconds:.2f}s"
+        for label, seconds in (("ZeRO-3 gather", call.gather), ("old log-probs", call.old_logps))
+        if seconds
+    )
+    every = f", once per {gen.num_iterations} steps" if gen.num_iterations > 1 else ""
+    larger, smaller = ("generation", "training") if t.generation >= t.training else ("training", "generation")
+    seconds = {"generation": t.generation, "training": t.training}
+    return (
+        f"generation (a rough model until measured): ~{call.total:.2f} s per generate call{every}: "
+        f"{inp.generation_rows} completions of up to {gen.completion_tokens} tokens after prompts of up to "
+        f"{gen.prompt_tokens(inp.seq_len)} (prefill {call.prefill:.2f}s, decode {call.decode:.2f}s at "
+        f"~{call.decode_step * 1e3:.0f} ms per token, bound by {call.bound}{extra}), ~{call.tokens_per_s:,.0f} "
+        f"tokens/s; {larger} dominates the step: ~{seconds[larger]:.2f}s against {smaller}'s ~{seconds[smaller]:.2f}s"
+    )
+
+
 def grpo_note(run: Resolved) -> str:
-    """What the estimate above leaves out of an online-RL run."""
+    """How the estimate above counts an online-RL run (docs/rl.md, "Memory and time")."""
     grpo = run.recipe.grpo
     return (
         f"objective grpo: each step generates {grpo.num_generations} completions per prompt of up to "
-        f"{grpo.max_completion_length} tokens; the rows of data.seq_len are counted above, generation's key-value "
-        "cache (2 x layers x kv heads x head size x micro rows x seq_len values) is not"
-        + ("; beta > 0 adds a reference model" if grpo.beta else "")
+        f"{grpo.max_completion_length} tokens, a rank's whole step in one generate call: its key-value cache, "
+        "prefill, sampling"
+        + (" and the ZeRO-3 gathered model" if run.layout.zero_stage == 3 else "")
+        + " are counted beside the states training holds; the GPU peak is the larger phase"
+        + (
+            "; beta > 0 adds the reference's forward (and, without LoRA, its frozen copy)"
+            if grpo.beta
+            else ""
+        )
     )
 
 

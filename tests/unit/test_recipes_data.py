@@ -48,6 +48,8 @@ HUB_DATASETS: dict[str, tuple[set[str | None], set[str], set[str]]] = {
         {"train", "validation", "test"},
         {"short_book_title", "publication_date", "url", "text"},
     ),
+    # GSM8K (the GRPO recipes): the question, and the worked solution ending in "#### <answer>".
+    "openai/gsm8k": ({"main", "socratic"}, {"train", "test"}, {"question", "answer"}),
     "HuggingFaceFW/fineweb-edu": (
         {"default", "sample-10BT", "sample-100BT", "sample-350BT"},
         {"train"},
@@ -121,6 +123,8 @@ def test_pretraining_recipes_read_web_text_and_fine_tuning_ones_instructions_or_
     formats = {s.format for s in recipe.data.sources("train")}
     if recipe.description.startswith("Continued pre-training"):
         assert formats == {"text"}
+    elif recipe.objective == "grpo":  # online RL generates from prompts (recipe.py refuses anything else)
+        assert formats == {"prompt"}
     elif recipe.objective != "lm":  # preference tuning reads pairs (recipe.py refuses anything else)
         assert formats == {"preference"}
     else:

@@ -55,6 +55,15 @@ def test_exact_match_compares_the_last_final_answer_with_the_column() -> None:
     assert whole[:, 0].tolist() == [1.0, 1.0, 0.0, 1.0]
 
 
+def test_exact_match_finds_the_right_answer_in_a_worked_solution_column() -> None:
+    # GSM8K's answer column: the worked solution, then '#### <answer>' (docs/rl.md's GSM8K mapping).
+    solutions = ["2 and 2 make <<2+2=4>>4.\n#### 4"] * 2 + ["3 and 4 make 7.\n#### 7", "no marker"]
+    spec = {"kind": "exact_match", "pattern": r"<a>(.*?)</a>", "column_pattern": r"####\s*(.*)"}
+    table = _score(spec, columns={"answer": solutions})
+    # A row whose column has no right answer scores 0, as a completion without a final answer does.
+    assert table[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
 def test_overlong_penalty_ramps_over_the_buffer_by_tokens() -> None:
     # max_completion_length 12, buffer 4: free up to 8 tokens, then -1/4 per token, -1 at 12.
     table = _score({"kind": "overlong", "buffer": 4})

@@ -108,17 +108,24 @@ def _same_answer(found: str, expected: Any) -> bool:
         return False
 
 
-def _exact_match(spec: ExactMatchReward, key: str) -> RewardCall:
-    pattern = re.compile(spec.pattern, re.DOTALL) if spec.pattern is not None else None
+def _final_answer(pattern: str | None) -> Callable[[str], str | None]:
+    """The text's answer: the last match of `pattern` (its first group if it has one); None: no match."""
+    compiled = re.compile(pattern, re.DOTALL) if pattern is not None else None
 
-    def final_answer(completion: str) -> str | None:
-        if pattern is None:
-            return completion
-        found = list(pattern.finditer(completion))
+    def final_answer(text: str) -> str | None:
+        if compiled is None:
+            return text
+        found = list(compiled.finditer(text))
         if not found:
             return None
         last = found[-1]
-        return last.group(1) if pattern.groups else last.group(0)
+        return last.group(1) if compiled.groups else last.group(0)
+
+    return final_answer
+
+
+def _exact_match(spec: ExactMatchReward, key: str) -> RewardCall:
+    final_answer, right_answer = _final_answer(spec.pattern), _final_answer(spec.column_pattern)
 
     def reward(
         completions: list[str], prompts: Any = None, completion_ids: Any = None, **columns: Any
@@ -129,9 +136,10 @@ def _exact_match(spec: ExactMatchReward, key: str) -> RewardCall:
                 f"{', '.join(sorted(columns)) or 'none'}); name one of them"
             )
         answers = [final_answer(c) for c in completions]
+        expected = [right_answer(str(e)) for e in columns[spec.column]]
         return [
-            1.0 if a is not None and _same_answer(a, e) else 0.0
-            for a, e in zip(answers, columns[spec.column], strict=True)
+            1.0 if a is not None and e is not None and _same_answer(a, e) else 0.0
+            for a, e in zip(answers, expected, strict=True)
         ]
 
     return reward
