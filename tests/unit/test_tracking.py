@@ -136,7 +136,9 @@ def test_wandb_offline_run_holds_metrics_config_and_no_secret(
     again.close()
 
 
-def test_a_table_reaches_its_file_tensorboard_and_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_table_reaches_its_file_tensorboard_and_wandb(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """GRPO's sampled completions: completions.jsonl in the run, a TensorBoard text table, a W&B table."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
