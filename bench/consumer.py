@@ -12,6 +12,9 @@ single-card ones (issue 33; its README: Llama-3.1-8B on an RTX 4090, 2048-token 
     lora_24    8b-lora-rtx4090, 16-bit base, r=8 on q and v, under a 24 GiB cap, to the end
     qlora_64k  8b-qlora-64k-rtx4090 (long context on one 24 GiB card) under its cap, stopped after its
                steps; a line "skipped: ..." while that recipe is not in recipes/
+    grpo_24    8b-grpo-lora-rtx4090 (online RL on one 24 GiB card) under its cap on the bundled prompts
+               with a digit format reward, stopped after its steps: generation's and training's tokens/s
+               apart (the step's time split, metrics.jsonl), the peaks; optional (the part's time left)
 
 The base is a randomly initialised Llama-3.1-8B-shaped model written with save_pretrained (5 GB shards,
 as the hub's) by a first case (`base`), so every run loads a checkpoint the way a user's does:
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import (
+    ASSETS,
     CORPUS,
     REPO,
     TOKENIZER,
@@ -75,6 +80,11 @@ COMMON = (  # the recipes' hub datasets are not on that machine: the bundled cor
     "checkpoint.at_end=false",
 )  # fmt: skip
 CPU_TINY = ("data.seq_len=128", "precision=fp32")
+# GRPO on the bundled prompts (the hub's GSM8K is not on that machine) with a reward every completion gets.
+GRPO_DATA = (
+    f"data.train=[{{path: '{ASSETS / 'prompts.jsonl'}', format: prompt}}]",
+    "grpo.rewards=[{kind: format, name: has_digit, pattern: '\\d', match: search}]",
+)
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,8 @@ class Consumer:
     on_gpu: tuple[
         str, ...
     ] = ()  # only on the GPU: --cpu-tiny runs CPU_TINY instead (flex cannot train on CPU)
+    on_cpu: tuple[str, ...] = ()  # only under --cpu-tiny, after CPU_TINY
+    optional: bool = False  # run only while the part's time left holds its cost
 
 
 # The attention kernel is pinned to what the emulated card runs, so the plan (made for that card) and the
@@ -107,6 +119,16 @@ CONSUMERS = (
         on_gpu=ON_RTX_40,
     ),
     Consumer("qlora_64k", LONG_RECIPE, (), finish=False, steps=2, on_gpu=("memory.attention=sdpa_flex",)),
+    Consumer(
+        "grpo_24",
+        "8b-grpo-lora-rtx4090",
+        GRPO_DATA,
+        finish=False,
+        steps=3,
+        on_gpu=ON_RTX_40,
+        on_cpu=("grpo.max_completion_length=16",),  # prompt + completion within CPU_TINY's 128 tokens
+        optional=True,
+    ),
 )
 
 
@@ -174,9 +196,20 @@ def consumer_case(case: Consumer) -> Case:
     def run(ctx: Context) -> dict[str, Any]:
         return run_consumer(case, ctx)
 
-    cost, box = {"qlora_12": (110, 150), "lora_24": (90, 120), "qlora_64k": (100, 130)}[case.name]
+    # grpo_24: the 8B base loaded as lora_24's (~15 s), then per step one generation (16 x 256 tokens at
+    # HF generate's ~25 ms per decode step on an H100-class card, unmeasured: ~6 s) and the training of its
+    # completions (~3 s); 3 steps and the start-up.
+    cost, box = {"qlora_12": (110, 150), "lora_24": (90, 120), "qlora_64k": (100, 130), "grpo_24": (75, 130)}[
+        case.name
+    ]
+    last = case.name == CONSUMERS[-1].name  # the base goes after the last case that reads it
     return Case(
-        case.name, run, cost_s=cost, box_s=box, cleanup=("consumer_base",) if case.name == "qlora_64k" else ()
+        case.name,
+        run,
+        cost_s=cost,
+        box_s=box,
+        optional=case.optional,
+        cleanup=("consumer_base",) if last else (),
     )
 
 
@@ -192,7 +225,7 @@ def run_consumer(case: Consumer, ctx: Context) -> dict[str, Any]:
         f"model.name_or_path={base_dir(ctx)}",
         *COMMON,
         *case.overrides,
-        *(case.on_gpu if ctx.gpu else CPU_TINY),
+        *(case.on_gpu if ctx.gpu else (*CPU_TINY, *case.on_cpu)),
     ]
     overrides.append(one_micro_batch_per_step(case.recipe, overrides))
     record: dict[str, Any] = {
@@ -245,11 +278,31 @@ def run_consumer(case: Consumer, ctx: Context) -> dict[str, Any]:
         rc=run.rc,
         notes=[line for line in run.output.splitlines() if line.startswith("capped_train:")],
     )
+    if rows and "generation_tokens_per_s" in rows[0]:
+        record.update(generation_split(rows[1:] or rows))
     ended_ok = run.rc == 0 if case.finish else len(rows) >= steps
     if run.timed_out or not ended_ok:
         record.update(error=run.failure(len(rows), steps), tail=run.tail)
     record["passed"] = "error" not in record
     return judge_consumer(record, ctx)
+
+
+def generation_split(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A GRPO run's step apart (runtime/grpo.py's metrics): generation's tokens/s and share of the step, and
+    training's tokens/s over the rest of the step (its forward, backward and update), medians over steps."""
+
+    def training_tokens_per_s(r: dict[str, Any]) -> float:
+        training_s = r["step_time_s"] - r["time_generate_s"] - r["time_score_s"]
+        return r["tokens_per_s"] * r["step_time_s"] / training_s  # the step's tokens over its training time
+
+    return {
+        "generation_tokens_per_s": median(rows, "generation_tokens_per_s"),
+        "training_tokens_per_s": statistics.median(training_tokens_per_s(r) for r in rows),
+        "time_generate_s": median(rows, "time_generate_s"),
+        "time_score_s": median(rows, "time_score_s"),
+        "generation_share": statistics.median(r["time_generate_s"] / r["step_time_s"] for r in rows),
+        "completion_length_mean": median(rows, "completion_length_mean"),
+    }
 
 
 def judge_consumer(record: dict[str, Any], ctx: Context) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 `--cpu-tiny` runs each part's logic with tiny models on CPU: part A the probe, the consumer cards (a base
 written with save_pretrained, QLoRA and LoRA through the capped wrapper with a desktop's RAM, their merged
-exports verified), llm_train against the HF Trainer on the same rows, the packed-row isolation check;
+exports verified, GRPO with its generation and training apart once its 8B recipe exists), llm_train against the HF Trainer on the same rows, the packed-row isolation check;
 part B the op builds, the full fine-tune with its optimizer on the CPU (mlocked bytes exactly the
 planner's), the NVMe pair (or the line saying there is no libaio) and a compiled speed variant. Device
 time is 15 minutes for all tries together, so a broken script there costs the whole visit.
@@ -47,7 +47,7 @@ def test_part_a_on_cpu_runs_every_case_it_has_and_passes(tmp_path: Path) -> None
     output = (result.stdout + result.stderr)[-4000:]
     assert result.returncode == 0, output
     assert list(lines) == [
-        "probe", "base", "qlora_12", "lora_24", "qlora_64k",
+        "probe", "base", "qlora_12", "lora_24", "qlora_64k", "grpo_24",
         "baseline", "hf_trainer", "llm_train_vs_hf_trainer", "doc_isolation",
     ], output  # fmt: skip
     assert lines["probe"]["nf4_ok"] and lines["probe"]["versions"]["torch"] != "missing"
@@ -63,6 +63,13 @@ def test_part_a_on_cpu_runs_every_case_it_has_and_passes(tmp_path: Path) -> None
     assert lines["qlora_12"]["config"].startswith("QLoRA (nf4 base) r=8")
     long = lines["qlora_64k"]
     assert long["passed"] is True if LONG_RECIPE.exists() else long["skipped"].startswith("recipe "), long
+    grpo = lines["grpo_24"]
+    if (REPO / "recipes" / "8b-grpo-lora-rtx4090.yaml").exists():
+        assert grpo["passed"] and grpo["steps"] == 2, grpo
+        assert grpo["generation_tokens_per_s"] > 0 and grpo["training_tokens_per_s"] > 0, grpo
+        assert 0 < grpo["generation_share"] < 1 and grpo["gpu_cap_gib"] == 24, grpo
+    else:
+        assert grpo["skipped"].startswith("recipe "), grpo
     # The HF Trainer on the same rows, weights and optimizer: its first losses are llm_train's (fp32 on CPU).
     ours, theirs = lines["baseline"], lines["hf_trainer"]
     assert theirs["first_losses"] == pytest.approx(ours["first_losses"], rel=1e-5)
