@@ -10,8 +10,9 @@ moment its case ends:
 
 A  probe (GPU, MemTotal, disk, libaio, versions, the cap works, a bitsandbytes round trip), then the
    consumer cards (bench/consumer.py: a random 8B base, 8B QLoRA under 12 GiB and 8B LoRA under 24 GiB
-   with their exports, the long-context QLoRA recipe under 24 GiB), then the speed matrix
-   (bench/mfu_matrix.py) in order of value with the time left;
+   with their exports, the long-context QLoRA recipe under 24 GiB), then, while the time holds, GRPO on one
+   24 GiB card (generation's and training's tokens/s apart, the generate call against the planner's rough
+   model), then the speed matrix (bench/mfu_matrix.py) in order of value with the time left;
 B  probe, then the full fine-tunes (bench/full_ft.py: DeepSpeed's ops built first, 7B with its optimizer on
    the CPU under 24 GiB, the NVMe pair or "skipped: no libaio", the copy times of each pinning choice),
    then, while the time holds, the staged QLoRA load (bench/consumer.py `staged_load_case`: an 8B base

@@ -809,6 +809,8 @@ def plan(
         "est_tokens_per_s": ev.time.tokens_per_s,
         "est_nvme_read_gb_per_step": ev.time.nvme_read_bytes / 1e9,
         "est_nvme_write_gb_per_step": ev.time.nvme_write_bytes / 1e9,
+        # objective grpo: the generate call's seconds (a rough model until measured, planning/generation.py)
+        "est_time_generate_s": ev.time.generation_call.total if ev.time.generation_call else None,
     }
 
 
