@@ -231,6 +231,13 @@ class GrpoSection(Section):
         "group",
         description="Divide advantages by the group's reward std (group), the batch's (batch), or not (none: Dr. GRPO).",
     )
+    ds3_gather_for_generation: bool = Field(
+        True,
+        description="ZeRO-3 only: gather the whole model on every rank while it generates (fast; each GPU needs the "
+        "model's full size free beside its shard). false: generate through ZeRO-3's own layer-by-layer gathering, "
+        "which gathers every layer again for each new token (slow, but a model that does not fit one GPU whole "
+        "can generate). TRL's option of the same name.",
+    )
     rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward] = (
         Field(
             default_factory=list,

@@ -106,7 +106,8 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
             else {}
         ),
         quantize=quantize,
-        quantize_on="gpu" if on_gpu else "cpu",  # the run's own device (runtime/engines/zero_engine.py _staged_load)
+        # The run's own device (runtime/engines/zero_engine.py _staged_load).
+        quantize_on="gpu" if on_gpu else "cpu",
         zero_init=zero_init_for(quantize),
         direct_load=recipe.model.init == "pretrained",
         state_dtype=recipe.optim.state_dtype,
@@ -139,7 +140,13 @@ def generation_of(recipe: Any) -> GenerationInputs | None:
     if recipe.objective != "grpo":
         return None
     grpo = recipe.grpo
-    return GenerationInputs(grpo.num_generations, grpo.max_completion_length, grpo.num_iterations, grpo.top_p)
+    return GenerationInputs(
+        grpo.num_generations,
+        grpo.max_completion_length,
+        grpo.num_iterations,
+        grpo.top_p,
+        grpo.ds3_gather_for_generation,
+    )
 
 
 def zero_init_for(quantize: str) -> bool | None:

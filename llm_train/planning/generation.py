@@ -20,7 +20,9 @@ What it describes is runtime/rl/grpo.py as it runs (the planner describes the ru
   generation/logits_process.py TopPLogitsWarper): `sampling_bytes`.
 - **ZeRO-3.** compat.gathered_for_generation gathers every parameter at once (deepspeed.zero.GatheredParameters
   over the whole module, no groups): the whole model at its stored bytes on every rank, beside the shard each
-  rank keeps, for the whole call.
+  rank keeps, for the whole call. With grpo.ds3_gather_for_generation false, ZeRO-3's own hooks gather one
+  layer at a time (one layer's parameters live, beside the prefetch bucket training already counts) for every
+  forward of the call: the prefill and each decode step move the whole model over the interconnect.
 - **Time** (a rough model until measured on a GPU): the prefill is a forward of rows x prompt tokens at the
   training efficiency; each decode step is bounded by the largest of reading every weight once (a 4-bit base is
   dequantised first: its packed bytes read, the 16-bit copy written and read) and the cache written so far at
@@ -69,6 +71,9 @@ class GenerationInputs:
     """grpo.num_iterations: optimizer steps per generation."""
     top_p: float = 1.0
     """grpo.top_p: below 1 the sampler sorts the logits."""
+    gather_whole: bool = True
+    """grpo.ds3_gather_for_generation (ZeRO-3): the whole model gathered once per call, else each layer gathered
+    by ZeRO-3's hooks as each forward of the call (the prefill and every decode step) reaches it."""
 
     def prompt_tokens(self, seq_len: int) -> int:
         """The longest prompt a row may have (data/prompts.py drops or refuses longer ones)."""

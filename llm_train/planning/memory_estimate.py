@@ -198,7 +198,7 @@ _LABELS = {
     "process_overhead": "processes (torch, CUDA libs, Python)",
     "model_load_peak": "model load peak (transient)",
     "export_peak": "final export (transient)",
-    "generation_gathered_parameters": "generation: gathered model",
+    "generation_gathered_parameters": "generation: gathered parameters",
     "generation_kv_cache": "generation: key-value cache",
     "generation_prefill": "generation: prefill, one layer",
     "generation_sampling": "generation: sampling logits",
@@ -470,7 +470,8 @@ def attention_mask_bytes(inp: MemoryInputs) -> float:
 def generation_gpu_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, float]:
     """The GPU terms of GRPO's generate call that training does not have (planning/generation.py); {} without
     generation. Under ZeRO-3 compat.gathered_for_generation gathers every partitioned parameter at once, at its
-    stored bytes (a 4-bit base packed), beside the shard the rank keeps."""
+    stored bytes (a 4-bit base packed), beside the shard the rank keeps (one layer's with
+    grpo.ds3_gather_for_generation false)."""
     gen = inp.generation
     if gen is None:
         return {}
@@ -478,7 +479,12 @@ def generation_gpu_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, floa
     terms: dict[str, float] = {}
     if inp.zero_stage == 3:
         stored = split.quantized_base - split.quantization_state + (split.weights - split.base) * dtype
-        terms["generation_gathered_parameters"] = stored * split.partitioned / split.weights
+        gathered = stored * split.partitioned / split.weights
+        # ds3_gather_for_generation false: the hooks hold one layer's parameters at a time (an average layer's
+        # share of the partitioned bytes; the prefetch bucket is in deepspeed_buffers already).
+        terms["generation_gathered_parameters"] = (
+            gathered if gen.gather_whole else gathered / shape.num_layers
+        )
     terms["generation_kv_cache"] = kv_cache_bytes(shape, rows, gen.cache_tokens(inp.seq_len), dtype)
     terms["generation_prefill"] = prefill_bytes(shape, rows, gen.prompt_tokens(inp.seq_len), dtype)
     terms["generation_sampling"] = sampling_bytes(shape, rows, dtype, gen.top_p)

@@ -325,6 +325,8 @@ def generation_time(
         gather = stored * (dp - 1) / dp / interconnect_bytes_per_s(inp, nvlink)
         if inp.offload_params != "none":
             gather += stored / dp / copy_bytes_per_s(inp.param_pinning, pcie_bytes_per_s)
+        if not gen.gather_whole:  # the hooks gather the model again for every forward: prefill + each token
+            gather *= completion + 1
     old_logps = reference_pass_seconds(inp, grad_accum, peak_tflops) if gen.num_iterations > 1 else 0.0
     return GenerationTime(prefill, completion * step, gather, old_logps, rows * completion, step, bound)
 

@@ -399,7 +399,15 @@ def grpo_note(run: Resolved) -> str:
         f"objective grpo: each step generates {grpo.num_generations} completions per prompt of up to "
         f"{grpo.max_completion_length} tokens, a rank's whole step in one generate call: its key-value cache, "
         "prefill, sampling"
-        + (" and the ZeRO-3 gathered model" if run.layout.zero_stage == 3 else "")
+        + (
+            (
+                " and the ZeRO-3 gathered model"
+                if grpo.ds3_gather_for_generation
+                else " and one ZeRO-3 gathered layer"
+            )
+            if run.layout.zero_stage == 3
+            else ""
+        )
         + " are counted beside the states training holds; the GPU peak is the larger phase"
         + (
             "; beta > 0 adds the reference's forward (and, without LoRA, its frozen copy)"

@@ -169,3 +169,19 @@ def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_with_its_one
         "function (it is called with prompts, completions, completion_ids and the prompt rows' fields as keywords)"
     ], result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_zero3_generates_the_same_completions_gathering_layer_by_layer(tmp_path: Path) -> None:
+    """grpo.ds3_gather_for_generation false: ZeRO-3's hooks gather each layer as generate reaches it, the same
+    weights through the same forwards, so the same completions, rewards and losses as the whole-model gather."""
+    common = ["deepspeed.config=zero3", "--max-steps=3"]
+    whole = _run(tmp_path / "whole", *common)
+    layered = _run(tmp_path / "layered", *common, "grpo.ds3_gather_for_generation=false")
+    assert [m["step"] for m in layered] == [1, 2, 3]
+    for a, b in zip(whole, layered, strict=True):
+        assert (a["reward_mean"], a["loss"], a["completion_length_mean"]) == (
+            b["reward_mean"],
+            b["loss"],
+            b["completion_length_mean"],
+        )
+    assert _shown(tmp_path / "whole") == _shown(tmp_path / "layered")

@@ -99,6 +99,21 @@ def test_under_zero3_the_whole_model_is_gathered_for_generation_and_can_be_the_p
     assert plain.generation_terms == {} and plain.gpu_bytes == sum(plain.gpu_terms.values())
 
 
+def test_layer_by_layer_gathering_holds_one_layer_and_moves_the_model_per_token() -> None:
+    """grpo.ds3_gather_for_generation false: ZeRO-3's hooks gather each layer for every forward of the call."""
+    hw = hardware_for(8, "H100-80GB", None, 512, None, detect=False)
+    whole = _grpo_8b(3, 8)
+    layered = _grpo_8b(3, 8, generation=dataclasses.replace(GRPO, gather_whole=False))
+    whole_terms = estimate_memory(whole).generation_terms
+    layered_terms = estimate_memory(layered).generation_terms
+    gathered = whole_terms["generation_gathered_parameters"]
+    assert layered_terms["generation_gathered_parameters"] == pytest.approx(gathered / 32)  # 32 layers
+    assert estimate_memory(layered).generation_bytes < estimate_memory(whole).generation_bytes
+    once, per_token = evaluate(whole, hw).time.generation_call, evaluate(layered, hw).time.generation_call
+    assert once is not None and per_token is not None and once.gather > 0
+    assert per_token.gather == pytest.approx(once.gather * (256 + 1))  # the prefill and each of 256 tokens
+
+
 def test_grpo_keeps_the_logits_of_the_completion_positions_only() -> None:
     with_generation = estimate_memory(_grpo_8b(2, 1, lora_rank=16)).gpu_terms["logits_and_loss"]
     without = estimate_memory(_grpo_8b(2, 1, lora_rank=16, generation=None)).gpu_terms["logits_and_loss"]

@@ -17,7 +17,8 @@ Generation runs transformers' `generate` on the engine's module (the HF model, o
 adapters active), sampling at grpo.temperature / top_p / top_k, in eval mode and without gradients. Under
 ZeRO-3 each rank holds a shard of every weight: the whole model is gathered for the generation
 with ZeRO-3's module hooks off (compat.gathered_for_generation; TRL's ds3_gather_for_generation), which needs
-the model's full size in memory on every rank while it writes. A completion ends at its first EOS (kept, as
+the model's full size in memory on every rank while it writes; with grpo.ds3_gather_for_generation false the
+hooks stay on and gather one layer at a time, for every token (a model too large to gather whole still writes). A completion ends at its first EOS (kept, as
 TRL does) or at grpo.max_completion_length; it is then "truncated" (it ends without EOS), and
 grpo.mask_truncated_completions leaves it out of the loss. The generation engine is one small interface (`Generation`): a vLLM one would slot in there.
 
@@ -183,7 +184,10 @@ class HfGeneration:
         self.pad_id, self.eos_ids = pad_id, eos_ids
 
     def _whole_model(self) -> contextlib.AbstractContextManager[None]:
-        return gathered_for_generation(self.engine) if self.zero3 else contextlib.nullcontext()
+        # grpo.ds3_gather_for_generation false: ZeRO-3's module hooks gather each layer as generate reaches it
+        # and release it after, at every decode step (the memory of a layer, the traffic of the model per token).
+        whole = self.zero3 and self.grpo.ds3_gather_for_generation
+        return gathered_for_generation(self.engine) if whole else contextlib.nullcontext()
 
     @torch.no_grad()
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
