@@ -404,7 +404,7 @@ def logits_and_loss_bytes(inp: MemoryInputs) -> int:
     tokens = inp.local_tokens * inp.rows
     logit_bytes = 4 if inp.precision == "fp32" else 2
     if inp.generation is not None:
-        # GRPO scores completion tokens only: grpo_loss.completion_logps keeps the last completion + 1
+        # GRPO scores completion tokens only: runtime/loss/grpo.py completion_logps keeps the last completion + 1
         # positions' logits (logits_to_keep) and takes their fp32 log-softmax.
         return logits_bytes(inp.shape, inp.generation.completion_tokens + 1, inp.rows)
     if not inp.tiled_loss:
