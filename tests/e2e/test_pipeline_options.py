@@ -130,6 +130,11 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     # GRPO and reward-model options belong to their objectives (which run without pipeline stages): with
     # objective lm each is refused as set without its objective.
     "grpo.beta": ("refused", "grpo.beta=0.04", "grpo.beta is set but objective is lm"),
+    "grpo.ds3_gather_for_generation": (
+        "refused",
+        "grpo.ds3_gather_for_generation=false",
+        "grpo.ds3_gather_for_generation is set but objective is lm",
+    ),
     "grpo.epsilon": ("refused", "grpo.epsilon=0.3", "grpo.epsilon is set but objective is lm"),
     "grpo.epsilon_high": (
         "refused",

@@ -473,11 +473,13 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     from llm_train.planning.memory_estimate import (
         CUDA_CONTEXT_BYTES,
         PROCESS_HOST_BYTES,
-        QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
-        QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
         estimate_memory,
         model_load_gpu_bytes,
         model_split,
+    )
+    from llm_train.planning.memory_formulas import (
+        QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
+        QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
     )
     from llm_train.planning.shapes import shape_of
 
