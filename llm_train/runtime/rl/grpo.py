@@ -48,7 +48,6 @@ from llm_train.runtime.base.compat import gathered_for_generation
 from llm_train.runtime.loss.grpo import (
     Advantages,
     LossSettings,
-    completion_logps,
     completion_logps_and_entropy,
     group_advantages,
     policy_loss,
@@ -83,13 +82,21 @@ def loss_settings(grpo: GrpoSection) -> LossSettings:
 
 
 def rollout_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
-    return completion_logps(
+    return rollout_logps_and_entropy(model, batch, temperature, entropy=False)[0]
+
+
+def rollout_logps_and_entropy(
+    model: torch.nn.Module, batch: Batch, temperature: float, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A rollout micro-batch's completion log-probs (and their entropy): loss/grpo.py on its tensors."""
+    return completion_logps_and_entropy(
         model,
         batch["prompt_ids"],
         batch["prompt_mask"],
         batch["completion_ids"],
         batch["completion_mask"],
         temperature,
+        entropy,
     )
 
 
@@ -110,14 +117,7 @@ class Grpo:
         """Nothing to compute before training."""
 
     def score(self, model: torch.nn.Module, batch: Batch) -> Scored:
-        logps, entropy = completion_logps_and_entropy(
-            model,
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            batch["completion_ids"],
-            batch["completion_mask"],
-            self.settings.temperature,
-        )
+        logps, entropy = rollout_logps_and_entropy(model, batch, self.settings.temperature)
         assert entropy is not None
         loss, metrics = policy_loss(
             logps,
