@@ -28,6 +28,13 @@ PIPELINE_HAS_NO_WHOLE_MODEL = "deepspeed.pipeline_stages=2: each stage holds par
 
 # key -> (RUN_A | RUN_B, override) for options exercised in a run; ("refused", override, message);
 # ("skipped", override, message): the run trains on without it and says why in one notice.
+
+
+def _without_objective(override: str) -> tuple[str, str, str]:
+    """An option of another objective: with objective lm it is refused as set without that objective."""
+    return ("refused", override, f"{override.split('=')[0]} is set but objective is lm")
+
+
 OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "name": (RUN_A, "name=tiny-pp-options"),
     "description": (RUN_A, "description=options walk"),
@@ -111,81 +118,29 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     # Preference objectives need pair data, which a text run does not have; with pairs the pipeline
     # itself refuses them (tests/unit/test_preference.py: "is not supported with deepspeed.pipeline_stages").
     "objective": ("refused", "objective=dpo", "but objective=dpo trains on pairs"),
-    "preference.beta": ("refused", "preference.beta=0.2", "preference.beta is set but objective is lm"),
-    "preference.label_smoothing": (
-        "refused",
-        "preference.label_smoothing=0.1",
-        "preference.label_smoothing is set but objective is lm",
-    ),
-    "preference.simpo_gamma": (
-        "refused",
-        "preference.simpo_gamma=1.0",
-        "preference.simpo_gamma is set but objective is lm",
-    ),
-    "preference.reference": (
-        "refused",
-        "preference.reference=live",
-        "preference.reference is set but objective is lm",
-    ),
+    "preference.beta": _without_objective("preference.beta=0.2"),
+    "preference.label_smoothing": _without_objective("preference.label_smoothing=0.1"),
+    "preference.simpo_gamma": _without_objective("preference.simpo_gamma=1.0"),
+    "preference.reference": _without_objective("preference.reference=live"),
     # GRPO and reward-model options belong to their objectives (which run without pipeline stages): with
     # objective lm each is refused as set without its objective.
-    "grpo.beta": ("refused", "grpo.beta=0.04", "grpo.beta is set but objective is lm"),
-    "grpo.ds3_gather_for_generation": (
-        "refused",
-        "grpo.ds3_gather_for_generation=false",
-        "grpo.ds3_gather_for_generation is set but objective is lm",
-    ),
-    "grpo.epsilon": ("refused", "grpo.epsilon=0.3", "grpo.epsilon is set but objective is lm"),
-    "grpo.epsilon_high": (
-        "refused",
-        "grpo.epsilon_high=0.28",
-        "grpo.epsilon_high is set but objective is lm",
-    ),
-    "grpo.importance_sampling_level": (
-        "refused",
-        "grpo.importance_sampling_level=sequence",
-        "grpo.importance_sampling_level is set but objective is lm",
-    ),
-    "grpo.loss_type": ("refused", "grpo.loss_type=grpo", "grpo.loss_type is set but objective is lm"),
-    "grpo.mask_truncated_completions": (
-        "refused",
-        "grpo.mask_truncated_completions=true",
-        "grpo.mask_truncated_completions is set but objective is lm",
-    ),
-    "grpo.max_completion_length": (
-        "refused",
-        "grpo.max_completion_length=32",
-        "grpo.max_completion_length is set but objective is lm",
-    ),
-    "grpo.num_generations": (
-        "refused",
-        "grpo.num_generations=4",
-        "grpo.num_generations is set but objective is lm",
-    ),
-    "grpo.num_iterations": (
-        "refused",
-        "grpo.num_iterations=2",
-        "grpo.num_iterations is set but objective is lm",
-    ),
-    "grpo.rewards": (
-        "refused",
-        "grpo.rewards=[{kind: format, pattern: x}]",
-        "grpo.rewards is set but objective is lm",
-    ),
-    "grpo.scale_rewards": (
-        "refused",
-        "grpo.scale_rewards=batch",
-        "grpo.scale_rewards is set but objective is lm",
-    ),
-    "grpo.temperature": ("refused", "grpo.temperature=0.7", "grpo.temperature is set but objective is lm"),
-    "grpo.top_k": ("refused", "grpo.top_k=5", "grpo.top_k is set but objective is lm"),
-    "grpo.top_p": ("refused", "grpo.top_p=0.9", "grpo.top_p is set but objective is lm"),
-    "reward.center_rewards_coefficient": (
-        "refused",
-        "reward.center_rewards_coefficient=0.01",
-        "reward.center_rewards_coefficient is set but objective is lm",
-    ),
-    "reward.margin": ("refused", "reward.margin=0.5", "reward.margin is set but objective is lm"),
+    "grpo.beta": _without_objective("grpo.beta=0.04"),
+    "grpo.ds3_gather_for_generation": _without_objective("grpo.ds3_gather_for_generation=false"),
+    "grpo.epsilon": _without_objective("grpo.epsilon=0.3"),
+    "grpo.epsilon_high": _without_objective("grpo.epsilon_high=0.28"),
+    "grpo.importance_sampling_level": _without_objective("grpo.importance_sampling_level=sequence"),
+    "grpo.loss_type": _without_objective("grpo.loss_type=grpo"),
+    "grpo.mask_truncated_completions": _without_objective("grpo.mask_truncated_completions=true"),
+    "grpo.max_completion_length": _without_objective("grpo.max_completion_length=32"),
+    "grpo.num_generations": _without_objective("grpo.num_generations=4"),
+    "grpo.num_iterations": _without_objective("grpo.num_iterations=2"),
+    "grpo.rewards": _without_objective("grpo.rewards=[{kind: format, pattern: x}]"),
+    "grpo.scale_rewards": _without_objective("grpo.scale_rewards=batch"),
+    "grpo.temperature": _without_objective("grpo.temperature=0.7"),
+    "grpo.top_k": _without_objective("grpo.top_k=5"),
+    "grpo.top_p": _without_objective("grpo.top_p=0.9"),
+    "reward.center_rewards_coefficient": _without_objective("reward.center_rewards_coefficient=0.01"),
+    "reward.margin": _without_objective("reward.margin=0.5"),
     # A quantised base is loaded from a checkpoint; tiny-cpu-pp2 builds a random one, refused first.
     "lora.quantize": ("refused", "lora.quantize=int8", "lora.quantize=int8 quantises a pretrained base"),
     "deepspeed.config": (RUN_B, "deepspeed.config=zero0"),
