@@ -17,9 +17,12 @@ from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.model.lora import apply_lora
 from llm_train.runtime.model.parts import QUANTIZATION_KEEP, freeze, linear_paths, part_of, parts
+from tests.helpers import REPO
 from tests.image_text_models import family_configs
+from tests.optional import import_or_skip
 
 CPU = Device(kind="cpu", name="cpu", bf16=True)
+TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
 
 
 def tiny(model_type: str):  # -> PreTrainedModel
@@ -140,3 +143,32 @@ def test_a_type_llm_train_cannot_train_is_named_before_any_worker(tmp_path: Path
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "clip", "architectures": ["CLIPModel"]}))
     message = _refusal(["model.init=pretrained", f"model.name_or_path={tmp_path}", "model.config={}"])
     assert "model_type 'clip' is neither a causal LM nor an image-text-to-text model" in message
+
+
+def test_a_4bit_load_quantises_the_language_model_alone(tmp_path: Path) -> None:
+    """The real bitsandbytes load (its CPU path): Linear4bit in the language model, plain Linear elsewhere."""
+    import_or_skip("bitsandbytes")
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from llm_train.config.recipe_sections import LoraSection
+    from llm_train.runtime.model.quantized_base import quantization_config
+    from tests.image_text_models import build_checkpoint
+
+    source = build_checkpoint("qwen2_5_vl", tmp_path / "qwen2_5_vl", TOKENIZER)
+    config = quantization_config(LoraSection(quantize="nf4"), torch.bfloat16, keep=QUANTIZATION_KEEP)
+    model = AutoModelForImageTextToText.from_pretrained(
+        source, quantization_config=config, dtype=torch.bfloat16, device_map={"": "cpu"}
+    )
+    kinds: dict[tuple[str, str], int] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in ("Linear", "Linear4bit"):
+            key = (part_of(f"{name}.weight"), type(module).__name__)
+            kinds[key] = kinds.get(key, 0) + 1
+    # 7 projections of the one decoder layer in 4 bits; the head, the merger's 2 and the tower's 5 in 16.
+    assert kinds == {
+        ("language_model", "Linear4bit"): 7,
+        ("language_model", "Linear"): 1,
+        ("projector", "Linear"): 2,
+        ("vision_tower", "Linear"): 5,
+    }
