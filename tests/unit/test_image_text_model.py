@@ -172,3 +172,28 @@ def test_a_4bit_load_quantises_the_language_model_alone(tmp_path: Path) -> None:
         ("projector", "Linear"): 2,
         ("vision_tower", "Linear"): 5,
     }
+
+
+def test_init_random_builds_the_image_text_class_with_its_parts_frozen() -> None:
+    from llm_train.config.recipe_sections import MemorySection
+    from llm_train.runtime.model.model import build_model
+
+    fields = {"model_type": "qwen2_5_vl", **family_configs()["qwen2_5_vl"]}
+    section = ModelSection(init="random", config=fields, tokenizer=str(TOKENIZER))
+    model = build_model(section, MemorySection(attention="sdpa"), "fp32", 7)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"  # AutoModelForCausalLM refuses it
+    trainable = {part_of(n) for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"language_model"}
+    assert model.config.get_text_config().hidden_size == 32
+
+
+def test_a_pretrained_llama4_keeps_its_vision_tower(tmp_path: Path) -> None:
+    from llm_train.config.recipe_sections import MemorySection
+    from llm_train.runtime.model.model import build_model
+    from tests.image_text_models import build_checkpoint
+
+    source = build_checkpoint("llama4", tmp_path / "llama4", TOKENIZER)
+    model = build_model(ModelSection(name_or_path=str(source)), MemorySection(attention="sdpa"), "fp32", 7)
+    # AutoModelForCausalLM builds Llama4ForCausalLM from this config and drops the vision tower.
+    assert type(model).__name__ == "Llama4ForConditionalGeneration"
+    assert set(parts(model)) == {"vision_tower", "projector", "language_model"}
