@@ -41,6 +41,7 @@ import torch
 
 from llm_train.config.model_kind import is_image_text
 from llm_train.config.parallel import tensor_parallel_shards
+from llm_train.config.recipe_sections import ModelSection
 from llm_train.errors import ExportError, UserError, first_line
 from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
 from llm_train.runtime.checkpointing.logit_reference import (
@@ -569,8 +570,6 @@ def _merged(ckpt_dir: Path, config: PretrainedConfig, state_dict: dict[str, torc
     cannot reproduce) fails it instead of passing silently.
     """
     import yaml
-
-    from llm_train.config.recipe_sections import ModelSection
 
     section = (yaml.safe_load((ckpt_dir / "hf" / "recipe.yaml").read_text()) or {})["model"]
     model = ModelSection(**section)
