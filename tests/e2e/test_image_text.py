@@ -164,3 +164,20 @@ def test_lora_on_an_image_text_model_adapts_the_language_model_and_exports_merge
     assert_export_keeps_the_input(source, out)
     final, again = tensors(run_dir / "final"), tensors(out)
     assert all(torch.allclose(final[k], again[k], rtol=0, atol=1e-6) for k in final)
+
+    # Without --merge: the adapter, placed as the run placed it (not on the vision tower's q_proj/v_proj), so
+    # PEFT on the input checkpoint rebuilds the same model.
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    adapter = tmp_path / "adapter"
+    exported = run_cmd(
+        [str(Path(sys.executable).with_name("llm-train")), "export", str(run_dir), str(adapter)]
+    )
+    assert_ok(exported)
+    assert json.loads((adapter / "adapter_config.json").read_text())["exclude_modules"]
+    base = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
+    rebuilt = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    rebuilt_weights = dict(rebuilt.named_parameters())
+    merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    assert all(torch.allclose(p, rebuilt_weights[n], rtol=0, atol=1e-6) for n, p in merged.named_parameters())
