@@ -128,7 +128,11 @@ def test_tiny_cpus_llama_fields_over_a_checkpoint_are_refused_not_merged(gemma3_
 
 @pytest.mark.parametrize(
     "overrides",
-    [["deepspeed.sequence_parallel=2"], ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"]],
+    [
+        ["deepspeed.sequence_parallel=2"],
+        ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"],
+        ["deepspeed.config=zero1_tp"],
+    ],
 )
 def test_parallel_layouts_other_than_zero_are_refused_for_image_text(
     gemma3_dir: Path, overrides: list[str]
