@@ -213,3 +213,16 @@ def test_image_rows_are_not_packed_or_streamed() -> None:
         DataSection.model_validate(
             {"train": [{**source, "streaming": True}], "packing": "padded", "eval_fraction": 0}
         )
+
+
+def test_image_rows_for_a_text_only_recipe_are_refused_before_any_worker() -> None:
+    from llm_train.config.recipe import load_recipe
+    from llm_train.config.resolution import model_fields
+
+    rows = f"data.train=[{{path: {ASSETS / 'captions.jsonl'}, format: image_chat}}]"
+    recipe = load_recipe("tiny-cpu-chat", [rows, "data.packing=padded"])
+    with pytest.raises(
+        UserError, match=r"data.train\[0\] is format image_chat, whose images model llama cannot read"
+    ):
+        model_fields(recipe)
+    assert model_fields(load_recipe("tiny-cpu-vlm"))["model_type"] == "llava"
