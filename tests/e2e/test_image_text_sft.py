@@ -3,15 +3,14 @@
 bit-identical; the export captions a bundled image through `llm-train generate --image`.
 
 One ZeRO-3 run of the shipped recipe serves three checks (loss, resume reference, export). Margins, from
-runs on this machine (2026-12-06): ZeRO-3 8.28 -> 0.21 over 50 steps (a caption is ~9 tokens of which the
-colour and shape, 2 tokens, carry ln 4 + ln 3 = 2.5 nats when the image is ignored, ~0.28 per token); LoRA
-(rank 8, frozen random base) 8.28 -> 6.54 over 20 steps.
+runs on this machine (2026-12-06): ZeRO-3 8.28 -> 0.12 over 50 steps (a caption is ~9 tokens of which the
+colour and shape carry ln 4 + ln 3 = 2.5 nats when the image is ignored, ~0.28 per token); LoRA (rank 8,
+frozen random base) 8.28 -> 6.54 over 20 steps; ZeRO-2 falls as ZeRO-3 does.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -67,9 +66,8 @@ def test_zero3_learns_captions_from_the_pixels(zero3: Path) -> None:
 
 
 def test_the_export_captions_a_bundled_image(zero3: Path) -> None:
-    """`llm-train generate RUN --image` on the export: a caption in the training's words, in the image's colour
-    (the colour is what 50 steps learn for every image; the shape only for some)."""
-    right = 0
+    """`llm-train generate RUN --image` on the export names the image's colour and shape (50 steps learn all 12
+    drawings on this machine; three are asked here)."""
     for colour, shape in (("red", "circle"), ("blue", "square"), ("yellow", "triangle")):
         image = vlm.DEFAULT_OUT / "images" / f"{colour}-{shape}.png"
         cmd = [
@@ -81,12 +79,9 @@ def test_the_export_captions_a_bundled_image(zero3: Path) -> None:
             "--prompt",
             "What is in the picture?",
         ]
-        result = run_cmd([*cmd, "--max-new-tokens", "8"])
+        result = run_cmd([*cmd, "--max-new-tokens", "12"])
         assert_ok(result)
-        caption = result.stdout.strip()
-        assert re.fullmatch(r"a (red|green|blue|yellow) (circle|square|triang)\w*\.?", caption), caption
-        right += caption.startswith(f"a {colour} ")
-    assert right == 3
+        assert result.stdout.strip().rstrip(".") == f"a {colour} {shape}", result.stdout
 
 
 def test_kill_9_and_resume_auto_is_bit_identical(zero3: Path, tmp_path: Path) -> None:
