@@ -211,7 +211,9 @@ class _Job:
         fields = source.model_dump(exclude={"path", "weight", "overlong", "revision"})
         # Formats that never render messages ignore the template: it is not part of their key.
         chat = self.template if fmt.uses_chat_template != "never" else None
-        tok_key = digest("tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat)
+        parts = ["tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat]
+        extra = fmt.cache_key(self.tokenizer)  # image_chat: the processor's settings (None: nothing more)
+        tok_key = digest(*parts, *([extra] if extra is not None else []))
         entry = self.cache_dir / f"tokens-{tok_key}"
         where = f"{key}: {located.describe()}"
 

@@ -277,3 +277,16 @@ def test_a_micro_batch_without_images_gets_a_blank_image_row_that_leaves_the_los
     padded = {k: torch.from_numpy(v) for k, v in batch.items()}  # type: ignore[arg-type]
     with torch.no_grad():
         torch.testing.assert_close(model(**padded).loss, model(**plain).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_the_processor_settings_are_part_of_the_cache_key(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from llm_train.data.formats import FORMATS
+
+    folder = shutil.copytree(PROCESSOR, tmp_path / "processor")
+    fmt = FORMATS["image_chat"]
+    before = fmt.cache_key(AutoTokenizer.from_pretrained(str(folder)))
+    config = folder / "processor_config.json"
+    config.write_text(config.read_text().replace('"shortest_edge": 56', '"shortest_edge": 112'))
+    assert fmt.cache_key(AutoTokenizer.from_pretrained(str(folder))) != before

@@ -87,6 +87,10 @@ class Format(Generic[S]):
         """The batched tokenise function; `memo_words`: data.tokenize_memo (make_encoder)."""
         raise NotImplementedError
 
+    def cache_key(self, tokenizer: PreTrainedTokenizerBase) -> Any:
+        """What else than the tokenizer and the source's fields decides its tokens (part of the cache key)."""
+        return None
+
     def filler(
         self, source: S, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
     ) -> bytes | None:

@@ -68,6 +68,21 @@ class ImageChat(Format[ImageChatSource]):
         processor = load_processor(tokenizer, key)
         return image_chat_fn(source, processor, chat_template, key)
 
+    def cache_key(self, tokenizer: PreTrainedTokenizerBase) -> Any:
+        """The processor's settings (image size, tokens per image): a change re-processes the source."""
+        import hashlib
+
+        folder = Path(str(tokenizer.name_or_path))
+        names = (
+            "preprocessor_config.json",
+            "processor_config.json",
+            "chat_template.jinja",
+            "chat_template.json",
+        )
+        return [
+            hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names if (folder / n).is_file()
+        ]
+
     def filler(
         self,
         source: ImageChatSource,
