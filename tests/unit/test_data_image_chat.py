@@ -290,3 +290,52 @@ def test_the_processor_settings_are_part_of_the_cache_key(tmp_path: Path) -> Non
     config = folder / "processor_config.json"
     config.write_text(config.read_text().replace('"shortest_edge": 56', '"shortest_edge": 112'))
     assert fmt.cache_key(AutoTokenizer.from_pretrained(str(folder))) != before
+
+
+def test_gemma3_style_per_token_arrays_are_padded_with_their_row(tmp_path: Path) -> None:
+    """Gemma 3's processor also returns token_type_ids (1 on image tokens), one per token: they are laid out
+    with the row (zero on padding), and its begin/end-of-image markers are never trained on either."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    special = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(vlm.TOKENIZER), extra_special_tokens=special)
+    template = vlm.CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        image_seq_length=4,
+        chat_template=template,
+    )
+    processor.save_pretrained(tmp_path / "gemma3")
+    shutil.copytree(ASSETS / "images", tmp_path / "images")
+    rows = [_row("images/red-circle.png")]
+    rows[0]["messages"][0]["content"] = "<start_of_image>What is it?"
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    data = DataSection.model_validate(
+        {
+            "train": [{"path": str(path), "format": "image_chat", "image_placeholder": "<start_of_image>"}],
+            "seq_len": 40,
+            "packing": "padded",
+            "eval_fraction": 0,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+    )
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path / "gemma3"))
+    batch = build_rows(prepare_data(data, loaded, seed=0).train, [(0, 0)])
+    ids, labels, types = batch["input_ids"], batch["labels"], batch["token_type_ids"]
+    assert isinstance(ids, np.ndarray) and isinstance(labels, np.ndarray) and isinstance(types, np.ndarray)
+    assert types.shape == ids.shape == (1, 40)
+    boi, eoi, soft = (
+        loaded.convert_tokens_to_ids(special[k]) for k in ("boi_token", "eoi_token", "image_token")
+    )
+    np.testing.assert_array_equal(
+        types[0], (ids[0] == soft).astype(types.dtype)
+    )  # 4 image tokens, zero padding
+    assert int(types.sum()) == 4
+    markers = np.isin(ids[0], [boi, eoi, soft])
+    assert markers.sum() == 6 and (labels[0][markers] == IGNORE).all()
+    assert loaded.decode(ids[0][labels[0] != IGNORE]) == "a red circle.<|eos|>"

@@ -143,8 +143,9 @@ def image_token_ids(processor: ProcessorMixin) -> set[int]:
     end of image too): transformers' `ProcessorMixin.image_token_ids` plus the begin/end markers it leaves out."""
     tokenizer: Any = processor.tokenizer
     ids = {i for i in processor.image_token_ids if isinstance(i, int)}
-    for name in ("boi_token", "eoi_token", "image_start_token", "image_end_token"):
-        token = getattr(processor, name, None)
+    for name in ("image_token", "boi_token", "eoi_token", "image_start_token", "image_end_token"):
+        # Gemma 3's processor names its begin-of-image marker `image_token`; its tokenizer has the rest.
+        token = getattr(processor, name, None) or getattr(tokenizer, name, None)
         if isinstance(token, str):
             tid = tokenizer.convert_tokens_to_ids(token)
             if isinstance(tid, int) and tid != tokenizer.unk_token_id:
