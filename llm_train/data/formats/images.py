@@ -101,15 +101,13 @@ def _image_bytes(value: Any, where: str, base_dir: Path | None) -> tuple[str, by
                 f"{where}: image URL {value[:80]} cannot be fetched offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE "
                 "is set); download the images and give their paths"
             )
-        from transformers.image_utils import load_image
+        import urllib.request
 
         try:
-            image = load_image(value)
-        except Exception as exc:
+            with urllib.request.urlopen(value, timeout=30) as response:  # noqa: S310 (http(s) only, checked above)
+                return value, response.read()
+        except OSError as exc:
             raise UserError(f"{where}: image URL {value[:80]} could not be fetched ({exc})") from None
-        out = io.BytesIO()
-        image.save(out, format="PNG")
-        return value, out.getvalue()
     path = Path(value).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
