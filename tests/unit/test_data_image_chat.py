@@ -339,3 +339,14 @@ def test_gemma3_style_per_token_arrays_are_padded_with_their_row(tmp_path: Path)
     markers = np.isin(ids[0], [boi, eoi, soft])
     assert markers.sum() == 6 and (labels[0][markers] == IGNORE).all()
     assert loaded.decode(ids[0][labels[0] != IGNORE]) == "a red circle.<|eos|>"
+
+
+def test_the_bundled_assets_are_what_the_builder_writes(tmp_path: Path) -> None:
+    vlm.build(tmp_path / "tiny_vlm")
+    built = sorted(
+        p.relative_to(tmp_path / "tiny_vlm") for p in (tmp_path / "tiny_vlm").rglob("*") if p.is_file()
+    )
+    assert built == sorted(p.relative_to(ASSETS) for p in ASSETS.rglob("*") if p.is_file())
+    for name in built:
+        assert (tmp_path / "tiny_vlm" / name).read_bytes() == (ASSETS / name).read_bytes(), name
+    assert len(vlm.conversations()) == 48 and len(list((ASSETS / "images").glob("*.png"))) == 12
