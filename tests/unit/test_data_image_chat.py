@@ -350,3 +350,20 @@ def test_the_bundled_assets_are_what_the_builder_writes(tmp_path: Path) -> None:
     for name in built:
         assert (tmp_path / "tiny_vlm" / name).read_bytes() == (ASSETS / name).read_bytes(), name
     assert len(vlm.conversations()) == 48 and len(list((ASSETS / "images").glob("*.png"))) == 12
+
+
+def test_a_missing_image_through_the_command_is_one_line_and_exit_2(
+    images: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_train.cli import main
+
+    path = write_jsonl(images / "rows.jsonl", [_row("images/red-circle.png"), _row("images/gone.png")])
+    train = f"data.train=[{{path: {path}, format: image_chat}}]"
+    assert (
+        main(["data", "prepare", "--recipe", "tiny-cpu-vlm", train, f"data.cache_dir={images / 'cache'}"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(
+        f"row 2: image 1: image file not found: {images}/images/gone.png"
+    )
