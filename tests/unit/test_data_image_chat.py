@@ -367,3 +367,25 @@ def test_a_missing_image_through_the_command_is_one_line_and_exit_2(
     assert len(err.splitlines()) == 1 and err.endswith(
         f"row 2: image 1: image file not found: {images}/images/gone.png"
     )
+
+
+def test_a_processor_that_needs_torchvision_says_so_in_one_line(tmp_path: Path) -> None:
+    """Qwen2-VL's processor has a video processor that needs torchvision (absent here): named, with the fix."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(vlm.TOKENIZER, tmp_path / "qwen2_vl")
+    config = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torchvision is installed: the processor loads")
+    with pytest.raises(
+        UserError, match=r"none loads from .*qwen2_vl \(.*[Tt]orchvision.*\); pip install torchvision"
+    ) as info:
+        load_processor(AutoTokenizer.from_pretrained(str(folder)), "data.train[0]")
+    assert "\n" not in str(info.value)
