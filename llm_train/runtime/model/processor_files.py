@@ -41,6 +41,17 @@ def processor_sources(name_or_path: str | None, revision: str | None = None) -> 
     return found
 
 
+def model_processor_sources(
+    name_or_path: str | None, revision: str | None, tokenizer: str | None
+) -> list[Path]:
+    """The input checkpoint's processor files; where it has none (model.init=random, as tiny-cpu-vlm), those
+    beside model.tokenizer, the folder format image_chat loads the processor from (data/formats/image_chat.py),
+    so an export can be given images as training was."""
+    return processor_sources(name_or_path, revision) or (
+        processor_sources(tokenizer) if tokenizer and tokenizer != name_or_path else []
+    )
+
+
 def copy_processor_files(sources: list[Path], out_dir: Path) -> list[str]:
     """Copy each source file into out_dir unless out_dir has one of that name; returns the names copied."""
     copied = []
