@@ -216,6 +216,13 @@ class Recipe(Section):
                 f"preference.{changed[0]} is set but objective is grpo; remove the preference section (grpo.beta "
                 "weighs the KL to the initial model)"
             )
+        changed = [k for k, v in RewardSection().model_dump().items() if getattr(self.reward, k) != v]
+        if changed:
+            raise ValueError(
+                f"reward.{changed[0]} is set but objective is grpo; the reward section trains a reward model "
+                "(objective reward): remove it, and score GRPO's completions with grpo.rewards (a trained one: "
+                "{kind: reward_model, path: ...})"
+            )
         for split in ("train", "eval"):
             for i, source in enumerate(self.data.sources(split)):
                 if split == "eval":

@@ -55,8 +55,16 @@ from llm_train.runtime.export.model_dir import sample_text, verify_export, write
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model.model import load_tokenizer
-from llm_train.runtime.rl.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, SampleLog, rollout_logps
-from llm_train.runtime.rl.rewards import load_rewards
+from llm_train.runtime.rl.grpo import (
+    Grpo,
+    HfGeneration,
+    Rollouts,
+    RolloutShape,
+    SampleLog,
+    rollout_logps,
+    stop_ids,
+)
+from llm_train.runtime.rl.rewards import RewardContext, load_rewards
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:
@@ -342,9 +350,9 @@ def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: L
     objective = engine.objective
     assert isinstance(objective, Grpo)  # zero_engine builds it for objective grpo
     tokenizer = data.tokenizer
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    generation = HfGeneration(ds, layout.zero_stage == 3, grpo, pad, [eos])
+    eos = stop_ids(tokenizer, getattr(ds.module, "generation_config", None))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    generation = HfGeneration(ds, layout.zero_stage == 3, grpo, pad, eos)
 
     @torch.no_grad()
     def policy_logps(batch: dict[str, Any]) -> torch.Tensor:
@@ -361,13 +369,24 @@ def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: L
         w.rank,
         policy_logps,
         objective.reference,
-        sample_log(tracker, cfg, grpo.num_iterations),
+        sample_log(tracker, cfg, grpo.num_iterations, grpo.num_completions_to_print, w.say)
+        if grpo.log_completions
+        else None,
+        RewardContext.at_step(cfg.start_step, cfg.max_steps),
+        w.say,
     )
 
 
-def sample_log(tracker: Trackers, cfg: LoopConfig, iterations: int) -> SampleLog:
+def sample_log(
+    tracker: Trackers,
+    cfg: LoopConfig,
+    iterations: int,
+    to_print: int | None = None,
+    say: Callable[[str], None] | None = None,
+) -> SampleLog:
     """A few completions of each generation that trains a logged step (loop.py's rule), as table
-    `completions` (completions.jsonl in the run, a W&B table) at that generation's first step."""
+    `completions` (completions.jsonl in the run, a W&B table) at that generation's first step; `to_print` of
+    them (None: all) also on screen (grpo.log_completions, num_completions_to_print: TRL's options)."""
     generations = 0
 
     def log(rows: list[dict[str, Any]]) -> None:
@@ -377,6 +396,12 @@ def sample_log(tracker: Trackers, cfg: LoopConfig, iterations: int) -> SampleLog
         steps = range(first, first + iterations)
         if first == cfg.start_step + 1 or any(s % cfg.log_every == 0 or s == cfg.max_steps for s in steps):
             tracker.log_table("completions", rows, first)
+            shown = rows if to_print is None else rows[:to_print]
+            for row in shown:
+                if say is None:
+                    break
+                reward = "None" if row["reward"] is None else f"{row['reward']:.3f}"
+                say(f"step {first} completion (reward {reward}): {row['prompt']!r} -> {row['completion']!r}")
 
     return log
 

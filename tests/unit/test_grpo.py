@@ -257,9 +257,9 @@ def test_one_generation_becomes_the_steps_micro_batches(tokenizer: Any) -> None:
     # unbiased std 2 / sqrt(3).
     assert torch.allclose(first["advantages"], torch.tensor([-1.0, 1.0, 1.0, -1.0]) / (2 / 3**0.5 + 1e-4))
     metrics = first["rollout_metrics"]
-    assert metrics["reward_length_mean"] == pytest.approx(1.5)  # rank 0 stands in with rewards 0
+    assert metrics["rewards/length/mean"] == pytest.approx(1.5)  # rank 0 stands in with rewards 0
     assert (
-        metrics["completion_truncated_frac"] == pytest.approx(0.25) and metrics["completion_length_max"] == 4
+        metrics["completions/clipped_ratio"] == pytest.approx(0.25) and metrics["completions/max_length"] == 4
     )
 
 
@@ -268,7 +268,7 @@ def test_a_generation_shows_its_first_completions_with_their_rewards(tokenizer: 
     next(_rollouts(tokenizer, rank=1, samples=shown.append))
     (rows,) = shown
     assert [r["prompt"] for r in rows] == ["p"] * 4  # rank 1's first group
-    assert [r["reward_length"] for r in rows] == [2.0, 4.0, 4.0, 2.0]  # its own rows of the gathered table
+    assert [r["rewards/length"] for r in rows] == [2.0, 4.0, 4.0, 2.0]  # its own rows of the gathered table
     assert [r["reward"] for r in rows] == [2.0, 4.0, 4.0, 2.0]  # weight 1
     assert rows[1]["advantage"] > 0 > rows[0]["advantage"]
     assert rows[0]["completion"] == tokenizer.decode([7, 2], skip_special_tokens=True)
