@@ -369,7 +369,7 @@ class GrpoSection(Section):
     def _finite_weights(cls, weights: list[float] | None) -> list[float] | None:
         for i, w in enumerate(weights or []):
             if not math.isfinite(w):
-                raise ValueError(f"reward_weights[{i}]={w} is not a finite number; give finite weights")
+                raise ValueError(f"grpo.reward_weights[{i}]={w} is not a finite number; give finite weights")
         return weights
 
     @model_validator(mode="after")

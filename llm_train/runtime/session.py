@@ -61,6 +61,7 @@ from llm_train.runtime.rl.grpo import (
     Rollouts,
     RolloutShape,
     SampleLog,
+    disable_dropout,
     rollout_logps,
     stop_ids,
 )
@@ -231,7 +232,17 @@ def grpo_data(run: Resolved, tokenizer: PreTrainedTokenizerBase, dp_rank: int, s
     grpo = recipe.grpo
     per_step = layout.micro_batch_size * layout.grad_accum // grpo.num_generations
     room = recipe.data.seq_len - grpo.max_completion_length
-    stream = prompt_stream(recipe.data, tokenizer, room, per_step, dp_rank, layout.dp, recipe.optim.seed, say)
+    stream = prompt_stream(
+        recipe.data,
+        tokenizer,
+        room,
+        per_step,
+        dp_rank,
+        layout.dp,
+        recipe.optim.seed,
+        say,
+        grpo.chat_template_kwargs,
+    )
     assert stream.per_epoch is not None  # prompts have a known number
     # Each generation trains grpo.num_iterations optimizer steps: an epoch of prompts is that many times longer.
     generations = stream.per_epoch * grpo.num_iterations
@@ -353,6 +364,8 @@ def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: L
     eos = stop_ids(tokenizer, getattr(ds.module, "generation_config", None))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     generation = HfGeneration(ds, layout.zero_stage == 3, grpo, pad, eos)
+    if grpo.disable_dropout:
+        disable_dropout(ds.module)
 
     @torch.no_grad()
     def policy_logps(batch: dict[str, Any]) -> torch.Tensor:

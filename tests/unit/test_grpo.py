@@ -23,7 +23,17 @@ from llm_train.data.prompts import Prompt, load_prompts, prompt_stream
 from llm_train.errors import UserError
 from llm_train.runtime.loop import LoopConfig
 from llm_train.runtime.model.model import load_tokenizer
-from llm_train.runtime.rl.grpo import Rollouts, RolloutShape, SampleLog, cut_at_eos, left_pad, right_pad
+from llm_train.runtime.rl.grpo import (
+    Rollouts,
+    RolloutShape,
+    SampleLog,
+    cut_at_eos,
+    disable_dropout,
+    left_pad,
+    right_pad,
+    sampling_options,
+    stop_ids,
+)
 from llm_train.runtime.rl.rewards import load_rewards
 from llm_train.runtime.session import sample_log
 from tests.helpers import REPO
@@ -65,10 +75,81 @@ def test_the_shipped_recipe_resolves_with_whole_groups_per_rank() -> None:
         (["preference.beta=0.2"], ("preference.beta is set but objective is grpo",)),
         (["grpo.loss_type=ppo"], ("grpo.loss_type",)),
         (["grpo.num_generations=1"], ("grpo.num_generations",)),
+        # Non-finite values are refused where they are parsed, never trained on.
+        (["grpo.temperature=inf"], ("grpo.temperature",)),
+        (["grpo.beta=inf"], ("grpo.beta",)),
+        (["grpo.rewards=[{kind: format, pattern: x, weight: .nan}]"], ("grpo.rewards[0].weight",)),
+        (["grpo.reward_weights=[.nan]"], ("grpo.reward_weights",)),
+        (["grpo.reward_weights=[1.0, 2.0]"], ("grpo.reward_weights has 2 weights for 1 rewards",)),
+        (["reward.margin=0.5"], ("reward.margin is set but objective is grpo", "grpo.rewards")),
+        # TRL options not built yet: refused in one line that says so (docs/rl.md lists them).
+        (["grpo.steps_per_generation=2"], ("grpo.steps_per_generation is not built yet", "docs/rl.md")),
+        (["grpo.generation_batch_size=32"], ("grpo.generation_batch_size is not built yet",)),
+        (["grpo.sync_ref_model=true"], ("grpo.sync_ref_model is not built yet",)),
+        (["grpo.num_generations_eval=2"], ("grpo.num_generations_eval is not built yet",)),
     ],
 )
 def test_what_grpo_cannot_use_is_refused_in_one_line(overrides: list[str], parts: tuple[str, ...]) -> None:
     _refused(overrides, *parts)
+
+
+def test_trl_options_are_taken_under_trls_names_and_defaults() -> None:
+    """TRL 1.16's GRPOConfig defaults and values: max_completion_length 512, scale_rewards booleans, its loss
+    types, reward_weights, the sampling options; a recipe written with TRL's values loads."""
+    assert GrpoSection().max_completion_length == 512 and GrpoSection().loss_type == "dapo"
+    recipe = load_recipe(
+        "tiny-cpu-grpo",
+        [
+            "grpo.scale_rewards=false",
+            "grpo.loss_type=sapo",
+            "grpo.delta=1.5",
+            "grpo.reward_weights=[0.5]",
+            "grpo.min_p=0.05",
+            "grpo.repetition_penalty=1.1",
+            "grpo.generation_kwargs={no_repeat_ngram_size: 3}",
+            "grpo.disable_dropout=true",
+        ],
+    )
+    grpo = recipe.grpo
+    assert grpo.scale_rewards == "none" and grpo.loss_type == "sapo" and grpo.delta == 1.5
+    assert load_recipe("tiny-cpu-grpo", ["grpo.scale_rewards=true"]).grpo.scale_rewards == "group"
+    options = sampling_options(grpo, pad_id=0, eos_ids=[2, 7])
+    assert options["min_p"] == 0.05 and options["repetition_penalty"] == 1.1
+    assert options["no_repeat_ngram_size"] == 3 and options["eos_token_id"] == [2, 7]
+    for loss_type in ("cispo", "luspo", "vespo"):
+        assert load_recipe("tiny-cpu-grpo", [f"grpo.loss_type={loss_type}"]).grpo.loss_type == loss_type
+
+
+def test_disable_dropout_zeroes_every_dropout_as_trl_does() -> None:
+    from trl.trainer.utils import disable_dropout_in_model
+
+    ours = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout(0.1))
+    )
+    theirs = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout(0.1))
+    )
+    assert disable_dropout(ours) == 2
+    disable_dropout_in_model(theirs)
+    probabilities = [
+        [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] for model in (ours, theirs)
+    ]
+    assert probabilities == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_a_reward_models_margin_must_be_finite() -> None:
+    _refused(
+        ["reward.margin=nan"], "reward.margin: Input should be a finite number", recipe="tiny-cpu-reward"
+    )
+
+
+def test_generation_stops_at_every_eos_of_the_generation_config(tokenizer: Any) -> None:
+    from transformers import GenerationConfig
+
+    eos = tokenizer.eos_token_id
+    assert stop_ids(tokenizer, GenerationConfig(eos_token_id=[eos, 9, 11])) == [eos, 9, 11]
+    assert stop_ids(tokenizer, GenerationConfig(eos_token_id=5)) == [eos, 5]
+    assert stop_ids(tokenizer, None) == [eos]
 
 
 def test_a_grpo_section_without_objective_grpo_is_refused() -> None:
@@ -137,6 +218,23 @@ def test_text_and_chat_prompts_are_rendered_and_carry_their_other_fields(
     assert (
         messages.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"] and messages.text == chat
     )
+
+
+def test_chat_template_kwargs_reach_the_chat_template(tmp_path: Path, tokenizer: Any) -> None:
+    """grpo.chat_template_kwargs (TRL's option): extra variables the template reads, e.g. enable_thinking."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %} think{% endif %}"
+    )
+    data = _data(tmp_path, [{"prompt": [{"role": "user", "content": "2+2?"}]}])
+    (plain,) = load_prompts(data, tok, room=48, say=lambda _: None)
+    (thinking,) = load_prompts(
+        data, tok, room=48, say=lambda _: None, template_kwargs={"enable_thinking": True}
+    )
+    assert plain[0].ids == tok("2+2?", add_special_tokens=False)["input_ids"]
+    assert thinking[0].ids == tok("2+2? think", add_special_tokens=False)["input_ids"] != plain[0].ids
 
 
 def test_a_dataset_without_the_prompt_field_is_one_line(tmp_path: Path, tokenizer: Any) -> None:

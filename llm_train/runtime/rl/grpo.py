@@ -85,6 +85,13 @@ def loss_settings(grpo: GrpoSection) -> LossSettings:
         beta=grpo.beta,
         temperature=grpo.temperature,
         max_completion_length=grpo.max_completion_length,
+        delta=grpo.delta,
+        sapo_temperature_pos=grpo.sapo_temperature_pos,
+        sapo_temperature_neg=grpo.sapo_temperature_neg,
+        vespo_k_pos=grpo.vespo_k_pos,
+        vespo_lambda_pos=grpo.vespo_lambda_pos,
+        vespo_k_neg=grpo.vespo_k_neg,
+        vespo_lambda_neg=grpo.vespo_lambda_neg,
     )
 
 
@@ -214,6 +221,18 @@ class HfGeneration:
             if was_training:
                 self.module.train()
         return cut_at_eos(out[:, ids.shape[1] :].cpu(), self.eos_ids)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """grpo.disable_dropout: every `nn.Dropout` of the model set to p = 0, as TRL's `disable_dropout_in_model`
+    does (so the log-probs of generation and training agree; TRL is a test-only dependency here, so its
+    four lines are repeated); returns how many it found."""
+    found = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+            found += 1
+    return found
 
 
 def sampling_options(grpo: GrpoSection, pad_id: int, eos_ids: list[int]) -> dict[str, Any]:
