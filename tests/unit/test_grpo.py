@@ -152,6 +152,15 @@ def test_generation_stops_at_every_eos_of_the_generation_config(tokenizer: Any) 
     assert stop_ids(tokenizer, None) == [eos]
 
 
+def test_the_console_line_shows_the_reward_and_each_functions_when_several() -> None:
+    from llm_train.observability.console import progress_line
+
+    one = progress_line(3, 30, {"loss": 0.1, "reward": 0.75, "rewards/has_digit/mean": 0.75}, None)
+    assert "| reward 0.750 |" in one + " |" and "(" not in one
+    several = {"loss": 0.1, "reward": 1.25, "rewards/format/mean": 0.5, "rewards/correct/mean": 0.75}
+    assert "reward 1.250 (format 0.500, correct 0.750)" in progress_line(3, 30, several, None)
+
+
 def test_a_grpo_section_without_objective_grpo_is_refused() -> None:
     _refused(["grpo.beta=0.1"], "grpo.beta is set but objective is dpo", recipe="tiny-cpu-dpo")
 

@@ -321,3 +321,20 @@ def test_a_reward_model_path_that_does_not_load_is_one_line_naming_the_key(tmp_p
     ) as missing:
         _rewards({"kind": "reward_model", "path": str(tmp_path / "nowhere")})
     assert "\n" not in str(missing.value)
+
+
+def test_the_trl_documentation_reward_in_docs_rl_md_runs_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/rl.md's reward function (TRL's documentation's, for conversational prompts) as a user's module:
+    it indexes `completion[0]["content"]`, which works only on TRL's message-list completions."""
+    from tests.helpers import REPO
+
+    page = (REPO / "docs" / "rl.md").read_text()
+    block = next(b for b in page.split("```python\n")[1:] if "def format_reward_func" in b).split("```")[0]
+    name = _module(tmp_path, monkeypatch, "my_rewards_doc", block)
+    (reward,) = _rewards({"kind": "function", "function": f"{name}:format_reward_func"})
+    prompts = [[{"role": "user", "content": "2+2?"}]] * 2
+    texts = ["<think>add</think><answer>4</answer>", "4"]
+    table = score([reward], prompts, completions_as_trl(prompts, texts), [[1], [2]], {})
+    assert table[:, 0].tolist() == [1.0, 0.0]
