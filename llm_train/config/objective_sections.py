@@ -195,7 +195,8 @@ def parse_reward(item: Any, where: str) -> Any:
 class GrpoSection(Section):
     """Online RL with GRPO (objective grpo; runtime/rl/grpo.py): each step the model writes num_generations
     completions per prompt, the rewards score them, and the loss is TRL's GRPO loss (runtime/loss/grpo.py).
-    optim.micro_batch_size counts completions; each rank's completions per step form whole groups."""
+    optim.micro_batch_size counts completions; the step's completions over every rank form whole groups (a group may
+    span ranks, as in TRL)."""
 
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group G).")
     max_completion_length: int = Field(

@@ -224,21 +224,23 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
 
 
 def grpo_data(run: Resolved, tokenizer: PreTrainedTokenizerBase, dp_rank: int, say: Say) -> RunData:
-    """GRPO's prompts, one batch per step: each rank's completions per step / num_generations prompts.
+    """GRPO's prompts, one batch per step, the same on every rank: the step's completions / num_generations.
 
     No data-volume guard: an RL run visits its prompts many times by design (each visit samples anew).
     """
     recipe, layout = run.recipe, run.layout
     grpo = recipe.grpo
-    per_step = layout.micro_batch_size * layout.grad_accum // grpo.num_generations
+    # Every rank draws the step's prompts for the whole world (the same ones, in the same order) and generates
+    # its own slice of their groups (Rollouts): a group may span ranks, as in TRL.
+    per_step = layout.micro_batch_size * layout.grad_accum * layout.dp // grpo.num_generations
     room = recipe.data.seq_len - grpo.max_completion_length
     stream = prompt_stream(
         recipe.data,
         tokenizer,
         room,
         per_step,
-        dp_rank,
-        layout.dp,
+        0,
+        1,
         recipe.optim.seed,
         say,
         grpo.chat_template_kwargs,

@@ -165,16 +165,27 @@ def test_a_grpo_section_without_objective_grpo_is_refused() -> None:
     _refused(["grpo.beta=0.1"], "grpo.beta is set but objective is dpo", recipe="tiny-cpu-dpo")
 
 
-def test_num_generations_that_do_not_divide_a_ranks_completions_are_refused() -> None:
+def test_groups_may_span_ranks_as_in_trl() -> None:
+    """TRL's rule: num_generations divides the global batch; 16 generations over 2 ranks of 8 completions."""
+    run = resolve_run(
+        "tiny-cpu-grpo",
+        ["grpo.num_generations=8", "optim.micro_batch_size=2", "optim.grad_accum=2"],
+        world_size=2,
+        device=CPU,
+    )
+    assert run.layout.micro_batch_size * run.layout.grad_accum * run.layout.dp == 8
+
+
+def test_num_generations_that_do_not_divide_the_steps_completions_are_refused() -> None:
     with pytest.raises(UserError) as info:
         resolve_run("tiny-cpu-grpo", ["grpo.num_generations=6"], world_size=2, device=CPU)
     message = str(info.value)
     assert "\n" not in message
     assert (
-        "grpo.num_generations=6 does not divide each rank's completions per step (micro batch 8 x accumulation 2"
-        in message
+        "grpo.num_generations=6 does not divide the step's completions (micro batch 8 x accumulation 2 x 2 "
+        "data-parallel ranks = 32)" in message
     )
-    assert "make optim.micro_batch_size x grad_accum a multiple of 6" in message
+    assert "make optim.micro_batch_size x grad_accum x ranks a multiple of 6" in message
 
 
 def test_a_layout_that_splits_sequences_is_refused_for_grpo() -> None:
@@ -312,7 +323,9 @@ class _Rank:
 
 class _Prompts:
     def __next__(self) -> dict[str, Any]:
-        return {"prompts": [Prompt("p", [1, 5, 6], {"answer": "7"}), Prompt("q", [1, 9], {"answer": "8"})]}
+        # The step's prompts for both ranks (each draws the same): rank 0 writes the groups of the first two.
+        pair = [Prompt("p", [1, 5, 6], {"answer": "7"}), Prompt("q", [1, 9], {"answer": "8"})]
+        return {"prompts": pair * 2}
 
 
 def _rollouts(tokenizer: Any, rank: int = 0, samples: SampleLog | None = None, **grpo: Any) -> Rollouts:
@@ -429,3 +442,94 @@ def test_optim_epochs_count_passes_over_the_prompts(iterations: int) -> None:
     data = grpo_data(run, load_tokenizer(run.recipe.model), 0, lambda _: None)
     # 185 prompts, 2 per rank per generation on 2 ranks: 46 generations, each trained num_iterations steps.
     assert data.max_steps == 46 * iterations and data.eval_blocks is None
+
+
+class _ThreadWorld:
+    """Collectives of `world` ranks run as threads of this process: each gather waits for every rank."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.barrier, self.slots = threading.Barrier(world), [None] * world
+
+    def rank(self, r: int) -> Any:
+        world = self
+
+        class Rank:
+            def gather_objects(self, obj: Any) -> list[Any]:
+                world.slots[r] = obj
+                world.barrier.wait()
+                out = list(world.slots)
+                world.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+                return out
+
+            def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+                return torch.stack(self.gather_objects(tensor)).sum(dim=0)
+
+        return Rank()
+
+
+def _spanning_step(world: int, micro: int, accumulation: int, tokenizer: Any) -> tuple[torch.Tensor, float]:
+    """(the step's advantages in global order, the step's loss as DeepSpeed reduces it: the mean over ranks
+    of each rank's micro-batch losses / accumulation) for one prompt's group of 8 over `world` ranks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llm_train.runtime.loss.grpo import policy_loss
+    from llm_train.runtime.rl.grpo import loss_settings
+
+    group = 8
+    completions = [[7] * (1 + (3 * i) % 5) + [2] for i in range(group)]  # lengths 2..6, the reward
+    section = GrpoSection(
+        num_generations=group,
+        max_completion_length=8,
+        rewards=[parse_reward({"kind": "function", "function": "tests.unit.test_grpo:length"}, "r")],
+    )
+    threads = _ThreadWorld(world)
+    n = micro * accumulation
+
+    class OnePrompt:
+        def __next__(self) -> dict[str, Any]:
+            return {"prompts": [Prompt("p", [1, 5, 6], {})]}
+
+    def run(rank: int) -> tuple[torch.Tensor, float]:
+        rollouts = Rollouts(
+            OnePrompt(),  # type: ignore[arg-type]
+            lambda prompts: completions[rank * n : rank * n + len(prompts)],  # its slice of the group
+            load_rewards(section.rewards, 8),
+            section,
+            RolloutShape(micro_batch=micro, accumulation=accumulation, dp_size=world),
+            tokenizer,
+            threads.rank(rank),
+            rank,
+            policy_logps=lambda batch: torch.full(batch["completion_ids"].shape, -1.0),
+        )
+        advantages, loss = [], 0.0
+        for _ in range(accumulation):
+            batch = next(rollouts)
+            logps = (
+                -0.5 - 0.1 * batch["completion_ids"].float()
+            )  # any fixed log-probs: the same on both layouts
+            value, _ = policy_loss(
+                logps,
+                batch["advantages"],
+                batch["completion_mask"],
+                loss_settings(section),
+                None,
+                None,
+                batch["dapo_tokens"],
+            )
+            advantages.append(batch["advantages"])
+            loss += float(value) / accumulation
+        return torch.cat(advantages), loss
+
+    with ThreadPoolExecutor(world) as pool:
+        results = list(pool.map(run, range(world)))
+    return torch.cat([a for a, _ in results]), sum(loss for _, loss in results) / world
+
+
+def test_a_group_spanning_two_ranks_gets_the_advantages_and_loss_of_one_rank(tokenizer: Any) -> None:
+    one_advantages, one_loss = _spanning_step(1, micro=4, accumulation=2, tokenizer=tokenizer)
+    two_advantages, two_loss = _spanning_step(2, micro=2, accumulation=2, tokenizer=tokenizer)
+    print(f"one rank: loss {one_loss:.6f}; two ranks: loss {two_loss:.6f}")
+    assert torch.equal(one_advantages, two_advantages) and one_advantages.abs().sum() > 0
+    assert one_loss != 0 and abs(one_loss - two_loss) <= 1e-6

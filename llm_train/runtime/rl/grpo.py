@@ -10,8 +10,9 @@ sits on the two sides of them:
   micro-batches, handed out grpo.num_iterations times (one optimizer step each).
 - `Grpo` is the objective: it scores a micro-batch by TRL's GRPO loss on the policy's log-probs.
 
-Each rank generates whole groups for its own prompts (recipe check: num_generations divides each rank's
-completions per step), so gathering the rewards keeps every group's completions consecutive.
+Every rank draws the same prompts for the whole step and writes its slice of their groups (recipe check, as
+TRL's: num_generations divides the step's completions over every rank), so a group may span ranks; gathering
+the rewards in rank order puts every group's completions back together before the advantages.
 
 Generation runs transformers' `generate` on the engine's module (the HF model, or the PEFT model with its
 adapters active), sampling at grpo.temperature / top_p / top_k, in eval mode and without gradients. Under
@@ -313,8 +314,14 @@ class Rollouts(Iterator[Batch]):
 
     def _rollout(self) -> list[Batch]:
         """One generation: this rank's prompts -> completions -> rewards (all ranks) -> the step's micro-batches."""
+        # The step's prompts for every rank (each rank draws the same); this rank writes its slice of their
+        # groups, so a group may span ranks (TRL's RepeatSampler + split by process).
         prompts = next(self.prompts)["prompts"]
-        repeated = [p for p in prompts for _ in range(self.grpo.num_generations)]
+        every = [p for p in prompts for _ in range(self.grpo.num_generations)]
+        n = self.shape.micro_batch * self.shape.accumulation
+        if len(every) != n * self.shape.dp_size:
+            raise ValueError(f"{len(every)} completions per step for {self.shape.dp_size} ranks of {n}")
+        repeated = every[self.rank * n : (self.rank + 1) * n]
         t0 = time.perf_counter()
         completions = self.generate([p.ids for p in repeated])
         t1 = time.perf_counter()

@@ -466,7 +466,7 @@ def _failures_named(reward: RewardFunction) -> Iterator[None]:
 
 
 def gather(local: torch.Tensor | UserError, comm: Collectives) -> torch.Tensor:
-    """Every rank's reward rows, in rank order (each rank's completions are whole groups, see grpo.py).
+    """Every rank's reward rows, in rank order: the step's groups back together (a group may span ranks, grpo.py).
 
     `local` is this rank's scoring error when its rewards failed (`score` raised): the gather then raises
     that one line on every rank. A rank that raised alone would leave the others waiting in this
