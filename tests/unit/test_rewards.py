@@ -338,3 +338,19 @@ def test_the_trl_documentation_reward_in_docs_rl_md_runs_unchanged(
     texts = ["<think>add</think><answer>4</answer>", "4"]
     table = score([reward], prompts, completions_as_trl(prompts, texts), [[1], [2]], {})
     assert table[:, 0].tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_refuse_a_reward_model_in_one_line(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reward model has a score head, no LM head: loaded as a causal LM it printed random text and exited 0."""
+    from llm_train import cli
+
+    path = _reward_model_dir(tmp_path / "rm")
+    capsys.readouterr()  # the save's progress bar is not the command's output
+    argv = [command, str(path), "--prompt", "Hello"] if command == "generate" else [command, str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a reward model (LlamaForSequenceClassification" in err and "kind: reward_model" in err
+    assert len(err.splitlines()) == 1
