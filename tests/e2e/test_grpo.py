@@ -99,7 +99,9 @@ def test_tiny_cpu_grpo_learns_its_reward(tmp_path: Path, overrides: tuple[str, .
         assert set(GRPO_METRICS) <= set(m), set(GRPO_METRICS) - set(m)
         assert 1 <= m["completions/mean_length"] <= m["completions/max_length"] <= 16
         assert 0 <= m["frac_reward_zero_std"] <= 1 and m["generation_tokens_per_s"] > 0
-        assert m["time_generate_s"] + m["time_score_s"] < m["step_time_s"]  # the rest is training
+        # The rest is training. Not at step 1: the times are means over ranks, and there one rank waits in the
+        # first reward gather for the other's start-up (measured: 0.67 + 0.85 s against a 1.18 s step).
+        assert m["step"] == 1 or m["time_generate_s"] + m["time_score_s"] < m["step_time_s"]
         assert "kl" not in m  # beta 0: no reference model, no KL
     # num_iterations 1: the ratio is exp(0), nothing is ever clipped.
     assert all(m["clip_ratio/region_mean"] == 0 for m in rows)
@@ -149,19 +151,18 @@ def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
     for m in whole:
         for key in ("reward", "loss", "completions/mean_length"):
             assert resumed[m["step"]][key] == m[key], (m["step"], key)
-    # The completions themselves: each step's shown ones (the resumed run's, where a step was written twice).
+    # The completions themselves: each step's shown ones, the killed run's rows past the checkpoint rewound
+    # with the metrics (they were duplicated before).
     assert _shown(tmp_path / "killed") == _shown(tmp_path / "whole")
 
 
 def _shown(run_dir: Path) -> dict[int, list[dict]]:
-    """completions.jsonl by step; a step written again by a resumed run keeps its last rows."""
+    """completions.jsonl by step, each step written once (4 rows)."""
     by_step: dict[int, list[dict]] = {}
     for line in (run_dir / "completions.jsonl").read_text().splitlines():
         row = json.loads(line)
-        rows = by_step.setdefault(row["step"], [])
-        if len(rows) == 4:  # a second writing of that step begins
-            rows.clear()
-        rows.append(row)
+        by_step.setdefault(row["step"], []).append(row)
+    assert all(len(rows) == 4 for rows in by_step.values()), {s: len(r) for s, r in by_step.items()}
     return by_step
 
 

@@ -533,3 +533,53 @@ def test_a_group_spanning_two_ranks_gets_the_advantages_and_loss_of_one_rank(tok
     print(f"one rank: loss {one_loss:.6f}; two ranks: loss {two_loss:.6f}")
     assert torch.equal(one_advantages, two_advantages) and one_advantages.abs().sum() > 0
     assert one_loss != 0 and abs(one_loss - two_loss) <= 1e-6
+
+
+def test_completions_rewind_with_the_metrics_on_resume(tmp_path: Path) -> None:
+    """After a kill the resumed run logs the steps past its checkpoint again: completions.jsonl keeps none of the
+    killed run's rows for them (they were duplicates), a partial last line included."""
+    from llm_train.runtime.checkpointing.resume import rewind_step_logs
+
+    metrics = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 7))
+    completions = "".join(
+        json.dumps({"step": s, "completion": "x"}) + "\n" for s in range(1, 7) for _ in range(4)
+    )
+    (tmp_path / "metrics.jsonl").write_text(metrics)
+    (tmp_path / "completions.jsonl").write_text(completions + '{"step": 7, "compl')
+    rewind_step_logs(tmp_path, 4)
+    for name, per_step in (("metrics.jsonl", 1), ("completions.jsonl", 4)):
+        rows = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        assert [r["step"] for r in rows] == [s for s in range(1, 5) for _ in range(per_step)], name
+
+
+@pytest.mark.parametrize(
+    ("reward", "expected"),
+    [
+        (
+            "{kind: function, function: nowhere_module:f}",
+            "grpo.rewards[0].function=nowhere_module:f: cannot import",
+        ),
+        (
+            "{kind: overlong, buffer: 20}",
+            "grpo.rewards[0].buffer=20 must be below grpo.max_completion_length=16",
+        ),
+        ("{kind: exact_match, column: answer}", "grpo.rewards[0] (exact_match) needs the field 'answer'"),
+        ("{kind: function, function: tests.unit.test_grpo:needs_solution}", "needs the field 'solution'"),
+    ],
+)
+def test_dry_run_imports_the_rewards_and_checks_their_fields(
+    reward: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dry-run` meets the rewards as a run would: imported, the overlong buffer, the fields they read."""
+    from llm_train import train
+
+    assert train.main(["--recipe", "tiny-cpu-grpo", "--dry-run", f"grpo.rewards=[{reward}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert expected in err[-1], err
+    assert train.main(["--recipe", "tiny-cpu-grpo", "--dry-run"]) == 0
+    assert "grpo.rewards[0] format: loaded, weight 1.0" in capsys.readouterr().out
+
+
+def needs_solution(completions: list[str], solution: list[str], **kwargs: Any) -> list[float]:
+    """A reward that reads a `solution` field the bundled prompts do not have."""
+    return [0.0] * len(completions)

@@ -76,6 +76,7 @@ class RewardFunction:
     label: str  # what the user wrote: the kind, or module:function
     weight: float
     call: RewardCall
+    columns: tuple[str, ...] = ()  # the prompt rows' fields it needs (checked by `check_columns`)
 
 
 def import_function(path: str, key: str) -> RewardCall:
@@ -342,7 +343,40 @@ def build_reward(spec: Reward, index: int, max_completion_length: int) -> Reward
             call = _reward_model(spec, key)
         else:
             call = _overlong(spec, max_completion_length, key)
-    return RewardFunction(spec.name or default_name, key, label, spec.weight, call)
+    columns = (spec.column,) if isinstance(spec, ExactMatchReward) else needed_columns(call)
+    return RewardFunction(spec.name or default_name, key, label, spec.weight, call, columns)
+
+
+# What every reward function receives besides the prompt rows' fields (TRL 1.16's keywords).
+PASSED = ("prompts", "completions", "completion_ids", *CONTEXT_KEYS, "environments")
+
+
+def needed_columns(call: RewardCall) -> tuple[str, ...]:
+    """The parameters a function requires that only a prompt row's field can fill (no default, not one of the
+    keywords every function receives); () when its signature cannot be read."""
+    try:
+        parameters = inspect.signature(call).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and p.name not in PASSED
+    )
+
+
+def check_columns(rewards: Sequence[RewardFunction], columns: Sequence[str]) -> None:
+    """Every field the rewards need is a field of the prompt rows, or one line naming the reward and the fields
+    there are (`--dry-run` checks it before any run; a run would stop at its first scoring)."""
+    for reward in rewards:
+        missing = [c for c in reward.columns if c not in columns]
+        if missing:
+            raise UserError(
+                f"{reward.key} ({reward.label}) needs the field '{missing[0]}' but the prompt rows have "
+                f"{', '.join(sorted(columns)) or 'no other field'}; add it to the data or name one of them"
+            )
 
 
 def load_rewards(specs: Sequence[Reward], max_completion_length: int) -> list[RewardFunction]:
