@@ -160,8 +160,9 @@ def render(report: PlanReport) -> str:
         lines.append("")
         lines.append(
             "does not fit anywhere: no combination of checkpointing, smaller micro-batch, ZeRO-3, CPU "
-            f"offload{'' if report.nvme_bytes else ' (NVMe only with --nvme-gib)'}, bf16 optimizer states and "
-            "LoRA fits this hardware; add GPUs (--gpus), use bigger cards, or more host RAM"
+            f"offload{'' if report.nvme_bytes else ' (NVMe only with --nvme-gib)'}, bf16 optimizer states, "
+            "LoRA, QLoRA (on GPUs) and, for GRPO under ZeRO-3, layer-by-layer generation fits this hardware; add "
+            "GPUs (--gpus), use bigger cards, or more host RAM"
         )
     if report.faster:
         lines.append("")
