@@ -126,11 +126,7 @@ def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
             "Ulysses splits each sequence over ranks, so no rank holds a sequence's log-prob",
         ),
     }
-    if recipe.objective == "grpo":
-        why["deepspeed.pipeline_stages"] = (
-            layout.pp,
-            "generation needs the whole model on each rank's forward, which DeepSpeed's pipeline engine never runs",
-        )
+    # objective grpo with pipeline stages: refused by the recipe itself (recipe.py), before the pipeline's rules.
     for setting, (degree, reason) in why.items():
         if degree > 1:
             raise UserError(

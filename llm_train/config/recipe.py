@@ -255,6 +255,14 @@ class Recipe(Section):
             )
         if self.memory.tiled_loss:
             raise ValueError("memory.tiled_loss applies to the token loss; remove it with objective grpo")
+        if self.deepspeed.pipeline_stages > 1:
+            # Before the layout's own rule (pipelines need ZeRO-0/1), whose fix would only lead here.
+            raise ValueError(
+                f"deepspeed.pipeline_stages={self.deepspeed.pipeline_stages}: objective grpo generates with the "
+                "whole model on each rank, which DeepSpeed's pipeline engine never runs; use ZeRO data "
+                "parallelism: deepspeed.pipeline_stages=1 with deepspeed.config=zero2 (zero3, or zero3_offload, "
+                "for a model that one GPU cannot hold)"
+            )
 
     @property
     def sequences_per_sample(self) -> int:

@@ -188,16 +188,25 @@ def test_num_generations_that_do_not_divide_the_steps_completions_are_refused() 
     assert "make optim.micro_batch_size x grad_accum x ranks a multiple of 6" in message
 
 
+@pytest.mark.parametrize("config", ["zero2", "zero1", "zero3"])
+def test_grpo_with_pipeline_stages_is_refused_naming_a_layout_that_works(config: str) -> None:
+    """It first said 'use deepspeed.config=zero1' (the pipeline's ZeRO rule), which then failed for GRPO."""
+    _refused(
+        ["deepspeed.pipeline_stages=2", f"deepspeed.config={config}"],
+        "deepspeed.pipeline_stages=2: objective grpo",
+        "deepspeed.pipeline_stages=1 with deepspeed.config=zero2",
+    )
+    # The layout it names resolves.
+    resolve_run(
+        "tiny-cpu-grpo", ["deepspeed.pipeline_stages=1", "deepspeed.config=zero2"], world_size=2, device=CPU
+    )
+
+
 def test_a_layout_that_splits_sequences_is_refused_for_grpo() -> None:
     with pytest.raises(
-        UserError, match="objective=grpo is not supported with deepspeed.pipeline_stages=2"
+        UserError, match="objective=grpo is not supported with deepspeed.sequence_parallel=2"
     ) as info:
-        resolve_run(
-            "tiny-cpu-grpo",
-            ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"],
-            world_size=2,
-            device=CPU,
-        )
+        resolve_run("tiny-cpu-grpo", ["deepspeed.sequence_parallel=2"], world_size=2, device=CPU)
     assert "train with GRPO with ZeRO data parallelism" in str(info.value)
 
 
