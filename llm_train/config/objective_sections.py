@@ -390,6 +390,18 @@ class GrpoSection(Section):
                     f"grpo.{key} is not built yet (docs/rl.md lists what is not yet); remove it (llm_train generates "
                     "once per optimizer step, keeps the initial model as the reference and has no GRPO evaluation set)"
                 )
+        if self.use_transformers_continuous_batching:
+            # transformers' continuous batching drops the logits processors it does not support
+            # (repetition_penalty among them) or runs them on its packed rows: not one of ours runs silently wrong.
+            for key, set_ in (
+                ("repetition_penalty", self.repetition_penalty != 1.0),
+                ("generation_kwargs", bool(self.generation_kwargs)),
+            ):
+                if set_:
+                    raise ValueError(
+                        f"grpo.{key} is not built yet with grpo.use_transformers_continuous_batching (its paged "
+                        f"sampler supports temperature, top_k, top_p and min_p); remove one of them"
+                    )
         if self.reward_weights is not None and self.rewards and len(self.reward_weights) != len(self.rewards):
             raise ValueError(
                 f"grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} rewards; give one "

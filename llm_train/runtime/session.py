@@ -55,6 +55,7 @@ from llm_train.runtime.export.model_dir import sample_text, verify_export, write
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model.model import load_tokenizer
+from llm_train.runtime.rl.continuous import ContinuousBatchingGeneration
 from llm_train.runtime.rl.grpo import (
     Grpo,
     HfGeneration,
@@ -365,7 +366,8 @@ def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: L
     tokenizer = data.tokenizer
     eos = stop_ids(tokenizer, getattr(ds.module, "generation_config", None))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    generation = HfGeneration(ds, layout.zero_stage == 3, grpo, pad, eos)
+    engine_class = ContinuousBatchingGeneration if grpo.use_transformers_continuous_batching else HfGeneration
+    generation = engine_class(ds, layout.zero_stage == 3, grpo, pad, eos)
     if grpo.disable_dropout:
         disable_dropout(ds.module)
 
