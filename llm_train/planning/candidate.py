@@ -149,6 +149,7 @@ def generation_of(recipe: Any) -> GenerationInputs | None:
         grpo.num_iterations,
         grpo.top_p,
         grpo.ds3_gather_for_generation,
+        "continuous batching" if grpo.use_transformers_continuous_batching else "generate",
     )
 
 

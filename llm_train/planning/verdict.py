@@ -398,7 +398,9 @@ def grpo_note(run: Resolved) -> str:
     grpo = run.recipe.grpo
     return (
         f"objective grpo: each step generates {grpo.num_generations} completions per prompt of up to "
-        f"{grpo.max_completion_length} tokens, a rank's whole step in one generate call: its key-value cache, "
+        f"{grpo.max_completion_length} tokens, a rank's whole step in one "
+        f"{'continuous-batching generate_batch' if grpo.use_transformers_continuous_batching else 'generate'} "
+        "call: its key-value cache, "
         "prefill, sampling"
         + (
             (

@@ -176,3 +176,15 @@ def test_the_fix_search_tries_layer_by_layer_generation_under_zero3() -> None:
     assert layered and all("lora.rank" not in " ".join(f.overrides) for f in layered[:1])
     again = plan_recipe("8b-grpo-zero3", layered[0].overrides, **hardware)  # type: ignore[arg-type]
     assert again.evaluation.fits
+
+
+def test_the_plan_names_the_generation_engine() -> None:
+    engines = {}
+    for flag in ("false", "true"):
+        report = plan_recipe(
+            "8b-grpo-lora-rtx4090", [f"grpo.use_transformers_continuous_batching={flag}"], detect=False
+        )
+        engines[flag] = (render(report), report.evaluation.inputs.generation)
+    assert "one generate call" in engines["false"][0]
+    assert "one continuous-batching generate_batch call" in engines["true"][0]
+    assert engines["true"][1] is not None and engines["true"][1].engine == "continuous batching"
