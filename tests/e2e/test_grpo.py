@@ -186,7 +186,8 @@ def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_with_its_one
     assert result.returncode == 2, result.stderr[-3000:]
     assert errors == [
         "llm-train: error: grpo.rewards[0] (one_rank_rewards:boom) raised ValueError: no answer column; fix the "
-        "function (it is called with prompts, completions, completion_ids and the prompt rows' fields as keywords)"
+        "function (it is called as TRL calls one: prompts, completions, completion_ids, the prompt rows' fields, "
+        "trainer_state, log_metric and log_extra, as keywords)"
     ], result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
