@@ -229,3 +229,49 @@ def test_a_generation_no_function_scores_says_so() -> None:
 def test_trainer_state_has_trls_attribute_names() -> None:
     state = RewardContext.at_step(3, 10).trainer_state
     assert isinstance(state, TrainerState) and (state.global_step, state.max_steps) == (3, 10)
+
+
+def test_the_generation_options_are_trls() -> None:
+    """Sampling options, generation_kwargs and stop ids: our generate call's keywords against the GenerationConfig
+    TRL's trainer builds from the same options (grpo_trainer.py __init__)."""
+    from datasets import Dataset
+
+    from llm_train.runtime.rl.grpo import sampling_options, stop_ids
+
+    options = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1}
+    extra = {"no_repeat_ngram_size": 3, "top_k": 7}  # generation_kwargs override the options, in both
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    model = tiny_llama(len(tokenizer), max_position_embeddings=128)
+    model.generation_config.eos_token_id = [9, tokenizer.eos_token_id, 11]  # an end-of-turn list
+    args = GRPOConfig(
+        output_dir="/tmp/llm_train-test-grpo-options",
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=COMPLETION,
+        generation_kwargs=extra,
+        **options,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=FUNCTIONS[:1],
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    grpo = GrpoSection(
+        max_completion_length=COMPLETION,
+        generation_kwargs=extra,
+        rewards=[parse_reward({"kind": "format", "pattern": "x"}, "r")],
+        **options,
+    )
+    eos = stop_ids(tokenizer, model.generation_config)
+    ours = sampling_options(grpo, tokenizer.pad_token_id, eos)
+    theirs = trainer.generation_config
+    assert eos == trainer.eos_token_ids == [9, tokenizer.eos_token_id, 11]
+    for key, value in ours.items():
+        assert getattr(theirs, key) == value, (key, value, getattr(theirs, key))
+    assert ours["top_k"] == 7 and ours["no_repeat_ngram_size"] == 3

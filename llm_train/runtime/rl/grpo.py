@@ -486,11 +486,12 @@ def stop_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Any = None) 
     """What ends a completion: the tokenizer's EOS and every id of the model's `generation_config.eos_token_id`
     (an int or a list: chat models whose end-of-turn token is not the tokenizer's EOS list it there, and
     `generate` stops at any of them, as TRL's generation does)."""
-    ids = _eos_ids(tokenizer)
+    # TRL 1.16's order (GRPOTrainer.__init__): the model's ids, the tokenizer's EOS first when they lack it.
     configured = getattr(generation_config, "eos_token_id", None)
-    for extra in [configured] if isinstance(configured, int) else list(configured or []):
-        if extra not in ids:
-            ids.append(int(extra))
+    ids = [int(i) for i in ([configured] if isinstance(configured, int) else list(configured or []))]
+    for eos in reversed(_eos_ids(tokenizer)):
+        if eos not in ids:
+            ids.insert(0, eos)
     if not ids:
         raise UserError(
             "the tokenizer has no eos token and the model's generation_config none; GRPO needs one to stop"
