@@ -275,3 +275,23 @@ def test_the_generation_options_are_trls() -> None:
     for key, value in ours.items():
         assert getattr(theirs, key) == value, (key, value, getattr(theirs, key))
     assert ours["top_k"] == 7 and ours["no_repeat_ngram_size"] == 3
+
+
+def test_every_trl_option_we_take_has_trls_name_and_default() -> None:
+    """Each grpo key that GRPOConfig also has defaults to TRL 1.16's value (its dataclass default, before its
+    __post_init__ fills generation_batch_size / steps_per_generation from the batch), and scale_rewards'
+    booleans map as TRL maps them."""
+    import dataclasses
+
+    theirs = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    ours = GrpoSection().model_dump()
+    shared = sorted(set(ours) & set(theirs))
+    assert len(shared) >= 30, shared  # every option of the recipe's grpo section but `rewards`
+    assert set(ours) - set(shared) == {"rewards"}, set(ours) - set(shared)
+    differ = {k: (ours[k], theirs[k]) for k in shared if ours[k] != theirs[k]}
+    assert not differ, differ
+    for value in (True, False):
+        trl = GRPOConfig(
+            output_dir="/tmp/llm_train-test-grpo-scale", use_cpu=True, report_to=[], scale_rewards=value
+        )
+        assert GrpoSection(scale_rewards=value).scale_rewards == trl.scale_rewards
