@@ -284,6 +284,10 @@ def run_consumer(case: Consumer, ctx: Context) -> dict[str, Any]:
     )
     if rows and "generation_tokens_per_s" in rows[0]:
         record.update(generation_split(rows[1:] or rows))
+        # Which engine wrote the completions (runtime/rl/: generate, or continuous batching when the case's
+        # overrides set grpo.use_transformers_continuous_batching): the tokens/s above are that engine's.
+        batching = "grpo.use_transformers_continuous_batching=true" in overrides
+        record["generation_engine"] = "continuous batching" if batching else "generate"
         # Recorded, not judged: the planner's generation time is a rough model this line is there to measure.
         if record.get("est_time_generate_s") and record["time_generate_s"]:
             record["time_generate_over_estimate"] = record["time_generate_s"] / record["est_time_generate_s"]
@@ -308,7 +312,7 @@ def generation_split(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "time_generate_s": median(rows, "time_generate_s"),
         "time_score_s": median(rows, "time_score_s"),
         "generation_share": statistics.median(r["time_generate_s"] / r["step_time_s"] for r in rows),
-        "completion_length_mean": median(rows, "completion_length_mean"),
+        "completion_length_mean": median(rows, "completions/mean_length"),  # TRL's name since issue 51
     }
 
 

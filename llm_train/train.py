@@ -19,7 +19,9 @@ from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
 from llm_train.config.gpu_evidence import unverified_line
 from llm_train.config.hardware import Device, gpus_without_p2p
+from llm_train.config.recipe import Recipe
 from llm_train.config.resolution import Resolved, resolve_run
+from llm_train.data.prompts import load_prompts
 from llm_train.data.volume import planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.profiling import parse_range
@@ -41,7 +43,7 @@ from llm_train.runtime.model.fast import check_attention_kernel, disable_nccl_p2
 from llm_train.runtime.model.model import load_tokenizer
 from llm_train.runtime.model.optim import check_optimizer_package
 from llm_train.runtime.model.quantized_base import check_bitsandbytes, check_staged_quantizer
-from llm_train.runtime.rl.rewards import load_rewards
+from llm_train.runtime.rl.rewards import check_columns, load_rewards
 from llm_train.runtime.rundir import check_output_dir
 from llm_train.runtime.session import RunOptions, run_training
 
@@ -179,11 +181,29 @@ def print_dry_run(run: Resolved) -> None:
         grpo = recipe.grpo
         prompts = run.layout.global_batch_size // grpo.num_generations
         print(f"  {prompts} prompts per step, {grpo.num_generations} completions each (objective grpo)")
+        print_reward_check(recipe)
         return
     line = planned_volume(
         recipe.data, recipe.optim, run.layout, lambda: load_tokenizer(recipe.model), lambda m: print(f"  {m}")
     )
     print(f"  {line}")
+
+
+def print_reward_check(recipe: Recipe) -> None:
+    """GRPO's rewards as a run would meet them: each imported (or loaded), an overlong buffer below
+    max_completion_length, and every field they need present in the prompt rows; one line if not."""
+    grpo = recipe.grpo
+    rewards = load_rewards(grpo.rewards, grpo.max_completion_length)
+    room = recipe.data.seq_len - grpo.max_completion_length
+    parts = load_prompts(
+        recipe.data, load_tokenizer(recipe.model), room, lambda m: print(f"  {m}"), grpo.chat_template_kwargs
+    )
+    fields = sorted({k for part in parts for p in part[:1] for k in p.columns})
+    check_columns(rewards, fields)
+    print("# rewards")
+    for reward in rewards:
+        needs = f", reads {', '.join(reward.columns)}" if reward.columns else ""
+        print(f"  {reward.key} {reward.label}: loaded{needs}, weight {reward.weight}")
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:

@@ -65,7 +65,13 @@ def _show_prompts(recipe: Any, tokenizer: Any, n: int) -> None:
     print(
         f"data for recipe {recipe.name}: prompts of at most {room} tokens (objective grpo; nothing to prepare)"
     )
-    parts = load_prompts(recipe.data, tokenizer, room, say=lambda m: print(f"  {m}"))
+    parts = load_prompts(
+        recipe.data,
+        tokenizer,
+        room,
+        say=lambda m: print(f"  {m}"),
+        template_kwargs=recipe.grpo.chat_template_kwargs,
+    )
     for prompt in [p for part in parts for p in part][: max(0, n)]:
         print(
             f"\n{tokenizer.decode(prompt.ids)!r} ({len(prompt.ids)} tokens), fields for rewards: {prompt.columns}"

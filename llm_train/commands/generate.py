@@ -136,6 +136,21 @@ def _sampling(args: argparse.Namespace) -> Sampling:
     )
 
 
+def refuse_reward_model(model_dir: Path) -> None:
+    """A reward model (objective reward's export: a sequence classifier) has a score head, not a language-model
+    head: loaded as a causal LM its head would be new random weights and it would print random text."""
+    import json
+
+    config = model_dir / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        raise UserError(
+            f"{model_dir} is a reward model ({architectures[0]}: one score per text, no language-model head), so it "
+            "cannot generate; give a language model's export, or use this one as a GRPO reward "
+            f"(grpo.rewards: [{{kind: reward_model, path: {model_dir}}}])"
+        )
+
+
 class Generator:
     """A loaded model and tokenizer, and the sampling options every answer uses."""
 
@@ -150,6 +165,7 @@ class Generator:
     def load(cls, args: argparse.Namespace) -> Generator:
         quiet(verbose=False)  # transformers' load progress bars and advisories stay out of the text
         source = resolve_source(Path(args.model), lambda m: print(m, file=sys.stderr))
+        refuse_reward_model(source.model_dir)
         tokenizer = load_tokenizer(source)
         image_text = is_image_text_dir(source.model_dir)
         if args.image and not image_text and not source.adapter:

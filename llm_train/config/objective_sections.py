@@ -7,6 +7,7 @@ tagged mappings (`kind:`), each parsed by its class so that a mistake names `grp
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -55,6 +56,7 @@ class RewardSection(Section):
 
     margin: float = Field(
         0.0,
+        allow_inf_nan=False,
         description="Margin m in -log sigmoid(r_chosen - r_rejected - m): how much higher the chosen answer must "
         "score before a pair stops contributing; one constant for every pair (the preference format has no "
         "per-pair margin column).",
@@ -62,6 +64,7 @@ class RewardSection(Section):
     center_rewards_coefficient: float | None = Field(
         None,
         gt=0,
+        allow_inf_nan=False,
         description="Adds this times mean((r_chosen + r_rejected)^2) to the loss, which keeps the rewards centred "
         "on 0 (the pairwise loss only fixes their differences); Eisenstein et al. 2023 use 0.01. None = off.",
     )
@@ -69,7 +72,10 @@ class RewardSection(Section):
 
 class _RewardFields(Section):
     weight: float = Field(
-        1.0, description="This reward's weight in the sum the advantages are computed from."
+        1.0,
+        allow_inf_nan=False,
+        description="This reward's weight in the sum the advantages are computed from (grpo.reward_weights, TRL's "
+        "list, overrides it).",
     )
     name: str | None = Field(
         None,
@@ -189,21 +195,56 @@ def parse_reward(item: Any, where: str) -> Any:
 class GrpoSection(Section):
     """Online RL with GRPO (objective grpo; runtime/rl/grpo.py): each step the model writes num_generations
     completions per prompt, the rewards score them, and the loss is TRL's GRPO loss (runtime/loss/grpo.py).
-    optim.micro_batch_size counts completions; each rank's completions per step form whole groups."""
+    optim.micro_batch_size counts completions; the step's completions over every rank form whole groups (a group may
+    span ranks, as in TRL)."""
 
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group G).")
-    max_completion_length: int = Field(256, ge=1, description="Most tokens a completion may have.")
+    max_completion_length: int = Field(
+        512, ge=1, description="Most tokens a completion may have (TRL's default, 512)."
+    )
     temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature (the log-probs are taken at it too)."
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Sampling temperature (the log-probs are taken at it too).",
     )
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens of this mass."
     )
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens; 0 = no limit.")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Keep tokens at least min_p times as likely as the likeliest one; None = off (TRL's default).",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Divides the logits of tokens already in the prompt or completion (>1 discourages repeats); 1 = off.",
+    )
+    generation_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="More keyword arguments of transformers' GenerationConfig for the rollouts (TRL's option): they "
+        "override the sampling options above.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Extra variables for the chat template when conversational prompts are rendered, e.g. "
+        "{enable_thinking: false} (TRL's option).",
+    )
+    use_transformers_continuous_batching: bool = Field(
+        False,
+        description="Generate the rollouts with transformers' continuous batching (generate_batch, paged attention) "
+        "instead of generate over left-padded batches; TRL's option of the same name.",
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
         "dapo",
-        description="How token losses are averaged: grpo (per completion, then over completions), bnpo (per "
-        "micro-batch token), dr_grpo (sum / (completions x max_completion_length)), dapo (per token of the step).",
+        description="How token losses are formed and averaged (TRL 1.16's loss types; runtime/loss/grpo.py): grpo (per "
+        "completion, then over completions), bnpo (per micro-batch token), dr_grpo (sum / (completions x "
+        "max_completion_length)), dapo (per token of the step), luspo (sum per completion), cispo (clipped "
+        "importance weight on the gradient), sapo (soft, sigmoid-gated clip), vespo (gamma-weighted sequences).",
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", description="'token': a ratio per token (GRPO); 'sequence': one per completion (GSPO)."
@@ -212,11 +253,37 @@ class GrpoSection(Section):
     epsilon_high: float | None = Field(
         None,
         gt=0,
-        description="Upper clip: 1 + epsilon_high (DAPO's clip-higher uses 0.28); default epsilon.",
+        allow_inf_nan=False,
+        description="Upper clip: 1 + epsilon_high (DAPO's clip-higher uses 0.28); default epsilon. loss_type cispo "
+        "caps the ratio at epsilon_high itself (TRL).",
+    )
+    delta: float | None = Field(
+        None,
+        gt=1,
+        allow_inf_nan=False,
+        description="Two-sided clipping: the ratio is also capped at delta (TRL recommends > 1 + epsilon); None = off.",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="loss_type sapo: gate temperature for positive advantages.",
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, allow_inf_nan=False, description="loss_type sapo: gate temperature for other advantages."
+    )
+    vespo_k_pos: float = Field(2.0, ge=0, allow_inf_nan=False, description="loss_type vespo: k for A >= 0.")
+    vespo_lambda_pos: float = Field(
+        3.0, ge=0, allow_inf_nan=False, description="loss_type vespo: lambda, A >= 0."
+    )
+    vespo_k_neg: float = Field(3.0, ge=0, allow_inf_nan=False, description="loss_type vespo: k for A < 0.")
+    vespo_lambda_neg: float = Field(
+        2.0, ge=0, allow_inf_nan=False, description="loss_type vespo: lambda, A < 0."
     )
     beta: float = Field(
         0.0,
         ge=0,
+        allow_inf_nan=False,
         description="Weight of the k3 KL to the initial model; 0 = no reference model (TRL's default).",
     )
     num_iterations: int = Field(
@@ -229,7 +296,39 @@ class GrpoSection(Section):
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
-        description="Divide advantages by the group's reward std (group), the batch's (batch), or not (none: Dr. GRPO).",
+        description="Divide advantages by the group's reward std (group, or true), the batch's (batch), or not "
+        "(none, or false: Dr. GRPO); TRL's values.",
+    )
+    reward_weights: list[float] | None = Field(
+        None,
+        description="TRL's list of weights, one per grpo.rewards entry in order; overrides each reward's weight.",
+    )
+    disable_dropout: bool = Field(
+        False, description="Set every dropout of the model to 0 for training and generation (TRL's option)."
+    )
+    log_completions: bool = Field(
+        False,
+        description="Log a few completions of each logged generation with their rewards to completions.jsonl "
+        "(and W&B's table), and print num_completions_to_print of them; TRL's option.",
+    )
+    num_completions_to_print: int | None = Field(
+        None,
+        ge=0,
+        description="With log_completions: how many of the logged completions to print on screen; None = all logged.",
+    )
+    generation_batch_size: int | None = Field(
+        None, ge=1, description="Not yet built (docs/rl.md): one generation per optimizer step."
+    )
+    steps_per_generation: int | None = Field(
+        None, ge=1, description="Not yet built (docs/rl.md): one generation per optimizer step."
+    )
+    sync_ref_model: bool = Field(
+        False, description="Not yet built (docs/rl.md): the reference stays the initial model."
+    )
+    ref_model_mixup_alpha: float = Field(0.6, description="Not yet built: read with sync_ref_model only.")
+    ref_model_sync_steps: int = Field(512, description="Not yet built: read with sync_ref_model only.")
+    num_generations_eval: int | None = Field(
+        None, ge=1, description="Not yet built (docs/rl.md): objective grpo has no evaluation set yet."
     )
     ds3_gather_for_generation: bool = Field(
         True,
@@ -255,3 +354,57 @@ class GrpoSection(Section):
                 "rewards": [parse_reward(r, f"grpo.rewards[{i}]") for i, r in enumerate(values["rewards"])],
             }
         return values
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_booleans(cls, value: Any) -> Any:
+        # TRL accepts booleans: true is 'group', false is 'none' (GRPOConfig.scale_rewards).
+        if value is True:
+            return "group"
+        if value is False:
+            return "none"
+        return value
+
+    @field_validator("reward_weights")
+    @classmethod
+    def _finite_weights(cls, weights: list[float] | None) -> list[float] | None:
+        for i, w in enumerate(weights or []):
+            if not math.isfinite(w):
+                raise ValueError(f"grpo.reward_weights[{i}]={w} is not a finite number; give finite weights")
+        return weights
+
+    @model_validator(mode="after")
+    def _not_yet_and_consistent(self) -> GrpoSection:
+        """TRL options llm_train does not build yet (docs/rl.md, "Not yet"): refused in one line, never ignored."""
+        not_yet = {
+            "generation_batch_size": self.generation_batch_size is not None,
+            "steps_per_generation": self.steps_per_generation is not None,
+            "sync_ref_model": self.sync_ref_model,
+            "ref_model_mixup_alpha": self.ref_model_mixup_alpha != 0.6,
+            "ref_model_sync_steps": self.ref_model_sync_steps != 512,
+            "num_generations_eval": self.num_generations_eval is not None,
+        }
+        for key, set_ in not_yet.items():
+            if set_:
+                raise ValueError(
+                    f"grpo.{key} is not built yet (docs/rl.md lists what is not yet); remove it (llm_train generates "
+                    "once per optimizer step, keeps the initial model as the reference and has no GRPO evaluation set)"
+                )
+        if self.use_transformers_continuous_batching:
+            # transformers' continuous batching drops the logits processors it does not support
+            # (repetition_penalty among them) or runs them on its packed rows: not one of ours runs silently wrong.
+            for key, set_ in (
+                ("repetition_penalty", self.repetition_penalty != 1.0),
+                ("generation_kwargs", bool(self.generation_kwargs)),
+            ):
+                if set_:
+                    raise ValueError(
+                        f"grpo.{key} is not built yet with grpo.use_transformers_continuous_batching (its paged "
+                        f"sampler supports temperature, top_k, top_p and min_p); remove one of them"
+                    )
+        if self.reward_weights is not None and self.rewards and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} rewards; give one "
+                "per grpo.rewards entry, or set each reward's weight instead"
+            )
+        return self

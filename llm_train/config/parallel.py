@@ -15,7 +15,7 @@ TP + ZeRO-1 and PP + ZeRO-1; TP with ZeRO-0/2, ZeRO-3 from scratch and PP with Z
     through Accelerate's ParallelismConfig (tests/e2e/test_sequence_parallel.py: losses and gradient
     norms against sp=1 within 1e-5, ZeRO-3 and ZeRO-2)
   preference objectives (dpo, simpo) with ZeRO data parallelism only: each rank scores whole sequences
-  grpo likewise, with each rank's completions per step whole groups of grpo.num_generations
+  grpo likewise, with the step's completions over every rank whole groups of grpo.num_generations
 """
 
 from __future__ import annotations
@@ -136,11 +136,7 @@ def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
             "Ulysses splits each sequence over ranks, so no rank holds a sequence's log-prob",
         ),
     }
-    if recipe.objective == "grpo":
-        why["deepspeed.pipeline_stages"] = (
-            layout.pp,
-            "generation needs the whole model on each rank's forward, which DeepSpeed's pipeline engine never runs",
-        )
+    # objective grpo with pipeline stages: refused by the recipe itself (recipe.py), before the pipeline's rules.
     for setting, (degree, reason) in why.items():
         if degree > 1:
             raise UserError(
@@ -149,13 +145,15 @@ def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
                 "(ZeRO-0..3, offload, LoRA)"
             )
     if recipe.objective == "grpo":
-        per_rank = layout.micro_batch_size * layout.grad_accum
+        # TRL's rule: the step's completions over every rank form whole groups; a group may span ranks
+        # (runtime/rl/grpo.py gathers the rewards before the advantages).
+        total = layout.micro_batch_size * layout.grad_accum * layout.dp
         generations = recipe.grpo.num_generations
-        if per_rank % generations:
+        if total % generations:
             raise UserError(
-                f"grpo.num_generations={generations} does not divide each rank's completions per step (micro batch "
-                f"{layout.micro_batch_size} x accumulation {layout.grad_accum} = {per_rank}): a prompt's group is "
-                f"generated on one rank; make optim.micro_batch_size x grad_accum a multiple of {generations}"
+                f"grpo.num_generations={generations} does not divide the step's completions (micro batch "
+                f"{layout.micro_batch_size} x accumulation {layout.grad_accum} x {layout.dp} data-parallel ranks = "
+                f"{total}); make optim.micro_batch_size x grad_accum x ranks a multiple of {generations}"
             )
 
 

@@ -216,6 +216,13 @@ class Recipe(Section):
                 f"preference.{changed[0]} is set but objective is grpo; remove the preference section (grpo.beta "
                 "weighs the KL to the initial model)"
             )
+        changed = [k for k, v in RewardSection().model_dump().items() if getattr(self.reward, k) != v]
+        if changed:
+            raise ValueError(
+                f"reward.{changed[0]} is set but objective is grpo; the reward section trains a reward model "
+                "(objective reward): remove it, and score GRPO's completions with grpo.rewards (a trained one: "
+                "{kind: reward_model, path: ...})"
+            )
         for split in ("train", "eval"):
             for i, source in enumerate(self.data.sources(split)):
                 if split == "eval":
@@ -248,6 +255,14 @@ class Recipe(Section):
             )
         if self.memory.tiled_loss:
             raise ValueError("memory.tiled_loss applies to the token loss; remove it with objective grpo")
+        if self.deepspeed.pipeline_stages > 1:
+            # Before the layout's own rule (pipelines need ZeRO-0/1), whose fix would only lead here.
+            raise ValueError(
+                f"deepspeed.pipeline_stages={self.deepspeed.pipeline_stages}: objective grpo generates with the "
+                "whole model on each rank, which DeepSpeed's pipeline engine never runs; use ZeRO data "
+                "parallelism: deepspeed.pipeline_stages=1 with deepspeed.config=zero2 (zero3, or zero3_offload, "
+                "for a model that one GPU cannot hold)"
+            )
 
     @property
     def sequences_per_sample(self) -> int:

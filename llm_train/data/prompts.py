@@ -45,7 +45,11 @@ class Prompt:
 
 
 def load_prompts(
-    data: DataSection, tokenizer: PreTrainedTokenizerBase, room: int, say: Callable[[str], None]
+    data: DataSection,
+    tokenizer: PreTrainedTokenizerBase,
+    room: int,
+    say: Callable[[str], None],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[list[Prompt]]:
     """Every data.train source's prompts of at most `room` tokens (data.seq_len - grpo.max_completion_length)."""
     template = None
@@ -62,7 +66,7 @@ def load_prompts(
         prompts, dropped = [], 0
         for r, row in enumerate(rows):
             value = row[source.prompt_field]
-            ids = render_prompt(value, source, tokenizer, template, key, r)
+            ids = render_prompt(value, source, tokenizer, template, key, r, template_kwargs)
             if len(ids) > room:
                 if source.overlong == "error":
                     raise UserError(
@@ -134,9 +138,10 @@ def prompt_stream(
     dp_size: int,
     seed: int,
     say: Callable[[str], None],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Batches:
     """This rank's batches of `prompts_per_step` prompts, one per generation, dealt like any training data."""
-    parts = load_prompts(data, tokenizer, room, say)
+    parts = load_prompts(data, tokenizer, room, say, template_kwargs)
     weights = [s.weight for s in data.sources("train")]
     sequences = PromptSequences(parts, weights, seed)
     return Batches(sequences, prompts_per_step, dp_rank, dp_size, workers=0, pin_memory=False)

@@ -46,6 +46,8 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, Any], eta_s: flo
         parts.append(f"grad {metrics['grad_norm']:.3f}")
     if "reward_accuracy" in metrics:  # a preference objective (DPO, SimPO)
         parts.append(f"acc {metrics['reward_accuracy']:.2f} margin {metrics['reward_margin']:+.3f}")
+    if "reward" in metrics:  # GRPO: the weighted reward, and each function's mean when there are several
+        parts.append(reward_part(metrics))
     if "tokens_per_s" in metrics:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     if "mfu" in metrics:
@@ -57,6 +59,19 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, Any], eta_s: flo
     if eta_s is not None:
         parts.append(f"eta {duration(eta_s)}")
     return " | ".join(parts)
+
+
+def reward_part(metrics: dict[str, Any]) -> str:
+    """`reward 0.750` or `reward 1.250 (format 0.500, correct 0.750)`: TRL's `reward` and `rewards/<name>/mean`."""
+    each = {
+        key[len("rewards/") : -len("/mean")]: value
+        for key, value in metrics.items()
+        if key.startswith("rewards/") and key.endswith("/mean")
+    }
+    said = f"reward {metrics['reward']:.3f}"
+    if len(each) > 1:
+        said += " (" + ", ".join(f"{name} {value:.3f}" for name, value in each.items()) + ")"
+    return said
 
 
 def bench_line(step: int, measured: dict[str, float]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -156,7 +157,64 @@ def plot_runs(runs: list[RunMetrics], out: Path) -> list[Path]:
                 )
     ax.set_title("memory (rank 0)")
     save(fig, ax, "memory", "GiB")
+    if any(run.series("reward")[0] for run in runs):
+        _plot_rl(runs, plt, colors, save)
     return written
+
+
+# GRPO's plots beside the reward (TRL's metric names, runtime/rl/): (file, title, keys, y label).
+RL_PLOTS = [
+    (
+        "completion_length",
+        "completion length",
+        ["completions/mean_length", "completions/max_length"],
+        "tokens",
+    ),
+    ("kl", "KL to the reference", ["kl"], "k3 KL"),
+    (
+        "clip_ratio",
+        "clip ratio",
+        ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"],
+        "fraction",
+    ),
+    ("entropy", "policy entropy", ["entropy"], "nats"),
+]
+
+
+def _plot_rl(runs: list[RunMetrics], plt: Any, colors: list[str], save: Callable[..., None]) -> None:
+    """GRPO runs: the reward (the weighted sum, and each function's mean dashed), then RL_PLOTS' metrics
+    that some run logged (kl only with grpo.beta > 0)."""
+    styles = ["--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, run in enumerate(runs):
+        color = colors[i % len(colors)]
+        ax.plot(*run.series("reward"), color=color, label=f"{run.label} reward")
+        names = sorted(
+            {k for row in run.train for k in row if k.startswith("rewards/") and k.endswith("/mean")}
+        )
+        for j, key in enumerate(names):
+            name = key[len("rewards/") : -len("/mean")]
+            ax.plot(*run.series(key), color=color, linestyle=styles[j % 3], label=f"{run.label} {name}")
+    ax.set_title("reward (mean over the step's completions)")
+    save(fig, ax, "reward", "reward")
+    for name, title, keys, ylabel in RL_PLOTS:
+        if not any(run.series(key)[0] for run in runs for key in keys):
+            continue
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for i, run in enumerate(runs):
+            for j, key in enumerate(keys):
+                steps, values = run.series(key)
+                if steps:
+                    label = run.label if len(keys) == 1 else f"{run.label} {key.rpartition('/')[2]}"
+                    ax.plot(
+                        steps,
+                        values,
+                        color=colors[i % len(colors)],
+                        linestyle=["-", *styles][j % 4],
+                        label=label,
+                    )
+        ax.set_title(title)
+        save(fig, ax, name, ylabel)
 
 
 def _fmt(value: float | None, spec: str) -> str:

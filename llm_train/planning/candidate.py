@@ -70,6 +70,9 @@ TYPICAL_COST = {
     "bf16_states": "halves the offloaded optimizer's host RAM, but rounds away small updates (measured: eval loss +0.14 "
     "at lr 1e-5, bench/results/bf16-states-quality-*.txt)",
     # Changes that spend spare memory on speed (offered when the recipe already fits).
+    "qlora": "a 4-bit NF4 base under the adapters (QLoRA: a different fine-tune); dequantised every forward, "
+    "~+20-40% compute",
+    "layer_gather": "GRPO's generation gathers each ZeRO-3 layer again for every new token: far slower generation",
     "no_checkpointing": "no recompute in backward",
     "bigger_micro_batch": "fewer, larger micro-batches (and fewer weight fetches under offload)",
     "less_offload": "less partitioning / offload traffic",
@@ -146,6 +149,7 @@ def generation_of(recipe: Any) -> GenerationInputs | None:
         grpo.num_iterations,
         grpo.top_p,
         grpo.ds3_gather_for_generation,
+        "continuous batching" if grpo.use_transformers_continuous_batching else "generate",
     )
 
 

@@ -74,6 +74,11 @@ class GenerationInputs:
     gather_whole: bool = True
     """grpo.ds3_gather_for_generation (ZeRO-3): the whole model gathered once per call, else each layer gathered
     by ZeRO-3's hooks as each forward of the call (the prefill and every decode step) reaches it."""
+    engine: str = "generate"
+    """'generate' or 'continuous batching' (grpo.use_transformers_continuous_batching, runtime/rl/continuous.py).
+    Counted alike: its paged cache is sized for every prompt and its whole completion (the same bound as the
+    DynamicCache here, rounded up to 32-token pages), and its decode steps read the same weights; it saves the
+    padding of uneven prompts and the steps after a completion ends, which this bound does not credit."""
 
     def prompt_tokens(self, seq_len: int) -> int:
         """The longest prompt a row may have (data/prompts.py drops or refuses longer ones)."""

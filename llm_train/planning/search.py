@@ -24,6 +24,7 @@ IMPRACTICAL_TOKENS_PER_S tokens per second. Both thresholds are far outside the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ class Fix:
     @property
     def changes_training(self) -> bool:
         # bf16 optimizer states train measurably worse (bench/results/bf16-states-quality-*.txt).
-        return bool(self.kinds & {"lora", "bf16_states"})
+        return bool(self.kinds & {"lora", "qlora", "bf16_states"})
 
 
 # The ALST memory switches: MemoryInputs field (= the recipe's memory.<name>), change kind, words.
@@ -176,6 +177,17 @@ def describe_changes(
     if new.lora_rank and not base.lora_rank:
         changes.append(Change("lora", f"LoRA rank {new.lora_rank} instead of a full fine-tune"))
         overrides.append(f"lora.rank={new.lora_rank}")
+    if new.quantize != base.quantize:
+        changes.append(Change("qlora", f"QLoRA: the base quantised to 4-bit {new.quantize.upper()}"))
+        overrides.append(f"lora.quantize={new.quantize}")
+    old_gather = base.generation.gather_whole if base.generation else True
+    if new.generation is not None and new.generation.gather_whole != old_gather:
+        changes.append(
+            Change(
+                "layer_gather", "generation gathers the ZeRO-3 weights layer by layer, not the whole model"
+            )
+        )
+        overrides.append("grpo.ds3_gather_for_generation=false")
     return changes, overrides
 
 
@@ -210,6 +222,8 @@ def _variants(
     lora: list[int | None],
     states: list[str],
     long_context: list[tuple[int, bool, bool, bool]] | None = None,
+    quantize: list[str] | None = None,
+    gather: list[bool] | None = None,
 ) -> Iterator[MemoryInputs]:
     """Every combination of the knobs that the layout rules accept, same global batch (sequences per step).
 
@@ -217,9 +231,19 @@ def _variants(
     """
     global_batch = start.layout.global_batch_size
     options = long_context or [start.long_context]
-    for ckpt, mb, mode, rank, state, (sp, tiled_mlp, tiled_loss, offload_ckpt) in itertools.product(
-        checkpointing, micro, modes, lora, states, options
+    generation = start.generation
+    for ckpt, mb, mode, rank, state, (
+        sp,
+        tiled_mlp,
+        tiled_loss,
+        offload_ckpt,
+    ), quant, whole in itertools.product(
+        checkpointing, micro, modes, lora, states, options, quantize or [start.quantize], gather or [True]
     ):
+        if quant != start.quantize and not rank:
+            continue  # a quantised base trains adapters only (QLoRA)
+        if (generation is None or mode[0] != 3) and not whole:
+            continue  # layer-by-layer gathering is a ZeRO-3 generation's option
         dp = start.world_size // (start.tp * start.pp * sp)
         if dp < 1 or global_batch % (mb * dp):
             continue  # this micro-batch cannot make the same global batch with this many dp ranks
@@ -246,6 +270,12 @@ def _variants(
                 tiled_loss=tiled_loss,
                 offload_checkpoints=offload_ckpt,
                 zero_init=None,  # follows the stage
+                **({"quantize": quant} if quant != start.quantize else {}),
+                **(
+                    {"generation": dataclasses.replace(generation, gather_whole=whole)}
+                    if generation is not None and mode[0] == 3
+                    else {}
+                ),
             )
         except MemoryInputError:
             continue  # a combination the layout or sequence-parallel rules refuse
@@ -327,10 +357,19 @@ def search(
         ]
         lora = [start.lora_rank] + ([SUGGESTED_LORA_RANK] if start.lora_rank is None else [])
     modes = _memory_modes(start, hw.kind, saving_only=not faster)
+    # To make it fit, also a 4-bit base under the adapters (QLoRA) on a GPU, and a GRPO run's ZeRO-3 generation
+    # gathering layer by layer (grpo.ds3_gather_for_generation=false) when it gathers the whole model.
+    quantize = [start.quantize] + (
+        ["nf4"] if not faster and start.quantize == "none" and hw.kind == "cuda" else []
+    )
+    gather = [True] + ([False] if not faster and start.generation and start.generation.gather_whole else [])
 
     def fitting(long_context: list[tuple[int, bool, bool, bool]]) -> list[Fix]:
         out = []
-        for candidate in _variants(start, checkpointing, micro, modes, lora, _states(start), long_context):
+        variants = _variants(
+            start, checkpointing, micro, modes, lora, _states(start), long_context, quantize, gather
+        )
+        for candidate in variants:
             if candidate.knobs == start.knobs:
                 continue
             ev = evaluate(candidate, hw, nvme_bytes)

@@ -160,8 +160,9 @@ def render(report: PlanReport) -> str:
         lines.append("")
         lines.append(
             "does not fit anywhere: no combination of checkpointing, smaller micro-batch, ZeRO-3, CPU "
-            f"offload{'' if report.nvme_bytes else ' (NVMe only with --nvme-gib)'}, bf16 optimizer states and "
-            "LoRA fits this hardware; add GPUs (--gpus), use bigger cards, or more host RAM"
+            f"offload{'' if report.nvme_bytes else ' (NVMe only with --nvme-gib)'}, bf16 optimizer states, "
+            "LoRA, QLoRA (on GPUs) and, for GRPO under ZeRO-3, layer-by-layer generation fits this hardware; add "
+            "GPUs (--gpus), use bigger cards, or more host RAM"
         )
     if report.faster:
         lines.append("")
@@ -397,7 +398,9 @@ def grpo_note(run: Resolved) -> str:
     grpo = run.recipe.grpo
     return (
         f"objective grpo: each step generates {grpo.num_generations} completions per prompt of up to "
-        f"{grpo.max_completion_length} tokens, a rank's whole step in one generate call: its key-value cache, "
+        f"{grpo.max_completion_length} tokens, a rank's whole step in one "
+        f"{'continuous-batching generate_batch' if grpo.use_transformers_continuous_batching else 'generate'} "
+        "call: its key-value cache, "
         "prefill, sampling"
         + (
             (

@@ -56,8 +56,18 @@ from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model.model import load_tokenizer
 from llm_train.runtime.model.processor_files import copy_processor_files, model_processor_sources
-from llm_train.runtime.rl.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, SampleLog, rollout_logps
-from llm_train.runtime.rl.rewards import load_rewards
+from llm_train.runtime.rl.continuous import ContinuousBatchingGeneration
+from llm_train.runtime.rl.grpo import (
+    Grpo,
+    HfGeneration,
+    Rollouts,
+    RolloutShape,
+    SampleLog,
+    disable_dropout,
+    rollout_logps,
+    stop_ids,
+)
+from llm_train.runtime.rl.rewards import RewardContext, load_rewards
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:
@@ -216,15 +226,27 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
 
 
 def grpo_data(run: Resolved, tokenizer: PreTrainedTokenizerBase, dp_rank: int, say: Say) -> RunData:
-    """GRPO's prompts, one batch per step: each rank's completions per step / num_generations prompts.
+    """GRPO's prompts, one batch per step, the same on every rank: the step's completions / num_generations.
 
     No data-volume guard: an RL run visits its prompts many times by design (each visit samples anew).
     """
     recipe, layout = run.recipe, run.layout
     grpo = recipe.grpo
-    per_step = layout.micro_batch_size * layout.grad_accum // grpo.num_generations
+    # Every rank draws the step's prompts for the whole world (the same ones, in the same order) and generates
+    # its own slice of their groups (Rollouts): a group may span ranks, as in TRL.
+    per_step = layout.micro_batch_size * layout.grad_accum * layout.dp // grpo.num_generations
     room = recipe.data.seq_len - grpo.max_completion_length
-    stream = prompt_stream(recipe.data, tokenizer, room, per_step, dp_rank, layout.dp, recipe.optim.seed, say)
+    stream = prompt_stream(
+        recipe.data,
+        tokenizer,
+        room,
+        per_step,
+        0,
+        1,
+        recipe.optim.seed,
+        say,
+        grpo.chat_template_kwargs,
+    )
     assert stream.per_epoch is not None  # prompts have a known number
     # Each generation trains grpo.num_iterations optimizer steps: an epoch of prompts is that many times longer.
     generations = stream.per_epoch * grpo.num_iterations
@@ -343,9 +365,12 @@ def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: L
     objective = engine.objective
     assert isinstance(objective, Grpo)  # zero_engine builds it for objective grpo
     tokenizer = data.tokenizer
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    generation = HfGeneration(ds, layout.zero_stage == 3, grpo, pad, [eos])
+    eos = stop_ids(tokenizer, getattr(ds.module, "generation_config", None))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    engine_class = ContinuousBatchingGeneration if grpo.use_transformers_continuous_batching else HfGeneration
+    generation = engine_class(ds, layout.zero_stage == 3, grpo, pad, eos)
+    if grpo.disable_dropout:
+        disable_dropout(ds.module)
 
     @torch.no_grad()
     def policy_logps(batch: dict[str, Any]) -> torch.Tensor:
@@ -362,13 +387,24 @@ def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: L
         w.rank,
         policy_logps,
         objective.reference,
-        sample_log(tracker, cfg, grpo.num_iterations),
+        sample_log(tracker, cfg, grpo.num_iterations, grpo.num_completions_to_print, w.say)
+        if grpo.log_completions
+        else None,
+        RewardContext.at_step(cfg.start_step, cfg.max_steps),
+        w.say,
     )
 
 
-def sample_log(tracker: Trackers, cfg: LoopConfig, iterations: int) -> SampleLog:
+def sample_log(
+    tracker: Trackers,
+    cfg: LoopConfig,
+    iterations: int,
+    to_print: int | None = None,
+    say: Callable[[str], None] | None = None,
+) -> SampleLog:
     """A few completions of each generation that trains a logged step (loop.py's rule), as table
-    `completions` (completions.jsonl in the run, a W&B table) at that generation's first step."""
+    `completions` (completions.jsonl in the run, a W&B table) at that generation's first step; `to_print` of
+    them (None: all) also on screen (grpo.log_completions, num_completions_to_print: TRL's options)."""
     generations = 0
 
     def log(rows: list[dict[str, Any]]) -> None:
@@ -378,6 +414,12 @@ def sample_log(tracker: Trackers, cfg: LoopConfig, iterations: int) -> SampleLog
         steps = range(first, first + iterations)
         if first == cfg.start_step + 1 or any(s % cfg.log_every == 0 or s == cfg.max_steps for s in steps):
             tracker.log_table("completions", rows, first)
+            shown = rows if to_print is None else rows[:to_print]
+            for row in shown:
+                if say is None:
+                    break
+                reward = "None" if row["reward"] is None else f"{row['reward']:.3f}"
+                say(f"step {first} completion (reward {reward}): {row['prompt']!r} -> {row['completion']!r}")
 
     return log
 

@@ -39,18 +39,18 @@ pytestmark = pytest.mark.e2e
 
 WINDOW = 5
 GRPO_METRICS = (
-    "reward_has_digit_mean",
-    "reward_has_digit_std",
-    "reward_mean",
+    "rewards/has_digit/mean",
+    "rewards/has_digit/std",
+    "reward",
     "reward_std",
     "frac_reward_zero_std",
-    "clip_ratio_low",
-    "clip_ratio_high",
-    "clip_ratio_region",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
     "entropy",
-    "completion_length_mean",
-    "completion_length_max",
-    "completion_truncated_frac",
+    "completions/mean_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
     "generation_tokens_per_s",
     "time_generate_s",
     "time_score_s",
@@ -63,11 +63,11 @@ def _run(run_dir: Path, *extra: str) -> list[dict]:
     assert_ok(result)
     world = json.loads((run_dir / "world.json").read_text())
     assert world["world_size"] == 2 and sorted(r["rank"] for r in world["ranks"]) == [0, 1]
-    return [m for m in read_metrics(run_dir) if "reward_mean" in m]
+    return [m for m in read_metrics(run_dir) if "reward" in m]
 
 
 def _rise(rows: list[dict]) -> tuple[float, float]:
-    rewards = [m["reward_mean"] for m in sorted(rows, key=lambda m: m["step"])]
+    rewards = [m["reward"] for m in sorted(rows, key=lambda m: m["step"])]
     first, last = rewards[:WINDOW], rewards[-WINDOW:]
     return sum(first) / WINDOW, sum(last) / WINDOW
 
@@ -97,12 +97,14 @@ def test_tiny_cpu_grpo_learns_its_reward(tmp_path: Path, overrides: tuple[str, .
     assert last - first >= 0.4, (first, last)
     for m in rows:
         assert set(GRPO_METRICS) <= set(m), set(GRPO_METRICS) - set(m)
-        assert 1 <= m["completion_length_mean"] <= m["completion_length_max"] <= 16
+        assert 1 <= m["completions/mean_length"] <= m["completions/max_length"] <= 16
         assert 0 <= m["frac_reward_zero_std"] <= 1 and m["generation_tokens_per_s"] > 0
-        assert m["time_generate_s"] + m["time_score_s"] < m["step_time_s"]  # the rest is training
+        # The rest is training. Not at step 1: the times are means over ranks, and there one rank waits in the
+        # first reward gather for the other's start-up (measured: 0.67 + 0.85 s against a 1.18 s step).
+        assert m["step"] == 1 or m["time_generate_s"] + m["time_score_s"] < m["step_time_s"]
         assert "kl" not in m  # beta 0: no reference model, no KL
     # num_iterations 1: the ratio is exp(0), nothing is ever clipped.
-    assert all(m["clip_ratio_region"] == 0 for m in rows)
+    assert all(m["clip_ratio/region_mean"] == 0 for m in rows)
     assert all(
         0 < m["entropy"] < math.log(4096) for m in rows
     )  # nats, below the uniform 4096-token vocabulary's
@@ -110,7 +112,7 @@ def test_tiny_cpu_grpo_learns_its_reward(tmp_path: Path, overrides: tuple[str, .
     # A few completions of each logged step (log_every 1: every step) with their rewards, in the run.
     shown = [json.loads(line) for line in (tmp_path / "zero2" / "completions.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in shown}) == list(range(1, 31)) and len(shown) == 30 * 4
-    assert all(r["reward_has_digit"] == r["reward"] in (0.0, 1.0) and r["prompt"] for r in shown)
+    assert all(r["rewards/has_digit"] == r["reward"] in (0.0, 1.0) and r["prompt"] for r in shown)
 
 
 def test_without_learning_the_reward_does_not_rise(tmp_path: Path) -> None:
@@ -136,8 +138,8 @@ def test_zero3_lora_with_a_reference_and_two_iterations(tmp_path: Path) -> None:
     )
     assert rows[0]["kl"] == pytest.approx(0, abs=1e-6)  # the adapters start at zero: policy = reference
     assert rows[-1]["kl"] > 0
-    assert rows[0]["clip_ratio_region"] == 0  # first pass: ratio exp(0)
-    assert all(m["reward_mean"] == rows[0]["reward_mean"] for m in rows[:2])  # one generation, reported twice
+    assert rows[0]["clip_ratio/region_mean"] == 0  # first pass: ratio exp(0)
+    assert all(m["reward"] == rows[0]["reward"] for m in rows[:2])  # one generation, reported twice
 
 
 def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
@@ -145,23 +147,22 @@ def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
     whole = _run(tmp_path / "whole", *common)
     args = ["--recipe", "tiny-cpu-grpo", "--output-dir", str(tmp_path / "killed"), *common]
     resume_after_kill_9(tmp_path / "killed", args, step=5)
-    resumed = {m["step"]: m for m in read_metrics(tmp_path / "killed") if "reward_mean" in m}  # last wins
+    resumed = {m["step"]: m for m in read_metrics(tmp_path / "killed") if "reward" in m}  # last wins
     for m in whole:
-        for key in ("reward_mean", "loss", "completion_length_mean"):
+        for key in ("reward", "loss", "completions/mean_length"):
             assert resumed[m["step"]][key] == m[key], (m["step"], key)
-    # The completions themselves: each step's shown ones (the resumed run's, where a step was written twice).
+    # The completions themselves: each step's shown ones, the killed run's rows past the checkpoint rewound
+    # with the metrics (they were duplicated before).
     assert _shown(tmp_path / "killed") == _shown(tmp_path / "whole")
 
 
 def _shown(run_dir: Path) -> dict[int, list[dict]]:
-    """completions.jsonl by step; a step written again by a resumed run keeps its last rows."""
+    """completions.jsonl by step, each step written once (4 rows)."""
     by_step: dict[int, list[dict]] = {}
     for line in (run_dir / "completions.jsonl").read_text().splitlines():
         row = json.loads(line)
-        rows = by_step.setdefault(row["step"], [])
-        if len(rows) == 4:  # a second writing of that step begins
-            rows.clear()
-        rows.append(row)
+        by_step.setdefault(row["step"], []).append(row)
+    assert all(len(rows) == 4 for rows in by_step.values()), {s: len(r) for s, r in by_step.items()}
     return by_step
 
 
@@ -185,7 +186,8 @@ def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_with_its_one
     assert result.returncode == 2, result.stderr[-3000:]
     assert errors == [
         "llm-train: error: grpo.rewards[0] (one_rank_rewards:boom) raised ValueError: no answer column; fix the "
-        "function (it is called with prompts, completions, completion_ids and the prompt rows' fields as keywords)"
+        "function (it is called as TRL calls one: prompts, completions, completion_ids, the prompt rows' fields, "
+        "trainer_state, log_metric and log_extra, as keywords)"
     ], result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
@@ -198,9 +200,9 @@ def test_zero3_generates_the_same_completions_gathering_layer_by_layer(tmp_path:
     layered = _run(tmp_path / "layered", *common, "grpo.ds3_gather_for_generation=false")
     assert [m["step"] for m in layered] == [1, 2, 3]
     for a, b in zip(whole, layered, strict=True):
-        assert (a["reward_mean"], a["loss"], a["completion_length_mean"]) == (
-            b["reward_mean"],
+        assert (a["reward"], a["loss"], a["completions/mean_length"]) == (
+            b["reward"],
             b["loss"],
-            b["completion_length_mean"],
+            b["completions/mean_length"],
         )
     assert _shown(tmp_path / "whole") == _shown(tmp_path / "layered")

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.e2e
 # way with probability 1/2, so by chance P(accuracy >= 0.8) = P(at least 15 of 18 right) = 988 / 2^18 = 0.4%;
 # the recipe reaches 1.0 by step 20 (rejected answers are the chosen ones with their words shuffled).
 ABOVE_CHANCE = 0.8
+PAIRS = Path(__file__).resolve().parents[2] / "llm_train" / "assets" / "tiny" / "preferences.jsonl"
 
 
 def test_a_reward_model_learns_to_rank_held_out_pairs_and_exports_as_a_sequence_classifier(
@@ -70,6 +71,8 @@ def test_a_reward_model_learns_to_rank_held_out_pairs_and_exports_as_a_sequence_
     with torch.no_grad():
         assert torch.equal(again(input_ids=reference.input_ids).logits, scores)  # the same fp32 weights
 
+    _ranks_its_training_pairs_as_a_reward(final)
+
     # The trained model as GRPO's reward: every completion gets a finite score, logged and shown with it.
     grpo_dir = tmp_path / "grpo"
     result = launch(
@@ -83,8 +86,33 @@ def test_a_reward_model_learns_to_rank_held_out_pairs_and_exports_as_a_sequence_
         ]
     )
     assert_ok(result)
-    rows = [m for m in read_metrics(grpo_dir) if "reward_rm_mean" in m]
+    rows = [m for m in read_metrics(grpo_dir) if "rewards/rm/mean" in m]
     assert [m["step"] for m in rows] == [1, 2]
-    assert all(math.isfinite(m["reward_rm_mean"]) and m["reward_rm_std"] > 0 for m in rows), rows
+    assert all(math.isfinite(m["rewards/rm/mean"]) and m["rewards/rm/std"] > 0 for m in rows), rows
     shown = [json.loads(line) for line in (grpo_dir / "completions.jsonl").read_text().splitlines()]
-    assert shown and all(math.isfinite(r["reward_rm"]) for r in shown)
+    assert shown and all(math.isfinite(r["rewards/rm"]) for r in shown)
+
+
+def _ranks_its_training_pairs_as_a_reward(final: Path) -> None:
+    """The trained reward model as GRPO's reward ranks its own training pairs as the run scored them: the
+    reward's scores of (prompt, chosen) and (prompt, rejected) equal the model's scores of the rows the run
+    trained on (the same tokens), so chosen-above-rejected agrees pair by pair."""
+    from llm_train.config.objective_sections import parse_reward
+    from llm_train.runtime.rl.rewards import completions_as_trl, load_rewards, score
+    from tests.unit.test_rewards import _scores, _trained_rows
+
+    pairs = [json.loads(line) for line in PAIRS.read_text().splitlines()][:24]
+    prompts = [p["prompt"] for p in pairs]  # text prompts; chosen/rejected are conversations
+    (reward,) = load_rewards([parse_reward({"kind": "reward_model", "path": str(final)}, "r")], 64)
+    ranked = []
+    for side in ("chosen", "rejected"):
+        answers = [p[side][-1]["content"] for p in pairs]
+        as_reward = score([reward], prompts, answers, [[0]] * len(pairs), {})[:, 0]
+        trained = _scores(
+            final, _trained_rows(final, prompts, completions_as_trl([[{}]] * len(pairs), answers))
+        )
+        assert torch.allclose(as_reward, torch.tensor(trained), atol=1e-4), (as_reward, trained)
+        ranked.append(as_reward)
+    agree = (ranked[0] > ranked[1]).float().mean()
+    print(f"reward model as a GRPO reward: chosen above rejected on {float(agree):.2f} of 24 training pairs")
+    assert agree >= ABOVE_CHANCE

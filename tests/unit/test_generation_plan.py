@@ -152,3 +152,39 @@ def test_the_plan_of_the_rtx4090_recipe_names_the_dominant_part_with_both_times(
     larger = "generation" if t.generation >= t.training else "training"
     assert f"{larger} dominates the step: ~{max(t.generation, t.training):.2f}s" in text
     assert "GPU generation: key-value cache" in text and "a rough model until measured" in text
+
+
+def test_the_fix_search_tries_qlora_for_a_lora_grpo_run_on_a_12_gib_card() -> None:
+    """The issue's case: it said 'does not fit anywhere' while lora.quantize=nf4 fits (10.9 of 12 GiB)."""
+    report = plan_recipe("8b-grpo-lora-rtx4090", [], gpu="RTX-4070", host_ram_gib=16, detect=False)
+    assert report.word.startswith("DOES NOT FIT") and report.fixes
+    qlora = [f for f in report.fixes if "lora.quantize=nf4" in f.overrides]
+    assert qlora and qlora[0].evaluation.fits
+    # The fix's own plan agrees: the recipe with its overrides fits.
+    again = plan_recipe(
+        "8b-grpo-lora-rtx4090", qlora[0].overrides, gpu="RTX-4070", host_ram_gib=16, detect=False
+    )
+    assert again.evaluation.fits
+
+
+def test_the_fix_search_tries_layer_by_layer_generation_under_zero3() -> None:
+    """8 x 12 GiB cards: gathering the whole 8B model to generate cannot fit; ZeRO-3's layer-by-layer gathering
+    (grpo.ds3_gather_for_generation=false) can, with the optimizer offloaded."""
+    hardware = {"gpus": 8, "gpu": "RTX-4070", "host_ram_gib": 512, "detect": False}
+    report = plan_recipe("8b-grpo-zero3", [], **hardware)  # type: ignore[arg-type]
+    layered = [f for f in report.fixes if "grpo.ds3_gather_for_generation=false" in f.overrides]
+    assert layered and all("lora.rank" not in " ".join(f.overrides) for f in layered[:1])
+    again = plan_recipe("8b-grpo-zero3", layered[0].overrides, **hardware)  # type: ignore[arg-type]
+    assert again.evaluation.fits
+
+
+def test_the_plan_names_the_generation_engine() -> None:
+    engines = {}
+    for flag in ("false", "true"):
+        report = plan_recipe(
+            "8b-grpo-lora-rtx4090", [f"grpo.use_transformers_continuous_batching={flag}"], detect=False
+        )
+        engines[flag] = (render(report), report.evaluation.inputs.generation)
+    assert "one generate call" in engines["false"][0]
+    assert "one continuous-batching generate_batch call" in engines["true"][0]
+    assert engines["true"][1] is not None and engines["true"][1].engine == "continuous batching"

@@ -19,6 +19,7 @@ runtime/loss/grpo.py); `test_accumulation_divides_once` checks ours / accumulati
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -158,6 +159,11 @@ def _run_both(
     trainer.importance_sampling_level = settings.importance_sampling_level
     trainer.epsilon_low, trainer.epsilon_high = settings.epsilon, settings.upper
     trainer.beta = settings.beta
+    # The options TRL's loss reads from its config, not from the trainer.
+    trainer.args.delta = settings.delta
+    for option in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos"):
+        setattr(trainer.args, option, getattr(settings, option))
+    trainer.args.vespo_k_neg, trainer.args.vespo_lambda_neg = settings.vespo_k_neg, settings.vespo_lambda_neg
     trainer.current_gradient_accumulation_steps = accumulation
     inputs = dict(batch, num_items_in_batch=tokens * accumulation)
     if old is not None:
@@ -203,13 +209,56 @@ def test_loss_and_gradients_equal_trls(
         grads, {k: 0 * v for k, v in grads.items()}
     )
     if iterations == 1:  # on-policy: the ratio is exp(0), nothing is clipped
-        assert float(metrics["clip_ratio_region"]) == 0.0
+        assert float(metrics["clip_ratio/region_mean"]) == 0.0
     elif level == "token":  # 0.4 off the policy: both bounds bite somewhere
-        assert float(metrics["clip_ratio_low"]) > 0 and float(metrics["clip_ratio_high"]) > 0
+        assert float(metrics["clip_ratio/low_mean"]) > 0 and float(metrics["clip_ratio/high_mean"]) > 0
     trl_metrics = trainer._metrics["train"]
-    assert abs(float(metrics["clip_ratio_region"]) - trl_metrics["clip_ratio/region_mean"][-1]) <= TOLERANCE
+    assert (
+        abs(float(metrics["clip_ratio/region_mean"]) - trl_metrics["clip_ratio/region_mean"][-1]) <= TOLERANCE
+    )
     if beta:
         assert abs(float(metrics["kl"]) - trl_metrics["kl"][-1]) <= TOLERANCE and float(metrics["kl"]) > 0
+
+
+# TRL 1.16's other loss types, and two-sided clipping (`delta`) on the clipped surrogate: off the policy
+# (iterations 2), where the ratio differs from 1 and each one's gate, cap or weight acts.
+NEW_CASES = [
+    *itertools.product(("cispo", "sapo", "luspo", "vespo"), ("token", "sequence"), (0.0, 0.04), (None,)),
+    *itertools.product(("dapo", "grpo"), ("token", "sequence"), (0.0,), (1.1,)),
+]
+
+
+@pytest.mark.parametrize(("loss_type", "level", "beta", "delta"), NEW_CASES)
+def test_new_loss_types_and_delta_equal_trls(
+    models: tuple[LlamaForCausalLM, LlamaForCausalLM, GRPOTrainer],
+    loss_type: str,
+    level: str,
+    beta: float,
+    delta: float | None,
+) -> None:
+    ours, theirs, trainer = models
+    settings = LossSettings(
+        loss_type=loss_type,  # type: ignore[arg-type]
+        importance_sampling_level=level,  # type: ignore[arg-type]
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=beta,
+        temperature=TEMPERATURE,
+        max_completion_length=COMPLETION,
+        delta=delta,
+    )
+    loss, trl_loss, grads, trl_grads, _ = _run_both(ours, theirs, trainer, settings, iterations=2)
+    differences = {"loss": abs(float(loss - trl_loss)), "gradients": _largest(grads, trl_grads)}
+    print(f"{loss_type}/{level}/beta={beta}/delta={delta} vs TRL 1.16: largest differences {differences}")
+    assert max(differences.values()) <= TOLERANCE, differences
+    assert float(loss) != 0.0 and differences["gradients"] < _largest(
+        grads, {k: 0 * v for k, v in grads.items()}
+    )
+    if delta is not None:  # the cap bites: without it the loss differs
+        uncapped, *_ = _run_both(
+            ours, theirs, trainer, dataclasses.replace(settings, delta=None), iterations=2
+        )
+        assert abs(float(uncapped - loss)) > TOLERANCE
 
 
 def test_entropy_equals_trls(models: tuple[LlamaForCausalLM, LlamaForCausalLM, GRPOTrainer]) -> None:

@@ -13,7 +13,7 @@ import torch
 from llm_train.config.objective_sections import FunctionReward, parse_reward
 from llm_train.errors import UserError
 from llm_train.runtime.loss.grpo import group_advantages
-from llm_train.runtime.rl.rewards import gather, load_rewards, reward_metrics, score
+from llm_train.runtime.rl.rewards import completions_as_trl, gather, load_rewards, reward_metrics, score
 from tests.helpers import tiny_llama_config
 
 PROMPTS = ["2+2=", "2+2=", "3+4=", "3+4="]
@@ -109,8 +109,10 @@ def test_weights_and_none_reach_the_advantages_and_metrics(
     assert out.rewards.tolist() == [2.5, 2.0, 3.0, 0.0]
     assert out.advantages[0] > 0 > out.advantages[1] and out.advantages[2] > 0 > out.advantages[3]
     metrics = reward_metrics(rewards, table, out.rewards, out.zero_std)
-    assert metrics["reward_format_mean"] == 0.75 and metrics["reward_half_mean"] == pytest.approx(0.5)
-    assert metrics["reward_mean"] == pytest.approx(7.5 / 4) and metrics["frac_reward_zero_std"] == 0.0
+    # TRL's metric names (grpo_trainer.py), so a TRL run's dashboard reads ours.
+    assert metrics["rewards/format/mean"] == 0.75 and metrics["rewards/half/mean"] == pytest.approx(0.5)
+    assert metrics["reward"] == pytest.approx(7.5 / 4) and metrics["frac_reward_zero_std"] == 0.0
+    assert metrics["frac_reward_unscored"] == 0.0
 
 
 def test_gather_puts_every_ranks_rows_together_in_rank_order() -> None:
@@ -241,7 +243,7 @@ def test_a_function_reward_is_named_after_its_function() -> None:
     assert spec.kind == "function" and spec.weight == 1.0
 
 
-def _reward_model_dir(path: Path) -> Path:
+def _reward_model_dir(path: Path, chat_template: bool = True) -> Path:
     """A tiny Llama reward model (one output, pad id set) with the bundled tokenizer, as objective reward exports."""
     from transformers import AutoTokenizer, LlamaForSequenceClassification
 
@@ -254,29 +256,63 @@ def _reward_model_dir(path: Path) -> Path:
     )
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(path)
+    if not chat_template:
+        tokenizer.chat_template = None
     tokenizer.save_pretrained(path)
     return path
 
 
-def test_a_reward_model_scores_prompt_plus_completion_as_it_scores_each_alone(tmp_path: Path) -> None:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def _trained_rows(path: Path, prompts: list[Any], completions: list[Any]) -> list[list[int]]:
+    """The rows objective reward trains on for these (prompt, chosen) pairs: the preference format's own
+    tokenisation (data/formats/preference.py), read back from its stored int32 rows."""
+    import numpy as np
+    from transformers import AutoTokenizer
 
-    path = _reward_model_dir(tmp_path / "rm")
-    table = _score({"kind": "reward_model", "path": str(path), "weight": 0.5})
-    (reward,) = _rewards({"kind": "reward_model", "path": str(path), "weight": 0.5})
-    assert (reward.name, reward.weight) == ("reward_model", 0.5)
+    from llm_train.config.sources import PreferenceSource
+    from llm_train.data.formats import FORMATS
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenize = FORMATS["preference"].tokenize_fn(
+        PreferenceSource(path="x.jsonl"), tokenizer, None, "data.train[0]"
+    )
+    batch = {"prompt": prompts, "chosen": completions, "rejected": completions}
+    stored = tokenize(batch, list(range(len(prompts))))["input_ids"]
+    return [np.frombuffer(row, dtype=np.int32).tolist() for row in stored[::2]]  # chosen rows: 0, 2, ...
+
+
+def _scores(path: Path, rows: list[list[int]]) -> list[float]:
+    from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
     with torch.no_grad():
-        alone = [
-            float(model(**tokenizer(p + c, return_tensors="pt")).logits[0, 0])
-            for p, c in zip(PROMPTS, COMPLETIONS, strict=True)
-        ]
+        return [float(model(input_ids=torch.tensor([r])).logits[0, 0]) for r in rows]
+
+
+CHAT_PROMPTS = [[{"role": "user", "content": p}] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text with a chat template", "text without a chat template"])
+def test_a_reward_model_scores_what_objective_reward_trained_on(tmp_path: Path, kind: str) -> None:
+    """The reward's score of (prompt, completion) is the model's score of the row the preference format stores
+    for that prompt and response: the same tokens, rendered with the reward model's own chat template."""
+    path = _reward_model_dir(tmp_path / "rm", chat_template=kind != "text without a chat template")
+    if kind == "chat":
+        prompts: list[Any] = CHAT_PROMPTS
+        completions: list[Any] = completions_as_trl(prompts, COMPLETIONS)
+        trained = _trained_rows(path, prompts, completions)
+    elif kind == "text with a chat template":  # a text prompt of message pairs is the user's message
+        prompts, completions = PROMPTS, COMPLETIONS
+        trained = _trained_rows(path, prompts, completions_as_trl(CHAT_PROMPTS, COMPLETIONS))
+    else:  # text pairs: bos + prompt, the response, eos
+        prompts, completions = PROMPTS, COMPLETIONS
+        trained = _trained_rows(path, prompts, completions)
+    (reward,) = _rewards({"kind": "reward_model", "path": str(path), "weight": 0.5})
+    assert (reward.name, reward.weight) == ("reward_model", 0.5)
+    table = score([reward], prompts, completions, IDS, COLUMNS)
+    expected = _scores(path, trained)
     # Padding the batch changes only the shapes the kernels see: fp32 rounding, far below 1e-5.
-    assert table.shape == (4, 1)
-    assert torch.allclose(table[:, 0], torch.tensor(alone), atol=1e-5, rtol=0), (table, alone)
-    assert len(set(alone)) == 4  # the texts differ, and so do their scores: the test tells rows apart
+    assert torch.allclose(table[:, 0], torch.tensor(expected), atol=1e-5, rtol=0), (table, expected)
+    assert len(set(expected)) == 4  # the texts differ, and so do their scores: the test tells rows apart
 
 
 def test_a_reward_model_path_that_does_not_load_is_one_line_naming_the_key(tmp_path: Path) -> None:
@@ -285,3 +321,36 @@ def test_a_reward_model_path_that_does_not_load_is_one_line_naming_the_key(tmp_p
     ) as missing:
         _rewards({"kind": "reward_model", "path": str(tmp_path / "nowhere")})
     assert "\n" not in str(missing.value)
+
+
+def test_the_trl_documentation_reward_in_docs_rl_md_runs_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/rl.md's reward function (TRL's documentation's, for conversational prompts) as a user's module:
+    it indexes `completion[0]["content"]`, which works only on TRL's message-list completions."""
+    from tests.helpers import REPO
+
+    page = (REPO / "docs" / "rl.md").read_text()
+    block = next(b for b in page.split("```python\n")[1:] if "def format_reward_func" in b).split("```")[0]
+    name = _module(tmp_path, monkeypatch, "my_rewards_doc", block)
+    (reward,) = _rewards({"kind": "function", "function": f"{name}:format_reward_func"})
+    prompts = [[{"role": "user", "content": "2+2?"}]] * 2
+    texts = ["<think>add</think><answer>4</answer>", "4"]
+    table = score([reward], prompts, completions_as_trl(prompts, texts), [[1], [2]], {})
+    assert table[:, 0].tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_refuse_a_reward_model_in_one_line(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reward model has a score head, no LM head: loaded as a causal LM it printed random text and exited 0."""
+    from llm_train import cli
+
+    path = _reward_model_dir(tmp_path / "rm")
+    capsys.readouterr()  # the save's progress bar is not the command's output
+    argv = [command, str(path), "--prompt", "Hello"] if command == "generate" else [command, str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a reward model (LlamaForSequenceClassification" in err and "kind: reward_model" in err
+    assert len(err.splitlines()) == 1

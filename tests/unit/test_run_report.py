@@ -97,3 +97,31 @@ def test_recipes_table_has_the_layout_columns(capsys: pytest.CaptureFixture[str]
     assert "3/1/1/1" in tiny and "none (cpu x2)" in tiny and "2 GiB" in tiny
     sp = next(line for line in lines if line.startswith("8b-128k-sp8 "))
     assert "3/1/1/8" in sp
+
+
+def test_a_grpo_run_plots_reward_per_function_length_kl_clip_and_entropy(tmp_path: Path) -> None:
+    """GRPO's metrics under TRL's names (runtime/rl/): the report adds a plot for each group it finds."""
+    run = _write_run(tmp_path / "grpo", steps=4)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "loss" in row:
+            row.update(
+                {
+                    "reward": 0.2 * row["step"],
+                    "rewards/format/mean": 0.1 * row["step"],
+                    "rewards/correct/mean": 0.3,
+                    "completions/mean_length": 12.0,
+                    "completions/max_length": 16.0,
+                    "kl": 0.01,
+                    "clip_ratio/low_mean": 0.0,
+                    "clip_ratio/high_mean": 0.02,
+                    "clip_ratio/region_mean": 0.02,
+                    "entropy": 2.5,
+                }
+            )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, images = make_report([run])
+    names = {p.name for p in images}
+    assert {"reward.png", "completion_length.png", "kl.png", "clip_ratio.png", "entropy.png"} <= names
+    plain = _write_run(tmp_path / "lm", steps=4)
+    assert not {p.name for p in make_report([plain])[1]} & {"reward.png", "kl.png"}  # only GRPO runs get them

@@ -134,10 +134,19 @@ def uses_tools(messages: list[dict[str, Any]]) -> bool:
 
 
 def render(
-    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, Any]], generation_prompt: bool
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """Messages as the chat template writes them (with the assistant's generation prompt after them, or not)."""
+    """Messages as the chat template writes them (with the assistant's generation prompt after them, or not);
+    `template_kwargs`: extra variables the template reads (GRPO's chat_template_kwargs, e.g. enable_thinking)."""
     rendered = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+        messages,
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        **(template_kwargs or {}),
     )
     return cast(str, rendered)  # tokenize=False: the text (the annotation is the union over every option)

@@ -49,6 +49,7 @@ def render_prompt(
     template: str | None,
     key: str,
     row: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids: text in its template with special tokens, or messages through the chat template."""
     if isinstance(value, list):
@@ -57,7 +58,7 @@ def render_prompt(
                 f"{key}: row {row}'s prompt is a list of messages but the tokenizer has no chat template; set "
                 "data.chat_template"
             )
-        text = render(tokenizer, template, value, generation_prompt=True)
+        text = render(tokenizer, template, value, generation_prompt=True, template_kwargs=template_kwargs)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not isinstance(value, str):
         raise UserError(

@@ -79,16 +79,30 @@ if TYPE_CHECKING:
 Say = Callable[[str], None]
 
 
+# What the JSONL tracker writes per step: the metrics and GRPO's completions table (observability/tracking.py).
+STEP_LOGS = ("metrics.jsonl", "completions.jsonl")
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop rows logged after the checkpoint: the resumed run logs those steps again."""
+    """Drop rows logged after the checkpoint: the resumed run logs those steps again. A partial last line
+    (a kill mid-write) is dropped with them."""
     if not path.is_file():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= last_step
-    ]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and row.get("step", 0) <= last_step:
+            keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def rewind_step_logs(output_dir: Path, last_step: int) -> None:
+    """Every per-step log of the run back to the checkpoint's step (metrics and completions rewind together)."""
+    for name in STEP_LOGS:
+        truncate_metrics(output_dir / name, last_step)
 
 
 # ------------------------------------------------------------ the plan: layouts compared, once, before start
@@ -457,7 +471,7 @@ class Resume:
         elif self.spec is not None:
             say("no complete checkpoint to resume from; starting at step 0")
         if rank == 0:
-            truncate_metrics(run.recipe.output_dir / "metrics.jsonl", state.step)
+            rewind_step_logs(run.recipe.output_dir, state.step)
         collectives.WORLD.barrier()
         return state
 

@@ -30,6 +30,19 @@ How the per-token terms are reduced (`loss_type`, TRL's names):
     dr_grpo  sum over tokens / (completions x max_completion_length): a constant, no length bias
     dapo     sum over tokens / the step's mean tokens per micro-batch (DAPO, Yu et al. 2025): every token
              of the step weighs the same whichever micro-batch or rank it landed on. The default.
+    luspo    sum over each completion's tokens, mean over completions (length-unbiased sequence loss)
+
+and three loss types that change the per-token term itself (TRL 1.16's, same formulas):
+
+    cispo    -min(r, epsilon_high).detach() * A * logp (MiniMax-M1's CISPO: the clip bounds the weight of
+             the token's gradient, never drops it), reduced as dapo
+    sapo     -(4 / t) * sigmoid(t * (r - 1)) * A, t = sapo_temperature_pos for A > 0 else _neg (a soft clip),
+             reduced as grpo
+    vespo    -phi(w) * A * logp with phi(w) = exp(lambda + k log w - lambda w) of the completion's summed
+             log-ratio w, detached (k, lambda by the advantage's sign), reduced as dapo
+
+`delta` (two-sided clipping, TRL's option) caps r at delta in the clipped surrogate's first term, so a
+negative advantage cannot push an already large ratio without bound.
 
 Scaling against gradient accumulation: the value returned is the micro-batch's loss *before* accumulation.
 DeepSpeed's `engine.backward` divides it by the accumulation steps and its reduction averages gradients
@@ -49,13 +62,14 @@ and the advantages against TRL 1.16's GRPOTrainer within 1e-5.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 SamplingLevel = Literal["token", "sequence"]
 ScaleRewards = Literal["group", "batch", "none"]
 
@@ -72,7 +86,14 @@ class LossSettings:
     epsilon_high: float | None = None  # None: epsilon (symmetric clipping)
     beta: float = 0.0
     temperature: float = 1.0
-    max_completion_length: int = 256  # dr_grpo's constant denominator
+    max_completion_length: int = 512  # dr_grpo's constant denominator
+    delta: float | None = None  # two-sided clipping's cap on the ratio; None: off
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     @property
     def upper(self) -> float:
@@ -191,6 +212,46 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def _per_token_term(
+    logps: torch.Tensor,
+    ratio: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+) -> torch.Tensor:
+    """The loss type's per-token policy term (before the KL), TRL 1.16's `_compute_loss` (module docstring)."""
+    if settings.loss_type == "cispo":
+        return -torch.clamp(ratio, max=settings.upper).detach() * advantages * logps
+    if settings.loss_type == "sapo":
+        t = torch.where(
+            advantages > 0,
+            torch.tensor(settings.sapo_temperature_pos, dtype=logps.dtype),
+            torch.tensor(settings.sapo_temperature_neg, dtype=logps.dtype),
+        )
+        return -(torch.sigmoid(t * (ratio - 1)) * 4 / t) * advantages
+    if settings.loss_type == "vespo":
+        return -vespo_weights(token_log_ratio, advantages, mask, settings) * advantages * logps
+    clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
+    first = ratio if settings.delta is None else torch.clamp(ratio, max=settings.delta)
+    return -torch.min(first * advantages, clipped * advantages)
+
+
+@torch.no_grad()
+def vespo_weights(
+    token_log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, settings: LossSettings
+) -> torch.Tensor:
+    """[rows, 1] VESPO's gamma weights phi(w) = exp(lambda + k log w - lambda w), phi(1) = 1, of each completion's
+    summed token log-ratio (clamped to [log 1e-8, 20] as TRL's `get_gamma_weights`); detached: a gradient scale."""
+    lower = math.log(1e-8)
+    log_w = torch.clamp((torch.clamp(token_log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), lower, 20.0)
+    non_negative = advantages >= 0
+    k = torch.where(non_negative, settings.vespo_k_pos, settings.vespo_k_neg)
+    lam = torch.where(non_negative, settings.vespo_lambda_pos, settings.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def policy_loss(
     logps: torch.Tensor,
     advantages: torch.Tensor,
@@ -212,8 +273,7 @@ def policy_loss(
     if settings.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
-    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    per_token = _per_token_term(logps, ratio, logps - old, advantages, mask, settings)
     metrics: dict[str, torch.Tensor] = {}
     if settings.beta != 0.0:
         if ref_logps is None:
@@ -223,23 +283,26 @@ def policy_loss(
         per_token = per_token + settings.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    if settings.loss_type == "grpo":
+    if settings.loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif settings.loss_type == "bnpo":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     elif settings.loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (per_token.shape[0] * settings.max_completion_length)
-    else:
+    elif settings.loss_type == "luspo":
+        loss = (per_token * mask).sum(-1).mean()
+    else:  # dapo, cispo, vespo
         if dapo_tokens is None:
             raise ValueError(
-                "loss_type dapo needs dapo_tokens, the step's mean completion tokens per micro-batch"
+                f"loss_type {settings.loss_type} needs dapo_tokens, the step's mean completion tokens per micro-batch"
             )
         loss = (per_token * mask).sum() / torch.as_tensor(dapo_tokens, dtype=logps.dtype).clamp(min=1.0)
 
     ratio = ratio.detach()
     low = (ratio < 1 - settings.epsilon) & (advantages < 0)
     high = (ratio > 1 + settings.upper) & (advantages > 0)
-    metrics["clip_ratio_low"] = _masked_mean(low.to(logps.dtype), mask)
-    metrics["clip_ratio_high"] = _masked_mean(high.to(logps.dtype), mask)
-    metrics["clip_ratio_region"] = _masked_mean((low | high).to(logps.dtype), mask)
+    # TRL's metric names (grpo_trainer.py), so a dashboard of a TRL run reads ours.
+    metrics["clip_ratio/low_mean"] = _masked_mean(low.to(logps.dtype), mask)
+    metrics["clip_ratio/high_mean"] = _masked_mean(high.to(logps.dtype), mask)
+    metrics["clip_ratio/region_mean"] = _masked_mean((low | high).to(logps.dtype), mask)
     return loss, metrics

@@ -10,8 +10,9 @@ sits on the two sides of them:
   micro-batches, handed out grpo.num_iterations times (one optimizer step each).
 - `Grpo` is the objective: it scores a micro-batch by TRL's GRPO loss on the policy's log-probs.
 
-Each rank generates whole groups for its own prompts (recipe check: num_generations divides each rank's
-completions per step), so gathering the rewards keeps every group's completions consecutive.
+Every rank draws the same prompts for the whole step and writes its slice of their groups (recipe check, as
+TRL's: num_generations divides the step's completions over every rank), so a group may span ranks; gathering
+the rewards in rank order puts every group's completions back together before the advantages.
 
 Generation runs transformers' `generate` on the engine's module (the HF model, or the PEFT model with its
 adapters active), sampling at grpo.temperature / top_p / top_k, in eval mode and without gradients. Under
@@ -53,7 +54,14 @@ from llm_train.runtime.loss.grpo import (
     policy_loss,
 )
 from llm_train.runtime.loss.interface import Scored
-from llm_train.runtime.rl.rewards import RewardFunction, gather, reward_metrics, score
+from llm_train.runtime.rl.rewards import (
+    RewardContext,
+    RewardFunction,
+    completions_as_trl,
+    gather,
+    reward_metrics,
+    score,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,6 +86,13 @@ def loss_settings(grpo: GrpoSection) -> LossSettings:
         beta=grpo.beta,
         temperature=grpo.temperature,
         max_completion_length=grpo.max_completion_length,
+        delta=grpo.delta,
+        sapo_temperature_pos=grpo.sapo_temperature_pos,
+        sapo_temperature_neg=grpo.sapo_temperature_neg,
+        vespo_k_pos=grpo.vespo_k_pos,
+        vespo_lambda_pos=grpo.vespo_lambda_pos,
+        vespo_k_neg=grpo.vespo_k_neg,
+        vespo_lambda_neg=grpo.vespo_lambda_neg,
     )
 
 
@@ -201,18 +216,41 @@ class HfGeneration:
                 out = self.module.generate(
                     input_ids=ids.to(device),
                     attention_mask=mask.to(device),
-                    do_sample=True,
-                    temperature=grpo.temperature,
-                    top_p=grpo.top_p,
-                    top_k=grpo.top_k,  # 0: no top-k filter (None would mean the model's default, 50)
-                    max_new_tokens=grpo.max_completion_length,
-                    pad_token_id=self.pad_id,
-                    eos_token_id=self.eos_ids,
+                    **sampling_options(grpo, self.pad_id, self.eos_ids),
                 )
         finally:
             if was_training:
                 self.module.train()
         return cut_at_eos(out[:, ids.shape[1] :].cpu(), self.eos_ids)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """grpo.disable_dropout: every `nn.Dropout` of the model set to p = 0, as TRL's `disable_dropout_in_model`
+    does (so the log-probs of generation and training agree; TRL is a test-only dependency here, so its
+    four lines are repeated); returns how many it found."""
+    found = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+            found += 1
+    return found
+
+
+def sampling_options(grpo: GrpoSection, pad_id: int, eos_ids: list[int]) -> dict[str, Any]:
+    """The generation options both engines use (TRL's GRPOTrainer builds the same GenerationConfig fields):
+    grpo.generation_kwargs last, so they override the sampling options as TRL's do."""
+    return {
+        "do_sample": True,
+        "temperature": grpo.temperature,
+        "top_p": grpo.top_p,
+        "top_k": grpo.top_k,  # 0: no top-k filter (None would mean the model's default, 50)
+        "min_p": grpo.min_p,
+        "repetition_penalty": grpo.repetition_penalty,
+        "max_new_tokens": grpo.max_completion_length,
+        "pad_token_id": pad_id,
+        "eos_token_id": eos_ids,
+        **(grpo.generation_kwargs or {}),
+    }
 
 
 @dataclass(frozen=True)
@@ -240,14 +278,23 @@ class Rollouts(Iterator[Batch]):
         policy_logps: Callable[[Batch], torch.Tensor],
         reference_logps: ReferenceLogps | None = None,
         samples: SampleLog | None = None,
+        context: RewardContext | None = None,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         # This rank's place in the gathered rewards: the global rank (grpo runs data parallel only).
         self.rank = rank
         self.prompts, self.generate, self.rewards, self.grpo = prompts, generate, rewards, grpo
         self.shape, self.tokenizer, self.comm = shape, tokenizer, comm
         self.policy_logps, self.reference_logps = policy_logps, reference_logps
-        self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+        # grpo.reward_weights (TRL's list) overrides each reward's own weight (the recipe checks its length).
+        weights = grpo.reward_weights if grpo.reward_weights is not None else [r.weight for r in rewards]
+        self.weights = torch.tensor(weights, dtype=torch.float32)
         self.samples = samples
+        # TRL's reward keywords; trainer_state.global_step is the optimizer steps done when a generation starts.
+        self.context = context or RewardContext()
+        self.say = say or (lambda _line: None)
+        # The ids generation stops at (stop_ids: EOS and generation_config's), which tell a finished completion.
+        self.stop = list(getattr(generate, "eos_ids", None) or _eos_ids(tokenizer))
         self._queue: list[Batch] = []
 
     def __iter__(self) -> Rollouts:
@@ -262,39 +309,69 @@ class Rollouts(Iterator[Batch]):
                 for b in step
             ]
             self._queue = step + later * (self.grpo.num_iterations - 1)
+            self.context.trainer_state.global_step += self.grpo.num_iterations
         return self._queue.pop(0)
 
     def _rollout(self) -> list[Batch]:
         """One generation: this rank's prompts -> completions -> rewards (all ranks) -> the step's micro-batches."""
+        # The step's prompts for every rank (each rank draws the same); this rank writes its slice of their
+        # groups, so a group may span ranks (TRL's RepeatSampler + split by process).
         prompts = next(self.prompts)["prompts"]
-        repeated = [p for p in prompts for _ in range(self.grpo.num_generations)]
+        every = [p for p in prompts for _ in range(self.grpo.num_generations)]
+        n = self.shape.micro_batch * self.shape.accumulation
+        if len(every) != n * self.shape.dp_size:
+            raise ValueError(f"{len(every)} completions per step for {self.shape.dp_size} ranks of {n}")
+        repeated = every[self.rank * n : (self.rank + 1) * n]
         t0 = time.perf_counter()
         completions = self.generate([p.ids for p in repeated])
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         columns = {k: [p.columns[k] for p in repeated] for k in repeated[0].columns}
+        prompt_values = [p.text for p in repeated]
+        shaped = completions_as_trl(prompt_values, texts)
         try:
             local: torch.Tensor | UserError = score(
-                self.rewards, [p.text for p in repeated], texts, completions, columns
+                self.rewards, prompt_values, shaped, completions, columns, self.context
             )
         except UserError as exc:  # every rank stops on this line (see rewards.gather)
             local = exc
         table = gather(local, self.comm)  # every rank's completions, in rank order
         advantages = group_advantages(table, self.weights, self.grpo.num_generations, self.grpo.scale_rewards)
+        logged, extra = self.context.log.drain()
         t2 = time.perf_counter()
         n = len(repeated)
         if self.samples is not None:
-            self.samples(self._sample_rows(repeated, texts, table, advantages, self.rank * n))
+            rows_shown = self._sample_rows(repeated, texts, table, advantages, self.rank * n)
+            for column, values in extra.items():  # log_extra's columns, one value per completion
+                for i, row in enumerate(rows_shown):
+                    row[column] = values[i] if i < len(values) else None
+            self.samples(rows_shown)
         rows = self._rows(repeated, completions, advantages.advantages[self.rank * n : (self.rank + 1) * n])
         stats, dapo_tokens = self._completion_stats(completions, rows["completion_mask"])
         metrics = {
             **reward_metrics(self.rewards, table, advantages.rewards, advantages.zero_std),
             **stats,
+            **self._logged_metrics(logged),
             "generation_tokens_per_s": sum(map(len, completions)) / max(t1 - t0, 1e-9),
             "time_generate_s": t1 - t0,
             "time_score_s": t2 - t1,
         }
+        if metrics["frac_reward_unscored"] == 1.0:
+            # TRL warns; a run whose rewards are all None would otherwise train on nothing, silently.
+            self.say(
+                f"warning: step {self.context.trainer_state.global_step + 1}: every reward function returned None "
+                f"for all {len(table)} completions: no learning signal (advantages 0); check grpo.rewards"
+            )
         return [self._micro_batch(rows, k, dapo_tokens, metrics) for k in range(self.shape.accumulation)]
+
+    def _logged_metrics(self, local: dict[str, float]) -> dict[str, float]:
+        """What the reward functions logged with `log_metric`, each name's mean over the ranks that logged it."""
+        gathered = self.comm.gather_objects(local)
+        names = sorted({name for g in gathered for name in g})
+        return {
+            name: sum(g[name] for g in gathered if name in g) / sum(1 for g in gathered if name in g)
+            for name in names
+        }
 
     def _sample_rows(
         self,
@@ -308,7 +385,7 @@ class Rollouts(Iterator[Batch]):
         rows = []
         for i in range(min(SAMPLES_PER_GENERATION, self.grpo.num_generations)):
             rewards = {
-                f"reward_{r.name}": None if torch.isnan(v) else float(v)
+                f"rewards/{r.name}": None if torch.isnan(v) else float(v)
                 for r, v in zip(self.rewards, table[offset + i], strict=True)
             }
             total = advantages.rewards[offset + i]
@@ -329,7 +406,7 @@ class Rollouts(Iterator[Batch]):
         prompt_ids, prompt_mask = left_pad([p.ids for p in repeated], pad)
         completion_ids, completion_mask = right_pad(completions, pad)
         if self.grpo.mask_truncated_completions:
-            kept = ~_truncated(completions, self.tokenizer)
+            kept = ~_truncated(completions, self.stop)
             completion_mask = completion_mask * kept.unsqueeze(1).long()
         return {
             "prompt_ids": prompt_ids,
@@ -344,7 +421,7 @@ class Rollouts(Iterator[Batch]):
     ) -> tuple[dict[str, float], float]:
         """(the completions' length metrics over every rank, loss_type dapo's tokens per micro-batch)."""
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
-        truncated = _truncated(completions, self.tokenizer).float()
+        truncated = _truncated(completions, self.stop).float()
         local = [
             completion_mask.sum().float(),
             lengths.sum(),
@@ -353,10 +430,13 @@ class Rollouts(Iterator[Batch]):
         ]
         scored, total_length, total_truncated, count = self.comm.sum(torch.stack(local)).tolist()
         longest = max(self.comm.gather_objects(int(lengths.max())))
+        shortest = min(self.comm.gather_objects(int(lengths.min())))
+        # TRL's names: completions/clipped_ratio is the fraction cut at max_completion_length (no EOS).
         stats = {
-            "completion_length_mean": total_length / count,
-            "completion_length_max": float(longest),
-            "completion_truncated_frac": total_truncated / count,
+            "completions/mean_length": total_length / count,
+            "completions/max_length": float(longest),
+            "completions/min_length": float(shortest),
+            "completions/clipped_ratio": total_truncated / count,
         }
         # dapo: the step's scored tokens over all ranks / (ranks x micro-batches), see loss/grpo.py.
         return stats, scored / (self.shape.dp_size * self.shape.accumulation)
@@ -376,9 +456,9 @@ class Rollouts(Iterator[Batch]):
         return batch
 
 
-def _truncated(completions: list[list[int]], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-    """Completions that end without EOS: cut at grpo.max_completion_length."""
-    eos = set(_eos_ids(tokenizer))
+def _truncated(completions: list[list[int]], stop: list[int]) -> torch.Tensor:
+    """Completions that end without a stop token: cut at grpo.max_completion_length."""
+    eos = set(stop)
     return torch.tensor([not ids or ids[-1] not in eos for ids in completions])
 
 
@@ -400,3 +480,20 @@ def _trim(batch: Batch) -> Batch:
 def _eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     eos = tokenizer.eos_token_id
     return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def stop_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Any = None) -> list[int]:
+    """What ends a completion: the tokenizer's EOS and every id of the model's `generation_config.eos_token_id`
+    (an int or a list: chat models whose end-of-turn token is not the tokenizer's EOS list it there, and
+    `generate` stops at any of them, as TRL's generation does)."""
+    # TRL 1.16's order (GRPOTrainer.__init__): the model's ids, the tokenizer's EOS first when they lack it.
+    configured = getattr(generation_config, "eos_token_id", None)
+    ids = [int(i) for i in ([configured] if isinstance(configured, int) else list(configured or []))]
+    for eos in reversed(_eos_ids(tokenizer)):
+        if eos not in ids:
+            ids.insert(0, eos)
+    if not ids:
+        raise UserError(
+            "the tokenizer has no eos token and the model's generation_config none; GRPO needs one to stop"
+        )
+    return ids

@@ -4,13 +4,23 @@ Built in (config/recipe.py has their options): `format` (a regular expression th
 `exact_match` (the completion's final answer against a column of the prompt's row) and `overlong`
 (DAPO's soft length penalty), `reward_model` (a trained reward model's score, objective reward's final/).
 `function` imports yours, `module:function`, from the working directory or
-PYTHONPATH, and calls it the way TRL calls a reward function, with keyword arguments only:
+PYTHONPATH, and calls it exactly as TRL 1.16's GRPOTrainer (`_calculate_rewards`) calls a reward function,
+with keyword arguments only, so a function written for TRL runs unchanged:
 
-    function(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> [float | None, ...]
+    function(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns,
+             trainer_state=..., log_metric=..., log_extra=...) -> [float | None, ...]
 
-one entry per completion (a prompt appears once per generation), `columns` the prompt rows' other fields
-(e.g. `answer=[...]`). None means "not mine to score": the completion is left out of that function's
-mean and of the weighted sum; a completion no function scores gets advantage 0 (loss/grpo.py).
+one entry per completion (a prompt appears once per generation). In TRL's shapes: a conversational prompt
+(a list of {role, content} messages) comes as that list and its completion as
+`[{"role": "assistant", "content": text}]`; a text prompt and its completion as strings. `columns` are the
+prompt rows' other fields (e.g. `answer=[...]`); `trainer_state` is a transformers `TrainerState` with
+TRL's attribute names (`global_step`: optimizer steps done, `max_steps`); `log_metric(name, value)` logs a
+scalar beside the step's metrics (averaged over the step's calls and the ranks); `log_extra(column, values)`
+adds a column, one value per completion, to the completions table. An `async def` function (or a callable
+whose `__call__` is async, TRL's `is_async_callable`) is awaited, all of them concurrently. None means "not
+mine to score": the completion is left out of that function's mean and of the weighted sum (NaN-aware, as
+TRL); a completion no function scores gets advantage 0 (loss/grpo.py), and a generation where no function
+scored anything says so on screen (grpo.py).
 
 Every way a reward function can go wrong is the user's to fix, so each is one line that names the
 recipe key and what to change (UserError): a function that cannot be imported or is not callable (found
@@ -23,13 +33,18 @@ before the group advantages (a batch-scaled std, and the metrics, need all of th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import importlib
+import inspect
 import math
 import numbers
 import re
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +58,13 @@ from llm_train.config.objective_sections import (
     Reward,
     RewardModelReward,
 )
+from llm_train.data.formats.prompted import ChatRenderer
 from llm_train.errors import UserError, first_line
 from llm_train.runtime.base.collectives import Collectives
 
-RewardCall = Callable[..., Sequence[Any]]
+RewardCall = Callable[..., Any]
+# The keywords beside the data every function receives (RewardContext), never a prompt row's field.
+CONTEXT_KEYS = ("trainer_state", "log_metric", "log_extra")
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,7 @@ class RewardFunction:
     label: str  # what the user wrote: the kind, or module:function
     weight: float
     call: RewardCall
+    columns: tuple[str, ...] = ()  # the prompt rows' fields it needs (checked by `check_columns`)
 
 
 def import_function(path: str, key: str) -> RewardCall:
@@ -87,12 +106,87 @@ def import_function(path: str, key: str) -> RewardCall:
     return function
 
 
+def completions_as_trl(prompts: Sequence[Any], texts: list[str]) -> list[Any]:
+    """The completions as TRL hands them to reward functions: for conversational prompts (message lists)
+    each is `[{"role": "assistant", "content": text}]` (grpo_trainer.py, `_generate_and_score_completions`),
+    else the text itself."""
+    if prompts and isinstance(prompts[0], list):
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return list(texts)
+
+
+def _text(completion: Any) -> str:
+    """A completion's text whichever shape it came in (the built-ins accept both of TRL's)."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def is_async_callable(function: Any) -> bool:
+    """TRL's test (trainer/utils.py): partials unwrapped; an instance whose `__call__` is async counts."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    call = type(function).__call__ if not inspect.isfunction(function) and callable(function) else None
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(call)
+
+
+@dataclass
+class RewardLog:
+    """What reward functions report through TRL's `log_metric` and `log_extra` keywords during one generation
+    (TRL's `_log_metric` / `_log_completion_extra`): scalars per name, extra table columns per name."""
+
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    extra: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        self.extra[column].extend(values)
+
+    def drain(self) -> tuple[dict[str, float], dict[str, list[Any]]]:
+        """(each logged metric's mean, the extra columns), and empty for the next generation."""
+        means = {name: sum(v) / len(v) for name, v in self.metrics.items() if v}
+        extra = dict(self.extra)
+        self.metrics, self.extra = defaultdict(list), defaultdict(list)
+        return means, extra
+
+
+@dataclass
+class RewardContext:
+    """The keywords TRL passes every reward function beside the data: `trainer_state` (a transformers
+    TrainerState, whose `global_step` the rollouts advance), `log_metric` and `log_extra` (`log`)."""
+
+    trainer_state: Any = None
+    log: RewardLog = field(default_factory=RewardLog)
+
+    def __post_init__(self) -> None:
+        if self.trainer_state is None:
+            from transformers import TrainerState
+
+            self.trainer_state = TrainerState()
+
+    @classmethod
+    def at_step(cls, global_step: int, max_steps: int) -> RewardContext:
+        from transformers import TrainerState
+
+        return cls(TrainerState(global_step=global_step, max_steps=max_steps))
+
+    def keywords(self) -> dict[str, Any]:
+        return {
+            "trainer_state": self.trainer_state,
+            "log_metric": self.log.log_metric,
+            "log_extra": self.log.log_extra,
+        }
+
+
 def _format(spec: FormatReward) -> RewardCall:
     pattern = re.compile(spec.pattern, re.DOTALL)
     matches = pattern.fullmatch if spec.match == "full" else pattern.search
 
-    def reward(completions: list[str], **_: Any) -> list[float]:
-        return [1.0 if matches(c.strip() if spec.match == "full" else c) else 0.0 for c in completions]
+    def reward(completions: list[Any], **_: Any) -> list[float]:
+        texts = [_text(c) for c in completions]
+        return [1.0 if matches(c.strip() if spec.match == "full" else c) else 0.0 for c in texts]
 
     return reward
 
@@ -128,14 +222,14 @@ def _exact_match(spec: ExactMatchReward, key: str) -> RewardCall:
     final_answer, right_answer = _final_answer(spec.pattern), _final_answer(spec.column_pattern)
 
     def reward(
-        completions: list[str], prompts: Any = None, completion_ids: Any = None, **columns: Any
+        completions: list[Any], prompts: Any = None, completion_ids: Any = None, **columns: Any
     ) -> list[float]:
         if spec.column not in columns:
             raise UserError(
                 f"{key}.column={spec.column}: the prompt rows have no field '{spec.column}' (fields: "
-                f"{', '.join(sorted(columns)) or 'none'}); name one of them"
+                f"{', '.join(sorted(set(columns) - set(CONTEXT_KEYS))) or 'none'}); name one of them"
             )
-        answers = [final_answer(c) for c in completions]
+        answers = [final_answer(_text(c)) for c in completions]
         expected = [right_answer(str(e)) for e in columns[spec.column]]
         return [
             1.0 if a is not None and e is not None and _same_answer(a, e) else 0.0
@@ -183,13 +277,53 @@ def _reward_model(spec: RewardModelReward, key: str) -> RewardCall:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = model.config.pad_token_id
 
-    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-        texts = [f"{p}{c}" for p, c in zip(prompts, completions, strict=True)]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
+    renderer = ChatRenderer(tokenizer, None, key)
+
+    def reward(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+        rows = [
+            reward_model_ids(tokenizer, renderer, p, c) for p, c in zip(prompts, completions, strict=True)
+        ]
+        width = max(len(r) for r in rows)
+        pad = tokenizer.pad_token_id
+        batch = {
+            "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
+            "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+        }
         with torch.no_grad():
             return [float(v) for v in model(**batch).logits[:, 0]]
 
     return reward
+
+
+def reward_model_ids(tokenizer: Any, renderer: ChatRenderer, prompt: Any, completion: Any) -> list[int]:
+    """Prompt + completion as objective reward trained on them (data/formats/preference.py, prompted.py), prompt
+    and response encoded apart so no token merges across the boundary:
+
+    - a conversational prompt: the reward model's own chat template, the prompt with its generation prompt, then
+      the text the template adds for the assistant's completion (its end-of-turn token included), without added
+      special tokens: TRL's `_calculate_rewards` renders prompt + completion through the reward model's template too;
+    - a text prompt, when the reward model's tokenizer has a chat template: as one user message, rendered as
+      above (the preference format turns a text prompt of message pairs into a user message the same way);
+    - a text prompt, without a chat template: the prompt with the tokenizer's special tokens (bos), the
+      completion, then eos: the preference format's text pairs.
+    TRL scores text prompts as a plain `prompt + completion` string; a reward model trained on rendered
+    conversations scores that as text it never saw (the issue measured 5.48 rendered against -0.30 raw on
+    one of its own training pairs), so ours renders it as it was trained.
+    """
+    text = _text(completion)
+    if not isinstance(prompt, list) and getattr(tokenizer, "chat_template", None):
+        prompt = [{"role": "user", "content": str(prompt)}]
+    if isinstance(prompt, list):
+        prompt_text = renderer(list(prompt), generation_prompt=True)
+        conversation = [*prompt, {"role": "assistant", "content": text}]
+        response = renderer.after_prompt(prompt_text, conversation, renderer.key)
+        return list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"]) + list(
+            tokenizer(response, add_special_tokens=False)["input_ids"]
+        )
+    ids = list(tokenizer(str(prompt))["input_ids"]) + list(
+        tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 def build_reward(spec: Reward, index: int, max_completion_length: int) -> RewardFunction:
@@ -209,7 +343,40 @@ def build_reward(spec: Reward, index: int, max_completion_length: int) -> Reward
             call = _reward_model(spec, key)
         else:
             call = _overlong(spec, max_completion_length, key)
-    return RewardFunction(spec.name or default_name, key, label, spec.weight, call)
+    columns = (spec.column,) if isinstance(spec, ExactMatchReward) else needed_columns(call)
+    return RewardFunction(spec.name or default_name, key, label, spec.weight, call, columns)
+
+
+# What every reward function receives besides the prompt rows' fields (TRL 1.16's keywords).
+PASSED = ("prompts", "completions", "completion_ids", *CONTEXT_KEYS, "environments")
+
+
+def needed_columns(call: RewardCall) -> tuple[str, ...]:
+    """The parameters a function requires that only a prompt row's field can fill (no default, not one of the
+    keywords every function receives); () when its signature cannot be read."""
+    try:
+        parameters = inspect.signature(call).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and p.name not in PASSED
+    )
+
+
+def check_columns(rewards: Sequence[RewardFunction], columns: Sequence[str]) -> None:
+    """Every field the rewards need is a field of the prompt rows, or one line naming the reward and the fields
+    there are (`--dry-run` checks it before any run; a run would stop at its first scoring)."""
+    for reward in rewards:
+        missing = [c for c in reward.columns if c not in columns]
+        if missing:
+            raise UserError(
+                f"{reward.key} ({reward.label}) needs the field '{missing[0]}' but the prompt rows have "
+                f"{', '.join(sorted(columns)) or 'no other field'}; add it to the data or name one of them"
+            )
 
 
 def load_rewards(specs: Sequence[Reward], max_completion_length: int) -> list[RewardFunction]:
@@ -259,31 +426,81 @@ def _checked(reward: RewardFunction, values: Any, n: int) -> list[float]:
 def score(
     rewards: Sequence[RewardFunction],
     prompts: list[Any],
-    completions: list[str],
+    completions: list[Any],
     completion_ids: list[list[int]],
     columns: dict[str, list[Any]],
+    context: RewardContext | None = None,
 ) -> torch.Tensor:
-    """[completions, functions] float32 rewards of this rank's completions, NaN where a function returned None."""
+    """[completions, functions] float32 rewards of this rank's completions, NaN where a function returned None.
+
+    Called as TRL calls them: synchronous functions one after another, then every async one awaited
+    concurrently (TRL: asyncio.gather on its event loop); `completions` already in TRL's shape
+    (`completions_as_trl`)."""
     n = len(completions)
+    keywords = {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": completion_ids,
+        **columns,
+        **(context or RewardContext()).keywords(),
+    }
     table = torch.empty(n, len(rewards), dtype=torch.float32)
+    pending: list[tuple[int, RewardFunction]] = []
     for j, reward in enumerate(rewards):
-        try:
-            values = reward.call(
-                prompts=prompts, completions=completions, completion_ids=completion_ids, **columns
+        if is_async_callable(reward.call):
+            pending.append((j, reward))
+            continue
+        with _failures_named(reward):
+            values = reward.call(**keywords)
+        if inspect.isawaitable(values):  # a sync wrapper around an async function: await it like TRL's
+            pending.append(
+                (j, RewardFunction(reward.name, reward.key, reward.label, reward.weight, _done(values)))
             )
-        except UserError:
-            raise
-        except Exception as exc:  # the user's function failed: one line, not a worker's traceback
-            raise UserError(
-                f"{reward.key} ({reward.label}) raised {type(exc).__name__}: {first_line(exc)}; fix the function "
-                "(it is called with prompts, completions, completion_ids and the prompt rows' fields as keywords)"
-            ) from None
+            continue
         table[:, j] = torch.tensor(_checked(reward, values, n))
+    if pending:
+        for (j, reward), values in zip(pending, _await_all(pending, keywords), strict=True):
+            table[:, j] = torch.tensor(_checked(reward, values, n))
     return table
 
 
+def _done(awaitable: Any) -> RewardCall:
+    async def call(**_: Any) -> Any:
+        return await awaitable
+
+    return call
+
+
+def _await_all(pending: list[tuple[int, RewardFunction]], keywords: dict[str, Any]) -> list[Any]:
+    """Every async function's values, awaited concurrently; a failure is one line naming its key."""
+
+    async def one(reward: RewardFunction) -> Any:
+        with _failures_named(reward):
+            return await reward.call(**keywords)
+
+    async def every() -> list[Any]:
+        return list(await asyncio.gather(*(one(r) for _, r in pending)))
+
+    return asyncio.run(every())
+
+
+@contextlib.contextmanager
+def _failures_named(reward: RewardFunction) -> Iterator[None]:
+    """A user's function that raised: one line naming its key, not a worker's traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:  # the user's function failed: theirs to fix
+        raise UserError(
+            f"{reward.key} ({reward.label}) raised {type(exc).__name__}: {first_line(exc)}; fix the function (it "
+            "is called as TRL calls one: prompts, completions, completion_ids, the prompt rows' fields, "
+            "trainer_state, log_metric and log_extra, as keywords)"
+        ) from None
+
+
 def gather(local: torch.Tensor | UserError, comm: Collectives) -> torch.Tensor:
-    """Every rank's reward rows, in rank order (each rank's completions are whole groups, see grpo.py).
+    """Every rank's reward rows, in rank order: the step's groups back together (a group may span ranks, grpo.py).
 
     `local` is this rank's scoring error when its rewards failed (`score` raised): the gather then raises
     that one line on every rank. A rank that raised alone would leave the others waiting in this
@@ -299,16 +516,18 @@ def gather(local: torch.Tensor | UserError, comm: Collectives) -> torch.Tensor:
 def reward_metrics(
     rewards: Sequence[RewardFunction], table: torch.Tensor, weighted: torch.Tensor, zero_std: torch.Tensor
 ) -> dict[str, float]:
-    """The step's reward metrics over every rank's completions (TRL's rewards/<name>/mean and /std, reward,
-    reward_std, frac_reward_zero_std); None values left out."""
+    """The step's reward metrics over every rank's completions, under TRL's names (`rewards/<name>/mean` and
+    `/std`, `reward`, `reward_std`, `frac_reward_zero_std`), so a dashboard built on a TRL run reads ours;
+    None values left out. `frac_reward_unscored`: the completions no function scored (TRL warns about them)."""
     out: dict[str, float] = {}
     for j, reward in enumerate(rewards):
         column = table[:, j]
-        out[f"reward_{reward.name}_mean"] = float(torch.nanmean(column))
-        out[f"reward_{reward.name}_std"] = _nanstd(column)
-    out["reward_mean"] = float(torch.nanmean(weighted))
+        out[f"rewards/{reward.name}/mean"] = float(torch.nanmean(column))
+        out[f"rewards/{reward.name}/std"] = _nanstd(column)
+    out["reward"] = float(torch.nanmean(weighted))
     out["reward_std"] = _nanstd(weighted)
     out["frac_reward_zero_std"] = float(zero_std.float().mean())
+    out["frac_reward_unscored"] = float(torch.isnan(table).all(dim=1).float().mean()) if len(table) else 0.0
     return out
 
 
