@@ -50,6 +50,11 @@ class ModelSection(Section):
     trust_remote_code: bool = Field(
         False, description="Run model code from the hub; off unless you trust it."
     )
+    freeze: list[Literal["vision_tower", "projector", "language_model"]] = Field(
+        default_factory=lambda: ["vision_tower", "projector"],
+        description="Image-text models: the parts that do not train (frozen parts keep their weights, bit-identical "
+        "in the export); default the vision tower and the projector, as LLaMA-Factory and Unsloth do.",
+    )
 
     @model_validator(mode="after")
     def _no_credentials(self) -> ModelSection:
@@ -99,6 +104,18 @@ class DataSection(Section):
     chat_template: str | None = Field(
         None,
         description="Jinja chat template (or a path to a .jinja file) for chat sources; default the tokenizer's.",
+    )
+    image_max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="image_chat sources: images with more pixels (width x height) are shrunk to this, aspect kept, "
+        "before the processor sees them (LLaMA-Factory's image_max_pixels); default: the processor's own sizing.",
+    )
+    image_min_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="image_chat sources: images with fewer pixels are enlarged to this, aspect kept, before the "
+        "processor sees them; default: the processor's own sizing.",
     )
     cache_dir: str = Field(
         "~/.cache/llm_train/data",

@@ -1,0 +1,361 @@
+"""The vision part of an image-text checkpoint, sized offline: its tower, its projector and its image tokens.
+
+An image-text model (config/model_kind.py) is a language model plus a vision tower that turns an image's
+patches into features and a projector that maps them to the language model's width, where they replace the
+image's placeholder tokens. The planner needs three things from it before any weight exists:
+
+- its parameters, split into the tower and the projector (`model.freeze` chooses which train; a frozen part
+  holds its 16-bit weights but no gradients or optimizer states), counted exactly as the transformers
+  classes allocate them (tests/unit/test_vision_plan.py checks them against tiny models' numel);
+- the image tokens one image takes in the language model's sequence: fixed per image for Gemma 3
+  (`mm_tokens_per_image`, the processor resizes every image to `image_size`), resolution-dependent for
+  Qwen-VL (the processor's `smart_resize` to multiples of patch x merge within min/max pixels, then one
+  token per merge x merge patches);
+- the patches the tower itself runs over per image (its activations' sequence length).
+
+Two families are sized: Gemma 3 (a SigLIP tower, gemma3's projector) and Qwen2.5-VL. Other image-text types
+are refused by `vision_shape_from_config` in one line; the run itself does not need the planner.
+
+Nothing here imports torch or transformers (`plan` and `--dry-run` stay fast).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_train.config.known_models import KNOWN_PROCESSOR_PIXELS
+from llm_train.errors import UserError
+
+# model.freeze's parts of an image-text model (the recipe schema's names).
+VISION_TOWER, PROJECTOR, LANGUAGE_MODEL = "vision_tower", "projector", "language_model"
+# The image-text model types sized here (config.json's top-level model_type).
+SIZED_IMAGE_TEXT_TYPES = ("gemma3", "qwen2_5_vl")
+
+
+class VisionConfigError(UserError, ValueError):
+    """An image-text config the planner cannot size (one line: the type, or the missing key)."""
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """How the processor turns one image into patches and tokens.
+
+    fixed_size: Gemma 3's processor resizes every image to image_size x image_size (pan-and-scan off, its
+    default), so the tokens per image are mm_tokens_per_image whatever the input. Otherwise (Qwen-VL) the
+    image keeps its aspect ratio, resized to multiples of patch_size x merge_size within [min_pixels,
+    max_pixels] (transformers' `smart_resize`, models/qwen2_vl/image_processing_qwen2_vl.py).
+    """
+
+    patch_size: int
+    merge_size: int = 1
+    fixed_size: int | None = None
+    fixed_tokens: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) the processor resizes an image to (transformers' smart_resize, same arithmetic)."""
+        if self.fixed_size is not None:
+            return self.fixed_size, self.fixed_size
+        assert self.min_pixels is not None and self.max_pixels is not None
+        factor = self.factor
+        h_bar = max(factor, round(height / factor) * factor)
+        w_bar = max(factor, round(width / factor) * factor)
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt((height * width) / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def patches(self, height: int, width: int) -> int:
+        """Patches the vision tower runs over for one image of height x width pixels."""
+        h, w = self.resized(height, width)
+        return (h // self.patch_size) * (w // self.patch_size)
+
+    def tokens(self, height: int, width: int) -> int:
+        """Image tokens one image of height x width pixels takes in the language model's sequence."""
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
+        return self.patches(height, width) // (self.merge_size * self.merge_size)
+
+    @property
+    def max_patches(self) -> int:
+        """Patches of the largest image the processor lets through (what the planner sizes)."""
+        if self.fixed_size is not None:
+            return (self.fixed_size // self.patch_size) ** 2
+        assert self.max_pixels is not None
+        # smart_resize keeps h x w <= max_pixels in multiples of factor x factor (and at least one such block).
+        blocks = max(1, self.max_pixels // (self.factor * self.factor))
+        return blocks * self.merge_size * self.merge_size
+
+    @property
+    def max_tokens(self) -> int:
+        """Image tokens of the largest image the processor lets through."""
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
+        return self.max_patches // (self.merge_size * self.merge_size)
+
+    def with_pixels(self, min_pixels: int | None, max_pixels: int | None) -> ImageGeometry:
+        """data.image_min_pixels / data.image_max_pixels over the processor's own (None keeps its own).
+        A fixed-size processor (Gemma 3) resizes every image to its size: the knobs change nothing there."""
+        if self.fixed_size is not None:
+            return self
+        return ImageGeometry(
+            self.patch_size,
+            self.merge_size,
+            min_pixels=self.min_pixels if min_pixels is None else min_pixels,
+            max_pixels=self.max_pixels if max_pixels is None else max_pixels,
+        )
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """An image-text model's vision tower and projector: their parameters and their activations' shape."""
+
+    family: str
+    """The config's model_type: "gemma3" or "qwen2_5_vl"."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    gated_mlp: bool
+    """SwiGLU-style MLP (gate, up, down: Qwen2.5-VL) or two-matrix GeLU (fc1, fc2: SigLIP)."""
+    tower: tuple[tuple[str, tuple[int, ...], int], ...]
+    projector: tuple[tuple[str, tuple[int, ...], int], ...]
+    geometry: ImageGeometry
+    projector_out: int
+    """The language model's hidden size the projector maps to."""
+
+    def modules(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """(module name, numel of each of its own parameters, how many): ModelShape.modules' format, the names
+        prefixed by their part so that nothing here is taken for a language-model projection (QLoRA leaves
+        the vision part in 16 bits, LoRA's default targets are the language model's)."""
+        return [(f"{VISION_TOWER}.{n}", p, c) for n, p, c in self.tower] + [
+            (f"{PROJECTOR}.{n}", p, c) for n, p, c in self.projector
+        ]
+
+    @property
+    def tower_params(self) -> int:
+        return sum(sum(p) * c for _, p, c in self.tower)
+
+    @property
+    def projector_params(self) -> int:
+        return sum(sum(p) * c for _, p, c in self.projector)
+
+    @property
+    def num_params(self) -> int:
+        return self.tower_params + self.projector_params
+
+    def part_params(self, part: str) -> int:
+        """Parameters of model.freeze's part `part` held here (0 for the language model)."""
+        return {VISION_TOWER: self.tower_params, PROJECTOR: self.projector_params}.get(part, 0)
+
+    def mlp_bytes_per_patch(self) -> int:
+        """The tower's MLP intermediates kept for backward, 16-bit: SwiGLU keeps gate, up, SiLU(gate) and their
+        product (4 x intermediate, as memory_formulas counts the language model's); a GeLU MLP its fc1 output
+        and the GeLU of it (2 x intermediate, Korthikanti et al.'s 16sbh at 4h)."""
+        return 2 * (4 if self.gated_mlp else 2) * self.intermediate_size
+
+    def layer_activation_bytes(self, patches: int) -> int:
+        """One tower layer's activations over `patches` patches in 16 bits, SDPA attention (no patches^2
+        scores): Korthikanti et al. 2022's 34sbh without the MLP's 16sbh (18 x hidden per patch), plus this
+        MLP's own intermediates."""
+        return patches * (18 * self.hidden_size + self.mlp_bytes_per_patch())
+
+
+def _linear(n_in: int, n_out: int, bias: bool = True) -> tuple[int, ...]:
+    return (n_in * n_out, n_out) if bias else (n_in * n_out,)
+
+
+def _require(cfg: dict[str, Any], key: str, where: str) -> int:
+    if cfg.get(key) is None:
+        raise VisionConfigError(f"model config is missing {where}.{key} (needed to size the vision tower)")
+    return int(cfg[key])
+
+
+def _siglip_tower(
+    vision: dict[str, Any],
+) -> tuple[list[tuple[str, tuple[int, ...], int]], int, int, int, int]:
+    """SigLIP's vision transformer (transformers models/siglip/modeling_siglip.py SiglipVisionTransformer):
+    patch Conv2d with bias, a learned position per patch, layers of LayerNorm / q,k,v,out with bias / LayerNorm
+    / fc1, fc2 with bias, a final LayerNorm, and the attention-pooling head only with vision_use_head."""
+    d = _require(vision, "hidden_size", "vision_config")
+    layers = _require(vision, "num_hidden_layers", "vision_config")
+    inter = _require(vision, "intermediate_size", "vision_config")
+    heads = _require(vision, "num_attention_heads", "vision_config")
+    patch = _require(vision, "patch_size", "vision_config")
+    size = _require(vision, "image_size", "vision_config")
+    channels = int(vision.get("num_channels", 3))
+    positions = (size // patch) ** 2
+    modules: list[tuple[str, tuple[int, ...], int]] = [
+        ("patch_embedding", (channels * patch * patch * d, d), 1),
+        ("position_embedding", (positions * d,), 1),
+        ("layer_norm1", (d, d), layers),
+        ("q_proj", _linear(d, d), layers),
+        ("k_proj", _linear(d, d), layers),
+        ("v_proj", _linear(d, d), layers),
+        ("out_proj", _linear(d, d), layers),
+        ("layer_norm2", (d, d), layers),
+        ("fc1", _linear(d, inter), layers),
+        ("fc2", _linear(inter, d), layers),
+        ("post_layernorm", (d, d), 1),
+    ]
+    # SiglipVisionConfig defaults vision_use_head to True; Gemma 3's checkpoints set it false.
+    if vision.get("vision_use_head", True):
+        modules += [
+            ("head.probe", (d,), 1),
+            ("head.attention", (3 * d * d, 3 * d, d * d, d), 1),
+            ("head.layernorm", (d, d), 1),
+            ("head.mlp", _linear(d, inter) + _linear(inter, d), 1),
+        ]
+    return modules, d, layers, heads, inter
+
+
+def _gemma3(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
+    vision = cfg.get("vision_config") or {}
+    tower, d, layers, heads, inter = _siglip_tower(vision)
+    patch = int(vision["patch_size"])
+    size = int(vision["image_size"])
+    tokens = _require(cfg, "mm_tokens_per_image", "config")
+    # Gemma3MultiModalProjector: a (vision hidden x text hidden) matrix without bias and an RMSNorm of the vision
+    # width (its average pooling has no parameters).
+    projector = [("mm_input_projection_weight", (d * text_hidden,), 1), ("mm_soft_emb_norm", (d,), 1)]
+    return VisionShape(
+        family="gemma3",
+        hidden_size=d,
+        num_layers=layers,
+        num_heads=heads,
+        intermediate_size=inter,
+        gated_mlp=False,
+        tower=tuple(tower),
+        projector=tuple(projector),
+        geometry=ImageGeometry(patch_size=patch, fixed_size=size, fixed_tokens=tokens),
+        projector_out=text_hidden,
+    )
+
+
+# Qwen2VLImageProcessor's own pixel limits (transformers 5.25: size={"shortest_edge": 56*56, "longest_edge":
+# 28*28*1280}), used when neither the recipe nor the checkpoint's preprocessor_config.json says.
+QWEN_VL_MIN_PIXELS = 56 * 56
+QWEN_VL_MAX_PIXELS = 28 * 28 * 1280
+
+
+def _qwen2_5_vl(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
+    """Qwen2.5-VL's vision transformer (transformers models/qwen2_5_vl/modeling_qwen2_5_vl.py): a Conv3d patch
+    embedding without bias over temporal_patch_size frames, blocks of RMSNorm / qkv and proj with bias /
+    RMSNorm / gate, up, down with bias, and the merger (the projector): RMSNorm, then two linears with bias over
+    merge_size^2 concatenated patches."""
+    vision = cfg.get("vision_config") or {}
+    d = _require(vision, "hidden_size", "vision_config")
+    layers = _require(vision, "depth", "vision_config")
+    inter = _require(vision, "intermediate_size", "vision_config")
+    heads = _require(vision, "num_heads", "vision_config")
+    patch = int(vision.get("patch_size", 14))
+    merge = int(vision.get("spatial_merge_size", 2))
+    temporal = int(vision.get("temporal_patch_size", 2))
+    channels = int(vision.get("in_channels", vision.get("in_chans", 3)))
+    out = int(vision.get("out_hidden_size", text_hidden))
+    tower = [
+        ("patch_embed", (channels * temporal * patch * patch * d,), 1),
+        ("norm1", (d,), layers),
+        ("qkv", _linear(d, 3 * d), layers),
+        ("proj", _linear(d, d), layers),
+        ("norm2", (d,), layers),
+        ("gate_proj", _linear(d, inter), layers),
+        ("up_proj", _linear(d, inter), layers),
+        ("down_proj", _linear(inter, d), layers),
+    ]
+    merged = d * merge * merge
+    projector = [("ln_q", (d,), 1), ("mlp.0", _linear(merged, merged), 1), ("mlp.2", _linear(merged, out), 1)]
+    return VisionShape(
+        family="qwen2_5_vl",
+        hidden_size=d,
+        num_layers=layers,
+        num_heads=heads,
+        intermediate_size=inter,
+        gated_mlp=True,
+        tower=tuple(tower),
+        projector=tuple(projector),
+        geometry=ImageGeometry(
+            patch_size=patch, merge_size=merge, min_pixels=QWEN_VL_MIN_PIXELS, max_pixels=QWEN_VL_MAX_PIXELS
+        ),
+        projector_out=out,
+    )
+
+
+_FAMILIES = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}
+
+
+def vision_shape_from_config(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
+    """The vision part of an image-text config.json dict (config/model_kind.is_image_text holds for it)."""
+    model_type = cfg.get("model_type")
+    build = _FAMILIES.get(str(model_type))
+    if build is None:
+        raise VisionConfigError(
+            f"model_type '{model_type}' is an image-text model the planner cannot size yet; "
+            f"sized: {', '.join(SIZED_IMAGE_TEXT_TYPES)} (the run itself does not need the planner)"
+        )
+    return build(cfg, text_hidden)
+
+
+def processor_pixels(preprocessor: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(min_pixels, max_pixels) a checkpoint's preprocessor_config.json sets (None where it does not): the
+    top-level keys, or transformers 5's `size` {"shortest_edge", "longest_edge"}."""
+    size = preprocessor.get("size") if isinstance(preprocessor.get("size"), dict) else {}
+    low = preprocessor.get("min_pixels", size.get("shortest_edge") if size else None)
+    high = preprocessor.get("max_pixels", size.get("longest_edge") if size else None)
+    return (int(low) if low is not None else None, int(high) if high is not None else None)
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """What an image-text run asks of its vision part (MemoryInputs.vision; nothing on a text model).
+
+    The estimate sizes every sample at `images_per_sample` images of the largest size the processor lets
+    through (data.image_max_pixels, else the checkpoint's processor): an upper bound, as seq_len is for text.
+    """
+
+    freeze: tuple[str, ...] = (VISION_TOWER, PROJECTOR)
+    """model.freeze: the parts that do not train (the schema's default: the vision tower and the projector)."""
+    images_per_sample: int = 0
+    """Images each sample holds (1 for image_chat data, the common case); 0: text rows."""
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    """data.image_min_pixels / image_max_pixels, or the checkpoint's processor's; None: the processor class's."""
+
+    def geometry(self, vision: VisionShape) -> ImageGeometry:
+        return vision.geometry.with_pixels(self.min_pixels, self.max_pixels)
+
+    def frozen_params(self, vision: VisionShape) -> int:
+        """Parameters of the vision part that do not train (the language model is the caller's)."""
+        return sum(vision.part_params(part) for part in self.freeze)
+
+    def trained_params(self, vision: VisionShape) -> int:
+        return vision.num_params - self.frozen_params(vision)
+
+
+def checkpoint_pixels(name_or_path: str | None) -> tuple[int | None, int | None]:
+    """(min_pixels, max_pixels) the checkpoint's own processor uses: its preprocessor_config.json in a local
+    directory, else the published values of a known id (config/known_models.py), else (None, None): the
+    processor class's defaults."""
+    if not name_or_path:
+        return None, None
+    local = Path(name_or_path).expanduser() / "preprocessor_config.json"
+    if local.is_file():
+        try:
+            return processor_pixels(json.loads(local.read_text()))
+        except (json.JSONDecodeError, TypeError, ValueError):
+            return None, None  # the run's processor says what is wrong with it; the plan keeps the class's
+    return KNOWN_PROCESSOR_PIXELS.get(name_or_path, (None, None))

@@ -1,0 +1,269 @@
+"""The planner's image-text models: parameter counts against tiny real models, image tokens against the
+processors, and the estimate's vision terms (planning/vision_shapes.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llm_train.planning.memory_estimate import estimate_memory
+from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model_split import model_split
+from llm_train.planning.shapes import ModelConfigError, shape_from_config, shape_of
+from llm_train.planning.vision_shapes import (
+    LANGUAGE_MODEL,
+    PROJECTOR,
+    VISION_TOWER,
+    ImageGeometry,
+    VisionInputs,
+    processor_pixels,
+)
+
+GEMMA3: dict[str, Any] = {
+    "model_type": "gemma3",
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "mm_tokens_per_image": 4,
+    "image_token_index": 299,
+    "boi_token_index": 297,
+    "eoi_token_index": 298,
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+        "max_position_embeddings": 256,
+    },
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+QWEN25_VL: dict[str, Any] = {
+    "model_type": "qwen2_5_vl",
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "image_token_id": 299,
+    "video_token_id": 298,
+    "vision_start_token_id": 297,
+    "vision_end_token_id": 296,
+    "text_config": {
+        "model_type": "qwen2_5_vl_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+        "max_position_embeddings": 256,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    },
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "fullatt_block_indexes": [1],
+        "window_size": 56,
+    },
+}
+# Where each model keeps model.freeze's parts (transformers 5.25's module names).
+PARTS = {
+    "gemma3": {VISION_TOWER: "model.vision_tower.", PROJECTOR: "model.multi_modal_projector."},
+    "qwen2_5_vl": {VISION_TOWER: "model.visual.", PROJECTOR: "model.visual.merger."},
+}
+
+
+def _model(cfg: dict[str, Any]) -> Any:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**cfg)
+    return transformers.AutoModelForImageTextToText.from_config(config)
+
+
+def _part_of(family: str, name: str) -> str:
+    parts = PARTS[family]
+    if name.startswith(parts[PROJECTOR]):  # Qwen's merger sits inside its vision module
+        return PROJECTOR
+    if name.startswith(parts[VISION_TOWER]):
+        return VISION_TOWER
+    return LANGUAGE_MODEL
+
+
+@pytest.mark.parametrize("cfg", [GEMMA3, QWEN25_VL], ids=["gemma3", "qwen2_5_vl"])
+def test_parameter_counts_equal_a_tiny_models_numel_part_by_part(cfg: dict[str, Any]) -> None:
+    model = _model(cfg)
+    shape = shape_from_config(cfg)
+    assert shape.vision is not None
+    family = shape.vision.family
+    numel = {VISION_TOWER: 0, PROJECTOR: 0, LANGUAGE_MODEL: 0}
+    for name, param in model.named_parameters():  # named_parameters lists a tied head once
+        numel[_part_of(family, name)] += param.numel()
+    assert shape.num_params == sum(numel.values())
+    assert (shape.vision.tower_params, shape.vision.projector_params) == (
+        numel[VISION_TOWER],
+        numel[PROJECTOR],
+    )
+    assert shape.language_model_params == numel[LANGUAGE_MODEL]
+    # What a full fine-tune trains under each model.freeze: the estimate's trainable elements equal the
+    # numel of the parameters outside the frozen parts.
+    for freeze in [(VISION_TOWER, PROJECTOR), (VISION_TOWER,), (), (LANGUAGE_MODEL,)]:
+        inp = MemoryInputs.of(shape, world_size=1, vision=VisionInputs(freeze=freeze))
+        trained = sum(n for part, n in numel.items() if part not in freeze)
+        assert model_split(inp).trainable == trained, freeze
+        assert model_split(inp).base == shape.num_params  # frozen parts keep their weights
+
+
+def test_qlora_leaves_the_vision_part_in_16_bits_and_lora_targets_the_language_model() -> None:
+    from llm_train.planning.quantized_bytes import base_weight_bytes, quantized_weight_params
+
+    shape = shape_from_config(QWEN25_VL)
+    text = shape_from_config({**QWEN25_VL["text_config"], "model_type": "qwen2"})
+    assert quantized_weight_params(shape) == quantized_weight_params(text)
+    vision = shape.vision
+    assert vision is not None
+    assert base_weight_bytes(shape, "nf4", 2) == base_weight_bytes(text, "nf4", 2) + 2 * vision.num_params
+    assert shape.lora_params(8) == text.lora_params(8)
+
+
+def _png(path: Path, width: int, height: int) -> Path:
+    from PIL import Image
+
+    Image.new("RGB", (width, height), (width % 256, height % 256, 90)).save(path)
+    return path
+
+
+# Sizes around every branch of smart_resize: too small (enlarged to min_pixels), in range (rounded to 28),
+# too large (shrunk within max_pixels), extreme aspect ratios.
+IMAGE_SIZES = [(20, 20), (28, 28), (100, 60), (333, 517), (640, 480), (1024, 768), (1500, 300), (90, 900)]
+
+
+def test_qwen_image_tokens_equal_the_processors_on_real_images(tmp_path: Path) -> None:
+    import transformers
+    from PIL import Image
+
+    low, high = 4 * 28 * 28, 256 * 28 * 28
+    processor = transformers.Qwen2VLImageProcessor(
+        min_pixels=low, max_pixels=high, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    shape = shape_from_config(QWEN25_VL)
+    assert shape.vision is not None
+    geometry = VisionInputs(min_pixels=low, max_pixels=high).geometry(shape.vision)
+    for width, height in IMAGE_SIZES:
+        image = Image.open(_png(tmp_path / f"{width}x{height}.png", width, height))
+        grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+        t, h, w = grid
+        assert t == 1
+        assert geometry.patches(height, width) == h * w, (width, height)
+        assert geometry.tokens(height, width) == h * w // 4, (width, height)
+        assert geometry.tokens(height, width) <= geometry.max_tokens
+    # The bound is reached: an image of exactly max_pixels in 28-pixel blocks takes max_tokens.
+    assert geometry.tokens(16 * 28, 16 * 28) == geometry.max_tokens == 256
+
+
+def test_gemma3_image_tokens_equal_the_models_own_count(tmp_path: Path) -> None:
+    """Gemma 3 resizes every image to image_size and pools the tower's patches to mm_tokens_per_image: the
+    image features the model puts into the sequence, counted on real images through its processor."""
+    import torch
+    import transformers
+    from PIL import Image
+
+    model = _model(GEMMA3).eval()
+    processor = transformers.Gemma3ImageProcessor(size={"height": 56, "width": 56}, do_pan_and_scan=False)
+    shape = shape_from_config(GEMMA3)
+    assert shape.vision is not None
+    geometry = shape.vision.geometry
+    for width, height in IMAGE_SIZES[:4]:
+        image = Image.open(_png(tmp_path / f"{width}x{height}.png", width, height))
+        pixels = processor(images=[image], return_tensors="pt")["pixel_values"]
+        assert tuple(pixels.shape[-2:]) == geometry.resized(height, width)
+        with torch.no_grad():
+            features = model.model.get_image_features(pixel_values=pixels)
+        tokens = getattr(features, "pooler_output", features)
+        assert tokens.shape[-2] == geometry.tokens(height, width) == 4
+    assert geometry.max_patches == (56 // 14) ** 2
+
+
+def test_known_checkpoints_image_tokens() -> None:
+    qwen = shape_of("Qwen/Qwen2.5-VL-7B-Instruct").vision
+    gemma = shape_of("google/gemma-3-12b-it").vision
+    assert qwen is not None and gemma is not None
+    # Qwen2.5-VL: one token per 28 x 28 pixels, bounded by max_pixels (the class's 1280 x 28^2 by default).
+    assert qwen.geometry.max_tokens == 1280
+    assert VisionInputs(max_pixels=512 * 28 * 28).geometry(qwen).max_tokens == 512
+    # Gemma 3: 256 tokens per image whatever its size, 4096 SigLIP patches at 896 x 896; the knobs change nothing.
+    assert (gemma.geometry.max_tokens, gemma.geometry.max_patches) == (256, 4096)
+    assert VisionInputs(max_pixels=10_000).geometry(gemma) == gemma.geometry
+
+
+def test_processor_pixels_reads_both_spellings() -> None:
+    assert processor_pixels({"min_pixels": 3136, "max_pixels": 12845056}) == (3136, 12845056)
+    assert processor_pixels({"size": {"shortest_edge": 3136, "longest_edge": 1003520}}) == (3136, 1003520)
+    assert processor_pixels({"size": {"height": 896, "width": 896}}) == (None, None)
+
+
+def test_vision_activations_frozen_against_trained() -> None:
+    shape = shape_of("Qwen/Qwen2.5-VL-7B-Instruct")
+    vision = shape.vision
+    assert vision is not None
+    images = VisionInputs(images_per_sample=1, max_pixels=512 * 28 * 28)
+    base = MemoryInputs.of(
+        shape, world_size=1, seq_len=2048, lora_rank=16, activation_checkpointing=True, vision=images
+    )
+    frozen = estimate_memory(base).gpu_terms["vision_activations"]
+    patches = 512 * 4
+    # A frozen tower keeps nothing for backward: one layer's working set.
+    assert frozen == vision.layer_activation_bytes(patches) == patches * (18 * 1280 + 2 * 4 * 3420)
+    trained = estimate_memory(
+        dataclasses.replace(base, vision=dataclasses.replace(images, freeze=(PROJECTOR,)))
+    ).gpu_terms["vision_activations"]
+    assert trained == vision.num_layers * 2 * patches * 1280 + frozen  # checkpointed: inputs + one layer
+    # Text rows on an image-text checkpoint: no vision term; a text model: the same terms as before.
+    assert (
+        "vision_activations"
+        not in estimate_memory(dataclasses.replace(base, vision=VisionInputs())).gpu_terms
+    )
+
+
+def test_a_trained_vision_tower_adds_its_gradients_and_optimizer_states() -> None:
+    shape = shape_of("google/gemma-3-12b-it")
+    vision = shape.vision
+    assert vision is not None
+    frozen = MemoryInputs.of(shape, world_size=8, zero_stage=3)
+    trained = dataclasses.replace(frozen, vision=VisionInputs(freeze=()))
+    assert model_split(trained).trainable - model_split(frozen).trainable == vision.num_params
+    a, b = estimate_memory(frozen).gpu_terms, estimate_memory(trained).gpu_terms
+    # ZeRO-3 over 8: 16-bit gradients and 12 bytes of fp32 optimizer state per trained parameter, partitioned.
+    assert b["gradients"] - a["gradients"] == pytest.approx(vision.num_params * 2 / 8, rel=1e-9)
+    assert b["optimizer_states"] - a["optimizer_states"] == pytest.approx(
+        vision.num_params * 12 / 8, rel=1e-9
+    )
+    assert b["parameters"] == a["parameters"]
+
+
+def test_an_image_text_type_the_planner_cannot_size_is_one_line() -> None:
+    cfg = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": {}}
+    with pytest.raises(
+        ModelConfigError, match="model_type 'llava' is an image-text model the planner cannot size"
+    ):
+        shape_from_config(cfg)
+
+
+def test_geometry_fixed_size_ignores_the_input() -> None:
+    fixed = ImageGeometry(patch_size=14, fixed_size=896, fixed_tokens=256)
+    assert fixed.resized(10, 5000) == (896, 896) and fixed.tokens(10, 5000) == 256
