@@ -32,6 +32,9 @@ class HardwareSection(Section):
         return self.nodes * self.processes_per_node
 
 
+ModelPart = Literal["vision_tower", "projector", "language_model"]
+
+
 class ModelSection(Section):
     """Which causal LM is trained and how it is created."""
 
@@ -50,8 +53,8 @@ class ModelSection(Section):
     trust_remote_code: bool = Field(
         False, description="Run model code from the hub; off unless you trust it."
     )
-    freeze: list[Literal["vision_tower", "projector", "language_model"]] = Field(
-        default_factory=lambda: ["vision_tower", "projector"],
+    freeze: list[ModelPart] = Field(
+        default_factory=lambda: list[ModelPart](["vision_tower", "projector"]),
         description="Image-text models: the parts that do not train (frozen parts keep their weights, bit-identical "
         "in the export); default the vision tower and the projector, as LLaMA-Factory and Unsloth do.",
     )

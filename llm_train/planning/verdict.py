@@ -38,6 +38,7 @@ from llm_train.planning.search import (
 )
 from llm_train.planning.shapes import shape_from_config
 from llm_train.planning.speed import reference_pass_seconds, staged_load
+from llm_train.planning.vision_note import vision_note
 
 # --- the report -------------------------------------------------------------------------------------
 
@@ -320,6 +321,8 @@ def plan_recipe(
     report = PlanReport(title, hw, config_line(base, run.layout.grad_accum), ev, nvme_bytes=nvme)
     if run.notice:
         report.notes.append(run.notice)
+    if vision := vision_note(base, ev.estimate):
+        report.notes.append(vision)
     report.notes.extend(f"checkpoints: {line}" for line in checkpoint_lines(run))
     if start := start_up_note(base, hw):
         report.notes.append(start)
