@@ -184,13 +184,31 @@ class DataSection(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _image_rows_are_padded(self) -> DataSection:
+        # An image row's pixels belong to the whole row: packing several into one sequence would need the
+        # vision tower's inputs split per sample, which no processor output says how to do (TRL packs no VLM
+        # rows either), and a streamed row's pixels have no place in the stream's token windows.
+        for key in ("train", "eval"):
+            for i, source in enumerate(getattr(self, key)):
+                if isinstance(source, str) or source.format != "image_chat":
+                    continue
+                if self.packing == "packed":
+                    raise ValueError(
+                        f"data.{key}[{i}] is format image_chat, whose rows are one sample per sequence (an image's "
+                        "pixels cannot be split between packed samples); set data.packing=padded"
+                    )
+                if source.streaming:
+                    raise ValueError(
+                        f"data.{key}[{i}].streaming=true: image_chat rows are processed up front (their pixels "
+                        "are cached with the tokens); remove streaming"
+                    )
+        return self
+
     def sources(self, split: Literal["train", "eval"]) -> list[Source]:
         """The sources of one split, path strings turned into text sources that read data.text_field."""
         items = self.train if split == "train" else self.eval
-        return [
-            (TextSource(path=item) if isinstance(item, str) else item).filled(self.text_field)
-            for item in items
-        ]
+        return [(TextSource(path=item) if isinstance(item, str) else item).filled(self) for item in items]
 
 
 class OptimSection(Section):

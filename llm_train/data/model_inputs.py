@@ -30,6 +30,8 @@ from llm_train.data.prepare import PackedSplit
 
 IGNORE = -100
 PAIR_WIDTH_STEP = 64
+# Processor outputs with one value per token (transformers' names), padded with their row.
+PER_TOKEN_ARRAYS = frozenset({"token_type_ids", "mm_token_type_ids"})
 
 
 def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:
@@ -57,8 +59,41 @@ def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str
         used[r] = col
     if split.packing == "padded":
         attention = (np.arange(width)[None, :] < used[:, None]).astype(np.int64)
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+        batch: dict[str, np.ndarray | bool] = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention,
+        }
+        batch.update(row_arrays(split, sequences, width))
+        return batch
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "use_cache": False}
+
+
+def row_arrays(split: PackedSplit, sequences: list[tuple[int, int]], width: int) -> dict[str, np.ndarray]:
+    """The rows' other model inputs (image formats: pixel values, grid sizes ...; formats/image_chat.py).
+
+    Per-image arrays are concatenated over the rows in row order, which is the order the model meets the
+    image tokens in input_ids and so reads the images in; per-token ones ([1, row length]: Gemma 3's
+    token_type_ids) are laid into [rows, width], zero on padding. Image rows are never packed or split
+    (config/recipe_sections.py), so a sequence is exactly one row.
+    """
+    per_image: dict[str, list[np.ndarray]] = {}
+    per_token: dict[str, np.ndarray] = {}
+    for r, (part, sequence) in enumerate(sequences):
+        store = split.parts[part].store
+        if store.blobs is None:
+            continue
+        starts, lengths = split.spans(part, sequence)
+        row = store.row_of(int(starts[0]))
+        for name, value in store.arrays(row).items():
+            if name in PER_TOKEN_ARRAYS:
+                per_token.setdefault(name, np.zeros((len(sequences), width), dtype=value.dtype))
+                per_token[name][r, : value.shape[-1]] = value.reshape(-1)[:width]
+            else:
+                per_image.setdefault(name, []).append(value)
+    out = {name: np.concatenate(values) for name, values in per_image.items()}
+    out.update(per_token)
+    return out
 
 
 def build_pair_rows(split: PackedSplit, pairs: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:

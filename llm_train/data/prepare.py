@@ -221,7 +221,7 @@ class _Job:
             fn = fmt.tokenize_fn(source, self.tokenizer, self.template, where, self.data.tokenize_memo)
             procs = auto_num_proc(len(loaded), loaded.data.nbytes, self.data.num_proc)
             columns = fmt.fields_read(source, loaded.column_names)
-            meta = build_store(out, loaded, fn, columns, fmt.loss_mask, procs, tok_key)
+            meta = build_store(out, loaded, fn, columns, fmt.loss_mask, procs, tok_key, fmt.arrays)
             if meta["tokens"] == 0:
                 raise UserError(f"{where}: every row is empty after tokenisation")
             if fmt.pairs:
@@ -255,7 +255,9 @@ class _Job:
                 lay, row_count = pair_placement(spans), len(spans)  # two padded rows per pair
                 lengths = _pair_lengths(store, rows)
             else:
-                spans, counts = make_spans(store, rows, data.seq_len, source.overlong, tokens.label)
+                spans, counts = make_spans(
+                    store, rows, data.seq_len, source.overlong, tokens.label, *formats.of(source).overlong_fix
+                )
                 lay = placement(spans, data.seq_len, data.packing)
                 row_count = lay.n_sequences
                 lengths = store.lengths[rows]

@@ -42,6 +42,11 @@ class Format(Generic[S]):
     uses_chat_template: Literal["never", "always", "when_available"] = "never"
     """Whether its rows are rendered with the chat template: never, always (refused without one), or when
     the recipe or the tokenizer has one (message rows need it; text rows do without)."""
+    arrays: bool = False
+    """Its tokenise function also returns `arrays`: per row, the model's other inputs (pixel values ...) as
+    one `np.savez` blob, stored beside the tokens (store.py) and batched with them (model_inputs.py)."""
+    overlong_fix: tuple[str, ...] = ()
+    """What an over-long row's refusal tells the user to do, when it differs from packing.py's default."""
     looks_like: frozenset[str] = frozenset()
     """Columns that suggest this format, named when another format's field is missing."""
     field_keys: str = ""

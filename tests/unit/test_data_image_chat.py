@@ -1,0 +1,215 @@
+"""`format: image_chat`: the three shapes users bring give the same model inputs, the loss is on assistant text
+only (never on image tokens), and every bad input is one line naming the row and the file.
+
+The processor is the bundled tiny LLaVA one (llm_train/assets/tiny_vlm/processor: 16 image tokens per image).
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llm_train.assets import vlm
+from llm_train.config.recipe_sections import DataSection
+from llm_train.config.sources import ImageChatSource
+from llm_train.data import prepare_data
+from llm_train.data.formats.image_chat import image_chat_fn, load_processor
+from llm_train.data.formats.images import ImageSizing
+from llm_train.data.model_inputs import IGNORE, build_rows
+from llm_train.errors import UserError
+from tests.unit.data_fixtures import get_tokenizer, write_jsonl
+
+ASSETS = Path(vlm.__file__).resolve().parent / "tiny_vlm"
+PROCESSOR = ASSETS / "processor"
+IMAGE_TOKENS = (vlm.IMAGE_SIZE // vlm.PATCH_SIZE) ** 2
+
+
+@pytest.fixture(scope="module")
+def processor() -> Any:
+    from transformers import AutoTokenizer
+
+    return load_processor(AutoTokenizer.from_pretrained(str(PROCESSOR)), "data.train[0]")
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> Path:
+    shutil.copytree(ASSETS / "images", tmp_path / "images")
+    return tmp_path
+
+
+def _encode(processor: Any, rows: list[dict[str, Any]], base: Path, **keys: Any) -> dict[str, list[Any]]:
+    source = ImageChatSource.model_validate({"path": str(base / "rows.jsonl"), **keys})
+    fn = image_chat_fn(source, processor, None, "data.train[0]")
+    batch: dict[str, list[Any]] = {}
+    for row in rows:
+        for name, value in row.items():
+            batch.setdefault(name, []).append(value)
+    return fn(batch, list(range(len(rows))))
+
+
+def _arrays(blob: bytes) -> dict[str, np.ndarray]:
+    import io
+
+    with np.load(io.BytesIO(blob)) as data:
+        return {k: data[k] for k in data.files}
+
+
+def test_the_three_shapes_give_the_same_ids_pixels_and_mask(processor: Any, images: Path) -> None:
+    question, answer = "What is in the picture?", "a red circle."
+    path = "images/red-circle.png"
+    uri = "data:image/png;base64," + base64.b64encode((images / path).read_bytes()).decode()
+    trl = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ],
+        "images": [path],
+    }
+    llama_factory = {
+        "conversations": [{"from": "human", "value": "<image>" + question}, {"from": "gpt", "value": answer}],
+        "image": path,  # LLaVA's single-image column
+    }
+    openai = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": uri}},
+                    {"type": "text", "text": question},
+                ],
+            },
+            {"role": "assistant", "content": answer},
+        ]
+    }
+    hub_feature = {**trl, "images": [{"bytes": (images / path).read_bytes(), "path": None}]}
+    outs = [
+        _encode(processor, [trl], images),
+        _encode(processor, [llama_factory], images, preset="sharegpt"),
+        _encode(processor, [openai], images),
+        _encode(processor, [hub_feature], images),
+    ]
+    first = outs[0]
+    ids = np.asarray(first["input_ids"][0])
+    assert int((ids == processor.image_token_id).sum()) == IMAGE_TOKENS
+    pixels = _arrays(first["arrays"][0])["pixel_values"]
+    assert pixels.shape == (1, 3, vlm.IMAGE_SIZE, vlm.IMAGE_SIZE)
+    for other in outs[1:]:
+        assert other["input_ids"] == first["input_ids"]
+        assert other["loss_mask"] == first["loss_mask"]
+        np.testing.assert_array_equal(_arrays(other["arrays"][0])["pixel_values"], pixels)
+
+
+def test_labels_are_on_assistant_text_only_never_on_image_tokens(processor: Any, tmp_path: Path) -> None:
+    data = DataSection.model_validate(
+        {
+            "train": [{"path": str(ASSETS / "captions.jsonl"), "format": "image_chat"}],
+            "seq_len": 64,
+            "packing": "padded",
+            "eval_fraction": 0,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+    )
+    split = prepare_data(data, processor.tokenizer, seed=0).train
+    batch = build_rows(split, [(0, 0), (0, 5)])
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert isinstance(ids, np.ndarray) and isinstance(labels, np.ndarray)
+    assert batch["pixel_values"].shape == (2, 3, vlm.IMAGE_SIZE, vlm.IMAGE_SIZE)  # type: ignore[union-attr]
+    tokenizer = processor.tokenizer
+    for r in range(2):
+        image = ids[r] == processor.image_token_id
+        assert image.sum() == IMAGE_TOKENS and (labels[r][image] == IGNORE).all()
+        trained = tokenizer.decode(ids[r][labels[r] != IGNORE])
+        # Row 0 is red-circle's first question, row 5 red-square's second: captions only, then the eos.
+        assert trained == ["a red circle.<|eos|>", "a red square.<|eos|>"][r]
+    # Sizing applies before the processor: a bound below the image's 64 x 64 pixels shrinks it first.
+    small = ImageSizing(max_pixels=32 * 32).apply(vlm.draw("red", "circle"))
+    assert small.size == (32, 32)
+
+
+def _bad(tmp_path: Path, rows: list[dict[str, Any]], match: str, tokenizer: Any = None, **data: Any) -> str:
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    section = DataSection.model_validate(
+        {
+            "train": [{"path": str(path), "format": "image_chat"}],
+            "seq_len": 64,
+            "packing": "padded",
+            "cache_dir": str(tmp_path / "cache"),
+            **data,
+        }
+    )
+    from transformers import AutoTokenizer
+
+    with pytest.raises(UserError, match=match) as info:
+        prepare_data(section, tokenizer or AutoTokenizer.from_pretrained(str(PROCESSOR)), seed=0)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def _row(*images: Any, placeholders: int = 1) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": "<image>" * placeholders + "What is it?"},
+            {"role": "assistant", "content": "a red circle."},
+        ],
+        "images": list(images),
+    }
+
+
+def test_bad_images_are_one_line_naming_row_and_file(images: Path) -> None:
+    good = _row("images/red-circle.png")
+    _bad(
+        images,
+        [good, _row("images/none.png")],
+        r"data.train: .*: row 2: image 1: image file not found: .*none.png",
+    )
+    (images / "images" / "broken.png").write_bytes(b"\x89PNG not really")
+    _bad(
+        images,
+        [good, good, _row("images/broken.png")],
+        r"row 3: image 1: .*broken.png is not a readable image",
+    )
+    _bad(images, [_row("images/red-circle.png", placeholders=2)], r"row 1: the conversation has more images")
+    _bad(
+        images,
+        [_row("images/red-circle.png", "images/blue-square.png")],
+        r"row 1: the row's images column holds 2",
+    )
+    _bad(
+        images,
+        [_row("https://example.com/cat.png")],
+        r"row 1: image 1: image URL .* cannot be fetched offline",
+    )
+
+
+def test_an_image_row_longer_than_seq_len_is_refused_not_cut(images: Path) -> None:
+    message = _bad(
+        images,
+        [_row("images/red-circle.png")],
+        r"row 1 has \d+ tokens, more than data.seq_len=16",
+        seq_len=16,
+    )
+    assert "image tokens count too" in message and "overlong: drop" in message
+
+
+def test_images_for_a_text_only_model_are_refused(images: Path) -> None:
+    _bad(
+        images,
+        [_row("images/red-circle.png")],
+        r"gives images to a text-only model",
+        tokenizer=get_tokenizer(),
+    )
+
+
+def test_image_rows_are_not_packed_or_streamed() -> None:
+    source = {"path": "rows.jsonl", "format": "image_chat"}
+    with pytest.raises(ValueError, match=r"data.train\[0\] is format image_chat.*set data.packing=padded"):
+        DataSection.model_validate({"train": [source], "packing": "packed"})
+    with pytest.raises(ValueError, match=r"data.train\[0\].streaming=true: image_chat rows"):
+        DataSection.model_validate(
+            {"train": [{**source, "streaming": True}], "packing": "padded", "eval_fraction": 0}
+        )
