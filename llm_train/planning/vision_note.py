@@ -11,7 +11,7 @@ from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.vision_shapes import PROJECTOR, VISION_TOWER
 from llm_train.units import GiB
 
-_FAMILY_NAMES = {"gemma3": "Gemma 3 (SigLIP)", "qwen2_5_vl": "Qwen2.5-VL"}
+_FAMILY_NAMES = {"gemma3": "Gemma 3 (SigLIP)", "qwen2_5_vl": "Qwen2.5-VL", "llava": "LLaVA (CLIP)"}
 
 
 def vision_note(inp: MemoryInputs, estimate: MemoryEstimate) -> str | None:

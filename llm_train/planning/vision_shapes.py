@@ -13,8 +13,9 @@ image's placeholder tokens. The planner needs three things from it before any we
   token per merge x merge patches);
 - the patches the tower itself runs over per image (its activations' sequence length).
 
-Two families are sized: Gemma 3 (a SigLIP tower, gemma3's projector) and Qwen2.5-VL. Other image-text types
-are refused by `vision_shape_from_config` in one line; the run itself does not need the planner.
+Three families are sized: Gemma 3 (a SigLIP tower, gemma3's projector), Qwen2.5-VL and LLaVA (a CLIP tower:
+tiny-cpu-vlm's). Other image-text types are refused by `vision_shape_from_config` in one line; the run itself
+does not need the planner.
 
 Nothing here imports torch or transformers (`plan` and `--dry-run` stay fast).
 """
@@ -33,7 +34,7 @@ from llm_train.errors import UserError
 # model.freeze's parts of an image-text model (the recipe schema's names).
 VISION_TOWER, PROJECTOR, LANGUAGE_MODEL = "vision_tower", "projector", "language_model"
 # The image-text model types sized here (config.json's top-level model_type).
-SIZED_IMAGE_TEXT_TYPES = ("gemma3", "qwen2_5_vl")
+SIZED_IMAGE_TEXT_TYPES = ("gemma3", "llava", "qwen2_5_vl")
 
 
 class VisionConfigError(UserError, ValueError):
@@ -295,7 +296,64 @@ def _qwen2_5_vl(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
     )
 
 
-_FAMILIES = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}
+def _llava(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
+    """LLaVA (transformers models/llava/modeling_llava.py): a CLIP vision model (models/clip/modeling_clip.py
+    CLIPVisionTransformer: a class embedding, a patch Conv2d without bias, a position per patch and one for the
+    class token, a LayerNorm before the layers and one after, layers as SigLIP's) and a two-linear projector
+    (vision width x feature layers -> text width -> text width, with bias unless multimodal_projector_bias is
+    false). Its processor resizes and centre-crops every image to the tower's image_size: one token per patch,
+    plus the class token's under vision_feature_select_strategy "full"."""
+    vision = cfg.get("vision_config") or {}
+    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise VisionConfigError(
+            f"llava with a '{vision.get('model_type')}' vision tower: the planner sizes LLaVA's CLIP tower only"
+        )
+    d = _require(vision, "hidden_size", "vision_config")
+    layers = _require(vision, "num_hidden_layers", "vision_config")
+    inter = _require(vision, "intermediate_size", "vision_config")
+    heads = _require(vision, "num_attention_heads", "vision_config")
+    patch = _require(vision, "patch_size", "vision_config")
+    size = _require(vision, "image_size", "vision_config")
+    channels = int(vision.get("num_channels", 3))
+    patches = (size // patch) ** 2
+    tower = [
+        ("class_embedding", (d,), 1),
+        ("patch_embedding", (channels * patch * patch * d,), 1),
+        ("position_embedding", ((patches + 1) * d,), 1),
+        ("pre_layrnorm", (d, d), 1),
+        ("layer_norm1", (d, d), layers),
+        ("q_proj", _linear(d, d), layers),
+        ("k_proj", _linear(d, d), layers),
+        ("v_proj", _linear(d, d), layers),
+        ("out_proj", _linear(d, d), layers),
+        ("layer_norm2", (d, d), layers),
+        ("fc1", _linear(d, inter), layers),
+        ("fc2", _linear(inter, d), layers),
+        ("post_layernorm", (d, d), 1),
+    ]
+    feature_layers = cfg.get("vision_feature_layer", -2)
+    width = d * (len(feature_layers) if isinstance(feature_layers, list) else 1)
+    bias = bool(cfg.get("multimodal_projector_bias", True))
+    projector = [
+        ("linear_1", _linear(width, text_hidden, bias), 1),
+        ("linear_2", _linear(text_hidden, text_hidden, bias), 1),
+    ]
+    full = cfg.get("vision_feature_select_strategy", "default") == "full"
+    return VisionShape(
+        family="llava",
+        hidden_size=d,
+        num_layers=layers,
+        num_heads=heads,
+        intermediate_size=inter,
+        gated_mlp=False,
+        tower=tuple(tower),
+        projector=tuple(projector),
+        geometry=ImageGeometry(patch_size=patch, fixed_size=size, fixed_tokens=patches + int(full)),
+        projector_out=text_hidden,
+    )
+
+
+_FAMILIES = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl, "llava": _llava}
 
 
 def vision_shape_from_config(cfg: dict[str, Any], text_hidden: int) -> VisionShape:

@@ -82,10 +82,51 @@ QWEN25_VL: dict[str, Any] = {
         "window_size": 56,
     },
 }
+ASSETS = Path(__file__).resolve().parents[2] / "llm_train" / "assets" / "tiny_vlm"
+
+
+def _tiny_cpu_vlm_config() -> dict[str, Any]:
+    """tiny-cpu-vlm's model.config (LLaVA: CLIP tower, projector, Llama), as the recipe gives it."""
+    import yaml
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu-vlm.yaml"
+    if recipe.is_file():
+        return dict(yaml.safe_load(recipe.read_text())["model"]["config"])
+    return {  # the same fields, until the recipe is on this branch
+        "model_type": "llava",
+        "image_token_id": 4096,
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -1,
+        "tie_word_embeddings": False,
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 56,
+            "patch_size": 14,
+        },
+        "text_config": {
+            "model_type": "llama",
+            "vocab_size": 4097,
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": False,
+        },
+    }
+
+
+LLAVA = _tiny_cpu_vlm_config()
 # Where each model keeps model.freeze's parts (transformers 5.25's module names).
 PARTS = {
     "gemma3": {VISION_TOWER: "model.vision_tower.", PROJECTOR: "model.multi_modal_projector."},
     "qwen2_5_vl": {VISION_TOWER: "model.visual.", PROJECTOR: "model.visual.merger."},
+    "llava": {VISION_TOWER: "model.vision_tower.", PROJECTOR: "model.multi_modal_projector."},
 }
 
 
@@ -105,7 +146,7 @@ def _part_of(family: str, name: str) -> str:
     return LANGUAGE_MODEL
 
 
-@pytest.mark.parametrize("cfg", [GEMMA3, QWEN25_VL], ids=["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("cfg", [GEMMA3, QWEN25_VL, LLAVA], ids=["gemma3", "qwen2_5_vl", "llava"])
 def test_parameter_counts_equal_a_tiny_models_numel_part_by_part(cfg: dict[str, Any]) -> None:
     model = _model(cfg)
     shape = shape_from_config(cfg)
@@ -199,6 +240,29 @@ def test_gemma3_image_tokens_equal_the_models_own_count(tmp_path: Path) -> None:
     assert geometry.max_patches == (56 // 14) ** 2
 
 
+def test_image_tokens_equal_the_bundled_processors_on_the_bundled_images() -> None:
+    """tiny-cpu-vlm's processor (LLaVA: CLIP resize and centre crop to 56 px) on every bundled drawing: the image
+    tokens it puts into input_ids are the planner's count; and the Qwen-VL processor's on the same files."""
+    import transformers
+    from PIL import Image
+
+    processor = transformers.AutoProcessor.from_pretrained(ASSETS / "processor")
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    llava = shape_from_config(LLAVA).vision
+    qwen = shape_from_config(QWEN25_VL).vision
+    assert llava is not None and qwen is not None
+    qwen_processor = transformers.Qwen2VLImageProcessor(min_pixels=3136, max_pixels=1003520)
+    files = sorted((ASSETS / "images").glob("*.png"))
+    assert len(files) >= 12
+    for path in files:
+        image = Image.open(path).convert("RGB")
+        ids = processor(text=[f"{processor.image_token} what is this?"], images=[image], return_tensors="pt")
+        count = int((ids["input_ids"] == image_id).sum())
+        assert count == llava.geometry.tokens(image.height, image.width) == 16, path.name
+        t, h, w = qwen_processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+        assert qwen.geometry.tokens(image.height, image.width) == t * h * w // 4, path.name
+
+
 def test_known_checkpoints_image_tokens() -> None:
     qwen = shape_of("Qwen/Qwen2.5-VL-7B-Instruct").vision
     gemma = shape_of("google/gemma-3-12b-it").vision
@@ -257,9 +321,13 @@ def test_a_trained_vision_tower_adds_its_gradients_and_optimizer_states() -> Non
 
 
 def test_an_image_text_type_the_planner_cannot_size_is_one_line() -> None:
-    cfg = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": {}}
+    cfg = {
+        "model_type": "paligemma",
+        "architectures": ["PaliGemmaForConditionalGeneration"],
+        "text_config": {},
+    }
     with pytest.raises(
-        ModelConfigError, match="model_type 'llava' is an image-text model the planner cannot size"
+        ModelConfigError, match="model_type 'paligemma' is an image-text model the planner cannot size"
     ):
         shape_from_config(cfg)
 
