@@ -29,7 +29,7 @@ def vision_note(inp: MemoryInputs, estimate: MemoryEstimate) -> str | None:
     )
     if frozen:
         parts += (
-            f"; frozen ({', '.join(frozen)}, model.freeze): weights only, no gradients or optimizer states"
+            f"; frozen by model.freeze: {', '.join(frozen)}, weights only, no gradients or optimizer states"
         )
     if trained:
         parts += f"; trained: {', '.join(trained)}"

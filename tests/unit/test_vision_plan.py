@@ -335,3 +335,43 @@ def test_an_image_text_type_the_planner_cannot_size_is_one_line() -> None:
 def test_geometry_fixed_size_ignores_the_input() -> None:
     fixed = ImageGeometry(patch_size=14, fixed_size=896, fixed_tokens=256)
     assert fixed.resized(10, 5000) == (896, 896) and fixed.tokens(10, 5000) == 256
+
+
+def test_plan_of_an_image_text_recipe_names_the_vision_part_and_the_image_tokens() -> None:
+    from llm_train.planning.verdict import plan_recipe
+
+    report = plan_recipe("8b-vlm-lora-rtx4090", [], detect=False)
+    rows = dict(report.evaluation.estimate.table())
+    assert rows["GPU vision tower activations (images)"] == "0.19 GiB"
+    (note,) = [n for n in report.notes if n.startswith("image-text (Qwen2.5-VL)")]
+    assert "vision tower 0.63B + projector 0.045B parameters" in note
+    assert "frozen by model.freeze: vision_tower, projector" in note
+    assert "up to 512 per image (one per 28 x 28 pixels, max_pixels 401408): 512 of data.seq_len 2048" in note
+    # Without image rows the vision part is loaded but not run: no activation term, and the note says so.
+    text = plan_recipe(
+        "8b-vlm-lora-rtx4090", ["data.train=[{path: /data/x.jsonl, format: chat}]"], detect=False
+    )
+    assert "GPU vision tower activations (images)" not in dict(text.evaluation.estimate.table())
+    assert any("no image rows in data.train" in n for n in text.notes)
+
+
+def test_recipe_auto_plans_an_image_text_model_and_writes_what_it_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_train import cli
+
+    path = tmp_path / "vlm.yaml"
+    images = ["data.train=[{path: /data/vqa.jsonl, format: image_chat}]", "data.packing=padded"]
+    argv = ["plan", "--recipe", "auto", "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--gpu", "RTX 4090"]
+    assert (
+        cli.main([*argv, "--host-ram", "32", "--write", str(path), *images, "data.image_max_pixels=200704"])
+        == 0
+    )
+    auto_out = capsys.readouterr().out
+    vision = next(line for line in auto_out.splitlines() if line.startswith("vision:"))
+    assert "up to 256 per image (one per 28 x 28 pixels, max_pixels 200704)" in vision
+    assert cli.main(["plan", "--recipe", str(path), "--gpu", "RTX 4090", "--host-ram", "32"]) == 0
+    plan_out = capsys.readouterr().out
+    assert vision.removeprefix("vision:").strip() in plan_out  # the written recipe plans the same vision part
+    needs = next(line for line in auto_out.splitlines() if line.startswith("needs:")).removeprefix("needs:")
+    assert f"verdict: {needs.strip()}" in plan_out
