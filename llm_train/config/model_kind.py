@@ -89,3 +89,65 @@ def text_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """The text model's fields: the `text_config` dict where the config has one, else the config itself."""
     text = config.get("text_config")
     return dict(text) if isinstance(text, Mapping) else dict(config)
+
+
+# Fields that set a text model's weight shapes or whether its output layer is the embedding: a recipe's
+# `model.config` may not change them under a pretrained checkpoint (its weights would not fit the model, or a
+# head the checkpoint ties would be drawn at random, as tiny-cpu's `tie_word_embeddings: false` did to Gemma 3).
+SHAPE_KEYS = (
+    "model_type",
+    "architectures",
+    "text_config",
+    "vision_config",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "num_local_experts",
+    "num_experts",
+    "moe_intermediate_size",
+)
+
+
+def changed_shape_keys(checkpoint: Mapping[str, Any], overrides: Mapping[str, Any]) -> list[str]:
+    """The keys of `overrides` (a recipe's model.config) that would change the checkpoint's shapes or tying.
+
+    A key is compared with the checkpoint's own value, at the top level or, for a field of the text model,
+    in its text config: an override that repeats the checkpoint's value changes nothing and passes.
+    """
+    text = text_fields(checkpoint)
+    changed = []
+    for key, value in overrides.items():
+        if key not in SHAPE_KEYS:
+            continue
+        own = checkpoint[key] if key in checkpoint else text.get(key)
+        if own != value:
+            changed.append(key)
+    return changed
+
+
+def untrainable_reason(config: Mapping[str, Any]) -> str | None:
+    """Why llm_train cannot train this config.json (None: it can), in words for a one-line error.
+
+    llm_train trains a causal LM's next-token loss: the model must be one transformers builds with
+    AutoModelForCausalLM or AutoModelForImageTextToText (or a remote-code model that says it is one), and
+    not an encoder-decoder (T5-style image-text models such as Florence-2 or Pix2Struct score a decoder
+    against an encoder's input, not the next token of one sequence).
+    """
+    model_type = config.get("model_type")
+    auto_map = config.get("auto_map") or {}
+    remote = any(k in auto_map for k in ("AutoModelForCausalLM", "AutoModelForImageTextToText"))
+    if model_type is None:
+        return None if remote else "its config names no model_type"
+    if config.get("is_encoder_decoder") or text_fields(config).get("is_encoder_decoder"):
+        return f"model_type '{model_type}' is an encoder-decoder model; llm_train trains decoder-only LMs"
+    if model_type in causal_lm_types() or model_type in image_text_types() or remote:
+        return None
+    return (
+        f"model_type '{model_type}' is neither a causal LM nor an image-text-to-text model in transformers "
+        "(AutoModelForCausalLM / AutoModelForImageTextToText)"
+    )

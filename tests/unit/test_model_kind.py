@@ -9,10 +9,12 @@ import pytest
 
 from llm_train.config.model_kind import (
     causal_lm_types,
+    changed_shape_keys,
     image_text_class,
     image_text_types,
     is_image_text,
     text_fields,
+    untrainable_reason,
 )
 
 
@@ -67,3 +69,41 @@ def test_text_fields_are_the_text_config_where_there_is_one() -> None:
     assert text_fields(llama) == llama
     text_fields(vlm)["hidden_size"] = 1  # a copy: the caller's dict is never changed through it
     assert vlm["text_config"]["hidden_size"] == 64
+
+
+def test_a_recipe_may_not_reshape_or_untie_a_checkpoint() -> None:
+    gemma3 = {
+        "model_type": "gemma3",
+        "tie_word_embeddings": True,
+        "text_config": {"hidden_size": 64, "vocab_size": 300},
+    }
+    # tiny-cpu's Llama fields over a Gemma 3 checkpoint: the type, a text field and the tying all change.
+    assert changed_shape_keys(
+        gemma3, {"model_type": "llama", "hidden_size": 128, "tie_word_embeddings": False}
+    ) == [
+        "model_type",
+        "hidden_size",
+        "tie_word_embeddings",
+    ]
+    # The checkpoint's own values, and fields that do not shape the weights, pass.
+    assert changed_shape_keys(gemma3, {"hidden_size": 64, "attention_dropout": 0.1, "use_cache": False}) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "trainable"),
+    [
+        ({"model_type": "llama"}, True),
+        ({"model_type": "paligemma"}, True),
+        (
+            {"model_type": "clip"},
+            False,
+        ),  # an image-text encoder pair: no causal-LM or image-text-to-text class
+        ({"model_type": "florence2", "is_encoder_decoder": True}, False),
+        ({"model_type": "my_lm", "auto_map": {"AutoModelForCausalLM": "modeling_my_lm.MyLM"}}, True),
+    ],
+)
+def test_what_llm_train_cannot_train_is_named(config: dict, trainable: bool) -> None:
+    reason = untrainable_reason(config)
+    assert (reason is None) is trainable
+    if reason is not None:
+        assert config["model_type"] in reason

@@ -49,7 +49,9 @@ from llm_train.runtime.checkpointing.logit_reference import (
 )
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
+from llm_train.runtime.export.names import checkpoint_names
 from llm_train.runtime.model.lora import checkpoint_lora, export_adapter_checkpoint
+from llm_train.runtime.model.model import model_class
 from llm_train.runtime.model.pipeline_names import (
     pipeline_checkpoint_state_dict,  # pipeline runs: a file per layer
 )
@@ -102,6 +104,12 @@ def save_hf_model(
     out_dir: Path,
 ) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A tied pair (one Parameter under two names: Gemma's head and embedding) is stored once, under its first
+    # name, as the hub's checkpoints store it. Decided by the model, not by storage: ZeRO-0's gathered state
+    # dict holds the pair as two copies, and the clone below would make them two tensors anyway.
+    first = {name for name, _ in model.named_parameters()}
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
+    state_dict = {k: v for k, v in state_dict.items() if k not in aliases}
     # safetensors refuses tensors that share storage (views into one gathered buffer, tied weights):
     # those are cloned. The others are written as they are, so the host holds one copy of the
     # model, not two (planning/memory_estimate.py export_peak_bytes).
@@ -112,7 +120,14 @@ def save_hf_model(
         else v.detach().contiguous()
         for k, v in state_dict.items()
     }
-    model.save_pretrained(out_dir, state_dict=clean, safe_serialization=True, max_shard_size="5GB")
+    # Named as the hub's checkpoints of the family are (names.py), written as they are (no second renaming).
+    model.save_pretrained(
+        out_dir,
+        state_dict=checkpoint_names(model, clean),
+        safe_serialization=True,
+        max_shard_size="5GB",
+        save_original_format=False,
+    )
     tokenizer.save_pretrained(out_dir)
 
 
@@ -121,12 +136,10 @@ def auto_class(config: PretrainedConfig) -> Any:
     model (its config's architectures name a *ForSequenceClassification, as save_pretrained writes them),
     else AutoModelForCausalLM. Every check below builds and loads through it, so a reward model's export is
     verified the same way: keys, then its scores on the fixed batch against the run's."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     names = getattr(config, "architectures", None) or []
     if any(name.endswith("ForSequenceClassification") for name in names):
-        return AutoModelForSequenceClassification
-    return AutoModelForCausalLM
+        return model_class(config, "score")
+    return model_class(config)  # AutoModelForImageTextToText for an image-text export (model.py says why)
 
 
 def expected_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -326,7 +339,7 @@ def _saved_form(
     refuses in one line rather than compare names that may no longer be the stored ones.
     """
     try:
-        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401 (names.py calls it)
     except ImportError:
         import transformers
 
@@ -335,7 +348,7 @@ def _saved_form(
             "core_model_loading.revert_weight_conversion (save_pretrained's key names; verified on 5.24-5.25), "
             "so the keys cannot be checked: install the tested transformers"
         ) from None
-    return cast("dict[str, torch.Tensor]", revert_weight_conversion(skeleton, dict(state)))
+    return checkpoint_names(skeleton, state)
 
 
 def check_keys(model_dir: Path, saved: dict[str, tuple[int, ...]]) -> None:
@@ -440,10 +453,10 @@ def _compare_logits(
 
 def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
     """Greedy continuation of `prompt` by the exported model, loaded the way a user would."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = auto_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
@@ -545,7 +558,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     # weights' own fp32 logits, which checks the writing only, and the report says so.
     recorded = read_reference_file(ckpt_dir / CHECKPOINT_REFERENCE)
     if recorded is None:
-        batch = reference_input_ids(tokenizer, config.vocab_size)
+        batch = reference_input_ids(tokenizer, config.get_text_config().vocab_size)
         with torch.no_grad():
             recorded = Reference(batch, reference(batch).logits, torch.float32)
         against = "the checkpoint's merged weights (it records no training-time logits)"

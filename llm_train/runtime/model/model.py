@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
+from llm_train.config.model_kind import is_image_text
 from llm_train.config.recipe_sections import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
@@ -79,6 +80,24 @@ def model_config(model: ModelSection) -> PretrainedConfig:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
+def model_class(config: PretrainedConfig, head: Head = "lm") -> Any:
+    """The transformers Auto class that builds this config whole.
+
+    An image-text checkpoint (config/model_kind.py) loads through AutoModelForImageTextToText, which builds
+    the class its config names: AutoModelForCausalLM refuses most of them ("Unrecognized configuration
+    class") and builds llama4's text model alone, dropping the vision tower (transformers 5.25).
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
+
+    if head == "score":
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if is_image_text(config.to_dict()) else AutoModelForCausalLM
+
+
 def _known_offline(name: str) -> bool:
     return name in KNOWN_CONFIGS
 
@@ -116,12 +135,12 @@ def build_model(
     With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantized_base.py).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     # The ALST loss tiling and LoRA's causal-LM task both assume the LM head; recipe.py refuses them for a
     # reward model, so reaching here with them is a bug, not a user error.
     assert head == "lm" or (pad_token_id is not None and not memory.tiled_loss and lora is None)
-    auto = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    config = model_config(model)
+    auto = model_class(config, head)
     scored: dict[str, Any] = {} if head == "lm" else {"num_labels": 1, "pad_token_id": pad_token_id}
     dtype = getattr(torch, _DTYPES[precision])
     if memory.attention == "auto":
@@ -149,7 +168,7 @@ def build_model(
                 dtype=dtype,
                 attn_implementation=memory.attention,
                 **placement,
-                **({"config": _with_overrides(model, scored)} if model.config else scored),
+                **({"config": _with_fields(config, scored)} if model.config else scored),
             )
         except OSError as exc:
             raise UserError(
@@ -159,7 +178,6 @@ def build_model(
         # Same seed, same initial weights on every rank and in every parity run (on one kind of device:
         # a GPU draws other numbers than the CPU from the same seed).
         torch.manual_seed(seed)
-        config = model_config(model)
         for key, value in scored.items():
             setattr(config, key, value)
         # Drawn where they train: on the CPU a 1B shape took ~50 s per launch on the first H200 run
@@ -199,8 +217,7 @@ def build_model(
     return lm
 
 
-def _with_overrides(model: ModelSection, scored: dict[str, Any]) -> PretrainedConfig:
-    config = model_config(model)
+def _with_fields(config: PretrainedConfig, scored: dict[str, Any]) -> PretrainedConfig:
     for key, value in scored.items():
         setattr(config, key, value)
     return config
