@@ -180,7 +180,7 @@ _LABELS = {
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "activations": "activations",
-    "vision_activations": "vision tower activations (images)",
+    "vision_activations": "vision tower activations",
     "sequence_parallel_buffers": "Ulysses all-to-all buffers",
     "logits_and_loss": "logits and loss",
     "attention_mask": "sdpa attention mask (s x s)",

@@ -14,6 +14,10 @@ from llm_train.units import GiB
 _FAMILY_NAMES = {"gemma3": "Gemma 3 (SigLIP)", "qwen2_5_vl": "Qwen2.5-VL", "llava": "LLaVA (CLIP)"}
 
 
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
+
+
 def vision_note(inp: MemoryInputs, estimate: MemoryEstimate) -> str | None:
     """One line on the vision part of an image-text model; None for a text model."""
     vision = inp.shape.vision
@@ -24,7 +28,7 @@ def vision_note(inp: MemoryInputs, estimate: MemoryEstimate) -> str | None:
     weight_bytes = 2 if inp.precision != "fp32" else 4
     parts = (
         f"image-text ({_FAMILY_NAMES.get(vision.family, vision.family)}): vision tower "
-        f"{vision.tower_params / 1e9:.2f}B + projector {vision.projector_params / 1e9:.3f}B parameters "
+        f"{_count(vision.tower_params)} + projector {_count(vision.projector_params)} parameters "
         f"({vision.num_params * weight_bytes / GiB:.2f} GiB of {weight_bytes * 8}-bit weights, in the parameters above"
     )
     if frozen:

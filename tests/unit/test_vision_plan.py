@@ -342,16 +342,16 @@ def test_plan_of_an_image_text_recipe_names_the_vision_part_and_the_image_tokens
 
     report = plan_recipe("8b-vlm-lora-rtx4090", [], detect=False)
     rows = dict(report.evaluation.estimate.table())
-    assert rows["GPU vision tower activations (images)"] == "0.19 GiB"
+    assert rows["GPU vision tower activations"] == "0.19 GiB"
     (note,) = [n for n in report.notes if n.startswith("image-text (Qwen2.5-VL)")]
-    assert "vision tower 0.63B + projector 0.045B parameters" in note
+    assert "vision tower 0.63B + projector 44.6M parameters" in note
     assert "frozen by model.freeze: vision_tower, projector" in note
     assert "up to 512 per image (one per 28 x 28 pixels, max_pixels 401408): 512 of data.seq_len 2048" in note
     # Without image rows the vision part is loaded but not run: no activation term, and the note says so.
     text = plan_recipe(
         "8b-vlm-lora-rtx4090", ["data.train=[{path: /data/x.jsonl, format: chat}]"], detect=False
     )
-    assert "GPU vision tower activations (images)" not in dict(text.evaluation.estimate.table())
+    assert "GPU vision tower activations" not in dict(text.evaluation.estimate.table())
     assert any("no image rows in data.train" in n for n in text.notes)
 
 
