@@ -187,3 +187,25 @@ def test_every_consumer_case_trains_on_the_bundled_corpus_alone(case: consumer.C
     data = load_recipe(case.recipe, [*consumer.COMMON, *case.overrides]).data
     paths = [s if isinstance(s, str) else s.path for s in (*data.train, *data.eval)]
     assert paths and all(Path(p).is_file() for p in paths), paths
+
+
+# --- the image-text case (bench/vlm.py) ---------------------------------------------------------------------
+
+
+def test_the_image_text_case_is_planned_to_fit_the_card_it_emulates(tmp_path: Path) -> None:
+    """The GPU case's checkpoint (LLaVA-1.5-7B's shape, 336-pixel CLIP: 576 image tokens) under the recipe's
+    24 GiB card with the case's overrides: the planner sizes it, says FITS, and counts 576 image tokens."""
+    import json
+
+    from bench import vlm
+    from bench.harness import plan
+
+    config = vlm.base_config(gpu=True)
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "architectures": ["LlavaForConditionalGeneration"]})
+    )
+    planned = plan(vlm.RECIPE, [f"model.name_or_path={tmp_path}", *vlm.OVERRIDES], "RTX 4090", 24, 16)
+    assert planned["planner_verdict"] == "FITS", planned
+    assert planned["est_image_tokens_per_image"] == (336 // 14) ** 2 == 576
+    assert 14 < planned["est_gpu_gib"] < 24
+    assert all(case.optional for case in vlm.cases())  # part B's required boxes are unchanged
