@@ -176,6 +176,46 @@ class VisionShape:
         return patches * (18 * self.hidden_size + self.mlp_bytes_per_patch())
 
 
+# The vision config classes' defaults in transformers 5.25, for the keys a config.json may leave out (the
+# hub's files are partial; transformers fills them from these): SiglipVisionConfig, CLIPVisionConfig (and
+# LlavaConfig's default tower, a CLIP ViT-L/14 at 336 pixels, when it names none), Qwen2_5_VLVisionConfig.
+SIGLIP_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "image_size": 224,
+    "patch_size": 16,
+    "vision_use_head": True,
+}
+CLIP_DEFAULTS: dict[str, Any] = {**SIGLIP_DEFAULTS, "patch_size": 32}
+LLAVA_DEFAULT_TOWER: dict[str, Any] = {
+    "model_type": "clip_vision_model",
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "image_size": 336,
+    "patch_size": 14,
+}
+QWEN2_5_VL_DEFAULTS: dict[str, Any] = {
+    "depth": 32,
+    "hidden_size": 3584,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+GEMMA3_MM_TOKENS_PER_IMAGE = 256  # Gemma3Config's default
+
+
+def _vision_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The config's vision_config with the class defaults under it (explicit values win)."""
+    given = cfg.get("vision_config") or {}
+    return {**defaults, **{k: v for k, v in given.items() if v is not None}}
+
+
 def _linear(n_in: int, n_out: int, bias: bool = True) -> tuple[int, ...]:
     return (n_in * n_out, n_out) if bias else (n_in * n_out,)
 
@@ -225,11 +265,11 @@ def _siglip_tower(
 
 
 def _gemma3(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
-    vision = cfg.get("vision_config") or {}
+    vision = _vision_config(cfg, SIGLIP_DEFAULTS)
     tower, d, layers, heads, inter = _siglip_tower(vision)
     patch = int(vision["patch_size"])
     size = int(vision["image_size"])
-    tokens = _require(cfg, "mm_tokens_per_image", "config")
+    tokens = int(cfg.get("mm_tokens_per_image") or GEMMA3_MM_TOKENS_PER_IMAGE)
     # Gemma3MultiModalProjector: a (vision hidden x text hidden) matrix without bias and an RMSNorm of the vision
     # width (its average pooling has no parameters).
     projector = [("mm_input_projection_weight", (d * text_hidden,), 1), ("mm_soft_emb_norm", (d,), 1)]
@@ -258,7 +298,7 @@ def _qwen2_5_vl(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
     embedding without bias over temporal_patch_size frames, blocks of RMSNorm / qkv and proj with bias /
     RMSNorm / gate, up, down with bias, and the merger (the projector): RMSNorm, then two linears with bias over
     merge_size^2 concatenated patches."""
-    vision = cfg.get("vision_config") or {}
+    vision = _vision_config(cfg, QWEN2_5_VL_DEFAULTS)
     d = _require(vision, "hidden_size", "vision_config")
     layers = _require(vision, "depth", "vision_config")
     inter = _require(vision, "intermediate_size", "vision_config")
@@ -303,7 +343,7 @@ def _llava(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
     (vision width x feature layers -> text width -> text width, with bias unless multimodal_projector_bias is
     false). Its processor resizes and centre-crops every image to the tower's image_size: one token per patch,
     plus the class token's under vision_feature_select_strategy "full"."""
-    vision = cfg.get("vision_config") or {}
+    vision = _vision_config(cfg, CLIP_DEFAULTS) if cfg.get("vision_config") else dict(LLAVA_DEFAULT_TOWER)
     if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise VisionConfigError(
             f"llava with a '{vision.get('model_type')}' vision tower: the planner sizes LLaVA's CLIP tower only"

@@ -170,6 +170,29 @@ def test_parameter_counts_equal_a_tiny_models_numel_part_by_part(cfg: dict[str, 
         assert model_split(inp).base == shape.num_params  # frozen parts keep their weights
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {**GEMMA3, "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1}},
+        {k: v for k, v in GEMMA3.items() if k != "mm_tokens_per_image"},
+        {**QWEN25_VL, "vision_config": {"depth": 1, "out_hidden_size": 64}},
+        {k: v for k, v in LLAVA.items() if k != "vision_config"},
+    ],
+    ids=["gemma3-siglip-defaults", "gemma3-tokens-default", "qwen2_5_vl-defaults", "llava-default-tower"],
+)
+def test_a_partial_config_is_sized_with_transformers_defaults(cfg: dict[str, Any]) -> None:
+    """The hub's config.json files leave keys to the config classes' defaults: the planner fills the same ones
+    (counted on the meta device: no memory, the default towers are full-size)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**cfg))
+    shape = shape_from_config(cfg)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.vision is not None and shape.language_model_params < shape.num_params
+
+
 def test_qlora_leaves_the_vision_part_in_16_bits_and_lora_targets_the_language_model() -> None:
     from llm_train.planning.quantized_bytes import base_weight_bytes, quantized_weight_params
 
