@@ -402,3 +402,28 @@ def test_recipe_auto_plans_an_image_text_model_and_writes_what_it_planned(
     assert vision.removeprefix("vision:").strip() in plan_out  # the written recipe plans the same vision part
     needs = next(line for line in auto_out.splitlines() if line.startswith("needs:")).removeprefix("needs:")
     assert f"verdict: {needs.strip()}" in plan_out
+
+
+def test_the_speed_model_counts_the_language_model_per_token_and_the_vision_part_per_image() -> None:
+    from llm_train.planning.flops import training_flops_per_token
+    from llm_train.planning.speed import flops_per_token
+
+    shape = shape_of("Qwen/Qwen2.5-VL-7B-Instruct")
+    vision = shape.vision
+    assert vision is not None
+    text_rows = MemoryInputs.of(shape, world_size=1, seq_len=2048, lora_rank=16)
+    language = training_flops_per_token(
+        shape.lora_params(16),
+        shape.num_layers,
+        shape.num_heads,
+        shape.head_dim,
+        2048,
+        frozen=shape.language_model_params,
+    )
+    assert flops_per_token(text_rows) == pytest.approx(language)
+    images = dataclasses.replace(
+        text_rows, vision=VisionInputs(images_per_sample=1, max_pixels=512 * 28 * 28)
+    )
+    # The frozen tower and projector: one forward (2 FLOPs per weight) over 2048 patches and 512 tokens a row.
+    per_row = 2 * vision.tower_params * 2048 + 2 * vision.projector_params * 512
+    assert flops_per_token(images) == pytest.approx(language + per_row / 2048)
