@@ -33,6 +33,8 @@ from llm_train.commands.model_source import (
     resolve_source,
     torch_dtype,
 )
+from llm_train.data.formats.image_chat import load_processor
+from llm_train.data.formats.images import read_image
 from llm_train.errors import UserError
 from llm_train.observability.library_logs import quiet
 
@@ -158,8 +160,6 @@ class Generator:
         processor = None
         # chat loads it for an image-text model even without --image: a later `/image PATH` line needs it.
         if args.image or (image_text and args.func is cmd_chat):
-            from llm_train.data.formats.image_chat import load_processor
-
             processor = load_processor(tokenizer, "--image")
         model, how = load_model(source, torch_dtype(args.dtype), args.quantize)
         print(f"llm-train: {source.model_dir} ({how})", file=sys.stderr)
@@ -221,8 +221,6 @@ class Generator:
 
 def read_images(paths: list[str], flag: str = "--image") -> list[Any]:
     """The images, read before any model loads (a missing or unreadable file costs no load)."""
-    from llm_train.data.formats.images import read_image
-
     return [read_image(path, f"{flag} {path}", Path.cwd()) for path in paths]
 
 

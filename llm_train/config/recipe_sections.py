@@ -33,6 +33,10 @@ class HardwareSection(Section):
 
 
 ModelPart = Literal["vision_tower", "projector", "language_model"]
+FREEZE_PARTS: tuple[ModelPart, ...] = ("vision_tower", "projector", "language_model")
+# Text data gives the vision tower and projector no gradient, and weight decay would still shrink them; a
+# run on images usually keeps the pretrained vision encoder too (LLaMA-Factory's freeze_vision_tower default).
+FREEZE_DEFAULT: tuple[ModelPart, ...] = ("vision_tower", "projector")
 
 
 class ModelSection(Section):
@@ -53,11 +57,21 @@ class ModelSection(Section):
     trust_remote_code: bool = Field(
         False, description="Run model code from the hub; off unless you trust it."
     )
+    # LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model, as one list.
     freeze: list[ModelPart] = Field(
-        default_factory=lambda: list[ModelPart](["vision_tower", "projector"]),
-        description="Image-text models: the parts that do not train (frozen parts keep their weights, bit-identical "
-        "in the export); default the vision tower and the projector, as LLaMA-Factory and Unsloth do.",
+        default_factory=lambda: list(FREEZE_DEFAULT),
+        description="Parts of an image-text model that do not train: vision_tower, projector, language_model "
+        "(default: the vision tower and projector; text data cannot teach them). Ignored for a text-only model.",
     )
+
+    @model_validator(mode="after")
+    def _something_trains(self) -> ModelSection:
+        if len(set(self.freeze)) == len(FREEZE_PARTS):
+            raise ValueError(
+                "model.freeze lists every part (vision_tower, projector, language_model), so nothing would train; "
+                "leave at least one out (the default freezes vision_tower and projector)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_credentials(self) -> ModelSection:

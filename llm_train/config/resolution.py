@@ -153,7 +153,23 @@ def model_fields(recipe: Recipe) -> dict[str, Any]:
             f"objective=reward: model {name or fields.get('model_type')} is an image-text model, and a reward "
             "model's score head is built on a causal LM; train the reward model from a text-only checkpoint"
         )
+    _refuse_images_for_a_text_model(recipe, fields)
     return fields
+
+
+def _refuse_images_for_a_text_model(recipe: Recipe, fields: dict[str, Any]) -> None:
+    """format image_chat on a model with no vision tower: refused here, before any worker prepares the data
+    (which would refuse it too, for want of an image processor, but once per rank and after start-up)."""
+    if not fields or is_image_text(fields):
+        return
+    for split in ("train", "eval"):
+        for i, source in enumerate(recipe.data.sources(split)):
+            if source.format == "image_chat":
+                raise UserError(
+                    f"data.{split}[{i}] is format image_chat, whose images model "
+                    f"{recipe.model.name_or_path or fields.get('model_type')} cannot read (a text-only model); "
+                    "use an image-text checkpoint, or format chat for text-only rows"
+                )
 
 
 def _refuse_shape_overrides(name: str, checkpoint: dict[str, Any], overrides: dict[str, Any]) -> None:

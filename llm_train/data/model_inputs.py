@@ -59,13 +59,12 @@ def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str
         used[r] = col
     if split.packing == "padded":
         attention = (np.arange(width)[None, :] < used[:, None]).astype(np.int64)
-        batch: dict[str, np.ndarray | bool] = {
-            "input_ids": input_ids,
-            "labels": labels,
-            "attention_mask": attention,
-        }
-        batch.update(row_arrays(split, sequences, width))
-        return batch
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+        arrays = row_arrays(split, sequences, width)
+        filler = next((p.store.filler for p in split.parts if p.store.filler is not None), None)
+        if filler is not None and not any(name not in PER_TOKEN_ARRAYS for name in arrays):
+            return with_filler(batch, arrays, filler, split.pad_id, width)
+        return {**batch, **arrays}
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "use_cache": False}
 
 
@@ -93,6 +92,37 @@ def row_arrays(split: PackedSplit, sequences: list[tuple[int, int]], width: int)
                 per_image.setdefault(name, []).append(value)
     out = {name: np.concatenate(values) for name, values in per_image.items()}
     out.update(per_token)
+    return out
+
+
+def with_filler(
+    batch: dict[str, np.ndarray],
+    arrays: dict[str, np.ndarray],
+    filler: dict[str, np.ndarray],
+    pad_id: int,
+    width: int,
+) -> dict[str, np.ndarray | bool]:
+    """An image split's micro-batch that holds no image, plus one row of a blank image that trains nothing
+    (labels -100): every rank then runs the vision tower, which ZeRO-3's collectives need
+    (formats/image_chat.py `filler_row`). The loss, a mean over labelled tokens, is unchanged."""
+    ids = filler["input_ids"]
+    rows = len(batch["input_ids"])
+    row = np.full((1, width), pad_id, dtype=np.int64)
+    row[0, : len(ids)] = ids
+    out: dict[str, np.ndarray | bool] = {
+        "input_ids": np.concatenate([batch["input_ids"], row]),
+        "labels": np.concatenate([batch["labels"], np.full((1, width), IGNORE, dtype=np.int64)]),
+        "attention_mask": np.concatenate(
+            [batch["attention_mask"], (np.arange(width) < len(ids)).astype(np.int64)[None, :]]
+        ),
+    }
+    for name, value in filler.items():
+        if name in PER_TOKEN_ARRAYS:
+            tail = np.zeros((1, width), dtype=value.dtype)
+            tail[0, : value.shape[-1]] = value.reshape(-1)[:width]
+            out[name] = np.concatenate([arrays.get(name, np.zeros((rows, width), dtype=value.dtype)), tail])
+        elif name != "input_ids":
+            out[name] = value
     return out
 
 

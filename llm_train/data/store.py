@@ -5,6 +5,7 @@
     offsets.npy    int64 [rows + 1]    row i is input_ids[offsets[i]:offsets[i + 1]]
     arrays.bin     bytes               image formats: row i's other model inputs (pixel values, grid sizes)
     arrays.npy     int64 [rows + 1]    as one np.savez blob, arrays.bin[arrays[i]:arrays[i + 1]]
+    filler.npz                         image formats: a blank-image row with its ids (model_inputs.py)
 
 Tokenisation runs as a batched `datasets.map` (with `num_proc` workers for large sources)
 into a temporary Arrow file, which is then flattened chunk by chunk into the arrays above:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 # Below this much source per worker, starting workers costs more than it saves (measured: a
 # 10 MB source took as long with 2 workers as with 1 on 2 cores; a 50 MB one 1.5x less).
 _BYTES_PER_WORKER = 16 << 20
+FILLER = "filler.npz"
 _MIN_ROWS_PER_WORKER = 100
 
 
@@ -45,6 +47,7 @@ class TokenStore:
     offsets: np.ndarray
     blobs: np.ndarray | None = None
     blob_offsets: np.ndarray | None = None
+    filler: dict[str, np.ndarray] | None = None
 
     @classmethod
     def open(cls, path: Path) -> TokenStore:
@@ -57,6 +60,7 @@ class TokenStore:
             offsets=np.load(path / "offsets.npy"),
             blobs=np.memmap(blobs, dtype=np.uint8, mode="r") if blobs.is_file() else None,
             blob_offsets=np.load(path / "arrays.npy") if blobs.is_file() else None,
+            filler=_load_npz(path / FILLER),
         )
 
     def row_of(self, start: int) -> int:
@@ -84,6 +88,13 @@ class TokenStore:
         if self.loss_mask is None:
             return ids, np.ones(length, dtype=np.uint8)
         return ids, self.loss_mask[start : start + length]
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray] | None:
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as blob:
+        return {name: blob[name] for name in blob.files}
 
 
 def auto_num_proc(rows: int, nbytes: int, requested: int | None) -> int:

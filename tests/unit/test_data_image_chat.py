@@ -213,3 +213,80 @@ def test_image_rows_are_not_packed_or_streamed() -> None:
         DataSection.model_validate(
             {"train": [{**source, "streaming": True}], "packing": "padded", "eval_fraction": 0}
         )
+
+
+def test_image_rows_for_a_text_only_recipe_are_refused_before_any_worker() -> None:
+    from llm_train.config.recipe import load_recipe
+    from llm_train.config.resolution import model_fields
+
+    rows = f"data.train=[{{path: {ASSETS / 'captions.jsonl'}, format: image_chat}}]"
+    recipe = load_recipe("tiny-cpu-chat", [rows, "data.packing=padded"])
+    with pytest.raises(
+        UserError, match=r"data.train\[0\] is format image_chat, whose images model llama cannot read"
+    ):
+        model_fields(recipe)
+    assert model_fields(load_recipe("tiny-cpu-vlm"))["model_type"] == "llava"
+
+
+def test_a_micro_batch_without_images_gets_a_blank_image_row_that_leaves_the_loss_unchanged(
+    processor: Any, images: Path
+) -> None:
+    """Under ZeRO-3 every rank must run the vision tower (a rank without images desynchronised gloo's
+    collectives in a 2-rank run): an image split's image-less micro-batch gets one blank-image row, labels
+    -100, and the model's loss on the batch stays what it is without it."""
+    import torch
+    import yaml
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text_only = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Say hello."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "hello."}]},
+        ],
+        "images": [],
+    }
+    path = write_jsonl(images / "rows.jsonl", [text_only, _row("images/red-circle.png")])
+    data = DataSection.model_validate(
+        {
+            "train": [{"path": str(path), "format": "image_chat"}],
+            "seq_len": 64,
+            "packing": "padded",
+            "eval_fraction": 0,
+            "cache_dir": str(images / "cache"),
+        }
+    )
+    split = prepare_data(data, processor.tokenizer, seed=0).train
+    with_image = build_rows(split, [(0, 1)])
+    assert with_image["input_ids"].shape == (1, 64)  # type: ignore[union-attr]  # a row with its own image: as is
+    batch = build_rows(split, [(0, 0)])
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert isinstance(ids, np.ndarray) and isinstance(labels, np.ndarray)
+    assert ids.shape == (2, 64) and (labels[1] == IGNORE).all()
+    assert int((ids[1] == processor.image_token_id).sum()) == IMAGE_TOKENS
+    assert batch["pixel_values"].shape == (1, 3, vlm.IMAGE_SIZE, vlm.IMAGE_SIZE)  # type: ignore[union-attr]
+
+    recipe = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu-vlm.yaml").read_text()
+    )
+    fields = dict(recipe["model"]["config"])
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model(fields.pop("model_type"), **fields)
+    ).eval()
+    plain = {k: torch.from_numpy(v[:1]) for k, v in batch.items() if k != "pixel_values"}  # type: ignore[index]
+    padded = {k: torch.from_numpy(v) for k, v in batch.items()}  # type: ignore[arg-type]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**padded).loss, model(**plain).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_the_processor_settings_are_part_of_the_cache_key(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from llm_train.data.formats import FORMATS
+
+    folder = shutil.copytree(PROCESSOR, tmp_path / "processor")
+    fmt = FORMATS["image_chat"]
+    before = fmt.cache_key(AutoTokenizer.from_pretrained(str(folder)))
+    config = folder / "processor_config.json"
+    config.write_text(config.read_text().replace('"shortest_edge": 56', '"shortest_edge": 112'))
+    assert fmt.cache_key(AutoTokenizer.from_pretrained(str(folder))) != before

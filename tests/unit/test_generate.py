@@ -276,3 +276,39 @@ def test_images_for_a_text_only_model_or_a_missing_image_are_one_line(
     assert cli.main(["generate", str(tiny_vlm), "--image", str(tmp_path / "none.png"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "image file not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_chat_with_an_image_answers_each_turn_through_the_processor(
+    tiny_vlm: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`chat --image`: the image goes with the first message; a `/image PATH` line adds one to the next."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from llm_train.assets import vlm
+
+    first, second = (str(vlm.DEFAULT_OUT / "images" / f"{n}.png") for n in ("red-circle", "blue-square"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"What is it?\n/image {second}\nAnd this?\n"))
+    out = _cli(["chat", str(tiny_vlm), "--image", first, "--max-new-tokens", str(NEW)], capsys)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    from PIL import Image
+
+    messages: list[dict[str, object]] = []
+    want = []
+    for path, text in ((first, "What is it?"), (second, "And this?")):
+        image = Image.open(path).convert("RGB")
+        messages.append(
+            {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+        )
+        inputs = processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.no_grad():
+            ids = model.generate(
+                **inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id
+            )
+        answer = processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        want.append(answer)
+    assert int((inputs["input_ids"] == processor.image_token_id).sum()) == 32  # both images in the last turn
+    assert out == "".join(f"{a}\n" for a in want)

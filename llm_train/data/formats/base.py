@@ -87,6 +87,17 @@ class Format(Generic[S]):
         """The batched tokenise function; `memo_words`: data.tokenize_memo (make_encoder)."""
         raise NotImplementedError
 
+    def cache_key(self, tokenizer: PreTrainedTokenizerBase) -> Any:
+        """What else than the tokenizer and the source's fields decides its tokens (part of the cache key)."""
+        return None
+
+    def filler(
+        self, source: S, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
+    ) -> bytes | None:
+        """Formats with `arrays`: a row that carries one blank image and trains nothing (np.savez blob with its
+        `input_ids` and arrays), added to a micro-batch that has no image (model_inputs.py); None: never."""
+        return None
+
     def needs_chat_template(self, configured: str | None, tokenizer: PreTrainedTokenizerBase) -> bool:
         """Whether preparing this source looks up the chat template (data.chat_template or the tokenizer's)."""
         if self.uses_chat_template == "when_available":

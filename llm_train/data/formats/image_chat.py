@@ -68,6 +68,30 @@ class ImageChat(Format[ImageChatSource]):
         processor = load_processor(tokenizer, key)
         return image_chat_fn(source, processor, chat_template, key)
 
+    def cache_key(self, tokenizer: PreTrainedTokenizerBase) -> Any:
+        """The processor's settings (image size, tokens per image): a change re-processes the source."""
+        import hashlib
+
+        folder = Path(str(tokenizer.name_or_path))
+        names = (
+            "preprocessor_config.json",
+            "processor_config.json",
+            "chat_template.jinja",
+            "chat_template.json",
+        )
+        return [
+            hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names if (folder / n).is_file()
+        ]
+
+    def filler(
+        self,
+        source: ImageChatSource,
+        tokenizer: PreTrainedTokenizerBase,
+        chat_template: str | None,
+        key: str,
+    ) -> bytes | None:
+        return filler_row(load_processor(tokenizer, key), chat_template)
+
     def mapping_lines(
         self, source: ImageChatSource, key: str, first_row: Callable[[], tuple[dict[str, Any], str]]
     ) -> list[str]:
@@ -126,6 +150,34 @@ def image_token_ids(processor: ProcessorMixin) -> set[int]:
             if isinstance(tid, int) and tid != tokenizer.unk_token_id:
                 ids.add(tid)
     return ids
+
+
+def filler_row(processor: ProcessorMixin, chat_template: str | None) -> bytes:
+    """A user message of one blank 64 x 64 image, as the processor encodes it (ids and arrays, one blob).
+
+    Under ZeRO-3 every rank must run the same modules: a rank whose micro-batch has no image would skip
+    the vision tower while another gathers its weights, and the collectives no longer match (seen on CPU:
+    gloo's "Received data size doesn't match expected size" at the first such step). LLaMA-Factory's answer,
+    taken here: such a micro-batch gets this row, labels all -100, so the tower runs and the loss (a mean
+    over labelled tokens) is unchanged.
+    """
+    from PIL import Image
+
+    message: Any = {
+        "role": "user",
+        "content": [{"type": "image", "image": Image.new("RGB", (64, 64), "white")}],
+    }
+    template: Any = chat_template or processor.chat_template
+    out: Any = processor.apply_chat_template(
+        [[message]], chat_template=template, tokenize=True, return_dict=True, return_tensors="np"
+    )
+    arrays: dict[str, np.ndarray] = {
+        k: np.asarray(v) for k, v in out.items() if k not in ("attention_mask", "assistant_masks")
+    }
+    arrays["input_ids"] = arrays["input_ids"][0].astype(np.int64)
+    blob = io.BytesIO()
+    np.savez(blob, **arrays)  # type: ignore[arg-type]  # numpy's stub reads a key as allow_pickle
+    return blob.getvalue()
 
 
 def image_chat_fn(

@@ -55,6 +55,7 @@ from llm_train.runtime.model.model import model_class
 from llm_train.runtime.model.pipeline_names import (
     pipeline_checkpoint_state_dict,  # pipeline runs: a file per layer
 )
+from llm_train.runtime.model.processor_files import PROCESSOR_FILES, copy_processor_files
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -565,8 +566,16 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     else:
         against = "the logits the training engine recorded in the checkpoint"
     exported = reference.to(EXPORT_DTYPES[dtype])
-    exported.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
+    # Named as the run's final/ is (names.py): the hub layout of the family, renamed once.
+    exported.save_pretrained(
+        out_dir,
+        state_dict=checkpoint_names(exported, exported.state_dict()),
+        safe_serialization=True,
+        max_shard_size="5GB",
+        save_original_format=False,
+    )
     tokenizer.save_pretrained(out_dir)
+    copy_processor_files(sorted(p for p in hf_dir.iterdir() if p.name in PROCESSOR_FILES), out_dir)
     with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     report = verify_export(out_dir, recorded)

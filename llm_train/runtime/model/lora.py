@@ -16,6 +16,7 @@ What the run's `final/` holds (written by runtime/export/sharded.py, layer by la
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,11 @@ if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraSection) -> PeftModel:
-    """The model wrapped by PEFT with adapters on `lora.target_modules`; only adapters train."""
+def apply_lora(model: torch.nn.Module, lora: LoraSection, exclude: Sequence[str] = ()) -> PeftModel:
+    """The model wrapped by PEFT with adapters on `lora.target_modules`; only adapters train.
+
+    `exclude`: full names of modules that get no adapter although their name is a target (an image-text
+    model's frozen vision tower and projector: model.py), PEFT's `exclude_modules`."""
     try:
         from peft import get_peft_model
     except ModuleNotFoundError:
@@ -46,10 +50,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection) -> PeftModel:
             f"lora.target_modules: {', '.join(missing)} not in this model; its linear modules are: "
             f"{', '.join(linear)}"
         )
-    return get_peft_model(model, peft_config(lora))
+    return get_peft_model(model, peft_config(lora, exclude=exclude))
 
 
-def peft_config(lora: LoraSection, base: str | None = None) -> LoraConfig:
+def peft_config(lora: LoraSection, base: str | None = None, exclude: Sequence[str] = ()) -> LoraConfig:
     """PEFT's LoraConfig for the recipe's lora section (base: the model the adapter applies to)."""
     from peft import LoraConfig
 
@@ -62,6 +66,7 @@ def peft_config(lora: LoraSection, base: str | None = None) -> LoraConfig:
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
+        exclude_modules=list(exclude) or None,
     )
 
 

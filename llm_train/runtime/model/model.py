@@ -23,6 +23,7 @@ from llm_train.runtime.loss.chunked import enable_tiled_loss
 from llm_train.runtime.model.document_attention import NAME as SDPA_FLEX
 from llm_train.runtime.model.document_attention import register_sdpa_flex
 from llm_train.runtime.model.lora import apply_lora
+from llm_train.runtime.model.parts import QUANTIZATION_KEEP, freeze, linear_paths
 from llm_train.runtime.model.quantized_base import keep_training_layout, quantization_config, quantized
 from llm_train.runtime.model.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
@@ -141,6 +142,7 @@ def build_model(
     assert head == "lm" or (pad_token_id is not None and not memory.tiled_loss and lora is None)
     config = model_config(model)
     auto = model_class(config, head)
+    image_text = is_image_text(config.to_dict())
     scored: dict[str, Any] = {} if head == "lm" else {"num_labels": 1, "pad_token_id": pad_token_id}
     dtype = getattr(torch, _DTYPES[precision])
     if memory.attention == "auto":
@@ -157,7 +159,10 @@ def build_model(
             assert lora is not None
             # Quantised one tensor at a time as it loads, never a full 16-bit copy, onto `device` (the
             # host, for a base ZeRO-3 partitions: quantized_base.py) or, without one, the current CUDA device.
-            placement["quantization_config"] = quantization_config(lora, dtype)
+            # An image-text model's vision tower and projector stay 16-bit, as the peers keep them (parts.py).
+            placement["quantization_config"] = quantization_config(
+                lora, dtype, keep=QUANTIZATION_KEEP if image_text else ()
+            )
         if scored:
             torch.manual_seed(seed)  # the new score head's weights
         try:
@@ -197,6 +202,11 @@ def build_model(
         lm.config.architectures = [type(lm).__name__]
     if quantized(lora):
         keep_training_layout(lm)
+    if image_text:
+        # requires_grad False: no gradient, no optimizer state, so weight decay cannot move them either, and
+        # the export holds them bit for bit as loaded. A text-only model has no such parts: model.freeze is
+        # ignored for it.
+        freeze(lm, model.freeze)
     if memory.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 partitioned params.
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -213,7 +223,8 @@ def build_model(
         # PEFT draws the adapters' A matrices from torch's global RNG: seeded here, a pretrained base
         # gets the same adapters in every run, like a random one gets the same weights.
         torch.manual_seed(seed)
-        return apply_lora(lm, lora)
+        # Adapters go where training goes: not into the frozen parts (by default the language model alone).
+        return apply_lora(lm, lora, exclude=linear_paths(lm, model.freeze) if image_text else ())
     return lm
 
 
