@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 import torch
 
+from llm_train.config.model_kind import is_image_text
 from llm_train.config.parallel import tensor_parallel_shards
 from llm_train.errors import ExportError, UserError, first_line
 from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
@@ -50,8 +51,9 @@ from llm_train.runtime.checkpointing.logit_reference import (
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
 from llm_train.runtime.export.names import checkpoint_names
-from llm_train.runtime.model.lora import checkpoint_lora, export_adapter_checkpoint
+from llm_train.runtime.model.lora import apply_lora, checkpoint_lora, export_adapter_checkpoint
 from llm_train.runtime.model.model import model_class
+from llm_train.runtime.model.parts import linear_paths
 from llm_train.runtime.model.pipeline_names import (
     pipeline_checkpoint_state_dict,  # pipeline runs: a file per layer
 )
@@ -511,13 +513,14 @@ def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=DS_TAG))
 
 
-def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
+def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str, merge: bool = False) -> dict[str, Any]:
     """A plain HF model directory from a checkpoint, verified as a run's final/ is: keys and logits.
 
     The reference logits are the ones the training engine recorded in the checkpoint when it was
     saved; the tolerance covers the dtypes of that forward and of the export (`logit_tolerance`).
+    A LoRA checkpoint gives its adapter, or with `merge` the base with the adapters folded in (`_merged`).
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"export output {out_dir} is not empty; choose a new directory")
@@ -527,13 +530,16 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     masters = check_master_digests(ckpt_dir, recorded_master_digests(ckpt_dir))
     state_dict = checkpoint_state_dict(ckpt_dir)
     lora = checkpoint_lora(ckpt_dir)
+    config = AutoConfig.from_pretrained(hf_dir)
+    if lora is not None and merge:
+        reference = _merged(ckpt_dir, config, state_dict, lora)
+        return _write_verified(ckpt_dir, out_dir, dtype, config, reference, masters)
     if lora is not None:
         config = json.loads((hf_dir / "config.json").read_text())
         count = export_adapter_checkpoint(ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path"))
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
         why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
         return {"tensors": count, "max_logit_diff": float("nan"), "verified": f"{why}; {masters}"}
-    config = AutoConfig.from_pretrained(hf_dir)
     reference = auto_class(config).from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.
     aliases = _aliases(reference.state_dict())
@@ -550,6 +556,60 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         raise ExportError(
             f"checkpoint {ckpt_dir}: weights do not match the config ({len(problem)} tensors, e.g. {problem[0]})"
         )
+    return _write_verified(ckpt_dir, out_dir, dtype, config, reference, masters)
+
+
+def _merged(ckpt_dir: Path, config: PretrainedConfig, state_dict: dict[str, torch.Tensor], lora: Any) -> Any:
+    """The pretrained base a LoRA checkpoint was trained from, its adapters loaded and folded in (fp32).
+
+    A LoRA checkpoint holds the adapters, not the frozen base (checkpointing/run_state.py): the base is loaded
+    again from the recipe's model.name_or_path, and the adapters are placed as the run placed them (outside
+    an image-text model's frozen parts). The export check then compares the merged model's logits with the
+    ones the training engine recorded, so a different base (or a quantised one, whose rounding the merge
+    cannot reproduce) fails it instead of passing silently.
+    """
+    import yaml
+
+    from llm_train.config.recipe_sections import ModelSection
+
+    section = (yaml.safe_load((ckpt_dir / "hf" / "recipe.yaml").read_text()) or {})["model"]
+    model = ModelSection(**section)
+    if model.init != "pretrained" or lora.quantize != "none":
+        raise UserError(
+            f"export --merge: checkpoint {ckpt_dir} was trained on a "
+            f"{'random' if model.init != 'pretrained' else 'quantised'} base, which cannot be loaded again "
+            "exactly; export the adapter (leave out --merge) or use the run's final/"
+        )
+    try:
+        with _transformers_quiet():
+            base = auto_class(config).from_pretrained(
+                model.name_or_path, revision=model.revision, dtype=torch.float32, config=config
+            )
+    except OSError as exc:
+        raise UserError(
+            f"export --merge: cannot load the base {model.name_or_path} ({first_line(exc)})"
+        ) from None
+    image_text = is_image_text(config.to_dict())
+    peft_model = apply_lora(base, lora, exclude=linear_paths(base, model.freeze) if image_text else ())
+    adapters = {k: v for k, v in state_dict.items() if ".lora_A." in k or ".lora_B." in k}
+    missing, unexpected = peft_model.load_state_dict(adapters, strict=False)
+    absent = [k for k in missing if ".lora_A." in k or ".lora_B." in k]
+    if unexpected or absent or not adapters:
+        problem = (unexpected or absent or ["(no adapter tensors)"])[0]
+        raise ExportError(
+            f"checkpoint {ckpt_dir}: its adapters do not fit the base {model.name_or_path}: {problem}"
+        )
+    return peft_model.merge_and_unload()
+
+
+def _write_verified(
+    ckpt_dir: Path, out_dir: Path, dtype: str, config: PretrainedConfig, reference: Any, masters: str
+) -> dict[str, Any]:
+    """Write `reference` (the checkpoint's fp32 model) in `dtype` to out_dir and verify it against the logits
+    the checkpoint recorded (or, for an older checkpoint, against its own fp32 logits)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    hf_dir = ckpt_dir / "hf"
     reference.eval()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     # The check's reference: the logits the training engine itself computed at save time, from its
