@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.config.known_models import KNOWN_PROCESSOR_PIXELS
+from llm_train.config.recipe_sections import FREEZE_DEFAULT, FREEZE_PARTS
 from llm_train.errors import UserError
 
-# model.freeze's parts of an image-text model (the recipe schema's names).
-VISION_TOWER, PROJECTOR, LANGUAGE_MODEL = "vision_tower", "projector", "language_model"
+# model.freeze's parts of an image-text model (the recipe schema's names, config/recipe_sections.FREEZE_PARTS).
+VISION_TOWER, PROJECTOR, LANGUAGE_MODEL = FREEZE_PARTS
 # The image-text model types sized here (config.json's top-level model_type).
 SIZED_IMAGE_TEXT_TYPES = ("gemma3", "llava", "qwen2_5_vl")
 
@@ -161,7 +162,8 @@ class VisionShape:
 
     def part_params(self, part: str) -> int:
         """Parameters of model.freeze's part `part` held here (0 for the language model)."""
-        return {VISION_TOWER: self.tower_params, PROJECTOR: self.projector_params}.get(part, 0)
+        parts: dict[str, int] = {VISION_TOWER: self.tower_params, PROJECTOR: self.projector_params}
+        return parts.get(part, 0)
 
     def mlp_bytes_per_patch(self) -> int:
         """The tower's MLP intermediates kept for backward, 16-bit: SwiGLU keeps gate, up, SiLU(gate) and their
@@ -425,7 +427,7 @@ class VisionInputs:
     through (data.image_max_pixels, else the checkpoint's processor): an upper bound, as seq_len is for text.
     """
 
-    freeze: tuple[str, ...] = (VISION_TOWER, PROJECTOR)
+    freeze: tuple[str, ...] = FREEZE_DEFAULT
     """model.freeze: the parts that do not train (the schema's default: the vision tower and the projector)."""
     images_per_sample: int = 0
     """Images each sample holds (1 for image_chat data, the common case); 0: text rows."""
