@@ -70,6 +70,7 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
     trainable = adapters if inp.lora_rank else base
     if shape.vision is not None:
         trainable = _image_text_trainable(inp, adapters, base)
+        weights = base + trainable if inp.lora_rank else weights  # the adapters where the run puts them
     stage3 = inp.zero_stage == 3
     persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage3 else 0.0
     partitioned = weights - persistent
@@ -96,17 +97,18 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
 
 def _image_text_trainable(inp: MemoryInputs, adapters: float, base: float) -> float:
     """What trains in an image-text model under model.freeze (a frozen part keeps its 16-bit weights, counted in
-    `base`, and has no gradients or optimizer states). Under LoRA the adapters sit on the language model
-    (lora.target_modules' default) and an unfrozen vision part trains whole beside them, as LLaMA-Factory does
-    with freeze_vision_tower false."""
+    `base`, and has no gradients or optimizer states). Under LoRA the adapters go where training goes, as the
+    run puts them (runtime/model/model.py): on the target-named linears of every part model.freeze leaves out
+    (by default the language model alone); the base weights train nowhere."""
     vision = inp.shape.vision
     assert vision is not None
     shard = inp.tp * inp.pp
-    trained_vision = inp.vision.trained_params(vision) / shard
+    freeze = inp.vision.freeze
     if inp.lora_rank:
-        return adapters + trained_vision
-    language = inp.shape.language_model_params / shard if LANGUAGE_MODEL not in inp.vision.freeze else 0.0
-    return language + trained_vision
+        language = adapters if LANGUAGE_MODEL not in freeze else 0.0
+        return language + vision.lora_params(inp.lora_rank, inp.lora_targets, freeze) / shard
+    language = inp.shape.language_model_params / shard if LANGUAGE_MODEL not in freeze else 0.0
+    return language + inp.vision.trained_params(vision) / shard
 
 
 def layers_per_stage(inp: MemoryInputs) -> int:

@@ -131,8 +131,9 @@ def trainable_tensors(
     A full fine-tune trains every tensor (embedding, per layer q, k, v, o, gate, up, down and the
     two norms, final norm, head); LoRA trains A (r x n_in) and B (n_out x r) of each projection in
     lora.target_modules of every layer, in the layer's order, then lm_head's if it is a target
-    (shapes.lora_params counts the same). An image-text model's vision parts follow, those not in
-    `frozen` (model.freeze; "language_model" there leaves the language model out of a full fine-tune).
+    (shapes.lora_params counts the same). An image-text model's parts not in `frozen` (model.freeze) train
+    too: whole in a full fine-tune, through adapters on their target-named linears under LoRA; "language_model"
+    in `frozen` leaves the language model out.
     """
     matrices: list[int] = []
     vectors: list[int] = []
@@ -141,18 +142,22 @@ def trainable_tensors(
         for k, n in enumerate(numels):  # a linear's numels are (weight, bias); a norm's (weight,)
             (vectors if k > 0 or "norm" in name else matrices).append(n)
 
+    if lora_rank:
+        # Adapters where the run puts them (runtime/model/model.py): the language model's, unless it is frozen,
+        # then those on an unfrozen vision part's target-named linears.
+        r = lora_rank
+        adapted = [sides for name, sides in shape.lora_projections().items() if name in lora_targets]
+        per_layer = [n for n_in, n_out in adapted for n in (r * n_in, n_out * r)]
+        head_adapter = [r * shape.hidden_size, shape.vocab_size * r] if "lm_head" in lora_targets else []
+        language = per_layer * shape.num_layers + head_adapter if LANGUAGE_MODEL not in frozen else []
+        vision = shape.vision.lora_tensors(r, lora_targets, frozen) if shape.vision is not None else []
+        return language + [n for pair in vision for n in pair], []
     if shape.vision is not None:
         for name, numels, count in shape.vision.modules():
             if name.split(".", 1)[0] not in frozen:
                 for _ in range(count):
                     add(name, numels)
     vision_matrices, vision_vectors = matrices, vectors
-    if lora_rank:
-        r = lora_rank
-        adapted = [sides for name, sides in shape.lora_projections().items() if name in lora_targets]
-        per_layer = [n for n_in, n_out in adapted for n in (r * n_in, n_out * r)]
-        head_adapter = [r * shape.hidden_size, shape.vocab_size * r] if "lm_head" in lora_targets else []
-        return per_layer * shape.num_layers + head_adapter + vision_matrices, vision_vectors
     matrices, vectors = [], []
     # The language model's modules: the fixed twelve of every decoder, then per-layer extras (Gemma 3's norms).
     text = [m for m in shape.modules() if "." not in m[0]]

@@ -170,17 +170,19 @@ def flops_per_token(inp: MemoryInputs) -> float:
 def _image_text_flops_per_token(inp: MemoryInputs) -> float:
     """flops_per_token of an image-text model: the language model's per token (its data.seq_len includes the image
     tokens), plus its vision part's per sample spread over the sample's tokens: the tower's matmuls over every
-    patch and the projector's over every image token, 2 FLOPs per weight forward, 6 where the part trains (a
-    frozen part's input needs no gradient: nothing flows back into it). Its attention over the patches is left
-    out (under 5% at SigLIP's 4096 patches of width 1152)."""
+    patch and the projector's over every image token: 2 FLOPs per weight forward, 6 where the part trains whole,
+    4 where adapters on it (or a learning part below it) need its input gradients; a frozen tower's input needs
+    none. Its attention over the patches is left out (under 5% at SigLIP's 4096 patches of width 1152)."""
     shape, vision = inp.shape, inp.shape.vision
     assert vision is not None
-    language = shape.language_model_params
-    frozen_language = LANGUAGE_MODEL in inp.vision.freeze
-    if inp.lora_rank:
-        trainable, frozen = float(shape.lora_params(inp.lora_rank, inp.lora_targets)), float(language)
+    language = float(shape.language_model_params)
+    freeze = inp.vision.freeze
+    if LANGUAGE_MODEL in freeze:
+        trainable, frozen = 0.0, language
+    elif inp.lora_rank:
+        trainable, frozen = float(shape.lora_params(inp.lora_rank, inp.lora_targets)), language
     else:
-        trainable, frozen = (0.0, float(language)) if frozen_language else (float(language), 0.0)
+        trainable, frozen = language, 0.0
     flops = training_flops_per_token(
         trainable,
         shape.num_layers,
@@ -198,8 +200,12 @@ def _image_text_flops_per_token(inp: MemoryInputs) -> float:
     if images:
         geometry = inp.vision.geometry(vision)
         per_pass = {VISION_TOWER: geometry.max_patches, PROJECTOR: geometry.max_tokens}
+        tower_learns = VISION_TOWER not in freeze
         for part, positions in per_pass.items():
-            per_weight = 2.0 if part in inp.vision.freeze else 6.0
+            if part not in freeze:  # trained whole (6), or through adapters: forward and input gradients (4)
+                per_weight = 4.0 if inp.lora_rank else 6.0
+            else:  # frozen: a forward, and the input gradients a learning tower below needs
+                per_weight = 4.0 if part == PROJECTOR and tower_learns else 2.0
             flops += per_weight * vision.part_params(part) * positions * images / inp.seq_len
     return flops
 

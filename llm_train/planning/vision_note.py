@@ -36,7 +36,8 @@ def vision_note(inp: MemoryInputs, estimate: MemoryEstimate) -> str | None:
             f"; frozen by model.freeze: {', '.join(frozen)}, weights only, no gradients or optimizer states"
         )
     if trained:
-        parts += f"; trained: {', '.join(trained)}"
+        how = "through LoRA adapters on its target-named linears" if inp.lora_rank else "whole"
+        parts += f"; trained {how}: {', '.join(trained)}"
     parts += "; QLoRA leaves them in 16 bits)" if inp.quantize != "none" else ")"
     images = inp.vision.images_per_sample
     if not images:

@@ -139,6 +139,9 @@ class VisionShape:
     geometry: ImageGeometry
     projector_out: int
     """The language model's hidden size the projector maps to."""
+    linears: tuple[tuple[str, str, int, int, int], ...] = ()
+    """(part, module name, in features, out features, how many) of every nn.Linear: where LoRA's target names
+    can put adapters when the part is not frozen (runtime/model/model.py excludes the frozen parts' linears)."""
 
     def modules(self) -> list[tuple[str, tuple[int, ...], int]]:
         """(module name, numel of each of its own parameters, how many): ModelShape.modules' format, the names
@@ -164,6 +167,22 @@ class VisionShape:
         """Parameters of model.freeze's part `part` held here (0 for the language model)."""
         parts: dict[str, int] = {VISION_TOWER: self.tower_params, PROJECTOR: self.projector_params}
         return parts.get(part, 0)
+
+    def lora_params(self, rank: int, targets: tuple[str, ...], frozen: tuple[str, ...]) -> int:
+        """Adapter parameters LoRA of `rank` puts on the unfrozen parts' linears whose names are targets."""
+        return sum(n for group in self.lora_tensors(rank, targets, frozen) for n in group)
+
+    def lora_tensors(
+        self, rank: int, targets: tuple[str, ...], frozen: tuple[str, ...]
+    ) -> list[tuple[int, int]]:
+        """(A, B) numels of each adapter, one per adapted module (shapes.lora_params' rule: A is rank x in,
+        B is out x rank)."""
+        return [
+            (rank * n_in, n_out * rank)
+            for part, name, n_in, n_out, count in self.linears
+            if part not in frozen and name in targets
+            for _ in range(count)
+        ]
 
     def mlp_bytes_per_patch(self) -> int:
         """The tower's MLP intermediates kept for backward, 16-bit: SwiGLU keeps gate, up, SiLU(gate) and their
@@ -228,6 +247,12 @@ def _require(cfg: dict[str, Any], key: str, where: str) -> int:
     return int(cfg[key])
 
 
+def _encoder_linears(d: int, inter: int, layers: int) -> list[tuple[str, str, int, int, int]]:
+    """A SigLIP / CLIP encoder's linears: q, k, v, out projections and the two MLP matrices per layer."""
+    attention = [(VISION_TOWER, n, d, d, layers) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    return [*attention, (VISION_TOWER, "fc1", d, inter, layers), (VISION_TOWER, "fc2", inter, d, layers)]
+
+
 def _siglip_tower(
     vision: dict[str, Any],
 ) -> tuple[list[tuple[str, tuple[int, ...], int]], int, int, int, int]:
@@ -272,6 +297,17 @@ def _gemma3(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
     patch = int(vision["patch_size"])
     size = int(vision["image_size"])
     tokens = int(cfg.get("mm_tokens_per_image") or GEMMA3_MM_TOKENS_PER_IMAGE)
+    # The attention-pooling head, where there is one: its MLP, and nn.MultiheadAttention's out_proj (its input
+    # projection is a bare parameter, which LoRA's names do not reach).
+    head = (
+        [
+            (VISION_TOWER, "fc1", d, inter, 1),
+            (VISION_TOWER, "fc2", inter, d, 1),
+            (VISION_TOWER, "out_proj", d, d, 1),
+        ]
+        if vision.get("vision_use_head", True)
+        else []
+    )
     # Gemma3MultiModalProjector: a (vision hidden x text hidden) matrix without bias and an RMSNorm of the vision
     # width (its average pooling has no parameters).
     projector = [("mm_input_projection_weight", (d * text_hidden,), 1), ("mm_soft_emb_norm", (d,), 1)]
@@ -286,6 +322,7 @@ def _gemma3(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
         projector=tuple(projector),
         geometry=ImageGeometry(patch_size=patch, fixed_size=size, fixed_tokens=tokens),
         projector_out=text_hidden,
+        linears=tuple(_encoder_linears(d, inter, layers) + head),
     )
 
 
@@ -335,6 +372,15 @@ def _qwen2_5_vl(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
             patch_size=patch, merge_size=merge, min_pixels=QWEN_VL_MIN_PIXELS, max_pixels=QWEN_VL_MAX_PIXELS
         ),
         projector_out=out,
+        linears=(
+            (VISION_TOWER, "qkv", d, 3 * d, layers),
+            (VISION_TOWER, "proj", d, d, layers),
+            (VISION_TOWER, "gate_proj", d, inter, layers),
+            (VISION_TOWER, "up_proj", d, inter, layers),
+            (VISION_TOWER, "down_proj", inter, d, layers),
+            (PROJECTOR, "0", merged, merged, 1),  # the merger's nn.Sequential: mlp.0, mlp.2
+            (PROJECTOR, "2", merged, out, 1),
+        ),
     )
 
 
@@ -392,6 +438,11 @@ def _llava(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
         projector=tuple(projector),
         geometry=ImageGeometry(patch_size=patch, fixed_size=size, fixed_tokens=patches + int(full)),
         projector_out=text_hidden,
+        linears=(
+            *_encoder_linears(d, inter, layers),
+            (PROJECTOR, "linear_1", width, text_hidden, 1),
+            (PROJECTOR, "linear_2", text_hidden, text_hidden, 1),
+        ),
     )
 
 

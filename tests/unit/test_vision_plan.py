@@ -21,6 +21,7 @@ from llm_train.planning.vision_shapes import (
     VisionInputs,
     processor_pixels,
 )
+from tests.optional import import_or_skip
 
 GEMMA3: dict[str, Any] = {
     "model_type": "gemma3",
@@ -427,3 +428,27 @@ def test_the_speed_model_counts_the_language_model_per_token_and_the_vision_part
     # The frozen tower and projector: one forward (2 FLOPs per weight) over 2048 patches and 512 tokens a row.
     per_row = 2 * vision.tower_params * 2048 + 2 * vision.projector_params * 512
     assert flops_per_token(images) == pytest.approx(language + per_row / 2048)
+
+
+@pytest.mark.parametrize("cfg", [GEMMA3, QWEN25_VL, LLAVA], ids=["gemma3", "qwen2_5_vl", "llava"])
+def test_lora_trains_what_the_run_trains_under_each_freeze(cfg: dict[str, Any]) -> None:
+    """The run's own freeze and adapters (runtime/model/parts.py, runtime/model/lora.py) on a tiny model: the
+    estimate's trainable elements under LoRA equal the parameters left with requires_grad, for each
+    model.freeze: the adapters go on the target-named linears of every part not frozen, the base trains nowhere."""
+    import_or_skip("peft")
+    from llm_train.config.recipe_sections import LoraSection
+    from llm_train.runtime.model.lora import apply_lora
+    from llm_train.runtime.model.parts import freeze, linear_paths
+
+    shape = shape_from_config(cfg)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for frozen in [(VISION_TOWER, PROJECTOR), (PROJECTOR,), (LANGUAGE_MODEL,)]:
+        model = _model(cfg)
+        freeze(model, frozen)
+        lora = LoraSection(rank=4, target_modules=list(targets))
+        peft_model = apply_lora(model, lora, exclude=linear_paths(model, frozen))
+        trained = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        inp = MemoryInputs.of(
+            shape, world_size=1, lora_rank=4, lora_targets=targets, vision=VisionInputs(frozen)
+        )
+        assert model_split(inp).trainable == trained, (cfg["model_type"], frozen)
