@@ -299,7 +299,7 @@ def _gemma3(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
     tokens = int(cfg.get("mm_tokens_per_image") or GEMMA3_MM_TOKENS_PER_IMAGE)
     # The attention-pooling head, where there is one: its MLP, and nn.MultiheadAttention's out_proj (its input
     # projection is a bare parameter, which LoRA's names do not reach).
-    head = (
+    head: list[tuple[str, str, int, int, int]] = (
         [
             (VISION_TOWER, "fc1", d, inter, 1),
             (VISION_TOWER, "fc2", inter, d, 1),
