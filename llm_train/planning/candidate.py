@@ -153,8 +153,9 @@ def generation_of(recipe: Any) -> GenerationInputs | None:
 
 def vision_of(recipe: Any, shape: ModelShape) -> VisionInputs:
     """MemoryInputs.vision of a recipe: model.freeze, and for image_chat data one image per sample at the largest
-    size its pixel bound lets through (the source's max_pixels, data.image_max_pixels, else the checkpoint's
-    processor's). A text model, or an image-text one trained on text, has no images."""
+    size the run lets through: the sources' bounds (max_pixels, else data.image_max_pixels; the largest of them),
+    then the checkpoint's processor's own limits. A text model, or an image-text one trained on text, has no
+    images."""
     if shape.vision is None:
         return VisionInputs()
     freeze = tuple(recipe.model.freeze)
@@ -171,8 +172,10 @@ def vision_of(recipe: Any, shape: ModelShape) -> VisionInputs:
     return VisionInputs(
         freeze=freeze,
         images_per_sample=1,
-        min_pixels=bound("min_pixels", own_min, min),
-        max_pixels=bound("max_pixels", own_max, max),
+        min_pixels=bound("min_pixels", None, min),
+        max_pixels=bound("max_pixels", None, max),
+        processor_min_pixels=own_min,
+        processor_max_pixels=own_max,
     )
 
 

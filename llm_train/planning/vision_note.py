@@ -46,9 +46,15 @@ def vision_note(inp: MemoryInputs, estimate: MemoryEstimate) -> str | None:
     if geometry.fixed_tokens is not None:
         how = f"{geometry.fixed_tokens} per image whatever its size (resized to {geometry.fixed_size} px square)"
     else:
+        bound = (
+            f"data.image_max_pixels {geometry.bound_max_pixels}"
+            if geometry.bound_max_pixels is not None
+            and geometry.bound_max_pixels < (geometry.max_pixels or 0)
+            else f"the processor's max_pixels {geometry.max_pixels}"
+        )
         how = (
-            f"up to {geometry.max_tokens} per image (one per {geometry.factor} x {geometry.factor} pixels, "
-            f"max_pixels {geometry.max_pixels})"
+            f"up to {geometry.max_tokens} per image (one per {geometry.factor} x {geometry.factor} pixels within "
+            f"{bound}; {geometry.square_tokens} for a square image, more for a long thin one)"
         )
     tokens = images * geometry.max_tokens
     parts += (

@@ -22,6 +22,8 @@ Nothing here imports torch or transformers (`plan` and `--dry-run` stay fast).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -42,14 +44,22 @@ class VisionConfigError(UserError, ValueError):
     """An image-text config the planner cannot size (one line: the type, or the missing key)."""
 
 
+# transformers' Qwen-VL smart_resize refuses an image whose long side is more than 200 times its short side.
+MAX_ASPECT_RATIO = 200
+
+
 @dataclass(frozen=True)
 class ImageGeometry:
-    """How the processor turns one image into patches and tokens.
+    """How one image becomes patches and tokens: the run's pixel bounds, then the model's processor.
 
-    fixed_size: Gemma 3's processor resizes every image to image_size x image_size (pan-and-scan off, its
-    default), so the tokens per image are mm_tokens_per_image whatever the input. Otherwise (Qwen-VL) the
-    image keeps its aspect ratio, resized to multiples of patch_size x merge_size within [min_pixels,
-    max_pixels] (transformers' `smart_resize`, models/qwen2_vl/image_processing_qwen2_vl.py).
+    bound_min_pixels / bound_max_pixels: data.image_min_pixels / image_max_pixels, applied to width x height
+    before the processor sees the image, aspect kept (data/formats/images.py ImageSizing: the same arithmetic).
+    fixed_size: Gemma 3's and LLaVA's processors then resize every image to fixed_size x fixed_size
+    (pan-and-scan off, Gemma 3's default), so an image takes fixed_tokens whatever its size. Otherwise
+    (Qwen-VL) the processor keeps the aspect ratio and resizes to multiples of patch_size x merge_size within
+    its own [min_pixels, max_pixels] (transformers' `smart_resize`, models/qwen2_vl/image_processing_qwen2_vl.py).
+    Both are written out here rather than called because the planner imports no transformers or PIL (plan
+    answers in milliseconds); tests/unit/test_vision_plan.py holds them equal to the real processors.
     """
 
     patch_size: int
@@ -58,13 +68,27 @@ class ImageGeometry:
     fixed_tokens: int | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
+    bound_min_pixels: int | None = None
+    bound_max_pixels: int | None = None
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
-    def resized(self, height: int, width: int) -> tuple[int, int]:
-        """The (height, width) the processor resizes an image to (transformers' smart_resize, same arithmetic)."""
+    def bounded(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) after data.image_max_pixels / image_min_pixels (ImageSizing.apply's arithmetic)."""
+        pixels = height * width
+        scale = 1.0
+        if self.bound_max_pixels is not None and pixels > self.bound_max_pixels:
+            scale = math.sqrt(self.bound_max_pixels / pixels)
+        elif self.bound_min_pixels is not None and pixels < self.bound_min_pixels:
+            scale = math.sqrt(self.bound_min_pixels / pixels)
+        if scale == 1.0:
+            return height, width
+        return max(1, int(height * scale)), max(1, int(width * scale))
+
+    def processed(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) the processor resizes an image it is given to (smart_resize's arithmetic)."""
         if self.fixed_size is not None:
             return self.fixed_size, self.fixed_size
         assert self.min_pixels is not None and self.max_pixels is not None
@@ -81,6 +105,10 @@ class ImageGeometry:
             w_bar = math.ceil(width * beta / factor) * factor
         return h_bar, w_bar
 
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) an image of height x width pixels reaches the vision tower at."""
+        return self.processed(*self.bounded(height, width))
+
     def patches(self, height: int, width: int) -> int:
         """Patches the vision tower runs over for one image of height x width pixels."""
         h, w = self.resized(height, width)
@@ -93,14 +121,22 @@ class ImageGeometry:
         return self.patches(height, width) // (self.merge_size * self.merge_size)
 
     @property
+    def largest_pixels(self) -> int | None:
+        """The most pixels an image reaches the processor with (None: a fixed-size processor)."""
+        if self.fixed_size is not None:
+            return None
+        assert self.max_pixels is not None
+        if self.bound_max_pixels is None:
+            return self.max_pixels
+        return min(self.bound_max_pixels, self.max_pixels)
+
+    @property
     def max_patches(self) -> int:
-        """Patches of the largest image the processor lets through (what the planner sizes)."""
+        """Patches of the largest image the processor lets through, of any aspect ratio it accepts (what the
+        planner sizes: an upper bound, as data.seq_len is for text)."""
         if self.fixed_size is not None:
             return (self.fixed_size // self.patch_size) ** 2
-        assert self.max_pixels is not None
-        # smart_resize keeps h x w <= max_pixels in multiples of factor x factor (and at least one such block).
-        blocks = max(1, self.max_pixels // (self.factor * self.factor))
-        return blocks * self.merge_size * self.merge_size
+        return _largest_patches(self)
 
     @property
     def max_tokens(self) -> int:
@@ -109,17 +145,52 @@ class ImageGeometry:
             return self.fixed_tokens
         return self.max_patches // (self.merge_size * self.merge_size)
 
+    @property
+    def square_tokens(self) -> int:
+        """Image tokens of a square image at the largest pixel count (the common case under the bound)."""
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
+        largest = self.largest_pixels
+        assert largest is not None
+        side = math.isqrt(largest)
+        return self.tokens(side, side)
+
     def with_pixels(self, min_pixels: int | None, max_pixels: int | None) -> ImageGeometry:
-        """data.image_min_pixels / data.image_max_pixels over the processor's own (None keeps its own).
-        A fixed-size processor (Gemma 3) resizes every image to its size: the knobs change nothing there."""
+        """The checkpoint's processor's own pixel limits over the class's (None keeps the class's). A fixed-size
+        processor (Gemma 3, LLaVA) resizes every image to its size: the limits change nothing there."""
         if self.fixed_size is not None:
             return self
-        return ImageGeometry(
-            self.patch_size,
-            self.merge_size,
+        return dataclasses.replace(
+            self,
             min_pixels=self.min_pixels if min_pixels is None else min_pixels,
             max_pixels=self.max_pixels if max_pixels is None else max_pixels,
         )
+
+    def bounded_by(self, min_pixels: int | None, max_pixels: int | None) -> ImageGeometry:
+        """data.image_min_pixels / image_max_pixels applied before the processor."""
+        if self.fixed_size is not None:
+            return self
+        return dataclasses.replace(self, bound_min_pixels=min_pixels, bound_max_pixels=max_pixels)
+
+
+@functools.cache
+def _largest_patches(geometry: ImageGeometry) -> int:
+    """The most patches smart_resize gives an image of at most `largest_pixels` pixels: its rounding to multiples
+    of patch x merge can take an image past the pixel count (a 633 x 633 image becomes 644 x 644), most for
+    long thin images, so every height the processor accepts is tried with the widest width that fits (cached:
+    --recipe auto asks for it once per candidate)."""
+    largest = geometry.largest_pixels
+    assert largest is not None
+    low = max(1, math.isqrt(largest // MAX_ASPECT_RATIO))
+    high = math.isqrt(largest * MAX_ASPECT_RATIO)
+    best = 0
+    for height in range(low, high + 1):
+        width = largest // height
+        if width < 1 or max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+            continue
+        h, w = geometry.processed(height, width)
+        best = max(best, (h // geometry.patch_size) * (w // geometry.patch_size))
+    return best
 
 
 @dataclass(frozen=True)
@@ -474,8 +545,8 @@ def processor_pixels(preprocessor: dict[str, Any]) -> tuple[int | None, int | No
 class VisionInputs:
     """What an image-text run asks of its vision part (MemoryInputs.vision; nothing on a text model).
 
-    The estimate sizes every sample at `images_per_sample` images of the largest size the processor lets
-    through (data.image_max_pixels, else the checkpoint's processor): an upper bound, as seq_len is for text.
+    The estimate sizes every sample at `images_per_sample` images of the largest size the run lets through
+    (data.image_max_pixels, then the checkpoint's processor): an upper bound, as seq_len is for text.
     """
 
     freeze: tuple[str, ...] = FREEZE_DEFAULT
@@ -484,10 +555,16 @@ class VisionInputs:
     """Images each sample holds (1 for image_chat data, the common case); 0: text rows."""
     min_pixels: int | None = None
     max_pixels: int | None = None
-    """data.image_min_pixels / image_max_pixels, or the checkpoint's processor's; None: the processor class's."""
+    """data.image_min_pixels / image_max_pixels (or a source's min_pixels / max_pixels): applied before the
+    processor; None: no bound of the run's own."""
+    processor_min_pixels: int | None = None
+    processor_max_pixels: int | None = None
+    """The checkpoint's processor's own limits (its preprocessor_config.json, or a known id's); None: the
+    processor class's defaults."""
 
     def geometry(self, vision: VisionShape) -> ImageGeometry:
-        return vision.geometry.with_pixels(self.min_pixels, self.max_pixels)
+        own = vision.geometry.with_pixels(self.processor_min_pixels, self.processor_max_pixels)
+        return own.bounded_by(self.min_pixels, self.max_pixels)
 
     def frozen_params(self, vision: VisionShape) -> int:
         """Parameters of the vision part that do not train (the language model is the caller's)."""

@@ -222,27 +222,51 @@ def _png(path: Path, width: int, height: int) -> Path:
 IMAGE_SIZES = [(20, 20), (28, 28), (100, 60), (333, 517), (640, 480), (1024, 768), (1500, 300), (90, 900)]
 
 
-def test_qwen_image_tokens_equal_the_processors_on_real_images(tmp_path: Path) -> None:
+# (data.image_min_pixels, data.image_max_pixels, the processor's min_pixels, max_pixels): the run's bounds
+# first (data/formats/images.py), then the processor's own; every branch of both.
+QWEN_LIMITS = [
+    (None, None, 4 * 28 * 28, 256 * 28 * 28),
+    (None, 120_000, 3136, 1_003_520),
+    (20_000, 60_000, 3136, 12_845_056),
+]
+
+
+@pytest.mark.parametrize("limits", QWEN_LIMITS, ids=["processor", "run-max", "run-min-max"])
+def test_qwen_image_tokens_equal_the_processors_on_real_images(
+    limits: tuple[int | None, int | None, int, int], tmp_path: Path
+) -> None:
+    """Each image goes the run's way (ImageSizing, then Qwen2VLImageProcessor with the checkpoint's own
+    limits): the planner's patches and tokens per image equal the processor's grid, and never exceed the
+    planner's bound for the largest image."""
     import transformers
     from PIL import Image
 
-    low, high = 4 * 28 * 28, 256 * 28 * 28
+    from llm_train.data.formats.images import ImageSizing
+
+    bound_min, bound_max, low, high = limits
     processor = transformers.Qwen2VLImageProcessor(
         min_pixels=low, max_pixels=high, patch_size=14, merge_size=2, temporal_patch_size=2
     )
+    sizing = ImageSizing(max_pixels=bound_max, min_pixels=bound_min)
     shape = shape_from_config(QWEN25_VL)
     assert shape.vision is not None
-    geometry = VisionInputs(min_pixels=low, max_pixels=high).geometry(shape.vision)
+    inputs = VisionInputs(
+        min_pixels=bound_min, max_pixels=bound_max, processor_min_pixels=low, processor_max_pixels=high
+    )
+    geometry = inputs.geometry(shape.vision)
     for width, height in IMAGE_SIZES:
-        image = Image.open(_png(tmp_path / f"{width}x{height}.png", width, height))
-        grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
-        t, h, w = grid
+        image = sizing.apply(Image.open(_png(tmp_path / f"{width}x{height}.png", width, height)))
+        t, h, w = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
         assert t == 1
         assert geometry.patches(height, width) == h * w, (width, height)
         assert geometry.tokens(height, width) == h * w // 4, (width, height)
         assert geometry.tokens(height, width) <= geometry.max_tokens
-    # The bound is reached: an image of exactly max_pixels in 28-pixel blocks takes max_tokens.
-    assert geometry.tokens(16 * 28, 16 * 28) == geometry.max_tokens == 256
+    # The bound is the largest over every aspect the processor accepts: reached by some image at the bound.
+    largest = geometry.largest_pixels
+    assert largest is not None
+    reached = max(geometry.tokens(h, largest // h) for h in range(1, largest + 1) if largest // h >= 1
+                  and max(h, largest // h) <= 200 * min(h, largest // h))  # fmt: skip
+    assert reached == geometry.max_tokens
 
 
 def test_gemma3_image_tokens_equal_the_models_own_count(tmp_path: Path) -> None:
@@ -297,7 +321,10 @@ def test_known_checkpoints_image_tokens() -> None:
     assert qwen is not None and gemma is not None
     # Qwen2.5-VL: one token per 28 x 28 pixels, bounded by max_pixels (the class's 1280 x 28^2 by default).
     assert qwen.geometry.max_tokens == 1280
-    assert VisionInputs(max_pixels=512 * 28 * 28).geometry(qwen).max_tokens == 512
+    # data.image_max_pixels = 512 x 28 x 28 before the processor: a square image at the bound is 633 x 633 and
+    # rounds to 644 x 644 (529 tokens); a long thin one rounds further (the bound, over every accepted aspect).
+    bounded = VisionInputs(max_pixels=512 * 28 * 28).geometry(qwen)
+    assert (bounded.square_tokens, bounded.max_tokens) == (529, 638)
     # Gemma 3: 256 tokens per image whatever its size, 4096 SigLIP patches at 896 x 896; the knobs change nothing.
     assert (gemma.geometry.max_tokens, gemma.geometry.max_patches) == (256, 4096)
     assert VisionInputs(max_pixels=10_000).geometry(gemma) == gemma.geometry
@@ -318,7 +345,7 @@ def test_vision_activations_frozen_against_trained() -> None:
         shape, world_size=1, seq_len=2048, lora_rank=16, activation_checkpointing=True, vision=images
     )
     frozen = estimate_memory(base).gpu_terms["vision_activations"]
-    patches = 512 * 4
+    patches = 638 * 4
     # A frozen tower keeps nothing for backward: one layer's working set.
     assert frozen == vision.layer_activation_bytes(patches) == patches * (18 * 1280 + 2 * 4 * 3420)
     trained = estimate_memory(
@@ -370,11 +397,14 @@ def test_plan_of_an_image_text_recipe_names_the_vision_part_and_the_image_tokens
 
     report = plan_recipe("8b-vlm-lora-rtx4090", [], detect=False)
     rows = dict(report.evaluation.estimate.table())
-    assert rows["GPU vision tower activations"] == "0.19 GiB"
+    assert rows["GPU vision tower activations"] == "0.24 GiB"
     (note,) = [n for n in report.notes if n.startswith("image-text (Qwen2.5-VL)")]
     assert "vision tower 0.63B + projector 44.6M parameters" in note
     assert "frozen by model.freeze: vision_tower, projector" in note
-    assert "up to 512 per image (one per 28 x 28 pixels, max_pixels 401408): 512 of data.seq_len 2048" in note
+    assert (
+        "up to 638 per image (one per 28 x 28 pixels within data.image_max_pixels 401408; 529 for a square"
+        in note
+    )
     # Without image rows the vision part is loaded but not run: no activation term, and the note says so.
     text = plan_recipe(
         "8b-vlm-lora-rtx4090", ["data.train=[{path: /data/x.jsonl, format: chat}]"], detect=False
@@ -397,7 +427,10 @@ def test_recipe_auto_plans_an_image_text_model_and_writes_what_it_planned(
     )
     auto_out = capsys.readouterr().out
     vision = next(line for line in auto_out.splitlines() if line.startswith("vision:"))
-    assert "up to 256 per image (one per 28 x 28 pixels, max_pixels 200704)" in vision
+    assert (
+        "up to 342 per image (one per 28 x 28 pixels within data.image_max_pixels 200704; 256 for a square"
+        in vision
+    )
     assert cli.main(["plan", "--recipe", str(path), "--gpu", "RTX 4090", "--host-ram", "32"]) == 0
     plan_out = capsys.readouterr().out
     assert vision.removeprefix("vision:").strip() in plan_out  # the written recipe plans the same vision part
@@ -425,8 +458,8 @@ def test_the_speed_model_counts_the_language_model_per_token_and_the_vision_part
     images = dataclasses.replace(
         text_rows, vision=VisionInputs(images_per_sample=1, max_pixels=512 * 28 * 28)
     )
-    # The frozen tower and projector: one forward (2 FLOPs per weight) over 2048 patches and 512 tokens a row.
-    per_row = 2 * vision.tower_params * 2048 + 2 * vision.projector_params * 512
+    # The frozen tower and projector: one forward (2 FLOPs per weight) over 2552 patches and 638 tokens a row.
+    per_row = 2 * vision.tower_params * 2552 + 2 * vision.projector_params * 638
     assert flops_per_token(images) == pytest.approx(language + per_row / 2048)
 
 
