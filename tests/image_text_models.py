@@ -122,6 +122,47 @@ def family_configs() -> dict[str, dict[str, Any]]:
             "image_token_index": IMAGE,
             "projection_dim": 32,
         },
+        "qwen2_vl": {
+            "text_config": {**_TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            "vision_config": {"depth": 1, "embed_dim": 32, "hidden_size": 32, "mlp_ratio": 2, "num_heads": 2},
+            "image_token_id": IMAGE,
+            "video_token_id": VIDEO,
+            "vision_start_token_id": VISION_START,
+            "vision_end_token_id": VISION_END,
+        },
+        # Mllama's language model attends to the image through cross-attention layers (layer 1 of 2 here).
+        "mllama": {
+            "text_config": {**_TEXT, "num_hidden_layers": 2, "cross_attention_layers": [1]},
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_global_layers": 1,
+                "attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+                "vision_output_dim": 64,
+                "intermediate_layers_indices": [0],
+            },
+            "image_token_index": IMAGE,
+        },
+        "internvl": {
+            "text_config": {"model_type": "qwen2", **_TEXT},
+            "vision_config": {**_VISION, "image_size": 28, "patch_size": 14},
+            "image_token_id": IMAGE,
+            "downsample_ratio": 0.5,
+        },
+        "aya_vision": {
+            "text_config": {"model_type": "cohere2", **_TEXT},
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                **_VISION,
+                "image_size": 28,
+                "patch_size": 14,
+            },
+            "image_token_index": IMAGE,
+            "downsample_factor": 1,
+        },
         "llama4": {
             "text_config": {
                 **_TEXT,

@@ -9,7 +9,7 @@ AutoModelForImageTextToText and with the class config.json names, nothing missin
 vision tower and projector are bit-identical to the input and the language model moved. One more run trains
 Gemma 3 (the issue's failing export) on 2 processes of ZeRO-3 and exports its checkpoint with `llm-train
 export`, which must give the same tensors as the run's final/ and carry the processor files too; Qwen2.5-VL
-trains under ZeRO-2 and ZeRO-3 with CPU offload, and Gemma 3 with LoRA under ZeRO-3 (merged export, the
+trains under ZeRO-2 without and with CPU offload and ZeRO-3 with it, and Gemma 3 with LoRA under ZeRO-3 (merged export, the
 vision tower's q_proj/k_proj/v_proj left without adapters, so bit-identical too).
 """
 
@@ -134,13 +134,13 @@ def test_gemma3_on_two_zero3_ranks_exports_its_run_and_its_checkpoint(tmp_path: 
     )  # an fp32 run exported in fp32: the same weights
 
 
-@pytest.mark.parametrize("ds_config", ["zero2_offload", "zero3_offload"])
-def test_offloaded_zero_layouts_train_an_image_text_model(ds_config: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ds_config", ["zero2", "zero2_offload", "zero3_offload"])
+def test_zero2_and_offloaded_layouts_train_an_image_text_model(ds_config: str, tmp_path: Path) -> None:
     source = checkpoint("qwen2_5_vl", tmp_path)
     run_dir = tmp_path / "run"
     result = launch(run_args(source, run_dir, f"deepspeed.config={ds_config}"), nproc=1)
     assert_ok(result)
-    assert "offload      optimizer=cpu" in result.stdout
+    assert ("offload      optimizer=cpu" in result.stdout) == ds_config.endswith("offload")
     assert_export_keeps_the_input(source, run_dir / "final")
 
 
@@ -164,3 +164,20 @@ def test_lora_on_an_image_text_model_adapts_the_language_model_and_exports_merge
     assert_export_keeps_the_input(source, out)
     final, again = tensors(run_dir / "final"), tensors(out)
     assert all(torch.allclose(final[k], again[k], rtol=0, atol=1e-6) for k in final)
+
+    # Without --merge: the adapter, placed as the run placed it (not on the vision tower's q_proj/v_proj), so
+    # PEFT on the input checkpoint rebuilds the same model.
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    adapter = tmp_path / "adapter"
+    exported = run_cmd(
+        [str(Path(sys.executable).with_name("llm-train")), "export", str(run_dir), str(adapter)]
+    )
+    assert_ok(exported)
+    assert json.loads((adapter / "adapter_config.json").read_text())["exclude_modules"]
+    base = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
+    rebuilt = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    rebuilt_weights = dict(rebuilt.named_parameters())
+    merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    assert all(torch.allclose(p, rebuilt_weights[n], rtol=0, atol=1e-6) for n, p in merged.named_parameters())

@@ -128,7 +128,11 @@ def test_tiny_cpus_llama_fields_over_a_checkpoint_are_refused_not_merged(gemma3_
 
 @pytest.mark.parametrize(
     "overrides",
-    [["deepspeed.sequence_parallel=2"], ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"]],
+    [
+        ["deepspeed.sequence_parallel=2"],
+        ["deepspeed.pipeline_stages=2", "deepspeed.config=zero1"],
+        ["deepspeed.config=zero1_tp"],
+    ],
 )
 def test_parallel_layouts_other_than_zero_are_refused_for_image_text(
     gemma3_dir: Path, overrides: list[str]
@@ -197,3 +201,32 @@ def test_a_pretrained_llama4_keeps_its_vision_tower(tmp_path: Path) -> None:
     # AutoModelForCausalLM builds Llama4ForCausalLM from this config and drops the vision tower.
     assert type(model).__name__ == "Llama4ForConditionalGeneration"
     assert set(parts(model)) == {"vision_tower", "projector", "language_model"}
+
+
+@pytest.mark.parametrize("original_format", [True, False])
+def test_the_keys_check_takes_gemma3_in_the_hub_layout_and_in_memory_and_names_a_missing_tensor(
+    original_format: bool, tmp_path: Path
+) -> None:
+    """The issue's failure: a Gemma 3 directory that transformers loads whole was refused by the keys-only
+    check. Saved as the hub has it (`language_model.model.*`) or under the in-memory names, it passes; with a
+    tensor dropped it fails in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from llm_train.errors import ExportError
+    from llm_train.runtime.export.model_dir import check_keys, saved_shapes
+
+    model = tiny("gemma3")
+    model.config.architectures = ["Gemma3ForConditionalGeneration"]
+    model.save_pretrained(tmp_path, save_original_format=original_format)
+    names = set(saved_shapes(tmp_path))
+    assert any(
+        n.startswith("language_model.model." if original_format else "model.language_model.") for n in names
+    )
+    check_keys(tmp_path, saved_shapes(tmp_path))
+
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    dropped = next(n for n in weights if "layers.0.mlp.up_proj" in n)
+    del weights[dropped]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ExportError, match=r"1 tensors missing, e.g. \S*layers\.0\.mlp\.up_proj\.weight"):
+        check_keys(tmp_path, saved_shapes(tmp_path))

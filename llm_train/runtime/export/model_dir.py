@@ -41,6 +41,7 @@ import torch
 
 from llm_train.config.model_kind import is_image_text
 from llm_train.config.parallel import tensor_parallel_shards
+from llm_train.config.recipe_sections import ModelSection
 from llm_train.errors import ExportError, UserError, first_line
 from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
 from llm_train.runtime.checkpointing.logit_reference import (
@@ -535,8 +536,10 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str, merge: bool = F
         reference = _merged(ckpt_dir, config, state_dict, lora)
         return _write_verified(ckpt_dir, out_dir, dtype, config, reference, masters)
     if lora is not None:
-        config = json.loads((hf_dir / "config.json").read_text())
-        count = export_adapter_checkpoint(ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path"))
+        base = json.loads((hf_dir / "config.json").read_text()).get("_name_or_path")
+        count = export_adapter_checkpoint(
+            ckpt_dir, out_dir, state_dict, lora, base, _lora_excluded(ckpt_dir, config)
+        )
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
         why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
         return {"tensors": count, "max_logit_diff": float("nan"), "verified": f"{why}; {masters}"}
@@ -570,8 +573,6 @@ def _merged(ckpt_dir: Path, config: PretrainedConfig, state_dict: dict[str, torc
     """
     import yaml
 
-    from llm_train.config.recipe_sections import ModelSection
-
     section = (yaml.safe_load((ckpt_dir / "hf" / "recipe.yaml").read_text()) or {})["model"]
     model = ModelSection(**section)
     if model.init != "pretrained" or lora.quantize != "none":
@@ -600,6 +601,19 @@ def _merged(ckpt_dir: Path, config: PretrainedConfig, state_dict: dict[str, torc
             f"checkpoint {ckpt_dir}: its adapters do not fit the base {model.name_or_path}: {problem}"
         )
     return peft_model.merge_and_unload()
+
+
+def _lora_excluded(ckpt_dir: Path, config: PretrainedConfig) -> list[str]:
+    """The linear layers a LoRA run kept adapters out of: an image-text model's frozen parts (model.py), found
+    on a skeleton built on the meta device from the checkpoint's config (nothing allocated, nothing read)."""
+    if not is_image_text(config.to_dict()):
+        return []
+    import yaml
+
+    model = ModelSection(**(yaml.safe_load((ckpt_dir / "hf" / "recipe.yaml").read_text()) or {})["model"])
+    with torch.device("meta"), _transformers_quiet():
+        skeleton = auto_class(config).from_config(config)
+    return linear_paths(skeleton, model.freeze)
 
 
 def _write_verified(

@@ -114,13 +114,19 @@ def checkpoint_lora(ckpt_dir: Path) -> LoraSection | None:
 
 
 def export_adapter_checkpoint(
-    ckpt_dir: Path, out_dir: Path, state_dict: dict[str, Any], lora: LoraSection, base: str | None
+    ckpt_dir: Path,
+    out_dir: Path,
+    state_dict: dict[str, Any],
+    lora: LoraSection,
+    base: str | None,
+    exclude: Sequence[str] = (),
 ) -> int:
     """PEFT adapter files from a LoRA checkpoint's adapter tensors; returns how many were written.
 
     A LoRA checkpoint holds the adapters and their optimizer, not the frozen base (checkpointing/run_state.py), so
     what it can give is the adapter: `PeftModel.from_pretrained(base, out_dir)` on the base it was
-    trained from (loaded the same way, 4-bit for a QLoRA run) reproduces the trained model.
+    trained from (loaded the same way, 4-bit for a QLoRA run) reproduces the trained model. `exclude`: the
+    modules the run kept adapters out of (an image-text model's frozen parts), so PEFT places them alike.
     """
     from safetensors.torch import save_file
 
@@ -135,6 +141,6 @@ def export_adapter_checkpoint(
     if not tensors:
         raise ExportError(f"checkpoint {ckpt_dir}: a LoRA run's checkpoint without adapter tensors")
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_config(lora, base).save_pretrained(str(out_dir))
+    peft_config(lora, base, exclude).save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return verify_adapter_export(out_dir)
