@@ -112,8 +112,7 @@ def conversations() -> list[dict[str, Any]]:
 
 def processor() -> Any:
     """The LLaVA processor of the tiny model: the bundled tokenizer + `<image>`, CLIP sizing at 56 px."""
-    from transformers import LlavaProcessor, PreTrainedTokenizerFast
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import CLIPImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(TOKENIZER))
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})

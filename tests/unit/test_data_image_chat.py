@@ -290,3 +290,102 @@ def test_the_processor_settings_are_part_of_the_cache_key(tmp_path: Path) -> Non
     config = folder / "processor_config.json"
     config.write_text(config.read_text().replace('"shortest_edge": 56', '"shortest_edge": 112'))
     assert fmt.cache_key(AutoTokenizer.from_pretrained(str(folder))) != before
+
+
+def test_gemma3_style_per_token_arrays_are_padded_with_their_row(tmp_path: Path) -> None:
+    """Gemma 3's processor also returns token_type_ids (1 on image tokens), one per token: they are laid out
+    with the row (zero on padding), and its begin/end-of-image markers are never trained on either."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    special = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(vlm.TOKENIZER), extra_special_tokens=special)
+    template = vlm.CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        image_seq_length=4,
+        chat_template=template,
+    )
+    processor.save_pretrained(tmp_path / "gemma3")
+    shutil.copytree(ASSETS / "images", tmp_path / "images")
+    rows = [_row("images/red-circle.png")]
+    rows[0]["messages"][0]["content"] = "<start_of_image>What is it?"
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    data = DataSection.model_validate(
+        {
+            "train": [{"path": str(path), "format": "image_chat", "image_placeholder": "<start_of_image>"}],
+            "seq_len": 40,
+            "packing": "padded",
+            "eval_fraction": 0,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+    )
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path / "gemma3"))
+    batch = build_rows(prepare_data(data, loaded, seed=0).train, [(0, 0)])
+    ids, labels, types = batch["input_ids"], batch["labels"], batch["token_type_ids"]
+    assert isinstance(ids, np.ndarray) and isinstance(labels, np.ndarray) and isinstance(types, np.ndarray)
+    assert types.shape == ids.shape == (1, 40)
+    boi, eoi, soft = (
+        loaded.convert_tokens_to_ids(special[k]) for k in ("boi_token", "eoi_token", "image_token")
+    )
+    np.testing.assert_array_equal(
+        types[0], (ids[0] == soft).astype(types.dtype)
+    )  # 4 image tokens, zero padding
+    assert int(types.sum()) == 4
+    markers = np.isin(ids[0], [boi, eoi, soft])
+    assert markers.sum() == 6 and (labels[0][markers] == IGNORE).all()
+    assert loaded.decode(ids[0][labels[0] != IGNORE]) == "a red circle.<|eos|>"
+
+
+def test_the_bundled_assets_are_what_the_builder_writes(tmp_path: Path) -> None:
+    vlm.build(tmp_path / "tiny_vlm")
+    built = sorted(
+        p.relative_to(tmp_path / "tiny_vlm") for p in (tmp_path / "tiny_vlm").rglob("*") if p.is_file()
+    )
+    assert built == sorted(p.relative_to(ASSETS) for p in ASSETS.rglob("*") if p.is_file())
+    for name in built:
+        assert (tmp_path / "tiny_vlm" / name).read_bytes() == (ASSETS / name).read_bytes(), name
+    assert len(vlm.conversations()) == 48 and len(list((ASSETS / "images").glob("*.png"))) == 12
+
+
+def test_a_missing_image_through_the_command_is_one_line_and_exit_2(
+    images: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_train.cli import main
+
+    path = write_jsonl(images / "rows.jsonl", [_row("images/red-circle.png"), _row("images/gone.png")])
+    train = f"data.train=[{{path: {path}, format: image_chat}}]"
+    assert (
+        main(["data", "prepare", "--recipe", "tiny-cpu-vlm", train, f"data.cache_dir={images / 'cache'}"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(
+        f"row 2: image 1: image file not found: {images}/images/gone.png"
+    )
+
+
+def test_a_processor_that_needs_torchvision_says_so_in_one_line(tmp_path: Path) -> None:
+    """Qwen2-VL's processor has a video processor that needs torchvision (absent here): named, with the fix."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(vlm.TOKENIZER, tmp_path / "qwen2_vl")
+    config = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torchvision is installed: the processor loads")
+    with pytest.raises(
+        UserError, match=r"none loads from .*qwen2_vl \(.*[Tt]orchvision.*\); pip install torchvision"
+    ) as info:
+        load_processor(AutoTokenizer.from_pretrained(str(folder)), "data.train[0]")
+    assert "\n" not in str(info.value)

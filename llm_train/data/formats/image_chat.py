@@ -31,7 +31,7 @@ from llm_train.config.sources import ImageChatSource
 from llm_train.data.formats.base import Batch, Format, TokenizeFn
 from llm_train.data.formats.images import ImageSizing, conversation_with_images
 from llm_train.data.formats.messages import ChatMapping, map_messages
-from llm_train.errors import UserError
+from llm_train.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
@@ -116,9 +116,16 @@ def load_processor(tokenizer: PreTrainedTokenizerBase, key: str) -> ProcessorMix
     try:
         processor = AutoProcessor.from_pretrained(where, tokenizer=tokenizer)
     except Exception as exc:
+        # transformers 5.25's Qwen-VL, SmolVLM, InternVL and GLM-4V processors carry a video processor that
+        # needs torchvision, which llm_train does not install.
+        fix = (
+            "pip install torchvision (its processor needs it)"
+            if "torchvision" in str(exc).lower()
+            else "point model.tokenizer at the image-text model's folder"
+        )
         raise UserError(
-            f"{key}: format image_chat needs the model's processor and none loads from {where} ({exc}); "
-            "point model.tokenizer at the image-text model's folder"
+            f"{key}: format image_chat needs the model's processor and none loads from {where} "
+            f"({first_line(exc)}); {fix}"
         ) from None
     if getattr(processor, "image_processor", None) is None:
         raise UserError(
@@ -143,8 +150,9 @@ def image_token_ids(processor: ProcessorMixin) -> set[int]:
     end of image too): transformers' `ProcessorMixin.image_token_ids` plus the begin/end markers it leaves out."""
     tokenizer: Any = processor.tokenizer
     ids = {i for i in processor.image_token_ids if isinstance(i, int)}
-    for name in ("boi_token", "eoi_token", "image_start_token", "image_end_token"):
-        token = getattr(processor, name, None)
+    for name in ("image_token", "boi_token", "eoi_token", "image_start_token", "image_end_token"):
+        # Gemma 3's processor names its begin-of-image marker `image_token`; its tokenizer has the rest.
+        token = getattr(processor, name, None) or getattr(tokenizer, name, None)
         if isinstance(token, str):
             tid = tokenizer.convert_tokens_to_ids(token)
             if isinstance(tid, int) and tid != tokenizer.unk_token_id:
@@ -207,7 +215,9 @@ def image_chat_fn(
         except UserError:
             raise
         except Exception as exc:
-            raise UserError(f"{where}: the processor failed on this conversation ({exc})") from None
+            raise UserError(
+                f"{where}: the processor failed on this conversation ({first_line(exc)})"
+            ) from None
         ids = np.asarray(out["input_ids"])[0].astype(np.int64)
         mask = np.asarray(out["assistant_masks"])[0].astype(np.uint8)
         mask[np.isin(ids, images_ids)] = 0  # never trained on, wherever a template puts an image

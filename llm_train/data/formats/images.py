@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_train.errors import UserError
+from llm_train.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -73,7 +73,9 @@ def read_image(value: Any, where: str, base_dir: Path | None) -> Image:
         image = PILImage.open(io.BytesIO(data))
         image.load()
     except Exception as exc:  # PIL raises several types for unreadable files
-        raise UserError(f"{where}: {name} is not a readable image ({type(exc).__name__}: {exc})") from None
+        raise UserError(
+            f"{where}: {name} is not a readable image ({type(exc).__name__}: {first_line(exc)})"
+        ) from None
     return image.convert("RGB")
 
 
@@ -101,15 +103,15 @@ def _image_bytes(value: Any, where: str, base_dir: Path | None) -> tuple[str, by
                 f"{where}: image URL {value[:80]} cannot be fetched offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE "
                 "is set); download the images and give their paths"
             )
-        from transformers.image_utils import load_image
+        import urllib.request
 
         try:
-            image = load_image(value)
-        except Exception as exc:
-            raise UserError(f"{where}: image URL {value[:80]} could not be fetched ({exc})") from None
-        out = io.BytesIO()
-        image.save(out, format="PNG")
-        return value, out.getvalue()
+            with urllib.request.urlopen(value, timeout=30) as response:  # noqa: S310 (http(s) only, checked above)
+                return value, response.read()
+        except OSError as exc:
+            raise UserError(
+                f"{where}: image URL {value[:80]} could not be fetched ({first_line(exc)})"
+            ) from None
     path = Path(value).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
