@@ -314,7 +314,10 @@ def plan_recipe(
     base = memory_inputs(run, shape, hw.gpus_per_node)
     nvme = int((nvme_gib or 0) * GiB)
     ev = evaluate(base, hw, nvme)
-    model = run.recipe.model.name_or_path or f"random {shape.model_type}"
+    kind = (
+        shape.vision.family if shape.vision is not None else shape.model_type
+    )  # an image-text model's own type
+    model = run.recipe.model.name_or_path or f"random {kind}"
     title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e9:.2f}B parameters)"
     if shape.num_params < 1e8:
         title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e6:.1f}M parameters)"
