@@ -17,7 +17,9 @@ A  probe (GPU, MemTotal, disk, libaio, versions, the cap works, a bitsandbytes r
 B  probe, then the full fine-tunes (bench/full_ft.py: DeepSpeed's ops built first, 7B with its optimizer on
    the CPU under 24 GiB, the NVMe pair or "skipped: no libaio", the copy times of each pinning choice),
    then, while the time holds, the staged QLoRA load (bench/consumer.py `staged_load_case`: an 8B base
-   quantised on the GPU weight by weight, its GPU and host peaks, time and weights/s), then the speed
+   quantised on the GPU weight by weight, its GPU and host peaks, time and weights/s), then the image-text
+   LoRA case (bench/vlm.py: a random LLaVA-1.5-7B-shaped checkpoint on the bundled drawings under a 24 GiB
+   cap, tokens/s with the image tokens, the peaks and the image tokens against the planner), then the speed
    cases A could not fit (`--after A.jsonl`: A's measured lines are read, not run again, and the later
    cases compare with them).
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import consumer, full_ft, mfu_matrix
+from bench import consumer, full_ft, mfu_matrix, vlm
 from bench.harness import (
     Budget,
     Case,
@@ -91,7 +93,11 @@ PARTS = {
         mfu_matrix.ORDER,
         ["baseline", "hf_trainer", "llm_train_vs_hf_trainer", "doc_isolation"],
     ),
-    "B": Part([PROBE, *full_ft.cases(), consumer.staged_load_case()], mfu_matrix.ORDER, ["liger_compile"]),
+    "B": Part(
+        [PROBE, *full_ft.cases(), consumer.staged_load_case(), *vlm.cases()],
+        mfu_matrix.ORDER,
+        ["liger_compile"],
+    ),
 }
 
 

@@ -811,7 +811,16 @@ def plan(
         "est_nvme_write_gb_per_step": ev.time.nvme_write_bytes / 1e9,
         # objective grpo: the generate call's seconds (a rough model until measured, planning/generation.py)
         "est_time_generate_s": ev.time.generation_call.total if ev.time.generation_call else None,
+        # an image-text model's image rows: the planner's image tokens per image (planning/vision_shapes.py)
+        "est_image_tokens_per_image": _image_tokens(ev.inputs),
     }
+
+
+def _image_tokens(inp: Any) -> int | None:
+    vision = inp.shape.vision
+    if vision is None or not inp.vision.images_per_sample:
+        return None
+    return int(inp.vision.geometry(vision).max_tokens)
 
 
 def check_arguments(description: str) -> argparse.ArgumentParser:

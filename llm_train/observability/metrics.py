@@ -50,9 +50,12 @@ if TYPE_CHECKING:
 
 def shape_token_flops(shape: ModelShape) -> TokenFlops:
     """`model_token_flops` from the config's shape alone (no model needed): every weight trained,
-    the input embedding (a lookup, not a matmul) left out unless it is tied to the output head."""
+    the input embedding (a lookup, not a matmul) left out unless it is tied to the output head. Per token: the
+    language model's weights only (an image-text model's vision part runs per image, not per token)."""
     embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
-    return token_flops(shape.num_params - embedding, shape.num_layers, shape.num_heads, shape.head_dim)
+    return token_flops(
+        shape.language_model_params - embedding, shape.num_layers, shape.num_heads, shape.head_dim
+    )
 
 
 def shape_flops_per_token(shape: ModelShape, seq_len: float) -> float:

@@ -32,6 +32,7 @@ from llm_train.planning.search import (
 )
 from llm_train.planning.shapes import ModelShape, shape_from_config
 from llm_train.planning.verdict import config_line, generation_line, verdict
+from llm_train.planning.vision_note import vision_note
 
 
 @dataclass
@@ -211,6 +212,7 @@ def render_auto(auto: AutoChoice, path: Path | None) -> str:
         f"speed:    ~{ev.time.total:.2f} s/step, ~{ev.time.tokens_per_s:,.0f} tokens/s (rough model: {_speed_parts(ev)})",
         *([f"          {line}"] if (line := generation_line(ev)) else []),
         *([f"instead:  {auto.practicality.instead}"] if auto.practicality.instead else []),
+        *([f"vision:   {note}"] if (note := vision_note(ev.inputs, ev.estimate)) else []),
         "why:",
         *(f"  - {r}" for r in auto.reasons),
     ]

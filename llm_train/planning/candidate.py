@@ -32,6 +32,7 @@ from llm_train.planning.memory_inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GR
 from llm_train.planning.offload_buffers import SwapSettings
 from llm_train.planning.shapes import ModelShape
 from llm_train.planning.speed import StepTime, step_time_on
+from llm_train.planning.vision_shapes import VisionInputs, checkpoint_pixels
 
 # Host RSS of one CPU-only training process before model state (torch, DeepSpeed,
 # transformers, tokenizer): ~0.7 GiB measured for tiny-cpu; no CUDA libraries.
@@ -126,6 +127,7 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
         sequences_per_sample=recipe.sequences_per_sample,
         reference=reference_of(recipe),
         generation=generation_of(recipe),
+        vision=vision_of(recipe, shape),
         **ds_fields(run.ds_config, recipe.deepspeed.pinning, on_gpu, layout.zero_stage),
     )
 
@@ -150,6 +152,34 @@ def generation_of(recipe: Any) -> GenerationInputs | None:
         grpo.top_p,
         grpo.ds3_gather_for_generation,
         "continuous batching" if grpo.use_transformers_continuous_batching else "generate",
+    )
+
+
+def vision_of(recipe: Any, shape: ModelShape) -> VisionInputs:
+    """MemoryInputs.vision of a recipe: model.freeze, and for image_chat data one image per sample at the largest
+    size the run lets through: the sources' bounds (max_pixels, else data.image_max_pixels; the largest of them),
+    then the checkpoint's processor's own limits. A text model, or an image-text one trained on text, has no
+    images."""
+    if shape.vision is None:
+        return VisionInputs()
+    freeze = tuple(recipe.model.freeze)
+    images = [s for s in recipe.data.sources("train") if getattr(s, "format", None) == "image_chat"]
+    if not images:
+        return VisionInputs(freeze=freeze)
+    own_min, own_max = checkpoint_pixels(recipe.model.name_or_path)
+
+    def bound(key: str, default: int | None, pick: Any) -> int | None:
+        values = [getattr(s, key, None) or getattr(recipe.data, f"image_{key}") for s in images]
+        given = [v for v in values if v is not None]
+        return pick(given) if given else default
+
+    return VisionInputs(
+        freeze=freeze,
+        images_per_sample=1,
+        min_pixels=bound("min_pixels", None, min),
+        max_pixels=bound("max_pixels", None, max),
+        processor_min_pixels=own_min,
+        processor_max_pixels=own_max,
     )
 
 

@@ -188,6 +188,7 @@ def offload_rank(inp: MemoryInputs) -> OffloadRank:
         loader_forks=inp.loader_forks,
         param_pinning=inp.param_pinning,
         swap=inp.swap,
+        frozen=inp.vision.freeze if inp.shape.vision is not None else (),
     )
 
 

@@ -167,6 +167,7 @@ from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.model_split import ModelSplit, layers_per_stage
 from llm_train.planning.model_split import model_split as model_split
 from llm_train.planning.quantized_bytes import dequantized_layer_bytes, staged_quantize_gpu_bytes
+from llm_train.planning.vision_shapes import VISION_TOWER
 from llm_train.units import GiB as GiB
 
 # --- the estimator ------------------------------------------------------------------------------
@@ -179,6 +180,7 @@ _LABELS = {
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "activations": "activations",
+    "vision_activations": "vision tower activations",
     "sequence_parallel_buffers": "Ulysses all-to-all buffers",
     "logits_and_loss": "logits and loss",
     "attention_mask": "sdpa attention mask (s x s)",
@@ -312,6 +314,8 @@ def gpu_terms(
         "logits_and_loss": logits_and_loss_bytes(inp),
         "deepspeed_buffers": deepspeed_buffer_bytes(inp, split),
     }
+    if inp.shape.vision is not None and inp.vision.images_per_sample:
+        terms["vision_activations"] = vision_activation_bytes(inp)
     if inp.reference_copy:
         terms["reference_model"] = reference_gpu
     if inp.quantize != "none":
@@ -392,6 +396,27 @@ def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
         activations *= 2
         offloaded_checkpoints *= 2
     return activations, offloaded_checkpoints
+
+
+def vision_activation_bytes(inp: MemoryInputs) -> float:
+    """The vision tower's activations over a micro-batch's images, at the largest size the processor lets
+    through (planning/vision_shapes.py). A frozen tower keeps nothing for backward (neither its weights nor its
+    pixel inputs need a gradient, so autograd saves no tensor): one layer's working set while it runs. A
+    trained one keeps every layer's, or under activation checkpointing (transformers checkpoints the vision
+    blocks too) each layer's 16-bit input plus one layer recomputed. The image tokens themselves are counted in
+    the language model's activations: they are part of its data.seq_len.
+    """
+    vision = inp.shape.vision
+    assert vision is not None
+    patches = inp.rows * inp.vision.images_per_sample * inp.vision.geometry(vision).max_patches
+    layer = vision.layer_activation_bytes(patches)
+    if VISION_TOWER in inp.vision.freeze:
+        total = float(layer)
+    elif inp.activation_checkpointing:
+        total = vision.num_layers * 2.0 * patches * vision.hidden_size + layer
+    else:
+        total = float(vision.num_layers * layer)
+    return total * (2 if inp.precision == "fp32" else 1)
 
 
 def logits_and_loss_bytes(inp: MemoryInputs) -> int:

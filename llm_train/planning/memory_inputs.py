@@ -31,6 +31,7 @@ from llm_train.planning.generation import GenerationInputs
 from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
 from llm_train.planning.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
+from llm_train.planning.vision_shapes import VisionInputs
 
 # The recipe schema's memory switches: the estimate's defaults are the run's (one source of truth; a test
 # ties them, tests/unit/test_lora_defaults.py). memory.attention's default, "auto", is resolved per card by
@@ -168,6 +169,9 @@ class MemoryInputs:
     every step: a frozen copy of the model, or under LoRA the base with the adapters disabled)."""
     generation: GenerationInputs | None = None
     """objective grpo: what each rank generates per step (planning/generation.py); None: no generation."""
+    vision: VisionInputs = VisionInputs()
+    """An image-text model's frozen parts and images per sample (planning/vision_shapes.py); a text model's
+    shape has no vision part, so this changes nothing there."""
 
     def __post_init__(self) -> None:
         buckets = zero_bucket_sizes(self.shape.hidden_size)

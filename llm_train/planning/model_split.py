@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.quantized_bytes import base_weight_bytes, quantization_state_bytes
+from llm_train.planning.vision_shapes import LANGUAGE_MODEL
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
     base = shape.num_params / shard
     adapters = shape.lora_params(inp.lora_rank, inp.lora_targets) / shard if inp.lora_rank else 0.0
     weights = base + adapters
+    trainable = adapters if inp.lora_rank else base
+    if shape.vision is not None:
+        trainable = _image_text_trainable(inp, adapters, base)
+        weights = base + trainable if inp.lora_rank else weights  # the adapters where the run puts them
     stage3 = inp.zero_stage == 3
     persistent = shape.small_tensor_params(inp.param_persistence_threshold) / shard if stage3 else 0.0
     partitioned = weights - persistent
@@ -81,13 +86,29 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
         optim_bytes=optim_bytes,
         base=base,
         weights=weights,
-        trainable=adapters if inp.lora_rank else base,
+        trainable=trainable,
         persistent=persistent,
         partitioned=partitioned,
         on_gpu_weights=on_gpu_weights,
         quantized_base=base_weight_bytes(shape, inp.quantize, weight_bytes) / shard,
         quantization_state=quantization_state_bytes(shape, inp.quantize) / shard,
     )
+
+
+def _image_text_trainable(inp: MemoryInputs, adapters: float, base: float) -> float:
+    """What trains in an image-text model under model.freeze (a frozen part keeps its 16-bit weights, counted in
+    `base`, and has no gradients or optimizer states). Under LoRA the adapters go where training goes, as the
+    run puts them (runtime/model/model.py): on the target-named linears of every part model.freeze leaves out
+    (by default the language model alone); the base weights train nowhere."""
+    vision = inp.shape.vision
+    assert vision is not None
+    shard = inp.tp * inp.pp
+    freeze = inp.vision.freeze
+    if inp.lora_rank:
+        language = adapters if LANGUAGE_MODEL not in freeze else 0.0
+        return language + vision.lora_params(inp.lora_rank, inp.lora_targets, freeze) / shard
+    language = inp.shape.language_model_params / shard if LANGUAGE_MODEL not in freeze else 0.0
+    return language + inp.vision.trained_params(vision) / shard
 
 
 def layers_per_stage(inp: MemoryInputs) -> int:

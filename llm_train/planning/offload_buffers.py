@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from llm_train.planning.quantized_bytes import QUANTIZED_MODULES, packed_numel
 from llm_train.planning.shapes import LORA_TARGETS, ModelShape
+from llm_train.planning.vision_shapes import LANGUAGE_MODEL
 
 PINNINGS = ("torch", "native", "off")
 """How DeepSpeed's pinned host buffers are allocated (module docstring, fact 1)."""
@@ -119,7 +120,10 @@ class HostBuffer:
 
 
 def trainable_tensors(
-    shape: ModelShape, lora_rank: int | None, lora_targets: tuple[str, ...] = LORA_TARGETS
+    shape: ModelShape,
+    lora_rank: int | None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
+    frozen: tuple[str, ...] = (),
 ) -> tuple[list[int], list[int]]:
     """Numels of the trainable tensors in the order the model registers them, in runtime/model/optim.py's
     two optimizer groups (`_param_groups`): (matrices, decayed; vectors: norms and biases).
@@ -127,15 +131,10 @@ def trainable_tensors(
     A full fine-tune trains every tensor (embedding, per layer q, k, v, o, gate, up, down and the
     two norms, final norm, head); LoRA trains A (r x n_in) and B (n_out x r) of each projection in
     lora.target_modules of every layer, in the layer's order, then lm_head's if it is a target
-    (shapes.lora_params counts the same).
+    (shapes.lora_params counts the same). An image-text model's parts not in `frozen` (model.freeze) train
+    too: whole in a full fine-tune, through adapters on their target-named linears under LoRA; "language_model"
+    in `frozen` leaves the language model out.
     """
-    if lora_rank:
-        r = lora_rank
-        adapted = [sides for name, sides in shape.lora_projections().items() if name in lora_targets]
-        per_layer = [n for n_in, n_out in adapted for n in (r * n_in, n_out * r)]
-        head_adapter = [r * shape.hidden_size, shape.vocab_size * r] if "lm_head" in lora_targets else []
-        return per_layer * shape.num_layers + head_adapter, []
-    embed, *layer, norm, head = shape.modules()
     matrices: list[int] = []
     vectors: list[int] = []
 
@@ -143,14 +142,36 @@ def trainable_tensors(
         for k, n in enumerate(numels):  # a linear's numels are (weight, bias); a norm's (weight,)
             (vectors if k > 0 or "norm" in name else matrices).append(n)
 
-    add(embed[0], embed[1])
-    for _ in range(shape.num_layers):
-        for name, numels, _count in layer:
-            add(name, numels)
-    add(norm[0], norm[1])
-    if head[2]:  # an untied head
-        add(head[0], head[1])
-    return matrices, vectors
+    if lora_rank:
+        # Adapters where the run puts them (runtime/model/model.py): the language model's, unless it is frozen,
+        # then those on an unfrozen vision part's target-named linears.
+        r = lora_rank
+        adapted = [sides for name, sides in shape.lora_projections().items() if name in lora_targets]
+        per_layer = [n for n_in, n_out in adapted for n in (r * n_in, n_out * r)]
+        head_adapter = [r * shape.hidden_size, shape.vocab_size * r] if "lm_head" in lora_targets else []
+        language = per_layer * shape.num_layers + head_adapter if LANGUAGE_MODEL not in frozen else []
+        vision = shape.vision.lora_tensors(r, lora_targets, frozen) if shape.vision is not None else []
+        return language + [n for pair in vision for n in pair], []
+    if shape.vision is not None:
+        for name, numels, count in shape.vision.modules():
+            if name.split(".", 1)[0] not in frozen:
+                for _ in range(count):
+                    add(name, numels)
+    vision_matrices, vision_vectors = matrices, vectors
+    matrices, vectors = [], []
+    # The language model's modules: the fixed twelve of every decoder, then per-layer extras (Gemma 3's norms).
+    text = [m for m in shape.modules() if "." not in m[0]]
+    embed, *layer, norm, head = text[:12]
+    layer += text[12:]
+    if LANGUAGE_MODEL not in frozen:
+        add(embed[0], embed[1])
+        for _ in range(shape.num_layers):
+            for name, numels, _count in layer:
+                add(name, numels)
+        add(norm[0], norm[1])
+        if head[2]:  # an untied head
+            add(head[0], head[1])
+    return matrices + vision_matrices, vectors + vision_vectors
 
 
 def stored_tensors(shape: ModelShape, quantize: str, storage_bytes: int) -> list[int]:
@@ -233,6 +254,8 @@ class OffloadRank:
     quantize: str = "none"
     """QLoRA's base (planning/quantized_bytes.py): nf4 projections are stored packed, in fewer elements."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    frozen: tuple[str, ...] = ()
+    """model.freeze of an image-text model (its frozen parts hold no optimizer state); () for a text model."""
 
     def part(self, numel: int) -> int:
         """This rank's ZeRO-3 partition of one tensor (padded up to a multiple of the partition count)."""
@@ -243,7 +266,9 @@ class OffloadRank:
 
     def parts(self) -> list[list[int]]:
         """This rank's ZeRO-3 partition of every trainable tensor, per optimizer parameter group."""
-        groups = [g for g in trainable_tensors(self.shape, self.lora_rank, self.lora_targets) if g]
+        groups = [
+            g for g in trainable_tensors(self.shape, self.lora_rank, self.lora_targets, self.frozen) if g
+        ]
         return [[self.part(n) for n in g] for g in groups]
 
     def sub_groups(self) -> list[int]:
@@ -329,7 +354,7 @@ def cpu_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
             *_step_transient(rank, max(subs)),
         ]
     # ZeRO-1/2 flatten each parameter group and partition it whole (stage_1_and_2.py).
-    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets) if g]
+    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets, rank.frozen) if g]
     parts = [math.ceil(sum(n / rank.shard for n in g) / rank.partitions) for g in groups]
     largest = max(max(g) for g in groups) / rank.shard
     buffers = [
@@ -446,7 +471,7 @@ def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
     base's blocks hold its packed codes (`stored_tensors`): a quarter of the elements in bf16 storage.
     """
     low = rank.model_bytes
-    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets) if g]
+    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets, rank.frozen) if g]
     trainable = [rank.part(n) for g in groups for n in g]
     every = [rank.part(n) for n in stored_tensors(rank.shape, rank.quantize, low)]
     if rank.lora_rank:

@@ -17,16 +17,40 @@ Nothing here imports torch or transformers: `--dry-run` and `plan` must be fast.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llm_train.config.known_models import KNOWN_CONFIGS
+from llm_train.config.model_kind import is_image_text, text_fields
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import UserError
+from llm_train.planning.vision_shapes import (
+    SIZED_IMAGE_TEXT_TYPES,
+    VisionConfigError,
+    VisionShape,
+    vision_shape_from_config,
+)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+
+# The text model of an image-text checkpoint, by its text model_type: Qwen2.5-VL's language model is Qwen2's
+# decoder (q/k/v with bias, o without; transformers' Qwen2_5_VLTextModel), under its own type names (the hub's
+# flat config.json says "qwen2_5_vl" at the top, transformers 5 writes a nested "qwen2_5_vl_text").
+_TEXT_TYPES = {"qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2"}
+
+# Gemma3TextConfig's defaults (transformers 5.25 models/gemma3/configuration_gemma3.py) for the keys the hub's
+# Gemma 3 config.json files leave out (google/gemma-3-12b-it names neither vocab_size nor head_dim).
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "tie_word_embeddings": True,
+}
 
 
 # lora.target_modules' default (every attention and MLP projection), read from the recipe schema: the one
@@ -54,6 +78,12 @@ class ModelShape:
     # its q/k/v projections always have a bias and o never does (hard-coded in HF).
     attention_bias: bool = False
     mlp_bias: bool = False
+    # Gemma 3's decoder layer: an RMSNorm of head_dim on the queries and the keys, and two more RMSNorms around
+    # the MLP (pre_feedforward_layernorm, post_feedforward_layernorm; transformers' Gemma3DecoderLayer).
+    qk_norm: bool = False
+    feedforward_norms: bool = False
+    vision: VisionShape | None = None
+    """An image-text checkpoint's vision tower and projector (planning/vision_shapes.py); None: a text model."""
 
     @property
     def head_dim(self) -> int:
@@ -85,7 +115,7 @@ class ModelShape:
         def linear(n_in: int, n_out: int, bias: bool) -> tuple[int, ...]:
             return (n_in * n_out, n_out) if bias else (n_in * n_out,)
 
-        return [
+        modules = [
             ("embed_tokens", (v * h,), 1),
             ("q_proj", linear(h, q, qkv_bias), n_layers),
             ("k_proj", linear(h, kv, qkv_bias), n_layers),
@@ -99,11 +129,26 @@ class ModelShape:
             ("norm", (h,), 1),
             ("lm_head", (v * h,), 0 if self.tie_word_embeddings else 1),
         ]
+        if self.qk_norm:
+            modules += [("q_norm", (self.head_dim,), n_layers), ("k_norm", (self.head_dim,), n_layers)]
+        if self.feedforward_norms:
+            modules += [
+                ("pre_feedforward_layernorm", (h,), n_layers),
+                ("post_feedforward_layernorm", (h,), n_layers),
+            ]
+        if self.vision is not None:
+            modules += self.vision.modules()
+        return modules
 
     @property
     def num_params(self) -> int:
         """Exact parameter count of the HF model (a tied lm_head counted once)."""
         return sum(sum(numels) * count for _, numels, count in self.modules())
+
+    @property
+    def language_model_params(self) -> int:
+        """Parameters of the language model alone (all of them for a text model)."""
+        return self.num_params - (self.vision.num_params if self.vision is not None else 0)
 
     @property
     def largest_layer_params(self) -> int:
@@ -176,7 +221,39 @@ class ModelConfigError(UserError, ValueError):
 
 
 def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
-    """Build a ModelShape from a Hugging Face config.json dict."""
+    """Build a ModelShape from a Hugging Face config.json dict.
+
+    An image-text config (config/model_kind.py) is sized from its text config (`text_config`, or the top level
+    where the hub's config is flat), with its vision tower and projector counted from its `vision_config`.
+    """
+    if not is_image_text(cfg):
+        return _text_shape(cfg)
+    if cfg.get("model_type") not in SIZED_IMAGE_TEXT_TYPES:
+        try:
+            vision_shape_from_config(cfg, 0)  # the one line naming the type and the types sized
+        except VisionConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
+    text = text_fields(cfg)
+    if "text_config" not in cfg:
+        text.pop("vision_config", None)
+    if text.get("model_type") in (None, cfg.get("model_type")) and cfg.get("model_type") == "gemma3":
+        text["model_type"] = "gemma3_text"
+    text_type = text.get("model_type") or cfg.get("model_type")
+    text["model_type"] = _TEXT_TYPES.get(str(text_type), text_type)
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    shape = _text_shape(text)
+    try:
+        vision = vision_shape_from_config(cfg, shape.hidden_size)
+    except VisionConfigError as exc:
+        raise ModelConfigError(str(exc)) from None
+    return dataclasses.replace(shape, vision=vision)
+
+
+def _text_shape(cfg: dict[str, Any]) -> ModelShape:
+    """A decoder-only language model's shape from its config.json fields."""
+    if cfg.get("model_type") == "gemma3_text":
+        cfg = {**_GEMMA3_TEXT_DEFAULTS, **cfg}
     for key in _REQUIRED_KEYS:
         if key not in cfg or cfg[key] is None:
             raise ModelConfigError(f"model config is missing required key '{key}' (needed to size the model)")
@@ -204,8 +281,12 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         explicit_head_dim=explicit,
-        attention_bias=bool(cfg.get("attention_bias", False)) if model_type == "llama" else False,
+        attention_bias=bool(cfg.get("attention_bias", False))
+        if model_type in ("llama", "gemma3_text")
+        else False,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
+        qk_norm=model_type == "gemma3_text",
+        feedforward_norms=model_type == "gemma3_text",
     )
 
 

@@ -41,6 +41,7 @@ from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
 from llm_train.planning.memory_estimate import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model_split import model_split
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes
 from llm_train.planning.quantized_bytes import (
     NF4_PACKED_BYTES_PER_WEIGHT,
@@ -48,6 +49,7 @@ from llm_train.planning.quantized_bytes import (
     quantization_state_bytes,
     quantized_weight_params,
 )
+from llm_train.planning.vision_shapes import LANGUAGE_MODEL, PROJECTOR, VISION_TOWER
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
@@ -145,6 +147,8 @@ def flops_per_token(inp: MemoryInputs) -> float:
     LoRA trains only its adapters, activation checkpointing recomputes the forward, and the ALST
     tiles recompute their part once more in backward (the MLP, the output layer)."""
     shape = inp.shape
+    if shape.vision is not None:
+        return _image_text_flops_per_token(inp)
     trainable = shape.lora_params(inp.lora_rank, inp.lora_targets) if inp.lora_rank else shape.num_params
     frozen = shape.num_params if inp.lora_rank else 0
     flops = training_flops_per_token(
@@ -160,6 +164,49 @@ def flops_per_token(inp: MemoryInputs) -> float:
         flops += 2.0 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers
     if inp.tiled_loss:
         flops += 2.0 * shape.vocab_size * shape.hidden_size
+    return flops
+
+
+def _image_text_flops_per_token(inp: MemoryInputs) -> float:
+    """flops_per_token of an image-text model: the language model's per token (its data.seq_len includes the image
+    tokens), plus its vision part's per sample spread over the sample's tokens: the tower's matmuls over every
+    patch and the projector's over every image token: 2 FLOPs per weight forward, 6 where the part trains whole,
+    4 where adapters on it (or a learning part below it) need its input gradients; a frozen tower's input needs
+    none. Its attention over the patches is left out (under 5% at SigLIP's 4096 patches of width 1152)."""
+    shape, vision = inp.shape, inp.shape.vision
+    assert vision is not None
+    language = float(shape.language_model_params)
+    freeze = inp.vision.freeze
+    if LANGUAGE_MODEL in freeze:
+        trainable, frozen = 0.0, language
+    elif inp.lora_rank:
+        trainable, frozen = float(shape.lora_params(inp.lora_rank, inp.lora_targets)), language
+    else:
+        trainable, frozen = language, 0.0
+    flops = training_flops_per_token(
+        trainable,
+        shape.num_layers,
+        shape.num_heads,
+        shape.head_dim,
+        inp.seq_len,
+        frozen=frozen,
+        recompute=inp.activation_checkpointing,
+    )
+    if inp.mlp_is_tiled:
+        flops += 2.0 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers
+    if inp.tiled_loss:
+        flops += 2.0 * shape.vocab_size * shape.hidden_size
+    images = inp.vision.images_per_sample
+    if images:
+        geometry = inp.vision.geometry(vision)
+        per_pass = {VISION_TOWER: geometry.max_patches, PROJECTOR: geometry.max_tokens}
+        tower_learns = VISION_TOWER not in freeze
+        for part, positions in per_pass.items():
+            if part not in freeze:  # trained whole (6), or through adapters: forward and input gradients (4)
+                per_weight = 4.0 if inp.lora_rank else 6.0
+            else:  # frozen: a forward, and the input gradients a learning tower below needs
+                per_weight = 4.0 if part == PROJECTOR and tower_learns else 2.0
+            flops += per_weight * vision.part_params(part) * positions * images / inp.seq_len
     return flops
 
 
@@ -352,6 +399,10 @@ class _Weights:
         trainable = (
             shape.lora_params(inp.lora_rank, inp.lora_targets) if inp.lora_rank else shape.num_params
         ) / shard
+        if (
+            shape.vision is not None
+        ):  # an image-text model: what model.freeze leaves (planning/model_split.py)
+            trainable = model_split(inp).trainable
         stored = (
             base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
         ) / shard

@@ -38,6 +38,7 @@ from llm_train.planning.search import (
 )
 from llm_train.planning.shapes import shape_from_config
 from llm_train.planning.speed import reference_pass_seconds, staged_load
+from llm_train.planning.vision_note import vision_note
 
 # --- the report -------------------------------------------------------------------------------------
 
@@ -314,13 +315,18 @@ def plan_recipe(
     base = memory_inputs(run, shape, hw.gpus_per_node)
     nvme = int((nvme_gib or 0) * GiB)
     ev = evaluate(base, hw, nvme)
-    model = run.recipe.model.name_or_path or f"random {shape.model_type}"
+    kind = (
+        shape.vision.family if shape.vision is not None else shape.model_type
+    )  # an image-text model's own type
+    model = run.recipe.model.name_or_path or f"random {kind}"
     title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e9:.2f}B parameters)"
     if shape.num_params < 1e8:
         title = f"llm-train plan: {run.recipe.name} ({model}, {shape.num_params / 1e6:.1f}M parameters)"
     report = PlanReport(title, hw, config_line(base, run.layout.grad_accum), ev, nvme_bytes=nvme)
     if run.notice:
         report.notes.append(run.notice)
+    if vision := vision_note(base, ev.estimate):
+        report.notes.append(vision)
     report.notes.extend(f"checkpoints: {line}" for line in checkpoint_lines(run))
     if start := start_up_note(base, hw):
         report.notes.append(start)

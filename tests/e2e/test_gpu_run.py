@@ -98,6 +98,8 @@ def test_part_b_on_cpu_runs_the_full_fine_tunes_and_passes(tmp_path: Path) -> No
         "f_1p5b_nvme",
         "pinning_copy_time",
         "qlora_staged_load",
+        "vlm_base",
+        "vlm_lora_24",
         "liger_compile",
     ]
     libaio = lines["probe"]["libaio"]
@@ -122,6 +124,9 @@ def test_part_b_on_cpu_runs_the_full_fine_tunes_and_passes(tmp_path: Path) -> No
     assert staged["passed"] and staged["staging"] == "cpu" and staged["codes_on"] == ["cpu"], staged
     assert staged["quantized_weights"] > 0 and staged["quantize_weights_per_s"] > 0
     assert {v["quantity"] for v in staged["verdicts"]} == {"host_anonymous_peak_gib", "codes_on_the_host"}
+    image_text = lines["vlm_lora_24"]  # tiny-cpu-vlm's LLaVA, LoRA, on the bundled drawings
+    assert image_text["passed"] and image_text["steps"] == 2 and image_text["tokens_per_s"] > 0, image_text
+    assert image_text["image_tokens_per_image"] == image_text["est_image_tokens_per_image"] == 16
     compiled = lines["liger_compile"]
     assert compiled["passed"] and compiled["switches"] == [
         "memory.attention=auto",

@@ -197,3 +197,25 @@ def test_the_big_speed_variant_is_resized_on_an_80_gb_card_and_says_so() -> None
     assert micro == 6 and why is not None and "79 GiB" in why
     assert big_micro(GPU_SIZES, None) == (8, None)  # no probe line: as sized
     assert big_micro(CPU_SIZES, 24.0) == (4, None)  # --cpu-tiny: the script's logic only
+
+
+# --- the image-text case (bench/vlm.py) ---------------------------------------------------------------------
+
+
+def test_the_image_text_case_is_planned_to_fit_the_card_it_emulates(tmp_path: Path) -> None:
+    """The GPU case's checkpoint (LLaVA-1.5-7B's shape, 336-pixel CLIP: 576 image tokens) under the recipe's
+    24 GiB card with the case's overrides: the planner sizes it, says FITS, and counts 576 image tokens."""
+    import json
+
+    from bench import vlm
+    from bench.harness import plan
+
+    config = vlm.base_config(gpu=True)
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "architectures": ["LlavaForConditionalGeneration"]})
+    )
+    planned = plan(vlm.RECIPE, [f"model.name_or_path={tmp_path}", *vlm.OVERRIDES], "RTX 4090", 24, 16)
+    assert planned["planner_verdict"] == "FITS", planned
+    assert planned["est_image_tokens_per_image"] == (336 // 14) ** 2 == 576
+    assert 14 < planned["est_gpu_gib"] < 24
+    assert all(case.optional for case in vlm.cases())  # part B's required boxes are unchanged

@@ -50,6 +50,9 @@ HUB_DATASETS: dict[str, tuple[set[str | None], set[str], set[str]]] = {
     ),
     # GSM8K (the GRPO recipes): the question, and the worked solution ending in "#### <answer>".
     "openai/gsm8k": ({"main", "socratic"}, {"train", "test"}, {"question", "answer"}),
+    # LLaVA-Instruct-Mix in TRL's VSFT shape (the image-text recipes): {"type": "image"} parts in the messages,
+    # the images in a column; 259,155 / 13,640 rows.
+    "HuggingFaceH4/llava-instruct-mix-vsft": ({None, "default"}, {"train", "test"}, {"messages", "images"}),
     "HuggingFaceFW/fineweb-edu": (
         {"default", "sample-10BT", "sample-100BT", "sample-350BT"},
         {"train"},
@@ -128,7 +131,7 @@ def test_pretraining_recipes_read_web_text_and_fine_tuning_ones_instructions_or_
     elif recipe.objective != "lm":  # preference tuning reads pairs (recipe.py refuses anything else)
         assert formats == {"preference"}
     else:
-        assert formats <= {"instruction", "chat"} and formats, formats
+        assert formats <= {"instruction", "chat", "image_chat"} and formats, formats
 
 
 @pytest.mark.parametrize("name", GPU_RECIPES)

@@ -40,6 +40,10 @@ PUBLISHED_PARAMS = {
     "Qwen/Qwen2.5-14B": 14_770_033_664,
     "Qwen/Qwen2.5-32B": 32_763_876_352,
     "Qwen/Qwen2.5-72B": 72_706_203_648,
+    # Image-text checkpoints: language model, vision tower and projector together (the hub's safetensors totals).
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8_292_166_656,
+    "google/gemma-3-12b-it": 12_187_325_040,
+    "google/gemma-3-27b-it": 27_432_406_640,
 }
 
 
