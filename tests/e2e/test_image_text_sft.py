@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from llm_train.assets import vlm
-from tests.helpers import assert_ok, launch, losses, resume_after_kill_9, run_cmd
+from tests.helpers import TRAIN, assert_ok, launch, losses, resume_after_kill_9, run_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -107,3 +107,14 @@ def test_zero2_and_lora_train(tmp_path: Path, variant: str, extra: list[str], ma
     _world_is_two(run_dir)
     curve = losses(run_dir)
     assert _mean(curve, range(1, 4)) - _mean(curve, range(18, 21)) > margin, curve
+
+
+def test_a_fresh_interpreter_trains_and_exports_tiny_cpu_vlm(tmp_path: Path) -> None:
+    # `python llm_train/train.py` as a user runs it, not a worker forked from a parent that has imported
+    # transformers' modeling modules already: under ZeRO-3 LLaVA's language-model module was first imported
+    # inside zero.Init, which left LlamaAttention without the kernel decorator's __init__ and failed the
+    # export check ("no attribute '_kernel_funcs'"; runtime/model/model.py import_part_modules).
+    run_dir = tmp_path / "fresh"
+    result = run_cmd([sys.executable, str(TRAIN), *_args(run_dir, "--max-steps", "1")], timeout=600)
+    assert_ok(result)
+    assert "verified: loads with no missing" in result.stdout

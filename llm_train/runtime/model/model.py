@@ -152,6 +152,7 @@ def build_model(
         memory = memory.model_copy(update={"attention": choose_attention("auto", Device.detect()).kernel})
     if memory.attention == SDPA_FLEX:
         register_sdpa_flex()  # transformers looks the kernel up by name while building the model
+    import_part_modules(config)
     if model.init == "pretrained":
         assert model.name_or_path is not None
         placement: dict[str, Any] = {"device_map": {"": device}} if device else {}
@@ -232,3 +233,27 @@ def _with_fields(config: PretrainedConfig, scored: dict[str, Any]) -> Pretrained
     for key, value in scored.items():
         setattr(config, key, value)
     return config
+
+
+def import_part_modules(config: PretrainedConfig) -> None:
+    """Import the modeling module of every part of `config` (an image-text model's language model and vision
+    tower) before transformers builds the model.
+
+    Under ZeRO-3 transformers builds inside DeepSpeed's zero.Init, which wraps the `__init__` of every
+    nn.Module class created while it is active (its `__init_subclass__` hook) and, at exit, puts back the
+    `__init__` it saw at class creation. transformers' kernel decorator (`use_kernelized_func`, on
+    LlamaAttention and others) replaces `__init__` and `forward` just after the class is created, so a
+    modeling module first imported inside zero.Init ends with the decorator's forward and the plain
+    `__init__`: the forward then raises "'LlamaAttention' object has no attribute '_kernel_funcs'". An
+    image-text model imports its language model's module there (LLaVA's LlamaModel is built by
+    AutoModel.from_config inside LlavaModel.__init__); `python llm_train/train.py --recipe tiny-cpu-vlm`
+    failed so at its export check. Importing first creates every class outside the context.
+    """
+    from transformers import MODEL_MAPPING, PretrainedConfig
+
+    for name in getattr(config, "sub_configs", None) or {}:
+        part = getattr(config, name, None)
+        if isinstance(part, PretrainedConfig):
+            with contextlib.suppress(KeyError, ValueError):  # a part with no model class of its own
+                MODEL_MAPPING[type(part)]  # the lazy mapping imports the part's modeling module
+            import_part_modules(part)
