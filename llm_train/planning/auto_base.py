@@ -31,10 +31,10 @@ from llm_train.planning.candidate import (
     shipped_settings,
 )
 from llm_train.planning.knobs import pinned_fields, set_key
-from llm_train.planning.memory_estimate import GiB
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.pinning import MemlockLimit, memlock_limit
 from llm_train.planning.shapes import ModelShape, shape_from_config, shape_of
+from llm_train.units import GiB
 
 # The pinning choices of an offloading candidate (recipe values of deepspeed.pinning).
 PINNING_CHOICES = ("native", "torch", "off")

@@ -24,13 +24,14 @@ from llm_train.planning.auto_base import (
 from llm_train.planning.candidate import (
     Evaluation,
 )
-from llm_train.planning.memory_estimate import GiB, estimate_memory
+from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.search import (
     Practicality,
     long_context_text,
     short_config,
 )
+from llm_train.units import GiB
 
 
 def policy_cost(full: Evaluation, alternatives: list[Evaluation], lora: str) -> list[str]:

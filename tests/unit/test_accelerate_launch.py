@@ -16,9 +16,9 @@ from llm_train import cli
 from llm_train.commands import train as train_command
 from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
-from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.base import launch_env
+from tests.devices import resolve
 from tests.helpers import TRAIN, wizard_config
 
 

@@ -15,7 +15,8 @@ import pytest
 from llm_train import cli
 from llm_train.config.hardware import hardware_for
 from llm_train.errors import UserError
-from llm_train.planning.auto import auto_recipe_yaml, check_written, choose_auto, written_evaluation
+from llm_train.planning.auto import choose_auto
+from llm_train.planning.auto_written import auto_recipe_yaml, check_written, written_evaluation
 
 # Where each kind wins with no override (checked by the first test): 8B on 2 x H100 with 512 GiB trains every
 # weight, on one RTX 4090 with 128 GiB 16-bit LoRA, and on an RTX 3060 with 16 GiB of host RAM only a 4-bit

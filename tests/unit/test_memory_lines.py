@@ -27,11 +27,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from llm_train.planning.memory_estimate import (
+from llm_train.planning.memory_estimate import activation_bytes, logits_and_loss_bytes
+from llm_train.planning.memory_formulas import (
     DENSE_LOSS_BYTES_PER_LOGIT,
     LOSS_CHUNK_LOGITS_BYTES,
-    activation_bytes,
-    logits_and_loss_bytes,
     loss_chunks,
 )
 from llm_train.planning.memory_inputs import MemoryInputs

@@ -13,15 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_train.config.hardware import Device
 from llm_train.config.layout import Layout, LayoutError
 from llm_train.config.resolution import largest_weight, resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.base.collectives import Collectives
 from llm_train.runtime.engines.sequence_parallel import IGNORE, SequenceShard
+from tests.devices import CPU
 from tests.helpers import OFFLINE_ENV, REPO
-
-CPU = Device(kind="cpu", name="cpu", bf16=True)
 
 
 def _one_line_error(overrides: list[str], world_size: int = 2) -> str:
