@@ -166,6 +166,12 @@ def auto_request(
             f"--no-lora plans a full fine-tune, but {lora_keys[0]} configures adapters; drop --no-lora to plan "
             "adapters, or drop the lora.* override(s)"
         )
+    # A flag and an override of the same key: the override would silently win over the flag. Equal is fine.
+    if seq_len is not None and "data.seq_len" in keys and parse_override(keys["data.seq_len"])[1] != seq_len:
+        raise UserError(
+            f"--seq-len {seq_len} and {keys['data.seq_len']} disagree; give the sequence length once "
+            "(either the flag or the override)"
+        )
     nvme_bytes = int((nvme_gib or 0) * GiB)
     precision = default_precision(hw.kind, hw.bf16)
     adapters = lora == "always" or bool(lora_keys)
