@@ -83,7 +83,7 @@ def _exported_checkpoint(path: Path, say: Callable[[str], None]) -> ModelSource:
 
             shutil.rmtree(out)  # an export that did not finish
         result = export_checkpoint(ckpt, out, "fp32")
-        say(f"exported {ckpt} -> {out}: {result['tensors']} tensors; {result['verified']}")
+        say(f"exported {ckpt} -> {out}: {result['tensors']} tensors, {result['dtype']}; {result['verified']}")
     return ModelSource(out, run_dir, _step_of(ckpt.name), _recipe(run_dir))
 
 

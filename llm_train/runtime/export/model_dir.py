@@ -515,10 +515,13 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     lora = checkpoint_lora(ckpt_dir)
     if lora is not None:
         config = json.loads((hf_dir / "config.json").read_text())
-        count = export_adapter_checkpoint(ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path"))
+        count, written = export_adapter_checkpoint(
+            ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path")
+        )
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
         why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
-        return {"tensors": count, "max_logit_diff": float("nan"), "verified": f"{why}; {masters}"}
+        verified = f"{why}; {masters}"
+        return {"tensors": count, "dtype": written, "max_logit_diff": float("nan"), "verified": verified}
     config = AutoConfig.from_pretrained(hf_dir)
     reference = auto_class(config).from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.
@@ -564,6 +567,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     verified += f"; {masters}"
     return {
         "tensors": report.tensors,
+        "dtype": dtype,
         "max_logit_diff": diff,
         "tolerance": report.tolerance,
         "verified": verified,
