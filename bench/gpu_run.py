@@ -1,4 +1,5 @@
-"""Every GPU number in two parts of one 10-minute command each: what bench/gpu_run.sh runs on the H200.
+"""Every GPU number in two parts of one 10-minute command each: what bench/gpu_run.sh runs on the lent GPU
+(an 80 GB H100 by default, or an H200).
 
     bash bench/gpu_run.sh A        # first visit: the probe, the consumer cards, then speed with the time left
     bash bench/gpu_run.sh B --after bench/results/gpu_run_A-h200-DATE.jsonl   # next visit

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command to run when the H200 (or any single CUDA GPU) is lent: part A on the first visit, B on
+# The one command to run when a GPU is lent (an 80 GB H100 by default, an H200, or any single CUDA GPU): part A on the first visit, B on
 # the next, each ending inside 9.5 minutes (bench/gpu_run.py says what each part holds and why).
 #
 #   make gpu-wheels                                    # here: .whl/, what that machine lacks

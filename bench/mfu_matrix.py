@@ -326,12 +326,35 @@ def measure(name: str, ctx: Context, record: dict[str, Any], cmd: list[str], run
     return run.output
 
 
+# The matrix was sized on the H200 (141 GiB). At micro-batch 4 the baseline's allocator peak was 69.9 GiB
+# (ZeRO-3: 72.3; bench/results/gpu_check-h200-20261130-1904.jsonl): about 18.5 GiB of model states (1.24B
+# parameters x 16 B) and 12.8 GiB a row, so micro 4 fits an 80 GB H100 (79.1 GiB) and twice that does not
+# (~120 GiB). On a smaller card the big variant runs at 1.5x: the best variant drops the dense [b,1,s,s] mask
+# and, with Liger, the fp32 logits and their gradient (~4 GiB a row), ~8.8 GiB a row: ~72 GiB at micro 6.
+BIG_MICRO_MIN_GIB = 120.0
+
+
+def big_micro(sizes: Sizes, card_gib: float | None) -> tuple[int, str | None]:
+    """The big variant's micro-batch on this card, and why it differs from twice the matrix's, if it does."""
+    if not sizes.gpu or card_gib is None or card_gib >= BIG_MICRO_MIN_GIB:
+        return 2 * sizes.micro, None
+    micro = sizes.micro * 3 // 2
+    return micro, (
+        f"resized: micro {micro}, not {2 * sizes.micro}, on this {card_gib:.0f} GiB card (the matrix was sized "
+        f"for the H200's 141 GiB; twice micro {sizes.micro} needs ~120 GiB)"
+    )
+
+
 def run_variant(variant: Variant, ctx: Context) -> dict[str, Any]:
     matrix = state(ctx)
     sizes = matrix.sizes
-    micro = sizes.micro * (2 if variant.big else 1)
-    predicted = GPU_PREDICTIONS.get(variant.name) if sizes.gpu else None
+    micro, resized = sizes.micro, None
+    if variant.big:
+        micro, resized = big_micro(sizes, ctx.done.get("probe", {}).get("device_memory_gib"))
+    predicted = GPU_PREDICTIONS.get(variant.name) if sizes.gpu and resized is None else None
     record: dict[str, Any] = {"data": variant.data, "micro_batch": micro, "predicted_step_time_s": predicted}
+    if resized:
+        record["resized"] = resized
     if variant.name in sizes.skip:
         return {**record, "passed": None, "skipped": sizes.skip[variant.name]}
     switches = list(variant.overrides)

@@ -59,7 +59,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     ckpt = convert.checkpoint_of(Path(args.checkpoint), "export")
-    result = export_checkpoint(ckpt, Path(args.out), args.dtype)
+    result = export_checkpoint(ckpt, Path(args.out), args.dtype, merge=args.merge)
     # A LoRA checkpoint gives its adapter in the dtype it trained in, whatever --dtype asked: say what was written.
     print(
         f"exported {ckpt} -> {args.out}: {result['tensors']} tensors, {result['dtype']}; {result['verified']}"
@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="Output directory (must be new or empty).")
     export.add_argument(
         "--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="Weight dtype (default bf16)."
+    )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="A LoRA checkpoint: fold its adapters into the pretrained base it was trained from (which must "
+        "load here: a local directory or the hub cache) and write a plain model; without it, the adapter.",
     )
     export.set_defaults(func=cmd_export)
     for register in _EXTENSIONS:

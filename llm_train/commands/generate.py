@@ -3,6 +3,13 @@
     llm-train generate runs/demo --prompt "The import statement"        greedy continuation
     llm-train generate runs/demo --prompt-file prompts.txt --temperature 0.7 --top-p 0.9
     llm-train chat runs/tiny-cpu-chat                                   a conversation on stdin (EOF ends it)
+    llm-train generate runs/tiny-cpu-vlm --image red.png --prompt "What is in the picture?"
+
+Images (`--image`, repeatable; in `chat` also a line `/image PATH` before a message) go to an image-text
+model through its processor (AutoProcessor from the model folder, the one the run trained with): the
+message becomes the image parts followed by the text, rendered by the processor's chat template, and the
+pixel values go to `generate` with the ids. Image files are read as training reads them
+(data/formats/images.py), so a missing or unreadable one is the same one-line refusal.
 
 The model and its tokenizer come from commands/model_source.py (a run's final/, a checkpoint
 exported first, an export; LoRA adapters through PEFT, a QLoRA base in 4 bits when bitsandbytes
@@ -19,7 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from llm_train.commands.model_source import load_model, load_tokenizer, resolve_source, torch_dtype
+from llm_train.commands.model_source import (
+    is_image_text_dir,
+    load_model,
+    load_tokenizer,
+    resolve_source,
+    torch_dtype,
+)
+from llm_train.data.formats.image_chat import load_processor
+from llm_train.data.formats.images import read_image
 from llm_train.errors import UserError
 from llm_train.observability.library_logs import quiet
 
@@ -82,6 +97,14 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed for sampling.")
     parser.add_argument("--system", help="A system message before the conversation (chat template).")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="An image for an image-text model, before the (first) message's text; repeat for several. The "
+        "prompt then goes through the chat template as a user message.",
+    )
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -116,17 +139,54 @@ def _sampling(args: argparse.Namespace) -> Sampling:
 class Generator:
     """A loaded model and tokenizer, and the sampling options every answer uses."""
 
-    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, sampling: Sampling) -> None:
+    def __init__(
+        self, model: Any, tokenizer: PreTrainedTokenizerBase, sampling: Sampling, processor: Any = None
+    ) -> None:
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling  # model: HF, or PEFT around it
+        self.processor = processor  # an image-text model's, else None
+        self.where = str(tokenizer.name_or_path)
 
     @classmethod
     def load(cls, args: argparse.Namespace) -> Generator:
         quiet(verbose=False)  # transformers' load progress bars and advisories stay out of the text
         source = resolve_source(Path(args.model), lambda m: print(m, file=sys.stderr))
         tokenizer = load_tokenizer(source)
+        image_text = is_image_text_dir(source.model_dir)
+        if args.image and not image_text and not source.adapter:
+            raise UserError(
+                f"--image: {source.model_dir} is a text-only model (its config.json names no image-text "
+                "architecture); drop --image or give an image-text model"
+            )
+        processor = None
+        # chat loads it for an image-text model even without --image: a later `/image PATH` line needs it.
+        if args.image or (image_text and args.func is cmd_chat):
+            processor = load_processor(tokenizer, "--image")
         model, how = load_model(source, torch_dtype(args.dtype), args.quantize)
         print(f"llm-train: {source.model_dir} ({how})", file=sys.stderr)
-        return cls(model, tokenizer, _sampling(args))
+        return cls(model, tokenizer, _sampling(args), processor)
+
+    def answer_with_images(self, messages: list[dict[str, Any]]) -> str:
+        """The assistant's answer to messages whose content may hold image parts (PIL images), through the
+        processor (its chat template, pixel values and image tokens) and `generate`."""
+        import torch
+
+        torch.manual_seed(self.sampling.seed)
+        device = next(self.model.parameters()).device
+        inputs = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        ).to(device)
+        with torch.no_grad():
+            out = self.model.generate(**inputs, **self.sampling.kwargs(self.tokenizer))
+        new = out[0, inputs["input_ids"].shape[1] :]
+        return cast(str, self.tokenizer.decode(new, skip_special_tokens=True))
+
+    @staticmethod
+    def user_message(text: str, images: list[Any]) -> dict[str, Any]:
+        """A user message: plain text, or (with images, PIL) the image parts followed by the text."""
+        if not images:
+            return {"role": "user", "content": text}
+        parts: list[dict[str, Any]] = [{"type": "image", "image": image} for image in images]
+        return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
     def complete(self, ids: list[int]) -> str:
         """The text generated after the token ids `ids` (special tokens left out)."""
@@ -148,7 +208,7 @@ class Generator:
         """A raw prompt as the tokenizer encodes it by default (its bos, if it adds one)."""
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The conversation through the chat template, ending with the assistant's generation prompt."""
         if not self.tokenizer.chat_template:
             raise UserError(
@@ -157,6 +217,11 @@ class Generator:
             )
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(cast(str, rendered), add_special_tokens=False)["input_ids"])
+
+
+def read_images(paths: list[str], flag: str = "--image") -> list[Any]:
+    """The images, read before any model loads (a missing or unreadable file costs no load)."""
+    return [read_image(path, f"{flag} {path}", Path.cwd()) for path in paths]
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
@@ -173,9 +238,18 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
+    images = read_images(args.image)
     generator = Generator.load(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     for prompt in prompts:
+        if args.image:
+            if len(prompts) > 1:
+                print(f"### {prompt}")
+            print(
+                generator.answer_with_images([*system, generator.user_message(prompt, images)]),
+                flush=True,
+            )
+            continue
         if args.chat:
             ids = generator.chat_ids([*system, {"role": "user", "content": prompt}])
         else:
@@ -187,22 +261,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    images = read_images(args.image)
     generator = Generator.load(args)
-    return chat_loop(generator, sys.stdin, sys.stdout, args.system)
+    return chat_loop(generator, sys.stdin, sys.stdout, args.system, images)
 
 
-def chat_loop(generator: Generator, lines: Iterable[str] | TextIO, out: TextIO, system: str | None) -> int:
-    """One user message per line, one answer each, the conversation kept; ends at EOF (exit 0)."""
-    messages = [{"role": "system", "content": system}] if system else []
+def chat_loop(
+    generator: Generator,
+    lines: Iterable[str] | TextIO,
+    out: TextIO,
+    system: str | None,
+    images: list[Any] | None = None,
+) -> int:
+    """One user message per line, one answer each, the conversation kept; ends at EOF (exit 0).
+
+    With an image-text model, `images` go with the first message and a line `/image PATH` adds one to the
+    next message; once a conversation has images, every turn goes through the processor.
+    """
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    pending = list(images or [])
+    with_images = bool(pending)
     interactive = getattr(lines, "isatty", lambda: False)()
     if interactive:
-        print("(one message per line; Ctrl-D ends)", file=sys.stderr)
+        hint = "; /image PATH adds an image to the next message" if generator.processor is not None else ""
+        print(f"(one message per line{hint}; Ctrl-D ends)", file=sys.stderr)
     for line in lines:
         text = line.rstrip("\n")
         if not text.strip():
             continue
-        messages.append({"role": "user", "content": text})
-        answer = generator.complete(generator.chat_ids(messages))
+        if text.startswith("/image "):
+            if generator.processor is None:
+                raise UserError("/image: the model is text-only, or chat was started without --image")
+            pending.extend(read_images([text.removeprefix("/image ").strip()], "/image"))
+            continue
+        messages.append(generator.user_message(text, pending))
+        with_images = with_images or bool(pending)
+        pending = []
+        if with_images:
+            answer = generator.answer_with_images(messages)
+        else:
+            answer = generator.complete(generator.chat_ids(messages))
         messages.append({"role": "assistant", "content": answer})
         print(answer, file=out, flush=True)
     return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.commands.convert import checkpoint_of
+from llm_train.config.model_kind import is_image_text
 from llm_train.config.recipe import Recipe, load_recipe
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.data.formats.messages import chat_template_for
@@ -158,7 +159,6 @@ def load_model(source: ModelSource, dtype: Any, quantize: str = "auto") -> tuple
     imports; none, nf4 or int8 = that, for the base of an adapter or for a merged model.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lora = source.recipe.lora if source.recipe is not None else None
@@ -180,7 +180,7 @@ def load_model(source: ModelSource, dtype: Any, quantize: str = "auto") -> tuple
         if kind == "none":
             check_host_ram(Path(base_path), dtype)
         try:
-            base = AutoModelForCausalLM.from_pretrained(base_path, **options)
+            base = model_class(Path(base_path)).from_pretrained(base_path, **options)
         except OSError as exc:
             raise UserError(
                 f"{source.model_dir}: the adapter's base {base_path} does not load ({first_line(exc)}); export the run "
@@ -191,11 +191,30 @@ def load_model(source: ModelSource, dtype: Any, quantize: str = "auto") -> tuple
     else:
         if kind == "none":
             check_host_ram(source.model_dir, dtype)
-        model = AutoModelForCausalLM.from_pretrained(source.model_dir, **options)
+        model = model_class(source.model_dir).from_pretrained(source.model_dir, **options)
     if kind == "none":
         model.to(device)
     model.eval()
     return model, how
+
+
+def model_class(model_dir: Path) -> Any:
+    """AutoModelForImageTextToText for an image-text model's folder (the class its config names, vision tower
+    included: fact 34 of the causal-LM class dropping or refusing it), else AutoModelForCausalLM."""
+    import transformers
+
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return (
+        transformers.AutoModelForImageTextToText
+        if is_image_text(config)
+        else transformers.AutoModelForCausalLM
+    )
+
+
+def is_image_text_dir(model_dir: Path) -> bool:
+    path = model_dir / "config.json"
+    return path.is_file() and is_image_text(json.loads(path.read_text()))
 
 
 def host_ram_needed(model_dir: Path, dtype: Any) -> int | None:

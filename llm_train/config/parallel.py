@@ -30,6 +30,7 @@ from llm_train.config.layout import (
     sequence_parallel_message,
     sequence_parallel_problem,
 )
+from llm_train.config.model_kind import is_image_text, text_fields
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
@@ -44,6 +45,15 @@ def check_parallel(layout: Layout, recipe: Recipe, fields: dict[str, Any], ds_so
     """Raise a one-line UserError for the first combination that cannot run."""
     tp, pp = layout.tp, layout.pp
     degrees = f"world size {layout.world_size} = {layout.degrees}"
+    if is_image_text(fields) and (tp > 1 or pp > 1 or layout.sp > 1):
+        # Pipeline stages are built for decoder stacks alone (pipeline_model.py), AutoTP and Ulysses are not
+        # verified with a vision tower in front of the language model: refused, not half-working.
+        raise UserError(
+            f"{degrees}: model_type {fields.get('model_type')} is an image-text model, which trains with data "
+            "parallelism and ZeRO only (tensor, pipeline and sequence parallel are not supported for it); use "
+            "deepspeed.config=zero3 (or zero3_offload), which shards the whole model over every rank"
+        )
+    fields = text_fields(fields)  # heads and layers are the language model's
     _check_objective(layout, recipe, degrees)
     if tp > 1 and pp > 1:
         raise UserError(

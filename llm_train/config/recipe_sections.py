@@ -32,6 +32,13 @@ class HardwareSection(Section):
         return self.nodes * self.processes_per_node
 
 
+ModelPart = Literal["vision_tower", "projector", "language_model"]
+FREEZE_PARTS: tuple[ModelPart, ...] = ("vision_tower", "projector", "language_model")
+# Text data gives the vision tower and projector no gradient, and weight decay would still shrink them; a
+# run on images usually keeps the pretrained vision encoder too (LLaMA-Factory's freeze_vision_tower default).
+FREEZE_DEFAULT: tuple[ModelPart, ...] = ("vision_tower", "projector")
+
+
 class ModelSection(Section):
     """Which causal LM is trained and how it is created."""
 
@@ -50,6 +57,21 @@ class ModelSection(Section):
     trust_remote_code: bool = Field(
         False, description="Run model code from the hub; off unless you trust it."
     )
+    # LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model, as one list.
+    freeze: list[ModelPart] = Field(
+        default_factory=lambda: list(FREEZE_DEFAULT),
+        description="Parts of an image-text model that do not train: vision_tower, projector, language_model "
+        "(default: the vision tower and projector; text data cannot teach them). Ignored for a text-only model.",
+    )
+
+    @model_validator(mode="after")
+    def _something_trains(self) -> ModelSection:
+        if len(set(self.freeze)) == len(FREEZE_PARTS):
+            raise ValueError(
+                "model.freeze lists every part (vision_tower, projector, language_model), so nothing would train; "
+                "leave at least one out (the default freezes vision_tower and projector)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_credentials(self) -> ModelSection:
@@ -99,6 +121,18 @@ class DataSection(Section):
     chat_template: str | None = Field(
         None,
         description="Jinja chat template (or a path to a .jinja file) for chat sources; default the tokenizer's.",
+    )
+    image_max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="image_chat sources: images with more pixels (width x height) are shrunk to this, aspect kept, "
+        "before the processor sees them (LLaMA-Factory's image_max_pixels); default: the processor's own sizing.",
+    )
+    image_min_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="image_chat sources: images with fewer pixels are enlarged to this, aspect kept, before the "
+        "processor sees them; default: the processor's own sizing.",
     )
     cache_dir: str = Field(
         "~/.cache/llm_train/data",
@@ -164,13 +198,31 @@ class DataSection(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _image_rows_are_padded(self) -> DataSection:
+        # An image row's pixels belong to the whole row: packing several into one sequence would need the
+        # vision tower's inputs split per sample, which no processor output says how to do (TRL packs no VLM
+        # rows either), and a streamed row's pixels have no place in the stream's token windows.
+        for key in ("train", "eval"):
+            for i, source in enumerate(getattr(self, key)):
+                if isinstance(source, str) or source.format != "image_chat":
+                    continue
+                if self.packing == "packed":
+                    raise ValueError(
+                        f"data.{key}[{i}] is format image_chat, whose rows are one sample per sequence (an image's "
+                        "pixels cannot be split between packed samples); set data.packing=padded"
+                    )
+                if source.streaming:
+                    raise ValueError(
+                        f"data.{key}[{i}].streaming=true: image_chat rows are processed up front (their pixels "
+                        "are cached with the tokens); remove streaming"
+                    )
+        return self
+
     def sources(self, split: Literal["train", "eval"]) -> list[Source]:
         """The sources of one split, path strings turned into text sources that read data.text_field."""
         items = self.train if split == "train" else self.eval
-        return [
-            (TextSource(path=item) if isinstance(item, str) else item).filled(self.text_field)
-            for item in items
-        ]
+        return [(TextSource(path=item) if isinstance(item, str) else item).filled(self) for item in items]
 
 
 class OptimSection(Section):

@@ -31,6 +31,7 @@ from llm_train.config.ds_validate import check_with_deepspeed
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.layout import Layout, make_layout
+from llm_train.config.model_kind import changed_shape_keys, is_image_text, text_fields, untrainable_reason
 from llm_train.config.parallel import check_parallel
 from llm_train.config.recipe import Recipe, load_recipe, recipe_to_yaml
 from llm_train.errors import UserError
@@ -141,8 +142,48 @@ def model_fields(recipe: Recipe) -> dict[str, Any]:
             raise UserError(
                 f"model.name_or_path={name}: shape unknown offline; give a local directory with config.json"
             )
+        if fields and recipe.model.init == "pretrained":
+            _refuse_shape_overrides(name, fields, recipe.model.config)
     fields.update(recipe.model.config)
+    reason = untrainable_reason(fields)
+    if fields and reason is not None:
+        raise UserError(f"model {name or fields.get('model_type')}: {reason}; llm_train cannot train it")
+    if recipe.objective == "reward" and is_image_text(fields):
+        raise UserError(
+            f"objective=reward: model {name or fields.get('model_type')} is an image-text model, and a reward "
+            "model's score head is built on a causal LM; train the reward model from a text-only checkpoint"
+        )
+    _refuse_images_for_a_text_model(recipe, fields)
     return fields
+
+
+def _refuse_images_for_a_text_model(recipe: Recipe, fields: dict[str, Any]) -> None:
+    """format image_chat on a model with no vision tower: refused here, before any worker prepares the data
+    (which would refuse it too, for want of an image processor, but once per rank and after start-up)."""
+    if not fields or is_image_text(fields):
+        return
+    for split in ("train", "eval"):
+        for i, source in enumerate(recipe.data.sources(split)):
+            if source.format == "image_chat":
+                raise UserError(
+                    f"data.{split}[{i}] is format image_chat, whose images model "
+                    f"{recipe.model.name_or_path or fields.get('model_type')} cannot read (a text-only model); "
+                    "use an image-text checkpoint, or format chat for text-only rows"
+                )
+
+
+def _refuse_shape_overrides(name: str, checkpoint: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """model.config may tune a pretrained checkpoint (dropout, rope scaling), never reshape or untie it:
+    its weights would not fit, or an untied head would be drawn at random and trained from there."""
+    changed = changed_shape_keys(checkpoint, overrides)
+    if changed:
+        key = changed[0]
+        own = checkpoint.get(key, text_fields(checkpoint).get(key))
+        raise UserError(
+            f"model.config.{key}={overrides[key]} would change checkpoint {name}'s {key} ({own}): a pretrained "
+            f"model's shapes and tying come from its config.json; remove model.config.{key} "
+            "(model.config={} drops every field a recipe sets for init=random)"
+        )
 
 
 def resolve_run(
@@ -183,16 +224,17 @@ def _derive(basis: RunBasis) -> Resolved:
     recipe, ds_path, raw, device = basis.recipe, basis.ds_path, basis.ds_raw, basis.device
     layout, notice = make_layout(recipe, raw, basis.world_size, device, str(ds_path))
     fields = model_fields(recipe)
+    text = text_fields(fields)  # an image-text model's language model: its heads, hidden size, vocabulary
     # Before the parallel checks, which judge the kernel itself (Ulysses and packed rows need flash-attention).
     # The card's facts and the head size decide whether flex_attention's backward fits (attention_kernel.py).
     attention = choose_attention(
-        recipe.memory.attention, device, layout.tp, layout.pp, layout.sp, head_dim=head_dim_of(fields)
+        recipe.memory.attention, device, layout.tp, layout.pp, layout.sp, head_dim=head_dim_of(text)
     )
     recipe = recipe.model_copy(
         update={"memory": recipe.memory.model_copy(update={"attention": attention.kernel})}
     )
     check_parallel(layout, recipe, fields, str(ds_path))  # tp/pp against the model and DeepSpeed
-    hidden = int(fields.get("hidden_size") or fields.get("n_embd") or fields.get("d_model") or 0)
+    hidden = int(text.get("hidden_size") or text.get("n_embd") or text.get("d_model") or 0)
     if hidden <= 0:
         # Only bucket sizes need it; a user model with an exotic config still trains.
         hidden = 4096
@@ -228,7 +270,10 @@ def _derive(basis: RunBasis) -> Resolved:
 
 
 def largest_weight(fields: dict[str, Any], hidden: int) -> int:
-    """Elements of the model's largest weight matrix (embedding, MLP or attention projection)."""
+    """Elements of the model's largest weight matrix (embedding, MLP or attention projection).
+
+    Of the language model, for an image-text model too: its embedding dwarfs any vision tower matrix."""
+    fields = text_fields(fields)
     heads = int(fields.get("num_attention_heads") or 1)
     head_dim = int(fields.get("head_dim") or hidden // heads)
     rows = max(

@@ -16,7 +16,7 @@ FORMATS; one test module; a line in docs/data.md (docs/development.md says more)
 from __future__ import annotations
 
 import string
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
@@ -24,6 +24,14 @@ from llm_train.config.objective_sections import Objective
 from llm_train.config.section import Section, validate_entry
 
 Overlong = Literal["truncate", "drop", "error", "split"]
+
+
+class SourceDefaults(Protocol):
+    """What a source may leave to the data section (DataSection has these fields)."""
+
+    text_field: str
+    image_max_pixels: int | None
+    image_min_pixels: int | None
 
 
 class Source(Section):
@@ -65,8 +73,9 @@ class Source(Section):
             )
         return self
 
-    def filled(self, text_field: str) -> Source:
-        """This source with what it leaves to the data section filled in (data.text_field, for text)."""
+    def filled(self, defaults: SourceDefaults) -> Source:
+        """This source with what it leaves to the data section filled in (data.text_field for text, the image
+        size bounds for image_chat)."""
         return self
 
 
@@ -95,8 +104,10 @@ class TextSource(Source):
         description="Samples longer than seq_len: split into seq_len pieces, truncate, drop or error.",
     )
 
-    def filled(self, text_field: str) -> Source:
-        return self if self.text_field is not None else self.model_copy(update={"text_field": text_field})
+    def filled(self, defaults: SourceDefaults) -> Source:
+        if self.text_field is not None:
+            return self
+        return self.model_copy(update={"text_field": defaults.text_field})
 
 
 class InstructionSource(_PromptTemplated):
@@ -171,15 +182,9 @@ CHAT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class ChatSource(Source):
-    """Conversations rendered with the chat template; loss only on assistant turns.
+class ConversationSource(Source):
+    """The keys of sources whose rows hold conversations (chat, image_chat): their shape and role mapping."""
 
-    OpenAI-style `messages: [{role, content}]` by default; other shapes through the field names and a
-    mapping of role values (`preset: sharegpt` sets them for ShareGPT). Tool messages (role `tool`,
-    `tool_calls`) pass through to the template.
-    """
-
-    format: Literal["chat"] = "chat"
     preset: Literal["openai", "sharegpt"] = Field(
         "openai",
         description="A named shape: 'openai' (messages[].role/content) or 'sharegpt' (conversations[].from/value, "
@@ -199,9 +204,6 @@ class ChatSource(Source):
     system_field: str | None = Field(
         None,
         description="Field with a system prompt put before the conversation when non-empty (sharegpt: system).",
-    )
-    overlong: Overlong = Field(
-        "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
     )
 
     @model_validator(mode="before")
@@ -231,6 +233,65 @@ class ChatSource(Source):
                     f"{', '.join((*CHAT_ROLES, TOOL_CALL))}"
                 )
         return roles
+
+
+class ChatSource(ConversationSource):
+    """Conversations rendered with the chat template; loss only on assistant turns.
+
+    OpenAI-style `messages: [{role, content}]` by default; other shapes through the field names and a
+    mapping of role values (`preset: sharegpt` sets them for ShareGPT). Tool messages (role `tool`,
+    `tool_calls`) pass through to the template.
+    """
+
+    format: Literal["chat"] = "chat"
+    overlong: Overlong = Field(
+        "truncate", description="Samples longer than seq_len: truncate, drop, error or split."
+    )
+
+
+class ImageChatSource(ConversationSource):
+    """Conversations with images, for image-text models: the model's processor builds pixel values and image
+    tokens; loss only on assistant turns, never on image tokens.
+
+    Three shapes are read: TRL's (`{"type": "image"}` parts in a message's content, the images in the
+    `images` column as paths, bytes or the hub's Image feature), LLaMA-Factory's / LLaVA's / ShareGPT's
+    (`<image>` in the text, `images` or `image` column; `preset: sharegpt` for `conversations`), and
+    OpenAI's (`{"type": "image_url", "image_url": {"url": path or data URI}}` parts). One sample per
+    sequence (data.packing=padded).
+    """
+
+    format: Literal["image_chat"] = "image_chat"
+    images_field: str = Field(
+        "images",
+        description="Field with the row's images (a list, or one image), in the order the conversation names "
+        "them; 'image' is read when the rows have no 'images'. Rows in OpenAI's shape need none.",
+    )
+    image_placeholder: str = Field(
+        "<image>", description="Text that stands for the next image in text content (LLaMA-Factory, LLaVA)."
+    )
+    max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Images larger than this many pixels are shrunk first; default data.image_max_pixels.",
+    )
+    min_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Images smaller than this many pixels are enlarged first; default data.image_min_pixels.",
+    )
+    overlong: Literal["drop", "error"] = Field(
+        "error",
+        description="Samples longer than seq_len (image tokens included): error, or drop them. They are never "
+        "truncated: a cut would split an image's tokens from its pixels.",
+    )
+
+    def filled(self, defaults: SourceDefaults) -> Source:
+        return self.model_copy(
+            update={
+                "max_pixels": self.max_pixels if self.max_pixels is not None else defaults.image_max_pixels,
+                "min_pixels": self.min_pixels if self.min_pixels is not None else defaults.image_min_pixels,
+            }
+        )
 
 
 class TokenizedSource(Source):
@@ -318,6 +379,7 @@ SOURCE_CLASSES: dict[str, type[Source]] = {
         PreferenceSource,
         PromptSource,
         CompletionSource,
+        ImageChatSource,
     )
 }
 

@@ -30,6 +30,8 @@ from llm_train.data.prepare import PackedSplit
 
 IGNORE = -100
 PAIR_WIDTH_STEP = 64
+# Processor outputs with one value per token (transformers' names), padded with their row.
+PER_TOKEN_ARRAYS = frozenset({"token_type_ids", "mm_token_type_ids"})
 
 
 def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:
@@ -57,8 +59,71 @@ def build_rows(split: PackedSplit, sequences: list[tuple[int, int]]) -> dict[str
         used[r] = col
     if split.packing == "padded":
         attention = (np.arange(width)[None, :] < used[:, None]).astype(np.int64)
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+        arrays = row_arrays(split, sequences, width)
+        filler = next((p.store.filler for p in split.parts if p.store.filler is not None), None)
+        if filler is not None and not any(name not in PER_TOKEN_ARRAYS for name in arrays):
+            return with_filler(batch, arrays, filler, split.pad_id, width)
+        return {**batch, **arrays}
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "use_cache": False}
+
+
+def row_arrays(split: PackedSplit, sequences: list[tuple[int, int]], width: int) -> dict[str, np.ndarray]:
+    """The rows' other model inputs (image formats: pixel values, grid sizes ...; formats/image_chat.py).
+
+    Per-image arrays are concatenated over the rows in row order, which is the order the model meets the
+    image tokens in input_ids and so reads the images in; per-token ones ([1, row length]: Gemma 3's
+    token_type_ids) are laid into [rows, width], zero on padding. Image rows are never packed or split
+    (config/recipe_sections.py), so a sequence is exactly one row.
+    """
+    per_image: dict[str, list[np.ndarray]] = {}
+    per_token: dict[str, np.ndarray] = {}
+    for r, (part, sequence) in enumerate(sequences):
+        store = split.parts[part].store
+        if store.blobs is None:
+            continue
+        starts, lengths = split.spans(part, sequence)
+        row = store.row_of(int(starts[0]))
+        for name, value in store.arrays(row).items():
+            if name in PER_TOKEN_ARRAYS:
+                per_token.setdefault(name, np.zeros((len(sequences), width), dtype=value.dtype))
+                per_token[name][r, : value.shape[-1]] = value.reshape(-1)[:width]
+            else:
+                per_image.setdefault(name, []).append(value)
+    out = {name: np.concatenate(values) for name, values in per_image.items()}
+    out.update(per_token)
+    return out
+
+
+def with_filler(
+    batch: dict[str, np.ndarray],
+    arrays: dict[str, np.ndarray],
+    filler: dict[str, np.ndarray],
+    pad_id: int,
+    width: int,
+) -> dict[str, np.ndarray | bool]:
+    """An image split's micro-batch that holds no image, plus one row of a blank image that trains nothing
+    (labels -100): every rank then runs the vision tower, which ZeRO-3's collectives need
+    (formats/image_chat.py `filler_row`). The loss, a mean over labelled tokens, is unchanged."""
+    ids = filler["input_ids"]
+    rows = len(batch["input_ids"])
+    row = np.full((1, width), pad_id, dtype=np.int64)
+    row[0, : len(ids)] = ids
+    out: dict[str, np.ndarray | bool] = {
+        "input_ids": np.concatenate([batch["input_ids"], row]),
+        "labels": np.concatenate([batch["labels"], np.full((1, width), IGNORE, dtype=np.int64)]),
+        "attention_mask": np.concatenate(
+            [batch["attention_mask"], (np.arange(width) < len(ids)).astype(np.int64)[None, :]]
+        ),
+    }
+    for name, value in filler.items():
+        if name in PER_TOKEN_ARRAYS:
+            tail = np.zeros((1, width), dtype=value.dtype)
+            tail[0, : value.shape[-1]] = value.reshape(-1)[:width]
+            out[name] = np.concatenate([arrays.get(name, np.zeros((rows, width), dtype=value.dtype)), tail])
+        elif name != "input_ids":
+            out[name] = value
+    return out
 
 
 def build_pair_rows(split: PackedSplit, pairs: list[tuple[int, int]]) -> dict[str, np.ndarray | bool]:

@@ -37,7 +37,12 @@ class Spans:
 
 
 def make_spans(
-    store: TokenStore, rows: np.ndarray, seq_len: int, policy: str, key: str
+    store: TokenStore,
+    rows: np.ndarray,
+    seq_len: int,
+    policy: str,
+    key: str,
+    fix: str = "set overlong: truncate, drop or split on this source, or raise data.seq_len",
 ) -> tuple[Spans, dict[str, int]]:
     """Apply the over-long policy to `rows` of `store`; drop samples with nothing to train on."""
     lengths = store.lengths[rows]
@@ -51,8 +56,7 @@ def make_spans(
         if policy == "error":
             raise UserError(
                 f"{key}: row {int(rows[first]) + 1} has {int(lengths[first])} tokens, more than "
-                f"data.seq_len={seq_len} ({int(over.sum())} such rows); set overlong: truncate, drop or split "
-                "on this source, or raise data.seq_len"
+                f"data.seq_len={seq_len} ({int(over.sum())} such rows); {fix}"
             )
         counts[{"truncate": "truncated", "drop": "dropped", "split": "split"}[policy]] = int(over.sum())
     starts = store.offsets[rows]

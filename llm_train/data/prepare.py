@@ -42,7 +42,7 @@ from llm_train.data.packing import (
     trained_per_span,
 )
 from llm_train.data.sources import check_revision, load_rows, locate
-from llm_train.data.store import TokenStore, auto_num_proc, build_store
+from llm_train.data.store import FILLER, TokenStore, auto_num_proc, build_store
 from llm_train.errors import UserError
 
 if TYPE_CHECKING:
@@ -142,6 +142,7 @@ def prepare_data(
             if len(held):
                 eval_parts.append(job.pack(tokens, "eval", held, carved=True))
         train_parts.append(job.pack(tokens, "train", rows, carved=carve))
+        _check_filler(tokens, data.seq_len, f"data.train[{i}]")  # after the rows' own length check
     for i, source in enumerate(data.sources("eval")):
         tokens = job.tokens(source, "data.eval", f"data.eval[{i}] {source.path} ({source.format})")
         eval_parts.append(job.pack(tokens, "eval", np.arange(tokens.samples), carved=False))
@@ -210,7 +211,9 @@ class _Job:
         fields = source.model_dump(exclude={"path", "weight", "overlong", "revision"})
         # Formats that never render messages ignore the template: it is not part of their key.
         chat = self.template if fmt.uses_chat_template != "never" else None
-        tok_key = digest("tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat)
+        parts = ["tokens", CODE_VERSION, located.kind, signature, fields, self.tokenizer_key, chat]
+        extra = fmt.cache_key(self.tokenizer)  # image_chat: the processor's settings (None: nothing more)
+        tok_key = digest(*parts, *([extra] if extra is not None else []))
         entry = self.cache_dir / f"tokens-{tok_key}"
         where = f"{key}: {located.describe()}"
 
@@ -221,9 +224,12 @@ class _Job:
             fn = fmt.tokenize_fn(source, self.tokenizer, self.template, where, self.data.tokenize_memo)
             procs = auto_num_proc(len(loaded), loaded.data.nbytes, self.data.num_proc)
             columns = fmt.fields_read(source, loaded.column_names)
-            meta = build_store(out, loaded, fn, columns, fmt.loss_mask, procs, tok_key)
+            meta = build_store(out, loaded, fn, columns, fmt.loss_mask, procs, tok_key, fmt.arrays)
             if meta["tokens"] == 0:
                 raise UserError(f"{where}: every row is empty after tokenisation")
+            filler = fmt.filler(source, self.tokenizer, self.template, where) if fmt.arrays else None
+            if filler is not None:
+                (out / FILLER).write_bytes(filler)
             if fmt.pairs:
                 meta["rows"] //= 2  # source rows; the store holds two (chosen, rejected) per pair
             self.say(
@@ -255,7 +261,9 @@ class _Job:
                 lay, row_count = pair_placement(spans), len(spans)  # two padded rows per pair
                 lengths = _pair_lengths(store, rows)
             else:
-                spans, counts = make_spans(store, rows, data.seq_len, source.overlong, tokens.label)
+                spans, counts = make_spans(
+                    store, rows, data.seq_len, source.overlong, tokens.label, *formats.of(source).overlong_fix
+                )
                 lay = placement(spans, data.seq_len, data.packing)
                 row_count = lay.n_sequences
                 lengths = store.lengths[rows]
@@ -289,6 +297,16 @@ class _Job:
             )
         cache = {"tokenize": tokens.status, "pack": status}
         return PackedSource(tokens.label, source, store, Placement.load(entry), stats, cache, key)
+
+
+def _check_filler(tokens: _Tokens, seq_len: int, key: str) -> None:
+    """An image split's blank-image row (model_inputs.py) must fit a sequence, as every image row must."""
+    filler = tokens.store.filler
+    if filler is not None and len(filler["input_ids"]) > seq_len:
+        raise UserError(
+            f"{key}: data.seq_len={seq_len} cannot hold one image ({len(filler['input_ids'])} tokens for a 64 x 64 "
+            "image with the chat template); raise data.seq_len"
+        )
 
 
 def _chat_template_if_needed(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> str | None:

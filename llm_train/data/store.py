@@ -3,6 +3,9 @@
     input_ids.npy  int32 [tokens]      every row's tokens, end to end
     loss_mask.npy  uint8 [tokens]      1 where the token is trained on (absent: all tokens)
     offsets.npy    int64 [rows + 1]    row i is input_ids[offsets[i]:offsets[i + 1]]
+    arrays.bin     bytes               image formats: row i's other model inputs (pixel values, grid sizes)
+    arrays.npy     int64 [rows + 1]    as one np.savez blob, arrays.bin[arrays[i]:arrays[i + 1]]
+    filler.npz                         image formats: a blank-image row with its ids (model_inputs.py)
 
 Tokenisation runs as a batched `datasets.map` (with `num_proc` workers for large sources)
 into a temporary Arrow file, which is then flattened chunk by chunk into the arrays above:
@@ -12,6 +15,7 @@ slice of a memory map.
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 # Below this much source per worker, starting workers costs more than it saves (measured: a
 # 10 MB source took as long with 2 workers as with 1 on 2 cores; a 50 MB one 1.5x less).
 _BYTES_PER_WORKER = 16 << 20
+FILLER = "filler.npz"
 _MIN_ROWS_PER_WORKER = 100
 
 
@@ -40,16 +45,35 @@ class TokenStore:
     input_ids: np.ndarray
     loss_mask: np.ndarray | None
     offsets: np.ndarray
+    blobs: np.ndarray | None = None
+    blob_offsets: np.ndarray | None = None
+    filler: dict[str, np.ndarray] | None = None
 
     @classmethod
     def open(cls, path: Path) -> TokenStore:
         mask = path / "loss_mask.npy"
+        blobs = path / "arrays.bin"
         return cls(
             path=path,
             input_ids=np.load(path / "input_ids.npy", mmap_mode="r"),
             loss_mask=np.load(mask, mmap_mode="r") if mask.is_file() else None,
             offsets=np.load(path / "offsets.npy"),
+            blobs=np.memmap(blobs, dtype=np.uint8, mode="r") if blobs.is_file() else None,
+            blob_offsets=np.load(path / "arrays.npy") if blobs.is_file() else None,
+            filler=_load_npz(path / FILLER),
         )
+
+    def row_of(self, start: int) -> int:
+        """The row whose tokens start at or before token `start` (a span's row)."""
+        return int(np.searchsorted(self.offsets, start, side="right")) - 1
+
+    def arrays(self, row: int) -> dict[str, np.ndarray]:
+        """Row `row`'s other model inputs (pixel values ...); empty for stores without them."""
+        if self.blobs is None or self.blob_offsets is None:
+            return {}
+        lo, hi = int(self.blob_offsets[row]), int(self.blob_offsets[row + 1])
+        with np.load(io.BytesIO(self.blobs[lo:hi].tobytes()), allow_pickle=False) as blob:
+            return {name: blob[name] for name in blob.files}
 
     @property
     def rows(self) -> int:
@@ -66,6 +90,13 @@ class TokenStore:
         return ids, self.loss_mask[start : start + length]
 
 
+def _load_npz(path: Path) -> dict[str, np.ndarray] | None:
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as blob:
+        return {name: blob[name] for name in blob.files}
+
+
 def auto_num_proc(rows: int, nbytes: int, requested: int | None) -> int:
     """Worker processes for tokenising a source: data.num_proc, else one per 16 MB of it (up to the CPUs, 8)."""
     if requested is not None:
@@ -73,7 +104,9 @@ def auto_num_proc(rows: int, nbytes: int, requested: int | None) -> int:
     return max(1, min(8, os.cpu_count() or 1, nbytes // _BYTES_PER_WORKER, rows // _MIN_ROWS_PER_WORKER))
 
 
-def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Callable[[Batch, list[int]], pa.Table]:
+def _arrow_io(
+    tokenize: TokenizeFn, with_mask: bool, with_arrays: bool = False
+) -> Callable[[Batch, list[int]], pa.Table]:
     """`tokenize`, building its output Arrow arrays directly.
 
     datasets' generic conversion of nested Python lists cost as much as tokenising itself;
@@ -86,7 +119,10 @@ def _arrow_io(tokenize: TokenizeFn, with_mask: bool) -> Callable[[Batch, list[in
     def apply(batch: Batch, indices: list[int]) -> pa.Table:
         out = tokenize(batch, indices)
         names = ["input_ids"] + (["loss_mask"] if with_mask else [])
-        return pa.table({name: to_arrow(out[name], dtypes[name]) for name in names})
+        columns = {name: to_arrow(out[name], dtypes[name]) for name in names}
+        if with_arrays:
+            columns["arrays"] = pa.array(out["arrays"], type=pa.binary())
+        return pa.table(columns)
 
     return apply
 
@@ -99,6 +135,7 @@ def build_store(
     with_mask: bool,
     num_proc: int,
     fingerprint: str,
+    with_arrays: bool = False,
 ) -> dict[str, Any]:
     """Tokenise `rows` (a datasets.Dataset) into `out`; returns counts for the cache's meta.json."""
     import datasets
@@ -107,13 +144,15 @@ def build_store(
     features = {"input_ids": datasets.List(datasets.Value("int32"))}
     if with_mask:
         features["loss_mask"] = datasets.List(datasets.Value("uint8"))
+    if with_arrays:
+        features["arrays"] = datasets.Value("binary")
     if num_proc > 1:
         # Each worker tokenises on its own core; the fast tokenizer's own threads would only contend.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Rows are read through datasets' own decoding (JSON-typed columns and the like), only the columns used.
     rows = rows.select_columns(columns)
     mapped = rows.map(
-        _arrow_io(tokenize, with_mask),
+        _arrow_io(tokenize, with_mask, with_arrays),
         batched=True,
         batch_size=1000,
         with_indices=True,
@@ -143,7 +182,22 @@ def build_store(
             trained = int(flat[:total].sum(dtype=np.int64))
         flat.flush()
         del flat
+    if with_arrays:
+        _write_blobs(out, table.column("arrays"))
     del table, mapped
     for arrow in out.glob("mapped*.arrow"):  # the flat arrays replace it
         arrow.unlink()
     return {"rows": len(lengths), "tokens": total, "trained_tokens": trained}
+
+
+def _write_blobs(out: Path, column: Any) -> None:
+    """arrays.bin (the rows' blobs end to end) and arrays.npy (where each starts), chunk by chunk."""
+    sizes = []
+    with open(out / "arrays.bin", "wb") as f:
+        for chunk in column.chunks:
+            for blob in chunk.to_pylist():
+                f.write(blob)
+                sizes.append(len(blob))
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    np.save(out / "arrays.npy", offsets)

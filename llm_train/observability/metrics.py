@@ -72,6 +72,8 @@ def _numel(param: torch.nn.Parameter) -> int:
 def model_token_flops(model: PreTrainedModel) -> TokenFlops | None:
     """FLOPs per token of a Hugging Face causal LM as a function of the span, or None when its config lacks the shape."""
     config = getattr(model, "config", None)
+    if config is not None:
+        config = config.get_text_config()  # an image-text model's language model (its vision tower aside)
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)

@@ -55,6 +55,7 @@ from llm_train.runtime.export.model_dir import sample_text, verify_export, write
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model.model import load_tokenizer
+from llm_train.runtime.model.processor_files import copy_processor_files, model_processor_sources
 from llm_train.runtime.rl.grpo import Grpo, HfGeneration, Rollouts, RolloutShape, SampleLog, rollout_logps
 from llm_train.runtime.rl.rewards import load_rewards
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
@@ -419,6 +420,12 @@ def finish(
         save(result.last_step)
     final = recipe.output_dir / "final"
     engine.export(final, data.tokenizer)
+    if w.rank == 0 and final.is_dir():
+        # The input's processor files (an image-text model's image processor, chat template), as it had them.
+        copy_processor_files(
+            model_processor_sources(recipe.model.name_or_path, recipe.model.revision, recipe.model.tokenizer),
+            final,
+        )
     tracker.close()
     w.say(
         f"trained in {time.perf_counter() - w.started:.0f}s: final loss "

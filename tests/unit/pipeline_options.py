@@ -40,6 +40,9 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "model.tokenizer": (RUN_A, "model.tokenizer={tokenizer}"),
     "model.revision": (RUN_B, "model.revision=main"),  # a local directory has no revisions: ignored by HF
     "model.trust_remote_code": (RUN_A, "model.trust_remote_code=false"),
+    # Image-text settings: a text model has no vision tower or projector, and text sources no images; a text
+    # pipeline run accepts them as it accepts them without pipeline stages (its default freeze is these two).
+    "model.freeze": (RUN_A, "model.freeze=[vision_tower,projector]"),
     "data.train": (RUN_A, "data.train=[{corpus}]"),
     "data.eval": (RUN_B, "data.eval=[{corpus}]"),
     "data.eval_fraction": (RUN_A, "data.eval_fraction=0.1"),
@@ -52,6 +55,8 @@ OPTIONS: dict[str, tuple[str, str] | tuple[str, str, str]] = {
     "data.loader_workers": (RUN_A, "data.loader_workers=1"),
     "data.tokenize_memo": (RUN_B, "data.tokenize_memo=false"),
     "data.max_epochs": (RUN_A, "data.max_epochs=5"),
+    "data.image_max_pixels": (RUN_A, "data.image_max_pixels=1000000"),
+    "data.image_min_pixels": (RUN_A, "data.image_min_pixels=1000"),
     "optim.lr": (RUN_A, "optim.lr=1e-3"),
     "optim.weight_decay": (RUN_A, "optim.weight_decay=0.1"),
     "optim.betas": (RUN_A, "optim.betas=[0.8,0.9]"),

@@ -187,3 +187,13 @@ def test_every_consumer_case_trains_on_the_bundled_corpus_alone(case: consumer.C
     data = load_recipe(case.recipe, [*consumer.COMMON, *case.overrides]).data
     paths = [s if isinstance(s, str) else s.path for s in (*data.train, *data.eval)]
     assert paths and all(Path(p).is_file() for p in paths), paths
+
+
+def test_the_big_speed_variant_is_resized_on_an_80_gb_card_and_says_so() -> None:
+    from bench.mfu_matrix import CPU_SIZES, GPU_SIZES, big_micro
+
+    assert big_micro(GPU_SIZES, 139.8) == (8, None)  # the H200 it was sized for
+    micro, why = big_micro(GPU_SIZES, 79.1)  # an 80 GB H100, the device tool's default kind
+    assert micro == 6 and why is not None and "79 GiB" in why
+    assert big_micro(GPU_SIZES, None) == (8, None)  # no probe line: as sized
+    assert big_micro(CPU_SIZES, 24.0) == (4, None)  # --cpu-tiny: the script's logic only

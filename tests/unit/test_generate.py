@@ -228,3 +228,115 @@ def test_a_model_larger_than_the_physical_ram_is_the_same_one_line(
         "--quantize nf4" in line
         and f"a machine with at least {math.ceil(weights * 4 / 2**30)} GiB free" in line
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-cpu-vlm's model, random, saved with its processor as an export is."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    from llm_train.assets import vlm
+
+    recipe = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu-vlm.yaml").read_text()
+    )
+    fields = dict(recipe["model"]["config"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("vlm") / "export"
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    AutoProcessor.from_pretrained(vlm.DEFAULT_OUT / "processor").save_pretrained(out)
+    return out
+
+
+def test_generate_with_an_image_equals_transformers_generate_with_the_processor(
+    tiny_vlm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from llm_train.assets import vlm
+
+    image = vlm.DEFAULT_OUT / "images" / "red-circle.png"
+    argv = ["generate", str(tiny_vlm), "--image", str(image), "--prompt", "Caption this image."]
+    out = _cli([*argv, "--max-new-tokens", str(NEW)], capsys)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    from PIL import Image
+
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "image", "image": Image.open(image).convert("RGB")},
+            {"type": "text", "text": "Caption this image."},
+        ],
+    }
+    inputs = processor.apply_chat_template(
+        [message], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    assert int((inputs["input_ids"] == processor.image_token_id).sum()) == 16  # the image reached the ids
+    with torch.no_grad():
+        ids = model.generate(
+            **inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id
+        )
+    want = processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert out == want + "\n"
+    # The pixels matter: another image gives other logits for the first new token.
+    other = vlm.DEFAULT_OUT / "images" / "blue-square.png"
+    logits = []
+    for path in (image, other):
+        message["content"][0]["image"] = Image.open(path).convert("RGB")
+        inputs = processor.apply_chat_template(
+            [message], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.no_grad():
+            logits.append(model(**inputs).logits[0, -1])
+    assert not torch.allclose(logits[0], logits[1])
+
+
+def test_images_for_a_text_only_model_or_a_missing_image_are_one_line(
+    pretrained: Path, tiny_vlm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_train.assets import vlm
+
+    image = str(vlm.DEFAULT_OUT / "images" / "red-circle.png")
+    assert cli.main(["generate", str(pretrained), "--image", image, "--prompt", "hi"]) == 2
+    assert "--image: " in capsys.readouterr().err
+    assert cli.main(["generate", str(tiny_vlm), "--image", str(tmp_path / "none.png"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "image file not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_chat_with_an_image_answers_each_turn_through_the_processor(
+    tiny_vlm: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`chat --image`: the image goes with the first message; a `/image PATH` line adds one to the next."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from llm_train.assets import vlm
+
+    first, second = (str(vlm.DEFAULT_OUT / "images" / f"{n}.png") for n in ("red-circle", "blue-square"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"What is it?\n/image {second}\nAnd this?\n"))
+    out = _cli(["chat", str(tiny_vlm), "--image", first, "--max-new-tokens", str(NEW)], capsys)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    from PIL import Image
+
+    messages: list[dict[str, object]] = []
+    want = []
+    for path, text in ((first, "What is it?"), (second, "And this?")):
+        image = Image.open(path).convert("RGB")
+        messages.append(
+            {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+        )
+        inputs = processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.no_grad():
+            ids = model.generate(
+                **inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id
+            )
+        answer = processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        want.append(answer)
+    assert int((inputs["input_ids"] == processor.image_token_id).sum()) == 32  # both images in the last turn
+    assert out == "".join(f"{a}\n" for a in want)

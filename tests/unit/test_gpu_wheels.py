@@ -256,3 +256,28 @@ def test_a_result_names_each_library_that_ran_at_another_release_than_the_lock(t
     ran = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "huggingface-hub": "2.4.0", "peft": "0.21.2"}
     assert not_the_lock(ran, lock) == {"transformers": "ran 5.17.0, locked 5.24.0"}
     assert not_the_lock(ran, tmp_path / "absent.txt") == {}
+
+
+def test_missing_names_what_a_wheel_would_fix_and_an_image_package_a_shipped_wheel_breaks() -> None:
+    # transformers 5.25 over the image: it needs hub >= 2.4 (the image has 1.x) and kernels (absent).
+    shipped = [wheel("transformers", "5.25.0", "huggingface-hub>=2.4.0,<3.0", "kernels>=0.19.1,<0.20")]
+    report = gpu_wheels.check(shipped, PRESENT)
+    assert report.missing == {"huggingface-hub", "kernels"}
+    # With hub 2.4 shipped, the image's tokenizers 0.23.2 (hub < 2.0) is broken: it must travel too.
+    image_requires = gpu_wheels.read_image_requires(["tokenizers==0.23.2: huggingface-hub>=0.16.4,<2.0"])
+    shipped += [wheel("huggingface_hub", "2.4.0"), wheel("kernels", "0.19.1")]
+    report = gpu_wheels.check(shipped, PRESENT, image_requires=image_requires)
+    assert report.missing == {"tokenizers"}
+    assert any("GPU machine's tokenizers 0.23.2 requires" in e for e in report.errors)
+    # Shipped at the lock's release, it shadows the image's copy and its cap no longer applies.
+    report = gpu_wheels.check([*shipped, wheel("tokenizers", "0.23.3", "huggingface-hub>=0.16.4,<3.0")],
+                              PRESENT, image_requires=image_requires)  # fmt: skip
+    assert report.ok and not report.missing
+
+
+def test_the_image_requires_file_parses_and_names_only_packages_the_image_has() -> None:
+    requires = gpu_wheels.read_image_requires((TOOLS / "image_requires.txt").read_text().splitlines())
+    present = gpu_wheels.read_present((TOOLS / "machine_packages.txt").read_text().splitlines())
+    assert "tokenizers" in requires and requires["tokenizers"][1] == ["huggingface-hub>=0.16.4,<2.0"]
+    for name, (version, _) in requires.items():
+        assert name in present and present[name].contains(version), name

@@ -53,15 +53,10 @@ ls "$OUT"/deepspeed-*-py3-none-any.whl >/dev/null || {
   exit 1
 }
 
-# The lock's datasets: it needs huggingface-hub >= 1.31, which the image's 1.33.0 meets and the lock's
-# release (below, over the image's) too. Its other requirements are assumed met by the image; check.py prints
-# each such assumption.
-# typing-extensions ships although the image has one: pydantic wants >= 4.16, torch 2.11 only >= 4.10,
-# and a newer typing-extensions earlier on PYTHONPATH is safe for the image's packages (it only adds).
-# msgpack: deepspeed requires it and nothing in the image does.
-pip_ download "${TARGET[@]}" -d "$OUT" \
-  $(pins datasets hjson msgpack dill multiprocess pydantic pydantic-core annotated-types typing-inspection \
-    typing-extensions)
+# What the image lacks (tools/gpu_wheels/lacking.txt; deepspeed above, bitsandbytes below): msgpack because
+# deepspeed requires it and nothing in the image does; typing-extensions although the image has one (see there).
+LACKING=$(grep -v -e '^#' -e '^$' tools/gpu_wheels/lacking.txt | grep -v -x -e deepspeed -e bitsandbytes)
+pip_ download "${TARGET[@]}" -d "$OUT" $(pins $LACKING)
 
 # bitsandbytes (QLoRA, lora.quantize): its wheel carries a compiled library per CUDA and ROCm version
 # (41 MiB). The machine's torch is built for CUDA 13.0, and bitsandbytes loads the library matching
@@ -105,6 +100,19 @@ git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' 
 done | tar --null -T - -cf - | tar -xf - -C "$SRC"
 pip_ wheel --no-deps --no-build-isolation -w "$OUT" "$SRC"
 
+# Closure: whatever the wheels so far need that the image does not meet travels at the lock's release, and
+# so does an image package whose own requirement a shipped wheel breaks (tools/gpu_wheels/image_requires.txt).
+# transformers 5.25 brought huggingface-hub >= 2.4 and kernels; hub 2.x brings httpx2; the image's tokenizers
+# 0.23.2 caps the hub below 2.0, so the lock's tokenizers travels too. Each round adds what the last one needed.
+IMAGE_REQUIRES=tools/gpu_wheels/image_requires.txt
+for round in 1 2 3 4 5 6 7 8; do
+  MORE=$("$PY" tools/gpu_wheels/check.py "$OUT" --present "$PRESENT" --image-requires "$IMAGE_REQUIRES" \
+    --waive wandb --pins-for-missing "$LOCK")
+  [[ -z "$MORE" ]] && break
+  echo "gpu-wheels: the lock's releases need over the image (round $round):" $MORE
+  pip_ download "${TARGET[@]}" -d "$OUT" $MORE
+done
+
 # wandb is optional there (the GPU check runs tracking.mode=disabled, and llm_train imports wandb only
 # when a tracker is on): it travels only if it and what it pulls in keep the folder under the budget.
 WANDB=(wandb cwevals distro platformdirs googleapis-common-protos opentelemetry-api opentelemetry-sdk
@@ -123,5 +131,6 @@ else
   echo "gpu-wheels: wandb left out: ${with_wandb} MiB with it is over ${BUDGET_MIB} MiB (${core} MiB without)"
 fi
 
-"$PY" tools/gpu_wheels/check.py "$OUT" --present "$PRESENT" --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
+"$PY" tools/gpu_wheels/check.py "$OUT" --present "$PRESENT" --image-requires "$IMAGE_REQUIRES" \
+  --budget-mib "$BUDGET_MIB" "${WAIVE[@]}" \
   --resolve 'llm_train[qlora]' liger-kernel

@@ -104,6 +104,9 @@ class Report:
     assumptions: list[str] = field(default_factory=list)
     waived: list[str] = field(default_factory=list)
     total_bytes: int = 0
+    # Projects a wheel of the lock's release would fix: a requirement no wheel and not the image meets, or an
+    # image package whose own requirement a shipped wheel breaks (build.sh downloads these and checks again).
+    missing: set[str] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:
@@ -129,6 +132,11 @@ def read_wheel(path: Path) -> WheelInfo:
     )
 
 
+def locked_versions(text: str) -> dict[str, str]:
+    """requirements-lock.txt's pins: canonical name -> release."""
+    return {canonicalize_name(n): v for n, v in re.findall(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", text, re.M)}
+
+
 def read_present(lines: Iterable[str]) -> dict[str, SpecifierSet]:
     """The image's packages: canonical name -> what is known of its version there (may be empty)."""
     present: dict[str, SpecifierSet] = {}
@@ -151,9 +159,28 @@ def lowest_version(spec: SpecifierSet) -> Version | None:
     return max(lows) if lows else None
 
 
+def read_image_requires(lines: Iterable[str]) -> dict[str, tuple[Version, list[str]]]:
+    """The image's own packages' Requires-Dist (tools/gpu_wheels/image_requires.txt): `name==version: requirement`."""
+    requires: dict[str, tuple[Version, list[str]]] = {}
+    for raw in lines:
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            pin, _, requirement = line.partition(":")
+            name, _, version = pin.strip().partition("==")
+            entry = requires.setdefault(canonicalize_name(name), (Version(version), []))
+            if requirement.strip():
+                entry[1].append(requirement.strip())
+    return requires
+
+
 def check(wheels: list[WheelInfo], present: dict[str, SpecifierSet], waive: Iterable[str] = (),
-          budget_mib: float = DEFAULT_BUDGET_MIB) -> Report:  # fmt: skip
-    """Everything the module docstring lists, on already-read wheels (so tests need no files)."""
+          budget_mib: float = DEFAULT_BUDGET_MIB,
+          image_requires: dict[str, tuple[Version, list[str]]] | None = None) -> Report:  # fmt: skip
+    """Everything the module docstring lists, on already-read wheels (so tests need no files).
+
+    `image_requires` holds what the image's own packages require: a wheel that travels shadows the image's
+    copy of its project for every package there, so an image package that stays (tokenizers 0.23.2 requires
+    huggingface-hub < 2.0) must accept the shipped release too, or travel at the lock's release itself."""
     report = Report(total_bytes=sum(w.size for w in wheels))
     waived = {canonicalize_name(n) for n in waive}
     tags = target_tags()
@@ -190,12 +217,14 @@ def check(wheels: list[WheelInfo], present: dict[str, SpecifierSet], waive: Iter
                     f"{needed_by} requires {req}, but the GPU machine may have {name} {low} "
                     f"(known there: {known}); ship a wheel or pick another version"
                 )
+                report.missing.add(name)
             elif low is None and str(req.specifier):
                 report.assumptions.append(f"{needed_by} requires {req}; {name}'s version there is unknown")
         elif name in waived:
             report.waived.append(f"{needed_by} requires {req}: waived, not shipped")
         else:
             report.errors.append(f"{needed_by} requires {req}: no wheel here and not on the GPU machine")
+            report.missing.add(name)
 
     def follow(wheel: WheelInfo, extra: str) -> None:
         for line in wheel.requires:
@@ -208,6 +237,22 @@ def check(wheels: list[WheelInfo], present: dict[str, SpecifierSet], waive: Iter
 
     for wheel in wheels:
         follow(wheel, "")
+    for image_name, (image_version, requires) in sorted((image_requires or {}).items()):
+        if image_name in by_name:  # it travels: the shipped release's own requirements were checked above
+            continue
+        for line in requires:
+            req = Requirement(line)
+            shipped = by_name.get(canonicalize_name(req.name))
+            if shipped is None or (
+                req.marker is not None and not req.marker.evaluate({**TARGET_ENV, "extra": ""})
+            ):
+                continue
+            if not req.specifier.contains(shipped[0].version, prereleases=True):
+                report.errors.append(
+                    f"the GPU machine's {image_name} {image_version} requires {req}, but "
+                    f"{shipped[0].filename} shadows it there; ship {image_name} at the lock's release"
+                )
+                report.missing.add(image_name)
     budget = budget_mib * 2**20
     if report.total_bytes > budget:
         report.errors.append(
@@ -290,13 +335,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waive", nargs="*", default=[], help="projects deliberately not shipped")
     parser.add_argument("--budget-mib", type=float, default=DEFAULT_BUDGET_MIB)
     parser.add_argument("--resolve", nargs="*", default=[], help="also resolve these roots with pip, offline")
+    parser.add_argument("--image-requires", type=Path, help="the image's own packages' requirements")
+    parser.add_argument(
+        "--pins-for-missing",
+        type=Path,
+        metavar="LOCK",
+        help="print the LOCK's pin of every project a wheel would fix (one a line) and exit: build.sh's closure",
+    )
     args = parser.parse_args(argv)
 
     files = sorted(args.folder.glob("*"))
     strays = [f.name for f in files if f.suffix != ".whl"]
     wheels = [read_wheel(f) for f in files if f.suffix == ".whl"]
     present = read_present(args.present.read_text().splitlines())
-    report = check(wheels, present, args.waive, args.budget_mib)
+    image_requires = (
+        read_image_requires(args.image_requires.read_text().splitlines()) if args.image_requires else {}
+    )
+    report = check(wheels, present, args.waive, args.budget_mib, image_requires)
+    if args.pins_for_missing:
+        locked = locked_versions(args.pins_for_missing.read_text())
+        unpinned = sorted(report.missing - locked.keys())
+        if unpinned:
+            print(
+                f"gpu-wheels: {', '.join(unpinned)} must travel but the lock pins no release of it",
+                file=sys.stderr,
+            )
+            return 2
+        print("\n".join(f"{name}=={locked[name]}" for name in sorted(report.missing)))
+        return 0
     report.errors.extend(f"{name}: not a wheel; the folder is installed as *.whl" for name in strays)
 
     for wheel in sorted(wheels, key=lambda w: w.name.lower()):

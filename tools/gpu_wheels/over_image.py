@@ -12,18 +12,13 @@ not pin is an error (exit 2), since then nothing says which release was tested.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from tools.gpu_wheels.check import read_present
-
-
-def locked_versions(text: str) -> dict[str, str]:
-    return {canonicalize_name(n): v for n, v in re.findall(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", text, re.M)}
+from tools.gpu_wheels.check import locked_versions, read_present
 
 
 def exactly(spec: SpecifierSet) -> str | None:

@@ -5,6 +5,7 @@
     instruction.py  instruction: prompt/response rows, loss on the response
     completion.py   completion: TRL's prompt-completion rows (text or messages), loss on the completion
     chat.py         chat: conversations through the chat template, loss on assistant turns
+    image_chat.py   image_chat: conversations with images through the model's processor (images.py reads them)
     tokenized.py    tokenized: token ids and optional labels
     preference.py   preference: prompt + chosen + rejected, two rows per pair
     prompt.py       prompt: GRPO's prompts, rendered at start-up
@@ -27,6 +28,7 @@ from llm_train.config.sources import Source
 from llm_train.data.formats.base import Format
 from llm_train.data.formats.chat import CHAT
 from llm_train.data.formats.completion import COMPLETION
+from llm_train.data.formats.image_chat import IMAGE_CHAT
 from llm_train.data.formats.instruction import INSTRUCTION
 from llm_train.data.formats.preference import PREFERENCE
 from llm_train.data.formats.prompt import PROMPT
@@ -36,7 +38,7 @@ from llm_train.errors import UserError
 
 # In the order a missing field's hint tries them: the format whose columns say most about a file first.
 FORMATS: dict[str, Format[Any]] = {
-    f.name: f for f in (PREFERENCE, COMPLETION, CHAT, INSTRUCTION, TOKENIZED, TEXT, PROMPT)
+    f.name: f for f in (PREFERENCE, COMPLETION, IMAGE_CHAT, CHAT, INSTRUCTION, TOKENIZED, TEXT, PROMPT)
 }
 
 

@@ -42,6 +42,11 @@ class Format(Generic[S]):
     uses_chat_template: Literal["never", "always", "when_available"] = "never"
     """Whether its rows are rendered with the chat template: never, always (refused without one), or when
     the recipe or the tokenizer has one (message rows need it; text rows do without)."""
+    arrays: bool = False
+    """Its tokenise function also returns `arrays`: per row, the model's other inputs (pixel values ...) as
+    one `np.savez` blob, stored beside the tokens (store.py) and batched with them (model_inputs.py)."""
+    overlong_fix: tuple[str, ...] = ()
+    """What an over-long row's refusal tells the user to do, when it differs from packing.py's default."""
     looks_like: frozenset[str] = frozenset()
     """Columns that suggest this format, named when another format's field is missing."""
     field_keys: str = ""
@@ -81,6 +86,17 @@ class Format(Generic[S]):
     ) -> TokenizeFn:
         """The batched tokenise function; `memo_words`: data.tokenize_memo (make_encoder)."""
         raise NotImplementedError
+
+    def cache_key(self, tokenizer: PreTrainedTokenizerBase) -> Any:
+        """What else than the tokenizer and the source's fields decides its tokens (part of the cache key)."""
+        return None
+
+    def filler(
+        self, source: S, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, key: str
+    ) -> bytes | None:
+        """Formats with `arrays`: a row that carries one blank image and trains nothing (np.savez blob with its
+        `input_ids` and arrays), added to a micro-batch that has no image (model_inputs.py); None: never."""
+        return None
 
     def needs_chat_template(self, configured: str | None, tokenizer: PreTrainedTokenizerBase) -> bool:
         """Whether preparing this source looks up the chat template (data.chat_template or the tokenizer's)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from llm_train.config.sources import CHAT_ROLES, TOOL_CALL, ChatSource
+from llm_train.config.sources import CHAT_ROLES, TOOL_CALL, ConversationSource
 from llm_train.data.formats.base import as_text
 from llm_train.errors import UserError
 
@@ -51,7 +51,7 @@ class ChatMapping:
     messages_field: str = "messages"
 
     @classmethod
-    def of(cls, source: ChatSource) -> ChatMapping:
+    def of(cls, source: ConversationSource) -> ChatMapping:
         return cls(source.role_field, source.content_field, dict(source.roles), source.messages_field)
 
 

@@ -40,6 +40,7 @@ from llm_train.runtime.checkpointing.control import RunControl
 from llm_train.runtime.checkpointing.logit_reference import write_reference_file
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, live_master_digest
 from llm_train.runtime.checkpointing.universal import universal_dir
+from llm_train.runtime.model.processor_files import copy_processor_files, model_processor_sources
 
 if TYPE_CHECKING:
     import torch
@@ -266,6 +267,13 @@ class Saver:
             if rank == 0:
                 engine.module.config.save_pretrained(tmp / "hf")
                 self.tokenizer.save_pretrained(tmp / "hf")
+                # An image-text model's processor files, so `llm-train export` of this checkpoint has them too.
+                copy_processor_files(
+                    model_processor_sources(
+                        recipe.model.name_or_path, recipe.model.revision, recipe.model.tokenizer
+                    ),
+                    tmp / "hf",
+                )
                 (tmp / "hf" / "recipe.yaml").write_text(recipe_to_yaml(recipe))
                 write_reference_file(tmp / CHECKPOINT_REFERENCE, *reference)
 

@@ -184,7 +184,7 @@ class PipelineEngine:
         One micro-batch through the engine's own inference schedule; the logits come out on the
         last stage of each pipeline and are passed to every rank (rank 0 verifies the export).
         """
-        input_ids = reference_input_ids(tokenizer, self.config.vocab_size)
+        input_ids = reference_input_ids(tokenizer, self.config.get_text_config().vocab_size)
         pair = as_pipeline_batch({"input_ids": input_ids, "labels": input_ids})
         # The stages exchanged training-shaped activations so far: let them agree on the new shape,
         # and again afterwards (a later train or eval batch has the training shape).

@@ -43,7 +43,7 @@ from llm_train.runtime.loss.objectives import make_objective
 from llm_train.runtime.loss.preference import reference_forward
 from llm_train.runtime.model.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.model.lora import apply_lora, is_peft_model
-from llm_train.runtime.model.model import build_model, load_tokenizer, loss_tokens
+from llm_train.runtime.model.model import build_model, load_tokenizer, loss_tokens, model_class
 from llm_train.runtime.model.optim import build_optimizer, build_scheduler, release_moments
 from llm_train.runtime.model.quantized_base import (
     Staging,
@@ -426,11 +426,9 @@ class ZeroEngine:
 
     def _plain_copy(self, unwrapped: Any, state_dict: dict[str, torch.Tensor]) -> Any:
         """A model without ZeRO-3's partitioning, holding `state_dict`, on this rank's device."""
-        from transformers import AutoModelForCausalLM
-
         with without_hf_zero3_config():  # else transformers would build it partitioned, under zero.Init
             dtype = next(iter(state_dict.values())).dtype
-            model = AutoModelForCausalLM.from_config(unwrapped.config, dtype=dtype)
+            model = model_class(unwrapped.config).from_config(unwrapped.config, dtype=dtype)
             if is_peft_model(unwrapped):
                 assert self.run.recipe.lora is not None
                 model = apply_lora(model, self.run.recipe.lora)
@@ -446,7 +444,8 @@ class ZeroEngine:
     @torch.no_grad()
     def reference_logits(self, tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, logits) of the model as it trained; eval mode, since the reload runs without dropout."""
-        config = self.accelerator.unwrap_model(self.ds).config
+        # Through the text config: an image-text model's top-level config has no vocab_size (Gemma 3).
+        config = self.accelerator.unwrap_model(self.ds).config.get_text_config()
         input_ids = reference_input_ids(tokenizer, config.vocab_size)
         self.ds.eval()
         logits = self.ds(input_ids=input_ids.to(self.ds.device)).logits

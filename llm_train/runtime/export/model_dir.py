@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 import torch
 
+from llm_train.config.model_kind import is_image_text
 from llm_train.config.parallel import tensor_parallel_shards
+from llm_train.config.recipe_sections import ModelSection
 from llm_train.errors import ExportError, UserError, first_line
 from llm_train.runtime.checkpointing.commit import CHECKPOINT_REFERENCE, DS_TAG, read_manifest, verify
 from llm_train.runtime.checkpointing.logit_reference import (
@@ -49,10 +51,14 @@ from llm_train.runtime.checkpointing.logit_reference import (
 )
 from llm_train.runtime.checkpointing.master_digest import DIGEST_KEY, check_master_digests
 from llm_train.runtime.checkpointing.universal import ensure_universal, universal_dir, universal_state_dict
-from llm_train.runtime.model.lora import checkpoint_lora, export_adapter_checkpoint
+from llm_train.runtime.export.names import checkpoint_names
+from llm_train.runtime.model.lora import apply_lora, checkpoint_lora, export_adapter_checkpoint
+from llm_train.runtime.model.model import model_class
+from llm_train.runtime.model.parts import linear_paths
 from llm_train.runtime.model.pipeline_names import (
     pipeline_checkpoint_state_dict,  # pipeline runs: a file per layer
 )
+from llm_train.runtime.model.processor_files import PROCESSOR_FILES, copy_processor_files
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -102,6 +108,12 @@ def save_hf_model(
     out_dir: Path,
 ) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A tied pair (one Parameter under two names: Gemma's head and embedding) is stored once, under its first
+    # name, as the hub's checkpoints store it. Decided by the model, not by storage: ZeRO-0's gathered state
+    # dict holds the pair as two copies, and the clone below would make them two tensors anyway.
+    first = {name for name, _ in model.named_parameters()}
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
+    state_dict = {k: v for k, v in state_dict.items() if k not in aliases}
     # safetensors refuses tensors that share storage (views into one gathered buffer, tied weights):
     # those are cloned. The others are written as they are, so the host holds one copy of the
     # model, not two (planning/memory_estimate.py export_peak_bytes).
@@ -112,7 +124,14 @@ def save_hf_model(
         else v.detach().contiguous()
         for k, v in state_dict.items()
     }
-    model.save_pretrained(out_dir, state_dict=clean, safe_serialization=True, max_shard_size="5GB")
+    # Named as the hub's checkpoints of the family are (names.py), written as they are (no second renaming).
+    model.save_pretrained(
+        out_dir,
+        state_dict=checkpoint_names(model, clean),
+        safe_serialization=True,
+        max_shard_size="5GB",
+        save_original_format=False,
+    )
     tokenizer.save_pretrained(out_dir)
 
 
@@ -121,12 +140,10 @@ def auto_class(config: PretrainedConfig) -> Any:
     model (its config's architectures name a *ForSequenceClassification, as save_pretrained writes them),
     else AutoModelForCausalLM. Every check below builds and loads through it, so a reward model's export is
     verified the same way: keys, then its scores on the fixed batch against the run's."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     names = getattr(config, "architectures", None) or []
     if any(name.endswith("ForSequenceClassification") for name in names):
-        return AutoModelForSequenceClassification
-    return AutoModelForCausalLM
+        return model_class(config, "score")
+    return model_class(config)  # AutoModelForImageTextToText for an image-text export (model.py says why)
 
 
 def expected_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -326,7 +343,7 @@ def _saved_form(
     refuses in one line rather than compare names that may no longer be the stored ones.
     """
     try:
-        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401 (names.py calls it)
     except ImportError:
         import transformers
 
@@ -335,7 +352,7 @@ def _saved_form(
             "core_model_loading.revert_weight_conversion (save_pretrained's key names; verified on 5.24-5.25), "
             "so the keys cannot be checked: install the tested transformers"
         ) from None
-    return cast("dict[str, torch.Tensor]", revert_weight_conversion(skeleton, dict(state)))
+    return checkpoint_names(skeleton, state)
 
 
 def check_keys(model_dir: Path, saved: dict[str, tuple[int, ...]]) -> None:
@@ -440,10 +457,10 @@ def _compare_logits(
 
 def sample_text(model_dir: Path, prompt: str, max_new_tokens: int = 40) -> str:
     """Greedy continuation of `prompt` by the exported model, loaded the way a user would."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = auto_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
@@ -497,13 +514,14 @@ def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=DS_TAG))
 
 
-def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
+def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str, merge: bool = False) -> dict[str, Any]:
     """A plain HF model directory from a checkpoint, verified as a run's final/ is: keys and logits.
 
     The reference logits are the ones the training engine recorded in the checkpoint when it was
     saved; the tolerance covers the dtypes of that forward and of the export (`logit_tolerance`).
+    A LoRA checkpoint gives its adapter, or with `merge` the base with the adapters folded in (`_merged`).
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"export output {out_dir} is not empty; choose a new directory")
@@ -513,16 +531,19 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     masters = check_master_digests(ckpt_dir, recorded_master_digests(ckpt_dir))
     state_dict = checkpoint_state_dict(ckpt_dir)
     lora = checkpoint_lora(ckpt_dir)
+    config = AutoConfig.from_pretrained(hf_dir)
+    if lora is not None and merge:
+        reference = _merged(ckpt_dir, config, state_dict, lora)
+        return _write_verified(ckpt_dir, out_dir, dtype, config, reference, masters)
     if lora is not None:
-        config = json.loads((hf_dir / "config.json").read_text())
+        base = json.loads((hf_dir / "config.json").read_text()).get("_name_or_path")
         count, written = export_adapter_checkpoint(
-            ckpt_dir, out_dir, state_dict, lora, config.get("_name_or_path")
+            ckpt_dir, out_dir, state_dict, lora, base, _lora_excluded(ckpt_dir, config)
         )
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
         why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
         verified = f"{why}; {masters}"
         return {"tensors": count, "dtype": written, "max_logit_diff": float("nan"), "verified": verified}
-    config = AutoConfig.from_pretrained(hf_dir)
     reference = auto_class(config).from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.
     aliases = _aliases(reference.state_dict())
@@ -539,6 +560,71 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
         raise ExportError(
             f"checkpoint {ckpt_dir}: weights do not match the config ({len(problem)} tensors, e.g. {problem[0]})"
         )
+    return _write_verified(ckpt_dir, out_dir, dtype, config, reference, masters)
+
+
+def _merged(ckpt_dir: Path, config: PretrainedConfig, state_dict: dict[str, torch.Tensor], lora: Any) -> Any:
+    """The pretrained base a LoRA checkpoint was trained from, its adapters loaded and folded in (fp32).
+
+    A LoRA checkpoint holds the adapters, not the frozen base (checkpointing/run_state.py): the base is loaded
+    again from the recipe's model.name_or_path, and the adapters are placed as the run placed them (outside
+    an image-text model's frozen parts). The export check then compares the merged model's logits with the
+    ones the training engine recorded, so a different base (or a quantised one, whose rounding the merge
+    cannot reproduce) fails it instead of passing silently.
+    """
+    import yaml
+
+    section = (yaml.safe_load((ckpt_dir / "hf" / "recipe.yaml").read_text()) or {})["model"]
+    model = ModelSection(**section)
+    if model.init != "pretrained" or lora.quantize != "none":
+        raise UserError(
+            f"export --merge: checkpoint {ckpt_dir} was trained on a "
+            f"{'random' if model.init != 'pretrained' else 'quantised'} base, which cannot be loaded again "
+            "exactly; export the adapter (leave out --merge) or use the run's final/"
+        )
+    try:
+        with _transformers_quiet():
+            base = auto_class(config).from_pretrained(
+                model.name_or_path, revision=model.revision, dtype=torch.float32, config=config
+            )
+    except OSError as exc:
+        raise UserError(
+            f"export --merge: cannot load the base {model.name_or_path} ({first_line(exc)})"
+        ) from None
+    image_text = is_image_text(config.to_dict())
+    peft_model = apply_lora(base, lora, exclude=linear_paths(base, model.freeze) if image_text else ())
+    adapters = {k: v for k, v in state_dict.items() if ".lora_A." in k or ".lora_B." in k}
+    missing, unexpected = peft_model.load_state_dict(adapters, strict=False)
+    absent = [k for k in missing if ".lora_A." in k or ".lora_B." in k]
+    if unexpected or absent or not adapters:
+        problem = (unexpected or absent or ["(no adapter tensors)"])[0]
+        raise ExportError(
+            f"checkpoint {ckpt_dir}: its adapters do not fit the base {model.name_or_path}: {problem}"
+        )
+    return peft_model.merge_and_unload()
+
+
+def _lora_excluded(ckpt_dir: Path, config: PretrainedConfig) -> list[str]:
+    """The linear layers a LoRA run kept adapters out of: an image-text model's frozen parts (model.py), found
+    on a skeleton built on the meta device from the checkpoint's config (nothing allocated, nothing read)."""
+    if not is_image_text(config.to_dict()):
+        return []
+    import yaml
+
+    model = ModelSection(**(yaml.safe_load((ckpt_dir / "hf" / "recipe.yaml").read_text()) or {})["model"])
+    with torch.device("meta"), _transformers_quiet():
+        skeleton = auto_class(config).from_config(config)
+    return linear_paths(skeleton, model.freeze)
+
+
+def _write_verified(
+    ckpt_dir: Path, out_dir: Path, dtype: str, config: PretrainedConfig, reference: Any, masters: str
+) -> dict[str, Any]:
+    """Write `reference` (the checkpoint's fp32 model) in `dtype` to out_dir and verify it against the logits
+    the checkpoint recorded (or, for an older checkpoint, against its own fp32 logits)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    hf_dir = ckpt_dir / "hf"
     reference.eval()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     # The check's reference: the logits the training engine itself computed at save time, from its
@@ -548,15 +634,23 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str) -> dict[str, An
     # weights' own fp32 logits, which checks the writing only, and the report says so.
     recorded = read_reference_file(ckpt_dir / CHECKPOINT_REFERENCE)
     if recorded is None:
-        batch = reference_input_ids(tokenizer, config.vocab_size)
+        batch = reference_input_ids(tokenizer, config.get_text_config().vocab_size)
         with torch.no_grad():
             recorded = Reference(batch, reference(batch).logits, torch.float32)
         against = "the checkpoint's merged weights (it records no training-time logits)"
     else:
         against = "the logits the training engine recorded in the checkpoint"
     exported = reference.to(EXPORT_DTYPES[dtype])
-    exported.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
+    # Named as the run's final/ is (names.py): the hub layout of the family, renamed once.
+    exported.save_pretrained(
+        out_dir,
+        state_dict=checkpoint_names(exported, exported.state_dict()),
+        safe_serialization=True,
+        max_shard_size="5GB",
+        save_original_format=False,
+    )
     tokenizer.save_pretrained(out_dir)
+    copy_processor_files(sorted(p for p in hf_dir.iterdir() if p.name in PROCESSOR_FILES), out_dir)
     with contextlib.suppress(ValueError):  # a config without generation fields: nothing to write
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     report = verify_export(out_dir, recorded)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from llm_train.planning.memory_formulas import EXPORT_SHARD_BYTES
+from llm_train.runtime.export.names import renamer
 from llm_train.runtime.model.quantized_base import dequantized_weight, is_quantized_linear
 
 if TYPE_CHECKING:
@@ -175,9 +176,11 @@ def write_merged(
     from transformers import GenerationConfig
 
     writer = ShardedWriter(out_dir, max_shard_bytes) if write else None
+    # Under the names save_pretrained gives the plain model (an image-text model's hub layout: names.py).
+    rename = renamer(cast("PreTrainedModel", peft_model.get_base_model()))
     for name, tensor in merged_tensors(peft_model, gather, dtype):
         if writer is not None:
-            writer.add(name, tensor)
+            writer.add(rename(name), tensor)
     if writer is None:
         return 0
     writer.close()

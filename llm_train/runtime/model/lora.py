@@ -16,6 +16,7 @@ What the run's `final/` holds (written by runtime/export/sharded.py, layer by la
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,11 @@ if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraSection) -> PeftModel:
-    """The model wrapped by PEFT with adapters on `lora.target_modules`; only adapters train."""
+def apply_lora(model: torch.nn.Module, lora: LoraSection, exclude: Sequence[str] = ()) -> PeftModel:
+    """The model wrapped by PEFT with adapters on `lora.target_modules`; only adapters train.
+
+    `exclude`: full names of modules that get no adapter although their name is a target (an image-text
+    model's frozen vision tower and projector: model.py), PEFT's `exclude_modules`."""
     try:
         from peft import get_peft_model
     except ModuleNotFoundError:
@@ -46,10 +50,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection) -> PeftModel:
             f"lora.target_modules: {', '.join(missing)} not in this model; its linear modules are: "
             f"{', '.join(linear)}"
         )
-    return get_peft_model(model, peft_config(lora))
+    return get_peft_model(model, peft_config(lora, exclude=exclude))
 
 
-def peft_config(lora: LoraSection, base: str | None = None) -> LoraConfig:
+def peft_config(lora: LoraSection, base: str | None = None, exclude: Sequence[str] = ()) -> LoraConfig:
     """PEFT's LoraConfig for the recipe's lora section (base: the model the adapter applies to)."""
     from peft import LoraConfig
 
@@ -62,6 +66,7 @@ def peft_config(lora: LoraSection, base: str | None = None) -> LoraConfig:
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
+        exclude_modules=list(exclude) or None,
     )
 
 
@@ -120,13 +125,19 @@ def checkpoint_lora(ckpt_dir: Path) -> LoraSection | None:
 
 
 def export_adapter_checkpoint(
-    ckpt_dir: Path, out_dir: Path, state_dict: dict[str, Any], lora: LoraSection, base: str | None
+    ckpt_dir: Path,
+    out_dir: Path,
+    state_dict: dict[str, Any],
+    lora: LoraSection,
+    base: str | None,
+    exclude: Sequence[str] = (),
 ) -> tuple[int, str]:
     """PEFT adapter files from a LoRA checkpoint's adapter tensors; returns how many were written, and their dtype.
 
     A LoRA checkpoint holds the adapters and their optimizer, not the frozen base (checkpointing/run_state.py), so
     what it can give is the adapter: `PeftModel.from_pretrained(base, out_dir)` on the base it was
-    trained from (loaded the same way, 4-bit for a QLoRA run) reproduces the trained model.
+    trained from (loaded the same way, 4-bit for a QLoRA run) reproduces the trained model. `exclude`: the
+    modules the run kept adapters out of (an image-text model's frozen parts), so PEFT places them alike.
     """
     from safetensors.torch import save_file
 
@@ -141,6 +152,6 @@ def export_adapter_checkpoint(
     if not tensors:
         raise ExportError(f"checkpoint {ckpt_dir}: a LoRA run's checkpoint without adapter tensors")
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_config(lora, base).save_pretrained(str(out_dir))
+    peft_config(lora, base, exclude).save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return verify_adapter_export(out_dir)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
+from llm_train.config.model_kind import is_image_text
 from llm_train.config.recipe_sections import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
 from llm_train.planning.shapes import to_hf_config
@@ -22,6 +23,7 @@ from llm_train.runtime.loss.chunked import enable_tiled_loss
 from llm_train.runtime.model.document_attention import NAME as SDPA_FLEX
 from llm_train.runtime.model.document_attention import register_sdpa_flex
 from llm_train.runtime.model.lora import apply_lora
+from llm_train.runtime.model.parts import QUANTIZATION_KEEP, freeze, linear_paths
 from llm_train.runtime.model.quantized_base import keep_training_layout, quantization_config, quantized
 from llm_train.runtime.model.tiling import enable_checkpoint_offload, enable_tiled_mlp
 
@@ -79,6 +81,24 @@ def model_config(model: ModelSection) -> PretrainedConfig:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
+def model_class(config: PretrainedConfig, head: Head = "lm") -> Any:
+    """The transformers Auto class that builds this config whole.
+
+    An image-text checkpoint (config/model_kind.py) loads through AutoModelForImageTextToText, which builds
+    the class its config names: AutoModelForCausalLM refuses most of them ("Unrecognized configuration
+    class") and builds llama4's text model alone, dropping the vision tower (transformers 5.25).
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
+
+    if head == "score":
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if is_image_text(config.to_dict()) else AutoModelForCausalLM
+
+
 def _known_offline(name: str) -> bool:
     return name in KNOWN_CONFIGS
 
@@ -116,12 +136,13 @@ def build_model(
     With `lora.quantize` the base layers are quantised by bitsandbytes as they load (quantized_base.py).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     # The ALST loss tiling and LoRA's causal-LM task both assume the LM head; recipe.py refuses them for a
     # reward model, so reaching here with them is a bug, not a user error.
     assert head == "lm" or (pad_token_id is not None and not memory.tiled_loss and lora is None)
-    auto = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    config = model_config(model)
+    auto = model_class(config, head)
+    image_text = is_image_text(config.to_dict())
     scored: dict[str, Any] = {} if head == "lm" else {"num_labels": 1, "pad_token_id": pad_token_id}
     dtype = getattr(torch, _DTYPES[precision])
     if memory.attention == "auto":
@@ -138,7 +159,10 @@ def build_model(
             assert lora is not None
             # Quantised one tensor at a time as it loads, never a full 16-bit copy, onto `device` (the
             # host, for a base ZeRO-3 partitions: quantized_base.py) or, without one, the current CUDA device.
-            placement["quantization_config"] = quantization_config(lora, dtype)
+            # An image-text model's vision tower and projector stay 16-bit, as the peers keep them (parts.py).
+            placement["quantization_config"] = quantization_config(
+                lora, dtype, keep=QUANTIZATION_KEEP if image_text else ()
+            )
         if scored:
             torch.manual_seed(seed)  # the new score head's weights
         try:
@@ -149,7 +173,7 @@ def build_model(
                 dtype=dtype,
                 attn_implementation=memory.attention,
                 **placement,
-                **({"config": _with_overrides(model, scored)} if model.config else scored),
+                **({"config": _with_fields(config, scored)} if model.config else scored),
             )
         except OSError as exc:
             raise UserError(
@@ -159,7 +183,6 @@ def build_model(
         # Same seed, same initial weights on every rank and in every parity run (on one kind of device:
         # a GPU draws other numbers than the CPU from the same seed).
         torch.manual_seed(seed)
-        config = model_config(model)
         for key, value in scored.items():
             setattr(config, key, value)
         # Drawn where they train: on the CPU a 1B shape took ~50 s per launch on the first H200 run
@@ -179,6 +202,11 @@ def build_model(
         lm.config.architectures = [type(lm).__name__]
     if quantized(lora):
         keep_training_layout(lm)
+    if image_text:
+        # requires_grad False: no gradient, no optimizer state, so weight decay cannot move them either, and
+        # the export holds them bit for bit as loaded. A text-only model has no such parts: model.freeze is
+        # ignored for it.
+        freeze(lm, model.freeze)
     if memory.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 partitioned params.
         # transformers 5.25 renamed the switch activation_checkpointing_enable (the old name warns and goes
@@ -200,12 +228,12 @@ def build_model(
         # PEFT draws the adapters' A matrices from torch's global RNG: seeded here, a pretrained base
         # gets the same adapters in every run, like a random one gets the same weights.
         torch.manual_seed(seed)
-        return apply_lora(lm, lora)
+        # Adapters go where training goes: not into the frozen parts (by default the language model alone).
+        return apply_lora(lm, lora, exclude=linear_paths(lm, model.freeze) if image_text else ())
     return lm
 
 
-def _with_overrides(model: ModelSection, scored: dict[str, Any]) -> PretrainedConfig:
-    config = model_config(model)
+def _with_fields(config: PretrainedConfig, scored: dict[str, Any]) -> PretrainedConfig:
     for key, value in scored.items():
         setattr(config, key, value)
     return config

@@ -39,7 +39,7 @@ bitsandbytes 0.50 also runs on CPU (its wheel ships a CPU backend), which is wha
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
@@ -73,14 +73,27 @@ def check_bitsandbytes(lora: LoraSection | None) -> None:
         ) from None
 
 
-def quantization_config(lora: LoraSection, dtype: torch.dtype) -> BitsAndBytesConfig:
-    """transformers' BitsAndBytesConfig for `lora.quantize`, computing (and storing) in `dtype`."""
+# transformers' own skip for a causal LM's 4-bit load: the output layer (quantizers/base.py get_keys_to_not_convert);
+# kept by name, since naming any skip module replaces transformers' list.
+DEFAULT_KEEP = ("lm_head",)
+
+
+def quantization_config(
+    lora: LoraSection, dtype: torch.dtype, keep: Sequence[str] = ()
+) -> BitsAndBytesConfig:
+    """transformers' BitsAndBytesConfig for `lora.quantize`, computing (and storing) in `dtype`.
+
+    `keep`: module-name patterns left unquantised (transformers' should_convert_module rules) on top of
+    transformers' own choice (the output layer, tied weights), which naming any skip would otherwise replace.
+    """
     check_bitsandbytes(lora)
     from transformers import BitsAndBytesConfig
 
+    skip = {"llm_int8_skip_modules": [*keep, *DEFAULT_KEEP]} if keep else {}
     if lora.quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return BitsAndBytesConfig(
+        **skip,
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
