@@ -302,7 +302,7 @@ def run_consumer(case: Consumer, ctx: Context) -> dict[str, Any]:
 
 
 def generation_split(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """A GRPO run's step apart (runtime/grpo.py's metrics): generation's tokens/s and share of the step, and
+    """A GRPO run's step apart (runtime/rl/grpo.py's metrics): generation's tokens/s and share of the step, and
     training's tokens/s over the rest of the step (its forward, backward and update), medians over steps."""
 
     def training_tokens_per_s(r: dict[str, Any]) -> float:

@@ -775,7 +775,7 @@ def plan(
     the host peak of the load and training phases (the processes included), without the final export.
     """
     from llm_train.errors import UserError
-    from llm_train.planning.memory_estimate import host_peak_bytes
+    from llm_train.planning.host_memory import host_peak_bytes
     from llm_train.planning.verdict import plan_recipe
 
     try:

@@ -85,8 +85,9 @@ class AnonPeak:
 def planned(shape: Any, staging: str) -> dict[str, Any]:
     """The planner's figures for one rank loading this base, quantised on `staging`."""
     from llm_train.config.hardware import NVME_READ_BYTES_PER_S, hardware_for
-    from llm_train.planning.memory_estimate import model_load_peak_bytes, model_split
+    from llm_train.planning.host_memory import model_load_peak_bytes
     from llm_train.planning.memory_inputs import MemoryInputs
+    from llm_train.planning.model_split import model_split
     from llm_train.planning.quantized_bytes import (
         NF4_PACKED_BYTES_PER_WEIGHT,
         NF4_STATE_BYTES_PER_WEIGHT,

@@ -60,7 +60,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     ckpt = convert.checkpoint_of(Path(args.checkpoint), "export")
     result = export_checkpoint(ckpt, Path(args.out), args.dtype, merge=args.merge)
-    print(f"exported {ckpt} -> {args.out}: {result['tensors']} tensors, {args.dtype}; {result['verified']}")
+    # A LoRA checkpoint gives its adapter in the dtype it trained in, whatever --dtype asked: say what was written.
+    print(
+        f"exported {ckpt} -> {args.out}: {result['tensors']} tensors, {result['dtype']}; {result['verified']}"
+    )
     return 0
 
 

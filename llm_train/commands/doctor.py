@@ -35,6 +35,7 @@ from llm_train.config.attention_kernel import choose_attention
 from llm_train.config.ds_json import nvme_paths
 from llm_train.config.hardware import Device, describe_pairs, find_gpu, gpus_without_p2p
 from llm_train.config.recipe import load_recipe
+from llm_train.config.recipe_files import available_recipes
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
 from llm_train.planning.guards import nvme_problems
@@ -101,6 +102,11 @@ class Report:
             lines.append(f"  ! {problem}")
             lines.append(f"    fix: {fix}")
         return "\n".join(lines)
+
+
+def cpu_recipes() -> list[str]:
+    """The shipped recipes written for a CPU (hardware.device: cpu), read from recipes/ rather than listed."""
+    return [name for name in available_recipes() if load_recipe(name).hardware.device == "cpu"]
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
@@ -211,7 +217,7 @@ def check_gpus(report: Report) -> list[tuple[str, float, tuple[int, int], bool]]
             )
         else:
             report.warn(
-                "no CUDA GPU: only CPU recipes (tiny-cpu, tiny-cpu-lora) train here",
+                f"no CUDA GPU: only CPU recipes ({', '.join(cpu_recipes())}) train here",
                 "plan a GPU machine with `llm-train plan --recipe NAME --gpu RTX-4090 --host-ram 128`",
             )
     if smi:

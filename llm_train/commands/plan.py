@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 from llm_train import train as train_module
 from llm_train.config.hardware import DriveSpeeds, hardware_for
 from llm_train.errors import UserError
-from llm_train.planning.auto import auto_recipe_yaml, check_written, choose_auto, render_auto
+from llm_train.planning.auto import choose_auto
+from llm_train.planning.auto_written import auto_recipe_yaml, check_written, render_auto
 from llm_train.planning.verdict import plan_recipe, render
 from llm_train.train import main as train_main
 
@@ -99,13 +101,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if args.nvme_gib is not None and args.nvme_gib <= 0:
+    # `not 0 < x < inf`: argparse's float() takes nan and inf, which `x <= 0` lets through.
+    if args.nvme_gib is not None and not 0 < args.nvme_gib < math.inf:
         raise UserError(
             f"--nvme-gib {args.nvme_gib:g}: give the free NVMe space in GiB (> 0), or leave it out"
         )
     for flag in ("nvme_read_gbs", "nvme_write_gbs"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
+        if value is not None and not 0 < value < math.inf:
             raise UserError(f"--{flag.replace('_', '-')} {value:g}: give the drive's speed in GB/s (> 0)")
     speeds = drive_speeds(args.nvme_read_gbs, args.nvme_write_gbs)
     if args.recipe != "auto":

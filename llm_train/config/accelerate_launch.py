@@ -12,9 +12,11 @@ ignored", accelerate 1.15 dataclasses.py `_deepspeed_config_checks`), and a MULT
 So every value is reconciled here, once, before the run is resolved, by one rule:
 
 - `deepspeed_config_file` stands for `--ds-config` (train.py's flag wins when both are given);
-- `zero_stage`, the offload devices, `gradient_accumulation_steps`, `gradient_clipping` and
-  `mixed_precision` map onto the recipe's settings (its DeepSpeed JSON, optim.grad_accum,
-  optim.grad_clip, precision); where they differ, the recipe wins (it was planned to fit);
+- `zero_stage`, the offload devices, `gradient_accumulation_steps`, `gradient_clipping`,
+  `mixed_precision` and `dynamo_backend` (a config's `dynamo_config`) map onto the recipe's settings
+  (its DeepSpeed JSON, optim.grad_accum, optim.grad_clip, precision, memory.torch_compile); where they
+  differ, the recipe wins (it was planned to fit; the engine hands Accelerate its own dynamo plugin,
+  runtime/model/fast.py);
 - `reconcile` writes one start-up notice naming, for every such value, what won and where each
   came from; the workers then never see Accelerate's own copy of them (runtime/base/launch_env.py clears it);
 - a kind llm_train cannot train under (FSDP, Megatron-LM, TPU, mpirun) is one line before any
@@ -59,6 +61,7 @@ FIELDS = (
     "mixed_precision",
     "zero3_init_flag",
     "zero3_save_16bit_model",
+    "dynamo_backend",
 )
 _PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}  # accelerate's names -> the recipe's
 
@@ -150,6 +153,11 @@ def reconcile(launch: AccelerateLaunch | None, run: Resolved, ds_flag: str | Non
             "weights are created partitioned exactly when ZeRO-3 trains",
         ),
         "zero3_save_16bit_model": ("true", "final/ and `llm-train export` gather 16-bit weights"),
+        # What fast.dynamo_plugin hands Accelerate: inductor for `model` and `layers`, no for `off`.
+        "dynamo_backend": (
+            "NO" if recipe.memory.torch_compile == "off" else "INDUCTOR",
+            f"memory.torch_compile={recipe.memory.torch_compile}",
+        ),
     }
     for name, (value, where) in ours.items():
         if name in given:
@@ -170,6 +178,8 @@ def _theirs(name: str, value: str) -> str:
             return value
     if name in ("zero3_init_flag", "zero3_save_16bit_model"):
         return value.lower()
+    if name == "dynamo_backend":
+        return value.upper()
     return value
 
 

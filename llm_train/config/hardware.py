@@ -15,6 +15,7 @@ their number is the lower one.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -347,8 +348,10 @@ def hardware_for(
 ) -> Hardware:
     """Hardware from flags, else this machine's GPUs, else what the recipe declares, else this CPU."""
     # 0 is a value given, not "unset": refused rather than replaced by a default the user did not ask for.
+    # argparse's float() also takes nan and inf, which no comparison below would catch (nan <= 0 is False)
+    # and int(inf * GiB) raises: `0 < value < inf` is false for both.
     for flag, value in (("--gpu-mem", gpu_mem_gib), ("--host-ram", host_ram_gib)):
-        if value is not None and value <= 0:
+        if value is not None and not 0 < value < math.inf:
             raise UserError(f"{flag} {value:g}: give the memory in GiB (> 0), or leave it out")
     sources: list[str] = []
     spec: GPUSpec | None = gpu_spec(gpu) if gpu else None

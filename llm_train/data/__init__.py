@@ -14,7 +14,8 @@
     volume.py       epochs a run implies; the data.max_epochs guard
     summary.py      statistics and decoded samples for `llm-train data inspect`
 
-Names are imported lazily so `llm-train --help` does not pay for numpy, torch or datasets.
+The package's face: names are imported lazily so `llm-train --help` does not pay for numpy, torch or
+datasets.
 """
 
 from __future__ import annotations

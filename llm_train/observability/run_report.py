@@ -225,6 +225,19 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def train_seconds(elapsed: list[float]) -> float | None:
+    """The training time of a run from its rows' elapsed_s, every launch of it counted.
+
+    elapsed_s counts from each launch's own start (observability/metrics.py), so a resumed run's rows start
+    again near 0: the time is the sum of each launch's last value (a resume truncates the rows after its
+    checkpoint, so what a killed launch spent past that checkpoint is not in the file to count).
+    """
+    if not elapsed:
+        return None
+    ends = [before for before, after in zip(elapsed, elapsed[1:], strict=False) if after < before]
+    return sum(ends) + elapsed[-1]
+
+
 def summary_rows(run: RunMetrics) -> dict[str, str]:
     """The markdown summary's columns for one run."""
     last = run.train[-1] if run.train else {}
@@ -232,7 +245,7 @@ def summary_rows(run: RunMetrics) -> dict[str, str]:
     final_eval = run.evals[-1] if run.evals else None
     peak_gpu = run.series("gpu_mem_peak_gib")[1]
     rss = run.series("host_rss_gib")[1]
-    elapsed = run.series("elapsed_s")[1]
+    elapsed = train_seconds(run.series("elapsed_s")[1])
     return {
         "run": run.label,
         "steps": str(last.get("step", 0)),
@@ -245,7 +258,7 @@ def summary_rows(run: RunMetrics) -> dict[str, str]:
         "step time (s)": _fmt(_median(run.steady("step_time_s")), ".3f"),
         "peak GPU mem (GiB)": _fmt(max(peak_gpu) if peak_gpu else None, ".2f"),
         "peak host RSS (GiB)": _fmt(max(rss) if rss else None, ".2f"),
-        "train time": _fmt(elapsed[-1] if elapsed else None, ".0f") + ("s" if elapsed else ""),
+        "train time": _fmt(elapsed, ".0f") + ("s" if elapsed is not None else ""),
         "start-up (s)": _fmt(run.startup.get("total_s"), ".1f"),
     }
 

@@ -58,7 +58,6 @@ from llm_train.planning.auto_base import (
     kind_of,
     prefer_exact_base,
 )
-from llm_train.planning.auto_base import suggested_lora as suggested_lora
 from llm_train.planning.auto_reasons import (
     lighter_misses,
     lora_reasons,
@@ -67,10 +66,10 @@ from llm_train.planning.auto_reasons import (
     runner_up,
     technique_reasons,
 )
-from llm_train.planning.auto_written import AutoChoice, check_written
-from llm_train.planning.auto_written import auto_recipe_yaml as auto_recipe_yaml
-from llm_train.planning.auto_written import render_auto as render_auto
-from llm_train.planning.auto_written import written_evaluation as written_evaluation
+from llm_train.planning.auto_written import (
+    AutoChoice,
+    check_written,
+)
 from llm_train.planning.candidate import (
     AUTO_MICRO_BATCHES,
     Evaluation,

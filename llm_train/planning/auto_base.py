@@ -31,10 +31,10 @@ from llm_train.planning.candidate import (
     shipped_settings,
 )
 from llm_train.planning.knobs import pinned_fields, set_key
-from llm_train.planning.memory_estimate import GiB
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.pinning import MemlockLimit, memlock_limit
 from llm_train.planning.shapes import ModelShape, shape_from_config, shape_of
+from llm_train.units import GiB
 
 # The pinning choices of an offloading candidate (recipe values of deepspeed.pinning).
 PINNING_CHOICES = ("native", "torch", "off")
@@ -165,6 +165,12 @@ def auto_request(
         raise UserError(
             f"--no-lora plans a full fine-tune, but {lora_keys[0]} configures adapters; drop --no-lora to plan "
             "adapters, or drop the lora.* override(s)"
+        )
+    # A flag and an override of the same key: the override would silently win over the flag. Equal is fine.
+    if seq_len is not None and "data.seq_len" in keys and parse_override(keys["data.seq_len"])[1] != seq_len:
+        raise UserError(
+            f"--seq-len {seq_len} and {keys['data.seq_len']} disagree; give the sequence length once "
+            "(either the flag or the override)"
         )
     nvme_bytes = int((nvme_gib or 0) * GiB)
     precision = default_precision(hw.kind, hw.bf16)

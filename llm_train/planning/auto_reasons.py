@@ -24,13 +24,14 @@ from llm_train.planning.auto_base import (
 from llm_train.planning.candidate import (
     Evaluation,
 )
-from llm_train.planning.memory_estimate import GiB, estimate_memory
+from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.search import (
     Practicality,
     long_context_text,
     short_config,
 )
+from llm_train.units import GiB
 
 
 def policy_cost(full: Evaluation, alternatives: list[Evaluation], lora: str) -> list[str]:
@@ -84,16 +85,15 @@ def lora_reasons(
             f"{_needs_text(closest, hw)}; so this trains {adapters}"
         )
     if best_lora.inputs.quantize != "none":
-        reasons.append(_four_bit_reason(ask, best_lora, lora_tried))
+        reasons.append(_quantized_base_reason(ask, best_lora, lora_tried))
     return reasons
 
 
-def _four_bit_reason(ask: AutoRequest, chosen: Evaluation, lora_tried: list[Evaluation]) -> str:
+def _quantized_base_reason(ask: AutoRequest, chosen: Evaluation, lora_tried: list[Evaluation]) -> str:
     """Why the frozen base is quantised: the user's lora.quantize, or the 16-bit bases it beat or that do not fit."""
     quantize = chosen.inputs.quantize
-    what = (
-        f"the frozen base loads in 4 bits (QLoRA, lora.quantize={quantize}; pip install 'llm_train[qlora]')"
-    )
+    bits = 8 if quantize == "int8" else 4  # lora.quantize: nf4 (4-bit) or int8
+    what = f"the frozen base loads in {bits} bits (QLoRA, lora.quantize={quantize}; pip install 'llm_train[qlora]')"
     if "quantize" in ask.pins:
         return f"{what}, as lora.quantize={quantize} asks"
     sixteen = [e for e in lora_tried if e.inputs.quantize == "none"]

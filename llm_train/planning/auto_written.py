@@ -25,7 +25,6 @@ from llm_train.planning.candidate import (
     memory_inputs,
 )
 from llm_train.planning.knobs import recipe_values, set_key
-from llm_train.planning.memory_estimate import GiB
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.search import (
     Practicality,
@@ -33,6 +32,7 @@ from llm_train.planning.search import (
 from llm_train.planning.shapes import ModelShape, shape_from_config
 from llm_train.planning.verdict import config_line, generation_line, verdict
 from llm_train.planning.vision_note import vision_note
+from llm_train.units import GiB
 
 
 @dataclass

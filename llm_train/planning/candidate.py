@@ -21,24 +21,20 @@ from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.planning.generation import GenerationInputs
-from llm_train.planning.memory_estimate import (
-    ALLOCATOR_SLACK_FRACTION,
-    PROCESS_HOST_BYTES,
-    GiB,
-    MemoryEstimate,
-    estimate_memory,
-)
+from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
+from llm_train.planning.memory_formulas import ALLOCATOR_SLACK_FRACTION, PROCESS_HOST_BYTES
 from llm_train.planning.memory_inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GROUP_SIZE, MemoryInputs
 from llm_train.planning.offload_buffers import SwapSettings
 from llm_train.planning.shapes import ModelShape
 from llm_train.planning.speed import StepTime, step_time_on
 from llm_train.planning.vision_shapes import VisionInputs, checkpoint_pixels
+from llm_train.units import GiB
 
 # Host RSS of one CPU-only training process before model state (torch, DeepSpeed,
 # transformers, tokenizer): ~0.7 GiB measured for tiny-cpu; no CUDA libraries.
 CPU_PROCESS_HOST_BYTES = 1 * GiB
 # The adapters the planner proposes and `--recipe auto` writes are the recipe schema's defaults (one source of
-# truth: config/recipe.py LoraSection): rank, alpha, dropout (PEFT keeps a copy of each adapted input under it:
+# truth: config/recipe_sections.py LoraSection): rank, alpha, dropout (PEFT keeps a copy of each adapted input under it:
 # planned) and target modules (planning/shapes.LORA_TARGETS).
 SUGGESTED_LORA = LoraSection()
 SUGGESTED_LORA_RANK = SUGGESTED_LORA.rank

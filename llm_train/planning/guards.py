@@ -21,14 +21,11 @@ from llm_train.config.hardware import HOST_RESERVE_BYTES, host_ram_bytes
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.planning.candidate import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
-from llm_train.planning.memory_estimate import (
-    GiB,
-    MemoryEstimate,
-    estimate_memory,
-)
+from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.pinning import MemlockLimit, choose_auto, memlock_problem
 from llm_train.planning.shapes import shape_from_config
+from llm_train.units import GiB
 
 
 @dataclass(frozen=True)

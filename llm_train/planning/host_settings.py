@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware
 from llm_train.planning.candidate import needs
-from llm_train.planning.memory_estimate import GiB, estimate_memory
+from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.units import GiB
 
 SUB_GROUP_CANDIDATES = (10**7, 2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8, 10**9)
 # Within half a GiB of the smallest host estimate, fewer and larger sub-groups win: the saving below

@@ -133,13 +133,12 @@ from dataclasses import dataclass, field
 from llm_train.planning.generation import kv_cache_bytes, prefill_bytes, sampling_bytes
 
 # The host terms, the model's split and the per-token formulas live in their own modules (host_memory,
-# model_split, memory_formulas); the names callers, the runtime and the tests read from here are re-exported.
-from llm_train.planning.host_memory import export_peak_bytes as export_peak_bytes
-from llm_train.planning.host_memory import host_buffers as host_buffers
-from llm_train.planning.host_memory import host_peak_bytes as host_peak_bytes
-from llm_train.planning.host_memory import host_terms, nvme_space_bytes
-from llm_train.planning.host_memory import model_load_peak_bytes as model_load_peak_bytes
-from llm_train.planning.host_memory import offload_rank as offload_rank
+# model_split, memory_formulas): import them from there, not through this module (tests/unit/test_no_facades.py).
+from llm_train.planning.host_memory import (
+    host_peak_bytes,
+    host_terms,
+    nvme_space_bytes,
+)
 from llm_train.planning.memory_formulas import (
     ALLOCATOR_SLACK_FRACTION,
     CUDA_CONTEXT_BYTES,
@@ -152,23 +151,11 @@ from llm_train.planning.memory_formulas import (
     mlp_tile_bytes,
     sequence_parallel_buffer_bytes,
 )
-from llm_train.planning.memory_formulas import CHECKPOINT_SHARD_BYTES as CHECKPOINT_SHARD_BYTES
-from llm_train.planning.memory_formulas import DENSE_LOSS_BYTES_PER_LOGIT as DENSE_LOSS_BYTES_PER_LOGIT
-from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES as EIGHT_BIT_STATE_BYTES
-from llm_train.planning.memory_formulas import EXPORT_SHARD_BYTES as EXPORT_SHARD_BYTES
-from llm_train.planning.memory_formulas import LOSS_CHUNK_LOGITS_BYTES as LOSS_CHUNK_LOGITS_BYTES
-from llm_train.planning.memory_formulas import NORM_UPCAST_BYTES_PER_HIDDEN as NORM_UPCAST_BYTES_PER_HIDDEN
-from llm_train.planning.memory_formulas import PROCESS_HOST_BYTES as PROCESS_HOST_BYTES
-from llm_train.planning.memory_formulas import loss_chunks as loss_chunks
-from llm_train.planning.memory_formulas import (
-    mlp_intermediate_bytes_per_token as mlp_intermediate_bytes_per_token,
-)
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.model_split import ModelSplit, layers_per_stage
-from llm_train.planning.model_split import model_split as model_split
+from llm_train.planning.model_split import ModelSplit, layers_per_stage, model_split
 from llm_train.planning.quantized_bytes import dequantized_layer_bytes, staged_quantize_gpu_bytes
 from llm_train.planning.vision_shapes import VISION_TOWER
-from llm_train.units import GiB as GiB
+from llm_train.units import GiB
 
 # --- the estimator ------------------------------------------------------------------------------
 

@@ -164,7 +164,7 @@ def loss_chunks(tokens: int, vocab: int, chunk_bytes: int = LOSS_CHUNK_LOGITS_BY
 
 # Bytes per logit at the peak of transformers' loss (logits, fp32 upcast, log-softmax kept for
 # backward, its gradient in and out): 12 with 16-bit and with fp32 logits alike (measured on CPU,
-# tests/unit/test_loss_memory.py; the output object is dropped after `.loss`, as the engines do).
+# tests/unit/test_memory_lines.py's loss line; the output object is dropped after `.loss`, as the engines do).
 DENSE_LOSS_BYTES_PER_LOGIT = 12
 # The chunked loss per logit of one chunk (runtime/loss/chunked.py), by the logits' bytes: at its peak
 # the log-softmax, its gradient and the logits' fp32 gradient; while the output layer's backward runs,

@@ -26,8 +26,9 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from llm_train.planning.memory_estimate import GiB, MemoryEstimate, estimate_memory
+from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.units import GiB
 
 CAP_IPC_LOCK = 14  # linux/capability.h: lock memory beyond RLIMIT_MEMLOCK
 MiB = 2**20

@@ -39,7 +39,7 @@ from llm_train.config.hardware import (
 )
 from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
-from llm_train.planning.memory_estimate import offload_rank
+from llm_train.planning.host_memory import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.model_split import model_split
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes

@@ -22,9 +22,10 @@ from llm_train.planning.candidate import (
     needs,
 )
 from llm_train.planning.checkpoint_cost import _duration, checkpoint_lines
+from llm_train.planning.host_memory import host_buffers, offload_rank
 from llm_train.planning.host_settings import choose_host_settings
 from llm_train.planning.host_settings import describe as describe_host_settings
-from llm_train.planning.memory_estimate import _LABELS, GiB, estimate_memory, host_buffers, offload_rank
+from llm_train.planning.memory_estimate import _LABELS, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.offload_buffers import PINNINGS
 from llm_train.planning.search import (
@@ -39,6 +40,7 @@ from llm_train.planning.search import (
 from llm_train.planning.shapes import shape_from_config
 from llm_train.planning.speed import reference_pass_seconds, staged_load
 from llm_train.planning.vision_note import vision_note
+from llm_train.units import GiB
 
 # --- the report -------------------------------------------------------------------------------------
 

@@ -483,7 +483,8 @@ def finish(
 def verify_final(final: Path, sample_prompt: str | None, say: Say) -> None:
     """Check final/ the way a user loads it, after the world is gone; print a sample."""
     if is_adapter_export(final):  # lora.export=adapter: PEFT files, no full model to load or sample
-        say(f"exported a LoRA adapter ({verify_adapter_export(final)} tensors) to {final}")
+        count, dtype = verify_adapter_export(final)
+        say(f"exported a LoRA adapter ({count} tensors, {dtype}) to {final}")
         return
     # The engine recorded the trained model's logits on a fixed batch next to final/ (engine.export).
     report = verify_export(final, read_reference(final))

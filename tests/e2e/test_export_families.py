@@ -15,12 +15,11 @@ each layer), and the check's bf16 tolerance must hold across that.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_ok, launch, losses, run_cmd, train_py
+from tests.helpers import assert_ok, launch, losses, train_py
 
 pytestmark = pytest.mark.e2e
 
@@ -105,9 +104,11 @@ def test_gpt_neox_in_bf16_on_two_zero3_ranks_exports_verified_against_the_traine
 
     # `llm-train export` of the same run's ZeRO-3 checkpoint passes the same check (bf16 weights
     # from the fp32 master copy, compared with the checkpoint's fp32 logits).
+    # In this process: the installed script is launched once, in test_resume.py's test_export_round_trip.
+    from llm_train.cli import main
+
     out = tmp_path / "exported"
-    exported = run_cmd([str(Path(sys.executable).with_name("llm-train")), "export", str(run_dir), str(out)])
-    assert_ok(exported)
+    assert main(["export", str(run_dir), str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt_neox"
     check = json.loads((out / "export_check.json").read_text())
     assert check["max_logit_diff"] <= check["tolerance"]

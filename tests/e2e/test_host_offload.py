@@ -24,11 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
 from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.shapes import shape_from_config
+from tests.devices import CPU
 from tests.e2e.reference import STEPS, run_args
 from tests.helpers import (
     assert_ok,
@@ -43,7 +43,6 @@ from tests.optional import needs
 
 pytestmark = pytest.mark.e2e
 
-CPU = Device("cpu", "cpu", True)
 NPROC = 2
 
 

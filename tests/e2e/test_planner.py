@@ -20,19 +20,27 @@ pytestmark = pytest.mark.e2e
 
 def test_auto_trains_on_cpu(tmp_path: Path) -> None:
     """`--recipe auto --train`: plan, write the recipe into the output dir, train it (one CPU process)."""
-    build = (
-        "import sys, torch\n"
-        "from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM\n"
-        "torch.manual_seed(0)\n"
-        "cfg = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
-        "    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, bos_token_id=1,\n"
-        "    eos_token_id=2, pad_token_id=0)\n"
-        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n"
-        "AutoTokenizer.from_pretrained('llm_train/assets/tiny/tokenizer').save_pretrained(sys.argv[1])\n"
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    # The model the planner reads is built here (a fresh interpreter for it only imported torch again).
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
-    env = {**os.environ, **OFFLINE_ENV}
     model = tmp_path / "model"
-    subprocess.run([sys.executable, "-c", build, str(model)], cwd=REPO, env=env, check=True, timeout=300)
+    LlamaForCausalLM(config).save_pretrained(model)
+    AutoTokenizer.from_pretrained(REPO / "llm_train/assets/tiny/tokenizer").save_pretrained(model)
+    env = {**os.environ, **OFFLINE_ENV}
     out = tmp_path / "auto"
     cmd = [
         sys.executable,

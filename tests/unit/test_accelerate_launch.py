@@ -16,9 +16,9 @@ from llm_train import cli
 from llm_train.commands import train as train_command
 from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
-from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.base import launch_env
+from tests.devices import resolve
 from tests.helpers import TRAIN, wizard_config
 
 
@@ -124,8 +124,34 @@ def test_llm_train_train_launches_the_configs_processes(
     assert "--mixed_precision" not in cmd  # the config's own value stands
 
 
-def _run(ds: str | None = None):
-    return resolve_run("tiny-cpu", [], world_size=2, ds_config_path=ds)
+@pytest.mark.parametrize(
+    ("compile_", "says"),
+    [
+        ("off", "dynamo_backend INDUCTOR -> NO (memory.torch_compile=off)"),
+        ("layers", "dynamo_backend INDUCTOR = INDUCTOR (memory.torch_compile=layers)"),
+    ],
+)
+def test_a_configs_torch_compile_is_named_in_the_notice_against_the_recipes_switch(
+    tmp_path: Path, compile_: str, says: str
+) -> None:
+    # The wizard's answer to "Do you wish to optimize your script with torch dynamo?": a dynamo_config.
+    config = wizard_config(
+        tmp_path / "c.yaml",
+        "MULTI_CPU",
+        2,
+        dynamo_config={"dynamo_backend": "INDUCTOR", "dynamo_mode": "default"},
+    )
+    launch = _read(config)
+    assert launch.values == {"dynamo_backend": "INDUCTOR", "mixed_precision": "no"}
+    notice = accelerate_launch.reconcile(
+        launch, resolve(overrides=[f"memory.torch_compile={compile_}"]), None
+    )
+    assert (
+        notice is not None
+        and f"accelerate config {config}: mixed_precision no = fp32 (precision), {says}" in notice
+    )
+    plain = _read(wizard_config(tmp_path / "plain.yaml", "MULTI_CPU", 2))
+    assert "dynamo_backend" not in plain.values  # no dynamo_config: nothing said
 
 
 def test_deepspeed_config_file_stands_for_ds_config_unless_one_is_given() -> None:
@@ -135,12 +161,12 @@ def test_deepspeed_config_file_stands_for_ds_config_unless_one_is_given() -> Non
     assert accelerate_launch.ds_config(launch, None) == "zero2"
     assert accelerate_launch.ds_config(launch, "zero1") == "zero1"
     assert accelerate_launch.ds_config(None, None) is None
-    notice = accelerate_launch.reconcile(launch, _run("zero1"), "zero1")
+    notice = accelerate_launch.reconcile(launch, resolve(device=None, ds="zero1"), "zero1")
     assert (
         notice is not None
         and "accelerate config c.yaml: deepspeed_config_file zero2 -> --ds-config zero1" in notice
     )
-    notice = accelerate_launch.reconcile(launch, _run("zero2"), None)
+    notice = accelerate_launch.reconcile(launch, resolve(device=None, ds="zero2"), None)
     assert notice is not None and "deepspeed_config_file zero2 = the run's DeepSpeed JSON" in notice
 
 
@@ -153,7 +179,7 @@ def test_the_notice_says_what_won_for_every_field_in_the_recipes_terms() -> None
         "mixed_precision": "no",
     }
     launch = AccelerateLaunch("DEEPSPEED", values, dict.fromkeys(values, "accelerate config c.yaml"))
-    notice = accelerate_launch.reconcile(launch, _run(), None)
+    notice = accelerate_launch.reconcile(launch, resolve(device=None), None)
     assert notice is not None
     # tiny-cpu: zero3.json without offload, grad_accum 1, grad_clip 1.0, fp32.
     for part in (
@@ -165,7 +191,7 @@ def test_the_notice_says_what_won_for_every_field_in_the_recipes_terms() -> None
     ):
         assert part in notice, notice
     assert notice.count("accelerate config c.yaml") == 1  # grouped by origin: one line, said once
-    assert accelerate_launch.reconcile(None, _run(), None) is None
+    assert accelerate_launch.reconcile(None, resolve(device=None), None) is None
 
 
 def test_workers_never_see_accelerates_copy_of_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,6 +202,8 @@ def test_workers_never_see_accelerates_copy_of_the_settings(monkeypatch: pytest.
         "ACCELERATE_DEEPSPEED_CONFIG_FILE",
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
         "ACCELERATE_MIXED_PRECISION",
+        "ACCELERATE_DYNAMO_BACKEND",
+        "ACCELERATE_DYNAMO_MODE",
     ):
         monkeypatch.setenv(key, "1")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # restored after the test

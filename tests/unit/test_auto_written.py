@@ -15,7 +15,8 @@ import pytest
 from llm_train import cli
 from llm_train.config.hardware import hardware_for
 from llm_train.errors import UserError
-from llm_train.planning.auto import auto_recipe_yaml, check_written, choose_auto, written_evaluation
+from llm_train.planning.auto import choose_auto
+from llm_train.planning.auto_written import auto_recipe_yaml, check_written, written_evaluation
 
 # Where each kind wins with no override (checked by the first test): 8B on 2 x H100 with 512 GiB trains every
 # weight, on one RTX 4090 with 128 GiB 16-bit LoRA, and on an RTX 3060 with 16 GiB of host RAM only a 4-bit
@@ -170,6 +171,17 @@ def test_the_global_batch_splits_over_the_layouts_data_parallel_ranks(
         (["--seq-len", "0"], "--seq-len 0: give the tokens per sequence (>= 1)"),
         (["--global-batch", "0"], "--global-batch 0: give the sequences per optimizer step (>= 1)"),
         (["--host-ram", "0"], "--host-ram 0: give the memory in GiB (> 0)"),
+        # float() takes nan and inf: each is refused like 0, not a ValueError or OverflowError traceback.
+        (["--host-ram", "nan"], "--host-ram nan: give the memory in GiB (> 0)"),
+        (["--host-ram", "inf"], "--host-ram inf: give the memory in GiB (> 0)"),
+        (["--gpu-mem", "inf"], "--gpu-mem inf: give the memory in GiB (> 0)"),
+        (["--nvme-gib", "nan"], "--nvme-gib nan: give the free NVMe space in GiB (> 0)"),
+        (["--nvme-read-gbs", "inf"], "--nvme-read-gbs inf: give the drive's speed in GB/s (> 0)"),
+        # A flag and an override of the same key that disagree: neither is silently dropped.
+        (
+            ["--seq-len", "2048", "data.seq_len=4096"],
+            "--seq-len 2048 and data.seq_len=4096 disagree; give the sequence length once",
+        ),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(
@@ -235,10 +247,10 @@ def test_a_full_fine_tune_preferred_over_faster_adapters_says_what_it_costs(
 
 
 def test_the_planners_lora_defaults_are_the_recipe_schemas() -> None:
-    # A default moved in config/recipe.py moves in the planner too; a copy kept in planning/ would fail here.
+    # A default moved in config/recipe_sections.py moves in the planner too; a copy kept in planning/ would fail here.
     from llm_train.config.recipe_sections import LoraSection
     from llm_train.planning import candidate, shapes
-    from llm_train.planning.auto import suggested_lora
+    from llm_train.planning.auto_base import suggested_lora
     from llm_train.planning.memory_inputs import MemoryInputs
 
     schema = LoraSection()
@@ -248,3 +260,17 @@ def test_the_planners_lora_defaults_are_the_recipe_schemas() -> None:
     assert (
         LoraSection(**suggested_lora()) == schema
     )  # auto writes the schema's section, target modules included
+
+
+def test_a_flag_and_an_override_that_agree_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "meta-llama/Llama-3.2-1B", "--gpu", "H100", "--seq-len", "1024", "data.seq_len=1024"]
+    code, out = _plan(capsys, *argv)
+    assert code == 0 and ", seq 1024, " in out, out[-2000:]
+
+
+def test_an_int8_base_is_said_to_load_in_8_bits() -> None:
+    hw = hardware_for(1, "RTX-4090", None, 64, None, detect=False)
+    why = choose_auto("meta-llama/Llama-3.1-8B", hw, overrides=["lora.quantize=int8"]).reasons
+    (line,) = [r for r in why if r.startswith("the frozen base loads in")]
+    assert line.startswith("the frozen base loads in 8 bits (QLoRA, lora.quantize=int8;"), line
+    assert "4 bits" not in " ".join(why)

@@ -15,31 +15,25 @@ import pytest
 import torch
 
 from llm_train import train
-from llm_train.config.hardware import Device
 from llm_train.config.layout import state_dtype_problem
 from llm_train.config.recipe_sections import OptimSection
-from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.model.optim import build_optimizer
+from tests.devices import resolve
 
-CPU = Device("cpu", "cpu", True)
 BF16_STATES = ["precision=bf16", "optim.state_dtype=bf16"]
-
-
-def _resolve(overrides: list[str], ds: str = "zero2_offload", recipe: str = "tiny-cpu"):
-    return resolve_run(recipe, overrides, world_size=2, device=CPU, ds_config_path=ds)
 
 
 @pytest.mark.parametrize("ds", ["zero2_offload", "zero3_offload", "zero3_offload_optimizer"])
 def test_bf16_states_turn_on_both_deepspeed_switches_and_keep_our_cpu_adam(ds: str) -> None:
-    run = _resolve(BF16_STATES, ds)
+    run = resolve("tiny-cpu", BF16_STATES, ds=ds)
     bf16 = run.ds_config["bf16"]
     assert bf16 == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert run.ds_config["zero_force_ds_cpu_optimizer"] is False  # our CPU Adam, built with bf16 moments
 
 
 def test_fp32_states_leave_the_deepspeed_json_as_it_was() -> None:
-    bf16 = _resolve(["precision=bf16"])
+    bf16 = resolve("tiny-cpu", ["precision=bf16"], ds="zero2_offload")
     assert bf16.recipe.optim.state_dtype == "fp32"  # the default
     assert bf16.ds_config["bf16"] == {"enabled": True}
 
@@ -52,11 +46,14 @@ def test_a_json_that_contradicts_state_dtype_names_the_recipe_key(tmp_path: Path
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(config))
     with pytest.raises(UserError, match=r"bf16\.bf16_optimizer_states=true contradicts optim\.state_dtype"):
-        _resolve(["precision=bf16"], str(path))
+        resolve("tiny-cpu", ["precision=bf16"], ds=str(path))
     config["bf16"]["bf16_master_weights_and_grads"] = "auto"  # "auto" is filled from the recipe
     config["bf16"]["bf16_optimizer_states"] = "auto"
     path.write_text(json.dumps(config))
-    assert _resolve(BF16_STATES, str(path)).ds_config["bf16"]["bf16_master_weights_and_grads"] is True
+    assert (
+        resolve("tiny-cpu", BF16_STATES, ds=str(path)).ds_config["bf16"]["bf16_master_weights_and_grads"]
+        is True
+    )
 
 
 def _zero1_offload(tmp_path: Path) -> str:
@@ -88,7 +85,7 @@ def test_combinations_deepspeed_would_assert_on_are_one_line_naming_state_dtype(
     overrides: list[str], ds: str, message: str
 ) -> None:
     with pytest.raises(UserError) as caught:
-        _resolve(overrides, ds)
+        resolve("tiny-cpu", overrides, ds=ds)
     text = str(caught.value)
     assert "\n" not in text and text.startswith("optim.state_dtype=bf16 ") and message in text, text
     assert "optim.state_dtype=fp32" in text  # the way out is always named
@@ -98,7 +95,7 @@ def test_pipeline_parallel_with_bf16_states_is_refused(tmp_path: Path) -> None:
     with pytest.raises(
         UserError, match=r"optim.state_dtype=bf16 is not supported with deepspeed.pipeline_stages=2"
     ):
-        _resolve(BF16_STATES, _zero1_offload(tmp_path), recipe="tiny-cpu-pp2")
+        resolve("tiny-cpu-pp2", BF16_STATES, ds=_zero1_offload(tmp_path))
 
 
 def test_the_rule_itself_lists_what_deepspeed_accepts() -> None:

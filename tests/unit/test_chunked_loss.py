@@ -23,9 +23,9 @@ import torch
 from llm_train.config.objective_sections import PreferenceSection
 from llm_train.config.recipe_sections import LoraSection, MemorySection
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
-from llm_train.runtime.engines.pipeline_model import ChunkedCausalLMLoss, causal_lm_loss
+from llm_train.planning.memory_formulas import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 from llm_train.runtime.loss.chunked import enable_tiled_loss
+from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, causal_lm_loss
 from llm_train.runtime.loss.preference import Preference, reference_forward, sequence_logps
 from llm_train.runtime.model.model import build_model
 from tests.unit.test_tiling import (

@@ -154,7 +154,7 @@ def test_doctor_warns_about_each_library_outside_its_window_and_nothing_inside(
     assert [p.split()[0] for p, _ in warned] == ["accelerate", "lm-eval"]
 
 
-INTERNAL_LIBRARIES = ("transformers", "accelerate", "peft", "bitsandbytes")
+INTERNAL_LIBRARIES = ("transformers", "accelerate", "peft", "bitsandbytes", "deepspeed", "lm_eval")
 
 
 def _is_module(dotted: str) -> bool:
@@ -187,7 +187,8 @@ def _internal_names_imported() -> dict[str, str]:
 
 
 def test_every_library_internal_llm_train_imports_is_listed() -> None:
-    """A name from inside transformers/accelerate/peft/bitsandbytes is used only where compat.INTERNALS lists it."""
+    """A name from inside transformers/accelerate/peft/bitsandbytes/DeepSpeed/lm-eval is used only where
+    compat.INTERNALS lists it."""
     imported = _internal_names_imported()
     listed_modules = {key.split(":")[0] for key in compat.INTERNALS}
     unlisted = {
@@ -200,6 +201,7 @@ def test_every_library_internal_llm_train_imports_is_listed() -> None:
     assert "accelerate.commands.launch:_validate_launch_command" in imported
     assert "transformers.loss.loss_utils:LOSS_MAPPING" in imported
     assert "transformers.masking_utils:*" in imported
+    assert "deepspeed.utils.groups:*" in imported and "lm_eval.tasks:TaskManager" in imported
 
 
 def test_every_listed_internal_exists_in_the_installed_libraries() -> None:

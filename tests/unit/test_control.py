@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from llm_train.runtime.checkpointing.control import EXIT_PREEMPTED, RunControl
+from llm_train.errors import EXIT_PREEMPTED
+from llm_train.runtime.checkpointing.control import RunControl
 
 
 class Exits:

@@ -40,6 +40,14 @@ def test_no_gpu_is_a_warning_with_a_fix_not_a_crash() -> None:
     gpus = dict(report.sections["GPUs"])
     assert gpus["CUDA GPUs"] == "none visible to torch"
     assert any("llm-train plan" in fix for _, fix in report.warnings)
+    # The CPU recipes it names are the shipped ones written for a CPU, read from recipes/ (a list kept by hand
+    # named two of the nine).
+    from llm_train import RECIPES_DIR
+
+    shipped = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if "\n  device: cpu" in p.read_text())
+    assert len(shipped) >= 9 and doctor.cpu_recipes() == shipped
+    (line,) = [problem for problem, _ in report.warnings if problem.startswith("no CUDA GPU")]
+    assert line == f"no CUDA GPU: only CPU recipes ({', '.join(shipped)}) train here"
 
 
 def test_cpu_adam_failure_is_one_line_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

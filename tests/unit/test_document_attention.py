@@ -24,10 +24,12 @@ from llm_train.data import prepare_data
 from llm_train.data.model_inputs import IGNORE, build_rows
 from llm_train.errors import UserError
 from llm_train.planning.candidate import memory_inputs
-from llm_train.planning.memory_estimate import GiB, estimate_memory
+from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_of
 from llm_train.runtime.model import document_attention as sdpa_flex
+from llm_train.units import GiB
+from tests.devices import H100, H200, RTX_4090, RTX_4090_UNREAD
 from tests.helpers import tiny_llama_config
 from tests.unit.data_fixtures import data_section, get_tokenizer, text_rows, write_jsonl
 
@@ -148,10 +150,6 @@ def test_sdpa_flex_sends_unpacked_rows_to_sdpa_is_causal_and_packed_rows_to_flex
 HAVE_ALL = Installed(flash_attn=True, torch_version=(2, 11))
 NO_FLASH = Installed(flash_attn=False, torch_version=(2, 11))
 OLD_TORCH = Installed(flash_attn=False, torch_version=(2, 4))
-# Cards as torch reports them (shared_memory_per_block_optin, bytes).
-H100 = Device("cuda", "NVIDIA H100 80GB HBM3", True, (9, 0), 232448)
-RTX_4090 = Device("cuda", "NVIDIA GeForce RTX 4090", True, (8, 9), 101376)
-H200 = Device("cuda", "NVIDIA H200", True, (9, 0), 232448)  # the GPU machine
 
 
 @pytest.mark.parametrize(
@@ -213,10 +211,12 @@ def test_the_dry_run_of_a_4090_recipe_says_sdpa_and_why_and_the_planner_counts_i
     # 8b-32k-rtx4090 packs 32k-token rows of Llama-3.1-8B (head_dim 128) on an RTX 4090, without flash-attn.
     if Installed.here().flash_attn:
         pytest.skip("flash-attn is installed here: auto takes it")
-    card = Device("cuda", "RTX 4090", True, (8, 9))
-    run = resolve_run("8b-32k-rtx4090", [], world_size=1, device=card)
+    run = resolve_run("8b-32k-rtx4090", [], world_size=1, device=RTX_4090_UNREAD)
     assert run.recipe.memory.attention == "sdpa"
-    assert "at head_dim 128 needs 128 KiB of shared memory per block, RTX 4090 has 99 KiB" in run.attention
+    assert (
+        "at head_dim 128 needs 128 KiB of shared memory per block, NVIDIA GeForce RTX 4090 has 99 KiB"
+        in run.attention
+    )
     h100 = resolve_run("8b-32k-rtx4090", [], world_size=1, device=H100)
     assert h100.recipe.memory.attention == "sdpa_flex"
     # The planner estimates the kernel the run will use: the dense mask sdpa gets for packed rows.

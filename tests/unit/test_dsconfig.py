@@ -10,9 +10,9 @@ import pytest
 
 from llm_train import DS_CONFIGS_DIR
 from llm_train.config.ds_json import RecipeValues, fill_autos, load_ds_config, offload_device
-from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
+from tests.devices import CPU
 
 VALUES = RecipeValues(
     micro_batch_size=4,
@@ -122,18 +122,16 @@ def test_missing_and_unparsable_files(tmp_path: Path) -> None:
 
 
 def test_recipe_precision_and_json_precision_agree() -> None:
-    run = resolve_run("tiny-cpu", ["precision=auto"], world_size=2, device=Device("cpu", "cpu", True))
+    run = resolve_run("tiny-cpu", ["precision=auto"], world_size=2, device=CPU)
     assert run.layout.precision == "fp32" and run.ds_config["bf16"]["enabled"] is False
-    run = resolve_run("tiny-cpu", ["precision=bf16"], world_size=2, device=Device("cpu", "cpu", True))
+    run = resolve_run("tiny-cpu", ["precision=bf16"], world_size=2, device=CPU)
     assert run.layout.precision == "bf16" and run.ds_config["bf16"]["enabled"] is True
 
 
 @pytest.mark.parametrize("ds", ["zero2_offload", "zero3_offload", "zero3_offload_optimizer"])
 def test_our_cpu_adam_is_not_swapped_for_accelerates_copy(ds: str) -> None:
     """Accelerate's copy keeps only lr and weight_decay (Adam+L2, betas 0.9/0.999) and orphans the LR schedule."""
-    run = resolve_run("tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True), ds_config_path=ds)
+    run = resolve_run("tiny-cpu", [], world_size=2, device=CPU, ds_config_path=ds)
     assert run.ds_config["zero_force_ds_cpu_optimizer"] is False
-    plain = resolve_run(
-        "tiny-cpu", [], world_size=2, device=Device("cpu", "cpu", True), ds_config_path="zero2"
-    )
+    plain = resolve_run("tiny-cpu", [], world_size=2, device=CPU, ds_config_path="zero2")
     assert "zero_force_ds_cpu_optimizer" not in plain.ds_config

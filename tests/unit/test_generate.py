@@ -8,6 +8,10 @@ same model and token ids. Run directories and checkpoints: tests/e2e/test_eval.p
 from __future__ import annotations
 
 import io
+import json
+import math
+import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -199,6 +203,30 @@ def test_a_model_larger_than_the_free_host_ram_is_refused_before_it_loads(
         "--dtype bf16" in line
         and "--quantize nf4" in line
         and "or a machine with at least 1 GiB free" in line
+    )
+
+
+def test_a_model_larger_than_the_physical_ram_is_the_same_one_line(
+    pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import psutil
+
+    # A weights file twice this host's physical memory, sparse (a header and a hole: no disk used). Mapping
+    # it whole fails ("unable to mmap"), so the size must come from its header, as for a smaller model.
+    model = tmp_path / "huge"
+    shutil.copytree(pretrained, model)
+    weights = 2 * psutil.virtual_memory().total // 4  # fp32 elements
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [weights], "data_offsets": [0, weights * 4]}}
+    ).encode()
+    with (model / "model.safetensors").open("wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.truncate(8 + len(header) + weights * 4)
+    line = _refused(["generate", str(model), "--prompt", PROMPT], capsys)
+    assert f"{model}: its weights take {weights * 4 / 2**30:.1f} GiB of host RAM in float32 to load" in line
+    assert (
+        "--quantize nf4" in line
+        and f"a machine with at least {math.ceil(weights * 4 / 2**30)} GiB free" in line
     )
 
 

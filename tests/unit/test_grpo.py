@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from llm_train.config.hardware import Device
 from llm_train.config.objective_sections import GrpoSection, parse_reward
 from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import DataSection
@@ -36,9 +35,9 @@ from llm_train.runtime.rl.grpo import (
 )
 from llm_train.runtime.rl.rewards import load_rewards
 from llm_train.runtime.session import sample_log
+from tests.devices import CPU
 from tests.helpers import REPO
 
-CPU = Device("cpu", None, False)
 PROMPTS = REPO / "llm_train" / "assets" / "tiny" / "prompts.jsonl"
 
 

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.config.hardware import Device
 from llm_train.config.recipe_sections import FREEZE_DEFAULT, ModelSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.model.lora import apply_lora
 from llm_train.runtime.model.parts import QUANTIZATION_KEEP, freeze, linear_paths, part_of, parts
+from tests.devices import CPU
 from tests.helpers import REPO
 from tests.image_text_models import family_configs
 from tests.optional import import_or_skip
 
-CPU = Device(kind="cpu", name="cpu", bf16=True)
 TOKENIZER = REPO / "llm_train" / "assets" / "tiny" / "tokenizer"
 
 

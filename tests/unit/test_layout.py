@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from llm_train.config.hardware import Device
 from llm_train.config.layout import choose_precision
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-
-T4 = Device(kind="cuda", name="Tesla T4", bf16=False, compute_capability=(7, 5))
-H100 = Device(kind="cuda", name="H100", bf16=True, compute_capability=(9, 0))
-CPU = Device(kind="cpu", name="cpu", bf16=True)
+from tests.devices import CPU, H100, T4
 
 
 def test_auto_precision() -> None:

@@ -15,10 +15,9 @@ from llm_train.config.recipe import load_recipe
 from llm_train.planning.auto import choose_auto
 from llm_train.planning.candidate import evaluate
 from llm_train.planning.long_context import SEQ_STEP, best_fit, long_context_table, render_table
-from llm_train.planning.memory_estimate import (
+from llm_train.planning.memory_estimate import estimate_memory
+from llm_train.planning.memory_formulas import (
     LOSS_CHUNK_LOGITS_BYTES,
-    GiB,
-    estimate_memory,
     logits_bytes,
     loss_chunks,
     mlp_intermediate_bytes_per_token,
@@ -28,6 +27,7 @@ from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.shapes import shape_of
 from llm_train.planning.speed import step_time
 from llm_train.planning.verdict import plan_recipe
+from llm_train.units import GiB
 
 LLAMA31_8B = shape_of("meta-llama/Llama-3.1-8B")  # h=4096, L=32, 32 heads, 8 KV heads, V=128256, i=14336
 H, L, V, INTER = 4096, 32, 128256, 14336

@@ -75,5 +75,9 @@ def test_unknown_target_module_is_one_line() -> None:
 def test_verify_adapter_export(tmp_path: Path) -> None:
     model = apply_lora(tiny_model(), LoraSection(rank=4))
     model.save_pretrained(tmp_path)
-    assert verify_adapter_export(tmp_path) == 2 * 7 * TINY["num_hidden_layers"]
-    assert json.loads((tmp_path / "export_check.json").read_text())["adapter"] is True
+    # The dtype read back from the file: what the adapter was written in (fp32 here; a bf16 run's is bf16).
+    assert verify_adapter_export(tmp_path) == (2 * 7 * TINY["num_hidden_layers"], "fp32")
+    check = json.loads((tmp_path / "export_check.json").read_text())
+    assert check["adapter"] is True and check["dtype"] == "fp32"
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert verify_adapter_export(tmp_path / "bf16")[1] == "bf16"

@@ -1,6 +1,6 @@
 """One source of truth for what the planner and the run share: the recipe schema's LoraSection (the adapters
 the planner proposes and the run trains) and MemorySection (the memory switches). Every planner default is
-read from them, so changing a default in config/recipe.py changes what the planner estimates and what auto
+read from them, so changing a default in config/recipe_sections.py changes what the planner estimates and what auto
 writes; a copy that kept the old value fails here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import LoraSection, MemorySection
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.auto import suggested_lora
+from llm_train.planning.auto_base import suggested_lora
 from llm_train.planning.candidate import SUGGESTED_LORA_DROPOUT, SUGGESTED_LORA_RANK, memory_inputs
 from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import LORA_TARGETS, shape_of

@@ -13,18 +13,17 @@ from pathlib import Path
 import pytest
 
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import (
+from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
+from llm_train.planning.memory_formulas import (
     CUDA_CONTEXT_BYTES,
     NORM_UPCAST_BYTES_PER_HIDDEN,
-    GiB,
-    MemoryEstimate,
     activation_bytes_per_layer,
-    estimate_memory,
     logits_bytes,
     mlp_intermediate_bytes_per_token,
 )
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.shapes import ModelShape, shape_of
+from llm_train.units import GiB
 from tests.unit.planner_reference import (
     deepspeed_zero2_model_states,
     deepspeed_zero3_model_states,

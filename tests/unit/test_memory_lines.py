@@ -27,11 +27,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from llm_train.planning.memory_estimate import (
+from llm_train.planning.memory_estimate import activation_bytes, logits_and_loss_bytes
+from llm_train.planning.memory_formulas import (
     DENSE_LOSS_BYTES_PER_LOGIT,
     LOSS_CHUNK_LOGITS_BYTES,
-    activation_bytes,
-    logits_and_loss_bytes,
     loss_chunks,
 )
 from llm_train.planning.memory_inputs import MemoryInputs
@@ -126,7 +125,7 @@ def test_the_loss_line_is_what_the_loss_allocates(precision: str, chunked: bool,
 def test_the_activation_line_is_what_a_training_step_keeps(precision: str, checkpointing: bool) -> None:
     model = llama(precision, vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=4)
     if checkpointing:  # as runtime/model/model.py sets it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     input_ids = torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(0))
     measured = measured_step(model, input_ids)
     inputs = planner_inputs(model, precision, 2, 512, activation_checkpointing=checkpointing)
@@ -146,7 +145,7 @@ def test_the_activation_line_of_lora_is_what_a_training_step_keeps(
 
     base = llama("bf16", vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=4)
     if checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(0)
     model = apply_lora(base, LoraSection(rank=8, alpha=16, dropout=dropout)).to(torch.bfloat16).train()
     input_ids = torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(0))

@@ -58,3 +58,15 @@ def test_a_reward_model_starts_from_a_pretrained_causal_lms_body(tmp_path: Path)
     body, loaded = dict(lm.model.named_parameters()), dict(model.model.named_parameters())
     assert body.keys() == loaded.keys() and all(torch.equal(body[k], loaded[k]) for k in body)
     assert model.score.weight.shape == (1, lm.config.hidden_size)
+
+
+def test_activation_checkpointing_is_switched_on_by_the_name_transformers_keeps() -> None:
+    import warnings
+
+    recipe = load_recipe("tiny-cpu", ["memory.activation_checkpointing=true"])
+    with warnings.catch_warnings():
+        # transformers 5.25: gradient_checkpointing_enable is a deprecated alias (a FutureWarning), gone in v6.
+        warnings.filterwarnings("error", message=".*gradient_checkpointing_enable.*")
+        model = build_model(recipe.model, recipe.memory, "fp32", 7)
+    layers = model.model.layers  # type: ignore[union-attr]
+    assert all(layer.gradient_checkpointing for layer in layers) and not model.config.use_cache

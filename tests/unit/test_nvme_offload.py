@@ -23,16 +23,15 @@ from llm_train.commands import doctor
 from llm_train.config import resolution
 from llm_train.config.ds_json import fill_autos as resolve_ds
 from llm_train.config.ds_json import load_ds_config, nvme_paths
-from llm_train.config.hardware import Device
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.planning import guards
 from llm_train.planning.guards import check_nvme_path, memory_estimate, nvme_problems
+from tests.devices import CPU, resolve
 from tests.optional import require
 from tests.unit.test_dsconfig import VALUES
 
-CPU = Device("cpu", "cpu", True)
 REPO = Path(__file__).resolve().parents[2]
 NVME = ["deepspeed.config=zero3_offload_nvme"]
 SECTIONS = ("offload_optimizer", "offload_param")
@@ -40,9 +39,7 @@ SECTIONS = ("offload_optimizer", "offload_param")
 
 def _run(nvme_dir: Path | str, *extra: str) -> resolution.Resolved:
     """tiny-cpu on the shipped NVMe config (two processes, one node), offloading to `nvme_dir`."""
-    return resolve_run(
-        "tiny-cpu", [*NVME, f"deepspeed.nvme_path={nvme_dir}", *extra], world_size=2, device=CPU
-    )
+    return resolve("tiny-cpu", [*NVME, f"deepspeed.nvme_path={nvme_dir}", *extra])
 
 
 def _one_line_error(run: resolution.Resolved) -> str:

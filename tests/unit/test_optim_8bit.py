@@ -16,21 +16,20 @@ import torch
 from transformers import LlamaForCausalLM
 
 from llm_train import train
-from llm_train.config.hardware import Device
 from llm_train.config.layout import optimizer_problem
 from llm_train.config.recipe_sections import OptimSection
-from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import EIGHT_BIT_STATE_BYTES, estimate_memory
+from llm_train.planning.memory_estimate import estimate_memory
+from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.shapes import shape_of
 from llm_train.runtime.model.optim import build_optimizer
+from tests.devices import resolve
 from tests.helpers import tiny_llama_config
 from tests.optional import import_or_skip
 
 bnb = import_or_skip("bitsandbytes")
 
-CPU = Device("cpu", "cpu", True)
 STEPS = 25
 # The 8-bit curve's largest distance from the 32-bit one over STEPS steps of the tiny model below:
 # observed 6.8e-4 (on a loss going 5.57 -> 4.3; 2.8e-4 over 40 steps of a 4x larger model); 0.01 is
@@ -97,15 +96,11 @@ def test_the_paged_optimizer_steps_as_the_unpaged_one_on_cpu(curves: dict) -> No
     assert curves["paged_adamw_8bit"][0] == curves["adamw_8bit"][0]
 
 
-def _resolve(overrides: list[str], ds: str = "zero2") -> object:
-    return resolve_run("tiny-cpu", overrides, world_size=2, device=CPU, ds_config_path=ds)
-
-
 @pytest.mark.parametrize("ds", ["zero1", "zero2"])
 def test_under_zero_deepspeed_is_told_the_optimizer_is_allowed(ds: str) -> None:
-    run = _resolve(["optim.name=adamw_8bit"], ds)
+    run = resolve("tiny-cpu", ["optim.name=adamw_8bit"], ds=ds)
     assert run.ds_config["zero_allow_untested_optimizer"] is True  # type: ignore[attr-defined]
-    assert "zero_allow_untested_optimizer" not in _resolve([], ds).ds_config  # type: ignore[attr-defined]
+    assert "zero_allow_untested_optimizer" not in resolve("tiny-cpu", [], ds=ds).ds_config  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -118,7 +113,7 @@ def test_under_zero_deepspeed_is_told_the_optimizer_is_allowed(ds: str) -> None:
 )
 def test_where_it_cannot_run_it_is_one_line_naming_optim_name(ds: str, message: str) -> None:
     with pytest.raises(UserError) as caught:
-        _resolve(["optim.name=paged_adamw_8bit"], ds)
+        resolve("tiny-cpu", ["optim.name=paged_adamw_8bit"], ds=ds)
     text = str(caught.value)
     assert "\n" not in text and text.startswith("optim.name=paged_adamw_8bit ") and message in text, text
     assert "optim.name=adamw" in text
@@ -130,7 +125,7 @@ def test_a_ds_json_with_its_own_optimizer_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "with_optimizer.json"
     path.write_text(json.dumps(config))
     with pytest.raises(UserError, match=r"^optim.name=adamw_8bit: .* has its own \"optimizer\" section"):
-        _resolve(["optim.name=adamw_8bit"], str(path))
+        resolve("tiny-cpu", ["optim.name=adamw_8bit"], ds=str(path))
 
 
 def test_the_rule_and_the_planner_agree() -> None:

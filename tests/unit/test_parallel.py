@@ -7,12 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-
-CPU = Device(kind="cpu", name="cpu", bf16=True)
-H100 = Device(kind="cuda", name="H100", bf16=True, compute_capability=(9, 0))
+from tests.devices import CPU, H100
 
 
 def _ds(tmp_path: Path, stage: int, tp: int = 1) -> str:

@@ -11,26 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.config.hardware import Device
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.planning import pinning
 from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.guards import auto_pinning, check_memlock
-from llm_train.planning.memory_estimate import GiB, estimate_memory
+from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.pinning import MemlockLimit, has_cap_ipc_lock
 from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime.base.launch_env import PIN_BACKEND_ENV, use_pin_memory_backend
+from llm_train.units import GiB
+from tests.devices import RTX_4090, resolve
 from tests.optional import require
 from tests.unit.offload_arithmetic import EMBED_8B, PSI_7B, SUB_GROUPS_7B, zero3_cpu_offload_host
 
-CUDA = Device("cuda", "RTX 4090", True, (8, 9))
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(*overrides: str) -> object:
-    return resolve_run("7b-rtx4090", list(overrides), world_size=1, device=CUDA)
 
 
 def _inputs(run: object) -> object:
@@ -60,7 +56,7 @@ def test_an_unknown_choice_is_one_line_naming_the_key() -> None:
 
 def test_each_choice_reaches_the_planner_per_section() -> None:
     for choice, expected in (("torch", "torch"), ("native", "native"), ("off", "off"), ("auto", "native")):
-        inp = _inputs(_run(f"deepspeed.pinning={choice}"))
+        inp = _inputs(resolve("7b-rtx4090", [f"deepspeed.pinning={choice}"], world_size=1, device=RTX_4090))
         assert inp.pinning == expected, choice  # type: ignore[attr-defined]
     # DeepSpeed's CPU accelerator pins nothing through torch; native pinning mlocks on any device.
     cpu = resolve_run("tiny-cpu", [], world_size=2, ds_config_path="zero3_offload")
@@ -96,7 +92,7 @@ def test_capability_is_read_from_the_status_file(tmp_path: Path) -> None:
 
 
 def test_native_pinning_past_the_limit_is_refused_in_one_line_with_the_fix() -> None:
-    run = _run("deepspeed.pinning=native")
+    run = resolve("7b-rtx4090", ["deepspeed.pinning=native"], world_size=1, device=RTX_4090)
     locked = estimate_memory(_inputs(run)).locked_per_rank
     # Native pinning mlocks exactly the fp32 gradient of every sub-group and the flat bf16 gradients.
     assert locked == zero3_cpu_offload_host(PSI_7B, SUB_GROUPS_7B, "native")["locked"] == 6 * PSI_7B
@@ -114,7 +110,7 @@ def test_native_pinning_past_the_limit_is_refused_in_one_line_with_the_fix() -> 
 
 
 def test_nvme_swap_buffers_are_locked_even_unpinned() -> None:
-    run = resolve_run("8b-rtx4090-nvme", ["deepspeed.pinning=off"], world_size=1, device=CUDA)
+    run = resolve_run("8b-rtx4090-nvme", ["deepspeed.pinning=off"], world_size=1, device=RTX_4090)
     # The async-I/O handle's swap buffers: 4 of the largest sub-group (the embedding) in fp32.
     swap = 4 * 4 * EMBED_8B
     with pytest.raises(
@@ -122,7 +118,10 @@ def test_nvme_swap_buffers_are_locked_even_unpinned() -> None:
     ):
         check_memlock(run, limit=MemlockLimit(64 * 2**20, "RLIMIT_MEMLOCK"))
     # torch pinning on the GPU goes through the driver, not mlock: a run without NVMe locks nothing.
-    check_memlock(_run("deepspeed.pinning=torch"), limit=MemlockLimit(0, "RLIMIT_MEMLOCK"))
+    check_memlock(
+        resolve("7b-rtx4090", ["deepspeed.pinning=torch"], world_size=1, device=RTX_4090),
+        limit=MemlockLimit(0, "RLIMIT_MEMLOCK"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -133,8 +132,8 @@ def test_auto_takes_native_pinning_where_the_limit_allows_it_else_torchs_where_i
     limit: int | None, host_gib: int, expected: str
 ) -> None:
     # 7b-rtx4090's host RAM: 116.4 GiB exact, 127.8 GiB rounded by torch's allocator, which a 128 GiB machine
-    # (125 usable) cannot hold and a 256 GiB one can; torch's pinning is the CUDA driver's, not mlock's.
-    run = _run("deepspeed.pinning=auto")
+    # (125 usable) cannot hold and a 256 GiB one can; torch's pinning is the RTX_4090 driver's, not mlock's.
+    run = resolve("7b-rtx4090", ["deepspeed.pinning=auto"], world_size=1, device=RTX_4090)
     choice, notice = auto_pinning(run, MemlockLimit(limit, "test"), host_gib * GiB)
     assert choice == expected and notice.startswith(f"deepspeed.pinning=auto: {expected}")
     if expected == "off":

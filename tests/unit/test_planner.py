@@ -16,8 +16,8 @@ from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.auto import choose_auto
 from llm_train.planning.guards import check_host_ram
-from llm_train.planning.memory_estimate import GiB
 from llm_train.planning.verdict import plan_recipe
+from llm_train.units import GiB
 
 # --- the GPU table --------------------------------------------------------------------------------
 

@@ -9,11 +9,9 @@ import pytest
 from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
 from llm_train import DS_CONFIGS_DIR
-from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
+from tests.devices import H100, T4
 
-T4 = Device("cuda", "Tesla T4", bf16=False, compute_capability=(7, 5))
-H100 = Device("cuda", "NVIDIA H100 80GB HBM3", bf16=True, compute_capability=(9, 0))
 # DeepSpeed 0.19's own defaults for dynamic loss scaling (precision_config.DeepSpeedFP16Config).
 DYNAMIC = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
 

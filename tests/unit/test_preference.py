@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.config.hardware import Device
 from llm_train.config.recipe import load_recipe, recipe_to_yaml
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
@@ -19,8 +18,8 @@ from llm_train.planning.memory_inputs import MemoryInputs
 from llm_train.planning.shapes import shape_of
 from llm_train.planning.speed import step_time
 from llm_train.planning.verdict import plan_recipe, render
+from tests.devices import CPU
 
-CPU = Device("cpu", None, False)
 EIGHT_B = shape_of("meta-llama/Llama-3.1-8B")
 
 

@@ -413,11 +413,11 @@ def test_nf4_and_int8_bases_by_hand() -> None:
 def test_8b_qlora_plan_by_hand() -> None:
     """8b-qlora-rtx4070's GPU and host terms, each recomputed from its definition."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import (
+    from llm_train.planning.memory_estimate import estimate_memory
+    from llm_train.planning.memory_formulas import (
         CHECKPOINT_SHARD_BYTES,
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
-        estimate_memory,
     )
     from llm_train.planning.shapes import shape_of
 
@@ -446,11 +446,11 @@ def test_8b_qlora_plan_by_hand() -> None:
 def test_16bit_lora_host_ram_by_hand() -> None:
     """8b-lora-rtx4090 with 16 GiB: no full copy of the model on the host at load, in checkpoints or at export."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import (
+    from llm_train.planning.memory_estimate import estimate_memory
+    from llm_train.planning.memory_formulas import (
         CHECKPOINT_SHARD_BYTES,
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
-        estimate_memory,
     )
     from llm_train.planning.shapes import shape_of
 
@@ -470,17 +470,14 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     """70b-qlora-2x4090's terms from their definitions: the 4-bit base staged whole on each rank's host, then
     partitioned by ZeRO-3 onto the host (offload_param), its quantisation state whole on each GPU."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import (
+    from llm_train.planning.memory_estimate import estimate_memory, model_load_gpu_bytes
+    from llm_train.planning.memory_formulas import (
         CUDA_CONTEXT_BYTES,
         PROCESS_HOST_BYTES,
-        estimate_memory,
-        model_load_gpu_bytes,
-        model_split,
-    )
-    from llm_train.planning.memory_formulas import (
         QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
         QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
     )
+    from llm_train.planning.model_split import model_split
     from llm_train.planning.shapes import shape_of
 
     run = resolve_run("70b-qlora-2x4090", [], world_size=2)

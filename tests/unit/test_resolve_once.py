@@ -27,8 +27,8 @@ from llm_train.runtime import session
 from llm_train.runtime.checkpointing import resume
 from llm_train.runtime.checkpointing.resume import Resume
 from llm_train.runtime.session import RunOptions
+from tests.devices import CPU
 
-CPU = Device("cpu", "cpu", True)
 EPOCHS = ["optim.max_steps=null", "optim.epochs=2"]
 
 

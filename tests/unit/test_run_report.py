@@ -66,6 +66,19 @@ def test_summary_numbers_skip_the_warm_up_row(tmp_path: Path) -> None:
     assert row["tokens/s"] == "1,000"  # the first logged row ran at half speed and is left out
     assert row["steps"] == "20" and row["MFU"] == "40.0%"
     assert row["best eval loss"].endswith("@ 20") and row["peak GPU mem (GiB)"] == "12.00"
+    assert row["train time"] == "40s"  # 20 steps of 2 s in one launch
+
+
+def test_a_resumed_runs_train_time_counts_every_launch(tmp_path: Path) -> None:
+    # Launch 1 logged steps 1-12 (elapsed 2-24 s) and was killed; the resume truncated the rows after its
+    # step-10 checkpoint and logged steps 11-20 with elapsed counted from its own start (3-30 s).
+    run = _write_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if row["step"] > 10 and "elapsed_s" in row:
+            row["elapsed_s"] = (row["step"] - 10) * 3.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert summary_rows(load_run(run))["train time"] == "50s"  # 20 s before the resume + 30 s after, not 30
 
 
 def test_several_runs_compare_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

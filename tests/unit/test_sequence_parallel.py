@@ -6,22 +6,17 @@ tests/e2e/test_sequence_parallel.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from llm_train.config.hardware import Device
 from llm_train.config.layout import Layout, LayoutError
 from llm_train.config.resolution import largest_weight, resolve_run
 from llm_train.errors import UserError
 from llm_train.runtime.base.collectives import Collectives
 from llm_train.runtime.engines.sequence_parallel import IGNORE, SequenceShard
-from tests.helpers import OFFLINE_ENV, REPO
-
-CPU = Device(kind="cpu", name="cpu", bf16=True)
+from tests.devices import CPU
 
 
 def _one_line_error(overrides: list[str], world_size: int = 2) -> str:
@@ -97,25 +92,14 @@ def test_bad_layouts_get_one_line(overrides: list[str], world: int, expected: st
     assert expected in _one_line_error(overrides, world)
 
 
-def test_a_bad_layout_is_one_line_and_exit_2_from_the_dry_run() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "llm_train" / "train.py"),
-            "--recipe",
-            "tiny-cpu-sp2",
-            "--dry-run",
-            "data.seq_len=255",
-        ],
-        capture_output=True,
-        text=True,
-        env={**OFFLINE_ENV, "PATH": "/usr/bin:/bin"},
-        cwd=REPO,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "data.seq_len=255 is not divisible by 2" in lines[0], result.stderr
+def test_a_bad_layout_is_one_line_and_exit_2_from_the_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # train.main in this process; the script's own exit code and one line: test_parallel.py's entry-point test.
+    from llm_train import train
+
+    assert train.main(["--recipe", "tiny-cpu-sp2", "--dry-run", "data.seq_len=255"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "data.seq_len=255 is not divisible by 2" in lines[0], err
 
 
 def _batch() -> dict[str, torch.Tensor]:

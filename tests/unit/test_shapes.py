@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.errors import UserError
 from llm_train.planning.shapes import (
-    KNOWN_CONFIGS,
     ModelConfigError,
     ModelShape,
     UnknownModelError,

@@ -166,3 +166,27 @@ def test_the_reader_sees_each_way_of_marking_a_test() -> None:
         "pytest_mark_e2e = 'pytest.mark.e2e'\n"
     )
     assert mark_uses(hidden, "e2e") == [2, 3]
+
+
+def device_constants(source: str) -> list[str]:
+    """Module-level `NAME = Device(...)` assignments: the devices tests/devices.py keeps in one place."""
+    found = []
+    for stmt in ast.parse(source).body:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
+            func = stmt.value.func
+            if isinstance(func, ast.Name) and func.id == "Device":
+                found += [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+    return found
+
+
+def test_devices_are_defined_once_in_tests_devices() -> None:
+    # 13 modules used to define their own, with bf16 arguments that disagreed for the same machine.
+    own = {
+        str(path.relative_to(TESTS)): names
+        for path in sorted(TESTS.rglob("*.py"))
+        if path.name != "devices.py" and (names := device_constants(path.read_text()))
+    }
+    assert own == {}, "import these from tests/devices.py (add a device there if it is missing)"
+    assert device_constants("CPU = Device('cpu', 'cpu', True)\ncard = make(Device('cuda', 'x', True))\n") == [
+        "CPU"
+    ]

@@ -171,7 +171,7 @@ def test_tiled_mlp_under_lora_applied_afterwards_differentiates_the_loss_it_comp
 
 def checkpointed(model: LlamaForCausalLM) -> LlamaForCausalLM:
     # As runtime/model/model.py configures it.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from llm_train.config.credentials import is_secret_key
 from llm_train.config.recipe_sections import TrackingSection
 from llm_train.observability.tracking import (
     REDACTED,
-    is_secret_key,
     open_trackers,
     redact,
     redact_argv,

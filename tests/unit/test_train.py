@@ -1,76 +1,93 @@
 """llm_train/train.py, the entry point: every shipped recipe and DeepSpeed config dry-runs, and bad
-input is one line on stderr, exit code 2, no traceback, nothing written."""
+input is one line on stderr, exit code 2, no traceback, nothing written.
+
+The refusals run train.main in this process: a fresh interpreter per case (`python llm_train/train.py`)
+cost an import of torch each, 10-20 s on a loaded 2-core machine, for what main() decides. That the
+script itself turns main()'s 2 into its exit code with one line and no traceback is shown once, by a
+fresh process: tests/unit/test_parallel.py's test_entry_point_reports_one_line_and_exit_2.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import train_py
+from llm_train import train
+
+Refused = Callable[[list[str], str], str]
 
 
-def _fails_cleanly(args: list[str], message: str) -> str:
-    result = train_py(args, timeout=120)
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("llm-train: error:")]
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    return lines[0]
+@pytest.fixture
+def refused(capsys: pytest.CaptureFixture[str]) -> Refused:
+    """train.main(ARGS) refuses in one line naming MESSAGE, exit 2; the environment as it was before."""
+
+    def check(args: list[str], message: str) -> str:
+        environ = dict(os.environ)  # a refusal may come after the single-process set-up wrote to it
+        try:
+            code = train.main(args)
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+        err = capsys.readouterr().err
+        assert code == 2, (code, err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("llm-train: error:") and message in lines[0], err
+        return lines[0]
+
+    return check
 
 
-def test_unknown_recipe() -> None:
-    line = _fails_cleanly(["--recipe", "nope", "--dry-run"], "unknown recipe 'nope'")
+def test_unknown_recipe(refused: Refused) -> None:
+    line = refused(["--recipe", "nope", "--dry-run"], "unknown recipe 'nope'")
     assert "tiny-cpu" in line and "7b-zero3" in line
 
 
-def test_mistyped_key() -> None:
-    _fails_cleanly(
+def test_mistyped_key(refused: Refused) -> None:
+    refused(
         ["--recipe", "tiny-cpu", "--dry-run", "optim.lrr=1e-3"], "unknown key 'optim.lrr'; did you mean 'lr'?"
     )
 
 
-def test_wrong_type() -> None:
-    _fails_cleanly(
-        ["--recipe", "tiny-cpu", "--dry-run", "optim.micro_batch_size=two"], "optim.micro_batch_size"
-    )
+def test_wrong_type(refused: Refused) -> None:
+    refused(["--recipe", "tiny-cpu", "--dry-run", "optim.micro_batch_size=two"], "optim.micro_batch_size")
 
 
-def test_missing_ds_config(tmp_path: Path) -> None:
-    _fails_cleanly(
-        ["--recipe", "tiny-cpu", "--dry-run", "--ds-config", str(tmp_path / "x.json")], "file not found"
-    )
+def test_missing_ds_config(tmp_path: Path, refused: Refused) -> None:
+    refused(["--recipe", "tiny-cpu", "--dry-run", "--ds-config", str(tmp_path / "x.json")], "file not found")
 
 
-def test_unparsable_ds_config(tmp_path: Path) -> None:
+def test_unparsable_ds_config(tmp_path: Path, refused: Refused) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{ not json")
-    _fails_cleanly(["--recipe", "tiny-cpu", "--dry-run", "--ds-config", str(bad)], "not valid JSON at line 1")
+    refused(["--recipe", "tiny-cpu", "--dry-run", "--ds-config", str(bad)], "not valid JSON at line 1")
 
 
-def test_batch_that_does_not_divide() -> None:
-    _fails_cleanly(
+def test_batch_that_does_not_divide(refused: Refused) -> None:
+    refused(
         ["--recipe", "tiny-cpu", "--dry-run", "optim.global_batch_size=20", "optim.grad_accum=null"],
         "optim.global_batch_size=20 is not divisible by optim.micro_batch_size=8 x data-parallel size 2 = 16",
     )
 
 
-def test_output_dir_holding_another_run(tmp_path: Path) -> None:
+def test_output_dir_holding_another_run(tmp_path: Path, refused: Refused) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     before = sorted(p.name for p in run_dir.rglob("*"))
-    _fails_cleanly(
+    refused(
         ["--recipe", "tiny-cpu", "--output-dir", str(run_dir), "--max-steps", "1"],
         "already holds a run; pass --overwrite",
     )
     assert sorted(p.name for p in run_dir.rglob("*")) == before
 
 
-def test_data_file_missing(tmp_path: Path) -> None:
+def test_data_file_missing(tmp_path: Path, refused: Refused) -> None:
     run_dir = tmp_path / "run"
-    _fails_cleanly(
+    refused(
         [
             "--recipe",
             "tiny-cpu",
@@ -85,8 +102,8 @@ def test_data_file_missing(tmp_path: Path) -> None:
     assert not run_dir.exists()  # nothing half-written
 
 
-def test_world_size_without_dry_run() -> None:
-    _fails_cleanly(["--recipe", "tiny-cpu", "--world-size", "4"], "--world-size only applies to --dry-run")
+def test_world_size_without_dry_run(refused: Refused) -> None:
+    refused(["--recipe", "tiny-cpu", "--world-size", "4"], "--world-size only applies to --dry-run")
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,8 @@ def read_accelerate_launch(args: list[str]) -> tuple[Any, AccelerateLaunch]:
     # The wizard writes `mixed_precision: null` beside a deepspeed_config_file: not a setting.
     in_file = {k for k, v in (raw.get("deepspeed_config") or {}).items() if v is not None}
     in_file |= {"mixed_precision"} if raw.get("mixed_precision") is not None else set()
+    # The wizard writes torch.compile's settings as `dynamo_config: {dynamo_backend: INDUCTOR, ...}`.
+    in_file |= {"dynamo_backend"} if (raw.get("dynamo_config") or {}).get("dynamo_backend") else set()
     values, origins = {}, {}
     for name in FIELDS:
         value = getattr(parsed, name, None)
@@ -209,7 +211,8 @@ _ACCELERATE_WHAT_ENV = (
     "ACCELERATE_GRADIENT_CLIPPING",
     "ACCELERATE_MIXED_PRECISION",
 )
-_ACCELERATE_WHAT_PREFIX = "ACCELERATE_DEEPSPEED_"  # zero stage, offload, config file, zero3 init, ...
+# zero stage, offload, config file, zero3 init, ...; torch.compile's backend, mode and graph switches.
+_ACCELERATE_WHAT_PREFIX = ("ACCELERATE_DEEPSPEED_", "ACCELERATE_DYNAMO_")
 
 
 def use_deepspeed_in_accelerate() -> None:

@@ -537,12 +537,13 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, dtype: str, merge: bool = F
         return _write_verified(ckpt_dir, out_dir, dtype, config, reference, masters)
     if lora is not None:
         base = json.loads((hf_dir / "config.json").read_text()).get("_name_or_path")
-        count = export_adapter_checkpoint(
+        count, written = export_adapter_checkpoint(
             ckpt_dir, out_dir, state_dict, lora, base, _lora_excluded(ckpt_dir, config)
         )
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
         why = "a LoRA checkpoint holds the adapters, not the base: PEFT adapter files (shapes checked)"
-        return {"tensors": count, "max_logit_diff": float("nan"), "verified": f"{why}; {masters}"}
+        verified = f"{why}; {masters}"
+        return {"tensors": count, "dtype": written, "max_logit_diff": float("nan"), "verified": verified}
     reference = auto_class(config).from_config(config, dtype=torch.float32)
     # A tied weight is stored once, under either of its names: missing is fine when an alias is there.
     aliases = _aliases(reference.state_dict())
@@ -660,6 +661,7 @@ def _write_verified(
     verified += f"; {masters}"
     return {
         "tensors": report.tensors,
+        "dtype": dtype,
         "max_logit_diff": diff,
         "tolerance": report.tolerance,
         "verified": verified,

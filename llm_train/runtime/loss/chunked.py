@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
+from llm_train.planning.memory_formulas import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

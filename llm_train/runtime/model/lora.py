@@ -78,8 +78,15 @@ def is_adapter_export(model_dir: Path) -> bool:
     return (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file()
 
 
-def verify_adapter_export(model_dir: Path) -> int:
-    """Check an adapter export: config present, every LoRA A/B tensor non-empty and rank-shaped."""
+# safetensors' dtype names -> the names `llm-train export --dtype` and the export messages use.
+_SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+
+
+def verify_adapter_export(model_dir: Path) -> tuple[int, str]:
+    """Check an adapter export: config present, every LoRA A/B tensor non-empty and rank-shaped.
+
+    Returns the number of tensors and the dtype they were written in (read back from the file: an adapter
+    keeps its training dtype whatever `llm-train export --dtype` asked, so only the file can say)."""
     from safetensors import safe_open
 
     config = json.loads((model_dir / "adapter_config.json").read_text())
@@ -87,10 +94,12 @@ def verify_adapter_export(model_dir: Path) -> int:
     if not file.is_file():
         raise ExportError(f"export {model_dir}: adapter_model.safetensors was not written")
     rank = int(config["r"])
-    count = 0
+    count, dtypes = 0, set()
     with safe_open(str(file), framework="pt") as handle:
         for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-            shape = tuple(handle.get_slice(key).get_shape())
+            tensor = handle.get_slice(key)
+            dtypes.add(_SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype()))
+            shape = tuple(tensor.get_shape())
             if 0 in shape:
                 raise ExportError(f"export {model_dir}: {key} is empty {shape} (a ZeRO-3 gather failed)")
             if "lora_A" in key and shape[0] != rank or "lora_B" in key and shape[-1] != rank:
@@ -98,8 +107,10 @@ def verify_adapter_export(model_dir: Path) -> int:
             count += 1
     if count == 0:
         raise ExportError(f"export {model_dir}: the adapter file holds no tensors")
-    (model_dir / "export_check.json").write_text(json.dumps({"tensors": count, "ok": True, "adapter": True}))
-    return count
+    dtype = "+".join(sorted(dtypes))
+    check = {"tensors": count, "ok": True, "adapter": True, "dtype": dtype}
+    (model_dir / "export_check.json").write_text(json.dumps(check))
+    return count, dtype
 
 
 def checkpoint_lora(ckpt_dir: Path) -> LoraSection | None:
@@ -120,8 +131,8 @@ def export_adapter_checkpoint(
     lora: LoraSection,
     base: str | None,
     exclude: Sequence[str] = (),
-) -> int:
-    """PEFT adapter files from a LoRA checkpoint's adapter tensors; returns how many were written.
+) -> tuple[int, str]:
+    """PEFT adapter files from a LoRA checkpoint's adapter tensors; returns how many were written, and their dtype.
 
     A LoRA checkpoint holds the adapters and their optimizer, not the frozen base (checkpointing/run_state.py), so
     what it can give is the adapter: `PeftModel.from_pretrained(base, out_dir)` on the base it was

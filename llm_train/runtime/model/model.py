@@ -210,7 +210,12 @@ def build_model(
         freeze(lm, model.freeze)
     if memory.activation_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 partitioned params.
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.25 renamed the switch activation_checkpointing_enable (the old name warns and goes
+        # in v6); older releases inside pyproject's window (the GPU image's 5.17) have only the old one.
+        if hasattr(lm, "activation_checkpointing_enable"):
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = False
     # The ALST switches patch this instance; LoRA then wraps it (its adapters land inside the
     # patched MLPs, whose tiles look their submodules up at call time).

@@ -126,7 +126,7 @@ def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch
 def enable_checkpoint_offload(lm: PreTrainedModel, pin_memory: bool) -> int:
     """Keep each checkpointed layer's input in host RAM between forward and backward; how many layers.
 
-    Needs activation checkpointing already on (transformers' `gradient_checkpointing_enable`).
+    Needs activation checkpointing already on (transformers' `activation_checkpointing_enable`).
     Each layer's checkpoint function runs under `torch.autograd.graph.save_on_cpu`. Checkpointing
     keeps exactly one thing per layer, its tensor inputs (the hidden state), and keeps them as
     saved tensors: `save_for_backward` when reentrant, `SavedTensor`s made before the frame's own

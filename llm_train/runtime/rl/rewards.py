@@ -1,6 +1,6 @@
 """What GRPO's completions are scored by: the recipe's `grpo.rewards`, each a weighted function.
 
-Built in (config/recipe.py has their options): `format` (a regular expression the completion matches),
+Built in (config/objective_sections.py has their options): `format` (a regular expression the completion matches),
 `exact_match` (the completion's final answer against a column of the prompt's row) and `overlong`
 (DAPO's soft length penalty), `reward_model` (a trained reward model's score, objective reward's final/).
 `function` imports yours, `module:function`, from the working directory or
