@@ -2,7 +2,7 @@
 input is one line on stderr, exit code 2, no traceback, nothing written.
 
 The refusals run train.main in this process: a fresh interpreter per case (`python llm_train/train.py`)
-cost an import of torch each, 10-20 s on a loaded 2-core machine, for what main() decides. That the
+cost its imports each (1.3 s on a quiet 2-core machine, 11-23 s on a loaded one) for what main() decides. That the
 script itself turns main()'s 2 into its exit code with one line and no traceback is shown once, by a
 fresh process: tests/unit/test_parallel.py's test_entry_point_reports_one_line_and_exit_2.
 """
