@@ -35,8 +35,8 @@ from llm_train.runtime.engines.engine import (
 )
 from llm_train.runtime.engines.reference import CachedReference, frozen_reference
 from llm_train.runtime.engines.sequence_parallel import SequenceShard, evaluating, parallelism_config
-from llm_train.runtime.export.model_dir import EXPORT_DTYPES, save_hf_model
 from llm_train.runtime.export.sharded import no_gather, write_adapter, write_merged
+from llm_train.runtime.export.write import EXPORT_DTYPES, save_hf_model
 from llm_train.runtime.loss.interface import Objective, Scored, mean_scores
 from llm_train.runtime.loss.language_modeling import LanguageModeling, SequenceParallelLM
 from llm_train.runtime.loss.objectives import make_objective
