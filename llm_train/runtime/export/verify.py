@@ -4,7 +4,7 @@ Writing one is write.py's job, loading it as a user does load.py's, exporting fr
 from_checkpoint.py's.
 
 The exported directory loads with `AutoModelForCausalLM.from_pretrained` (a reward model: with
-`AutoModelForSequenceClassification`, see `auto_class`) and no DeepSpeed.
+`AutoModelForSequenceClassification`, see load.py `auto_class`) and no DeepSpeed.
 It is verified the way a user loads it, not against llm_train's own idea of parameter
 names: transformers renames some families' weights between memory and disk (GPT-NeoX's
 head is `embed_out`, MoE experts are fused in memory and stored one by one) and stores tied
@@ -25,7 +25,7 @@ architecture config.json builds and the names save_pretrained gives it. The chec
    The tolerance comes from the precision of the two computations (`logit_tolerance`).
 3. masters (checkpoints only, before any merge): each optimizer shard holds the fp32 master
    weights some rank recorded a digest of at the save (runtime/checkpointing/master_digest.py): the check a
-   bf16 logit comparison cannot make at fine-tuning learning rates.
+   bf16 logit comparison cannot make at fine-tuning learning rates (from_checkpoint.py runs it).
 """
 
 from __future__ import annotations
