@@ -13,7 +13,7 @@ NVML's device-wide peak against the real card's memory for that.
 psutil.virtual_memory() reports N GiB in total and N less this process's resident memory available, so
 every decision the run takes from the host's RAM is the one it takes there: the planner's guards at
 start, and the export's verification, which reloads final/ on the CPU only when the model fits half the
-free RAM (runtime/export/model_dir.py). On a 128 GiB machine it reloaded the merged 15 GiB 8B, a path a 16 GiB
+free RAM (runtime/export/verify.py). On a 128 GiB machine it reloaded the merged 15 GiB 8B, a path a 16 GiB
 desktop never takes and the planner does not count. Nothing bounds the real use: the checks measure it.
 
 Everything after the options goes to train.py unchanged, and its exit code (75 after a preemption, 2

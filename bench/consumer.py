@@ -43,23 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (
-    ASSETS,
-    CORPUS,
-    REPO,
-    TOKENIZER,
-    Case,
-    Context,
-    capped_train,
-    judge,
-    launch,
-    median,
-    metrics_rows,
-    module_cmd,
-    peak,
-    plan,
-    verdict,
-)
+from bench.cases import Case, Context
+from bench.environment import ASSETS, CORPUS, REPO, TOKENIZER, capped_train, module_cmd
+from bench.estimates import plan
+from bench.launch import launch
+from bench.verdicts import judge, verdict
+from bench.watch import median, metrics_rows, peak
 from llm_train.units import GiB
 
 BASE_SHAPE = "meta-llama/Llama-3.1-8B"

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import ASSETS, REPO, TOKENIZER
+from bench.environment import ASSETS, REPO, TOKENIZER
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,7 +7,7 @@ cannot tell: with random weights every loss sits near ln(vocabulary) whatever th
 compares logits instead, on the rows llm_train's data layer really deals (bundled text, packed, position
 ids restarting per document, saved by bench/mfu_matrix.py): for each kernel, the row's logits in one
 forward against each document's logits computed alone (its own row, positions from 0). Equal up to the
-rounding of two computations (runtime/export/model_dir.py `logit_tolerance`: 4 ulps of the dtype times the
+rounding of two computations (runtime/export/verify.py `logit_tolerance`: 4 ulps of the dtype times the
 largest logit) means no document saw another.
 
 The check must be able to fail, so each kernel also gets a planted leak: the same row with an all-ones
@@ -41,7 +41,7 @@ def segments(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 def compare(
     model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> dict[str, Any]:
-    from llm_train.runtime.export.model_dir import logit_tolerance
+    from llm_train.runtime.export.verify import logit_tolerance
 
     spans = segments(positions)
 

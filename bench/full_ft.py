@@ -44,23 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (
-    CORPUS,
-    REPO,
-    TOKENIZER,
-    Case,
-    Context,
-    TreeSampler,
-    capped_train,
-    judge,
-    launch,
-    median,
-    metrics_rows,
-    module_cmd,
-    peak,
-    plan,
-    verdict,
-)
+from bench.cases import Case, Context
+from bench.environment import CORPUS, REPO, TOKENIZER, capped_train, module_cmd
+from bench.estimates import plan
+from bench.launch import launch
+from bench.verdicts import judge, verdict
+from bench.watch import TreeSampler, median, metrics_rows, peak
 from llm_train.config.hardware import find_gpu
 from llm_train.units import GiB
 

@@ -6,7 +6,7 @@
 
 The device machine allows 15 minutes in all per session, start-up included, and 10 per command; so each
 part ends inside PART_LIMIT_S (9.5 minutes from the shell's start, the wheels' install included), its
-cases in order of value, each in its own time box (bench/harness.py `Case`), each line written the
+cases in order of value, each in its own time box (bench/cases.py `Case`), each line written the
 moment its case ends:
 
 A  probe (GPU, MemTotal, disk, libaio, versions, the cap works, a bitsandbytes round trip), then the
@@ -42,18 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import consumer, full_ft, mfu_matrix, vlm
-from bench.harness import (
-    Budget,
-    Case,
-    Context,
-    Judging,
-    Results,
-    check_arguments,
-    injected,
-    launch,
-    module_cmd,
-    run_cases,
-)
+from bench.cases import Budget, Case, Context, check_arguments, injected, run_cases
+from bench.environment import module_cmd
+from bench.launch import launch
+from bench.result_files import Results
+from bench.verdicts import Judging
 
 PART_LIMIT_S = 570.0  # 9.5 minutes: the device tool stops a command at 10
 INSTALL_RESERVE_S = 30.0  # from the shell's start to the first case: the wheels' install, the interpreter

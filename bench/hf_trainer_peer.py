@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import module_cmd
+from bench.environment import module_cmd
 from llm_train.units import GiB
 
 

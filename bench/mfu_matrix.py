@@ -1,6 +1,6 @@
 """MFU and tokens/s of llm_train's speed switches on one GPU, against the Hugging Face Trainer on the same job.
 
-A list of cases on bench/harness.py: one process per variant, in order of value, each line written the
+A list of cases on bench/cases.py: one process per variant, in order of value, each line written the
 moment it ends. bench/gpu_run.py runs them with the time its parts leave; alone:
 
     python -m bench.mfu_matrix [--cpu-tiny] [--only baseline hf_trainer] [--out DIR]
@@ -56,28 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (
-    CORPUS,
-    REPO,
-    TOKENIZER,
-    TRAIN,
-    Budget,
-    Case,
-    Context,
-    GpuMemorySampler,
-    Judging,
-    Results,
-    check_arguments,
-    injected,
-    judge,
-    launch,
-    median,
-    metrics_rows,
-    module_cmd,
-    peak,
-    run_cases,
-)
+from bench.cases import Budget, Case, Context, check_arguments, injected, run_cases
+from bench.environment import CORPUS, REPO, TOKENIZER, TRAIN, module_cmd
 from bench.hf_trainer_peer import command, flags, save_job
+from bench.launch import launch
+from bench.result_files import Results
+from bench.verdicts import Judging, judge
+from bench.watch import GpuMemorySampler, median, metrics_rows, peak
 
 DS_CONFIG = REPO / "ds_configs" / "zero2.json"
 MFU_TARGET = 0.45

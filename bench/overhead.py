@@ -39,7 +39,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bench.harness import (
+from bench.environment import (
     CORPUS,
     REPO,
     TOKENIZER,

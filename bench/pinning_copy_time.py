@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.harness import REPO, as_a_training_worker, versions
+from bench.environment import REPO, as_a_training_worker, versions
 
 MiB = 2**20
 

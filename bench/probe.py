@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import versions
+from bench.environment import versions
 
 GiB = 2**30
 LIBRARIES = (

@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import REPO, proc_kib_field, versions, write_result
+from bench.environment import REPO, versions, write_result
+from bench.watch import proc_kib_field
 
 
 def save_model(

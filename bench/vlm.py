@@ -24,8 +24,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from bench.cases import Case, Context
 from bench.consumer import Consumer, base_dir, consumer_case
-from bench.harness import REPO, Case, Context, judge, launch, module_cmd, verdict
+from bench.environment import REPO, module_cmd
+from bench.launch import launch
+from bench.verdicts import judge, verdict
 from llm_train.units import GiB
 
 RECIPE = "8b-vlm-lora-rtx4090"

@@ -30,7 +30,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
-from llm_train.runtime.export.model_dir import export_checkpoint
+from llm_train.runtime.export.from_checkpoint import export_checkpoint
 from llm_train.train import build_parser as train_parser
 from llm_train.train import main as train_main
 

@@ -4,7 +4,7 @@
     a run directory                                                    its final/, else its newest checkpoint
     a checkpoint (RUN_DIR/checkpoints/step-N)                          exported first, into RUN_DIR/exports/step-N
 
-A checkpoint goes through `llm-train export`'s own verified export (runtime/export/model_dir.py
+A checkpoint goes through `llm-train export`'s own verified export (runtime/export/from_checkpoint.py
 `export_checkpoint`: keys and logits against the training engine's), never a second conversion
 path; the export is kept and reused. A run's own `config/recipe.yaml` supplies what the export
 alone does not say: the chat template the run trained with (`data.chat_template`) and, for an
@@ -28,7 +28,8 @@ from llm_train.config.recipe import Recipe, load_recipe
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.data.formats.messages import chat_template_for
 from llm_train.errors import UserError, first_line
-from llm_train.runtime.export.model_dir import EXPORT_DTYPES, export_checkpoint
+from llm_train.runtime.export.from_checkpoint import export_checkpoint
+from llm_train.runtime.export.write import EXPORT_DTYPES
 from llm_train.runtime.model.lora import is_adapter_export
 from llm_train.runtime.model.quantized_base import quantization_config
 from llm_train.units import GiB

@@ -22,7 +22,7 @@ DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
 
 
 class PreferenceSection(Section):
-    """Preference tuning on `format: preference` pairs (objective dpo or simpo; runtime/loss/preference.py)."""
+    """Preference tuning on `format: preference` pairs (objective dpo or simpo; runtime/loss/preference_tuning.py)."""
 
     beta: float | None = Field(
         None,

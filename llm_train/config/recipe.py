@@ -8,7 +8,7 @@ distributed lives in the DeepSpeed JSON the recipe names (see ds_json.py).
 This module is the schema's top: `Recipe`, the checks across its sections (which objective trains on
 which data format, and what it cannot be combined with) and `load_recipe`. The parts sit beside it:
 recipe_sections.py (hardware, model, data, optim, memory, LoRA, DeepSpeed, eval, output, checkpoint,
-tracking), sources.py (the data formats' keys), objective_sections.py (preference, reward model, GRPO
+tracking), source_schema.py (the data formats' keys), objective_sections.py (preference, reward model, GRPO
 and its rewards), section.py (their strict base), and recipe_files.py, which reads the file, applies the
 overrides and anchors paths before this module validates the result. Nothing is re-exported here:
 every name is imported from the module that defines it.
@@ -49,7 +49,7 @@ from llm_train.config.recipe_sections import (
     TrackingSection,
 )
 from llm_train.config.section import Section
-from llm_train.config.sources import Source
+from llm_train.config.source_schema import Source
 from llm_train.errors import UserError
 
 

@@ -19,7 +19,7 @@ from pydantic_core import PydanticUndefined
 
 from llm_train.config.recipe import Recipe
 from llm_train.config.section import Section
-from llm_train.config.sources import SOURCE_CLASSES
+from llm_train.config.source_schema import SOURCE_CLASSES
 
 REGENERATE = "llm-train show --schema > docs/recipe.md"
 

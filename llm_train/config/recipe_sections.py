@@ -14,7 +14,7 @@ from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
 from llm_train.config.credentials import is_secret_key
 from llm_train.config.section import Section
-from llm_train.config.sources import SOURCE_CLASSES, Source, TextSource, parse_source
+from llm_train.config.source_schema import SOURCE_CLASSES, Source, TextSource, parse_source
 
 
 class HardwareSection(Section):

@@ -1,6 +1,6 @@
 """The base of every recipe section: strict (an unknown key is an error), and one-line errors for tagged entries.
 
-Every part of the recipe schema (recipe_sections.py, sources.py, objective_sections.py, recipe.py) is
+Every part of the recipe schema (recipe_sections.py, source_schema.py, objective_sections.py, recipe.py) is
 a `Section`. Lists of tagged mappings (a data source by its `format`, a GRPO reward by its `kind`) are
 parsed entry by entry with `validate_entry`, so that a mistake names `data.train[1].key` and the keys
 valid for that entry's kind in one line.

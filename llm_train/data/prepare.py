@@ -28,7 +28,7 @@ import numpy as np
 
 import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe_sections import DataSection
-from llm_train.config.sources import Source
+from llm_train.config.source_schema import Source
 from llm_train.data.cache import cached
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.formats.messages import chat_template_for

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config.recipe_sections import DataSection
-from llm_train.config.sources import PromptSource
+from llm_train.config.source_schema import PromptSource
 from llm_train.data import formats
 from llm_train.data.dealer import Batches, EpochOrder, Sequences
 from llm_train.data.formats.messages import chat_template_for

@@ -20,7 +20,7 @@ from llm_train.errors import UserError, first_line
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from llm_train.config.sources import Source
+    from llm_train.config.source_schema import Source
 
 # Suffix -> the `datasets` packaged builder that reads it.
 BUILDERS = {

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import llm_train.data.formats as formats  # by its own name: the package (__init__) names this module
 from llm_train.config.recipe_sections import DataSection
-from llm_train.config.sources import Source
+from llm_train.config.source_schema import Source
 from llm_train.data.dealer import Batches, Sequences, _fork_context
 from llm_train.data.fingerprint import CODE_VERSION, digest, tokenizer_fingerprint
 from llm_train.data.formats.base import TokenizeFn

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from llm_train.config.recipe_sections import DataSection
-from llm_train.config.sources import Source
+from llm_train.config.source_schema import Source
 from llm_train.data import formats
 from llm_train.data.prepare import PackedSource, PackedSplit
 from llm_train.data.sources import load_rows, locate

@@ -7,8 +7,9 @@
                     speed switches, optimizer and schedule, the pipeline's weight names
     checkpointing/  saving and resuming (commit, run state, resume, universal), when to save or stop
                     (control.py), and the live model's reference logits a checkpoint and final/ record
-    export/         final/ as a plain Hugging Face directory: written layer by layer (sharded.py),
-                    verified, and exported from a checkpoint (model_dir.py)
+    export/         final/ as a plain Hugging Face directory: written whole or layer by layer
+                    (write.py, sharded.py), verified (verify.py), and exported from a checkpoint
+                    (from_checkpoint.py)
     rl/             GRPO's rollouts and reward functions (its loss: loss/grpo.py)
     engines/        the Engine interface and its two engines (ZeRO through Accelerate; DeepSpeed's
                     pipeline, with its model), Ulysses sequence sharding, DPO's reference model

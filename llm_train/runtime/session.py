@@ -51,7 +51,8 @@ from llm_train.runtime.checkpointing.logit_reference import read_reference
 from llm_train.runtime.checkpointing.resume import Resume, TrainerState
 from llm_train.runtime.checkpointing.run_state import Saver
 from llm_train.runtime.engines.engine import Engine, process_group_timeout, to_device
-from llm_train.runtime.export.model_dir import sample_text, verify_export, write_check
+from llm_train.runtime.export.load import sample_text
+from llm_train.runtime.export.verify import verify_export, write_check
 from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model.model import load_tokenizer

@@ -171,7 +171,7 @@ def test_bf16_export_checks_the_recorded_logits_and_catches_one_step_stale_weigh
 
     from llm_train.errors import ExportError
     from llm_train.runtime.checkpointing.commit import step_name
-    from llm_train.runtime.export.model_dir import export_checkpoint
+    from llm_train.runtime.export.from_checkpoint import export_checkpoint
 
     variant, run_dir = bf16_run
     fresh, stale = (run_dir / "checkpoints" / step_name(s) for s in (STEPS, STEPS - 1))
@@ -208,7 +208,7 @@ def test_a_one_step_stale_shard_fails_the_export_at_a_fine_tuning_learning_rate(
     """
     from llm_train.errors import ExportError
     from llm_train.runtime.checkpointing.commit import step_name
-    from llm_train.runtime.export.model_dir import export_checkpoint
+    from llm_train.runtime.export.from_checkpoint import export_checkpoint
 
     run_dir = tmp_path / "run"
     assert_ok(launch([*_bf16_args(variant, run_dir, pretrained), *STEP_BEFORE_LAST, "optim.lr=1e-5"]))

@@ -98,7 +98,7 @@ def test_gpt_neox_in_bf16_on_two_zero3_ranks_exports_verified_against_the_traine
     with safe_open(str(run_dir / "export_reference.safetensors"), framework="pt") as reference:
         assert reference.metadata()["dtype"] == "bfloat16"  # the training forward ran in bf16
         scale = float(reference.get_tensor("logits").abs().max())
-    # 4 bf16 ulps (2**-7 each) of the largest logit, as export/model_dir.py derives it; not a fixed 0.5.
+    # 4 bf16 ulps (2**-7 each) of the largest logit, as export/verify.py derives it; not a fixed 0.5.
     assert check["tolerance"] == pytest.approx(4 * 2**-7 * scale)
     assert check["max_logit_diff"] <= check["tolerance"]
 

@@ -209,7 +209,7 @@ def test_llm_train_export_reads_a_pipeline_checkpoint(runs: dict[str, Path], tmp
     from safetensors.torch import load_file
 
     from llm_train.runtime.checkpointing.commit import step_name
-    from llm_train.runtime.export.model_dir import export_checkpoint
+    from llm_train.runtime.export.from_checkpoint import export_checkpoint
 
     report = export_checkpoint(runs["pp2"] / "checkpoints" / step_name(STEPS), tmp_path / "out", "fp32")
     expected = json.loads((runs["pp2"] / "final" / "export_check.json").read_text())["tensors"]

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llm_train.runtime.loss.preference import PREFERENCE_METRICS
+from llm_train.runtime.loss.preference_tuning import PREFERENCE_METRICS
 from tests.helpers import (
     assert_ok,
     assert_resumed,

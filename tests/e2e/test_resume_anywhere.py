@@ -215,7 +215,7 @@ def test_tensor_parallel_layout_changes_keep_the_trajectory(
 
     # Export from any checkpoint: the step-3 one (now with its universal copy) and the last one
     # (for tp2: AutoTP slices, merged through the universal format), verified like final/.
-    from llm_train.runtime.export.model_dir import export_checkpoint
+    from llm_train.runtime.export.from_checkpoint import export_checkpoint
 
     for step in (RESUME_FROM, STEPS):
         result = export_checkpoint(_checkpoint(first, step), tmp_path / f"export-{step}", "fp32")

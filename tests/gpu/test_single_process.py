@@ -22,7 +22,7 @@ import torch
 
 from llm_train.runtime.checkpointing.commit import LATEST, step_name, verify
 from llm_train.runtime.checkpointing.logit_reference import read_reference
-from llm_train.runtime.export.model_dir import expected_shapes, verify_export
+from llm_train.runtime.export.verify import expected_shapes, verify_export
 from tests.helpers import assert_ok, assert_resumed, losses, read_metrics, train_py
 
 pytestmark = pytest.mark.gpu

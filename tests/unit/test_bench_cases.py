@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from bench import consumer, doc_isolation, full_ft
-from bench.harness import Budget, Context, Judging, Results
+from bench.cases import Budget, Context
+from bench.result_files import Results
+from bench.verdicts import Judging
 from tests.helpers import tiny_llama_config
 
 
@@ -208,7 +210,7 @@ def test_the_image_text_case_is_planned_to_fit_the_card_it_emulates(tmp_path: Pa
     import json
 
     from bench import vlm
-    from bench.harness import plan
+    from bench.estimates import plan
 
     config = vlm.base_config(gpu=True)
     (tmp_path / "config.json").write_text(

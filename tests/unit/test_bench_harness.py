@@ -1,4 +1,5 @@
-"""bench/harness.py, under every prepared GPU check: verdicts, time boxes, the memory sampler, a stop mid-case.
+"""The bench harness under every prepared GPU check (bench/cases.py, launch.py, watch.py, result_files.py,
+verdicts.py): verdicts, time boxes, the memory sampler, a stop mid-case.
 
 The GPU machine gives 15 minutes in all: a check that overruns its part, loses its lines to a kill, or
 judges wrongly costs the whole visit. Each harness feature is checked here once, cheaply.
@@ -17,18 +18,10 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_run, mfu_matrix
-from bench.harness import (
-    Budget,
-    Case,
-    Context,
-    HostMemorySampler,
-    Judging,
-    Results,
-    judge,
-    proc_tree,
-    run_cases,
-    verdict,
-)
+from bench.cases import Budget, Case, Context, run_cases
+from bench.result_files import Results
+from bench.verdicts import Judging, judge, verdict
+from bench.watch import HostMemorySampler, proc_tree
 from tests.optional import needs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,7 +134,10 @@ def test_an_optional_case_the_budget_cannot_hold_is_deferred_and_a_required_one_
 STOPPED_CHECK = """
 import sys
 from pathlib import Path
-from bench.harness import Budget, Case, Context, Judging, Results, launch, run_cases
+from bench.cases import Budget, Case, Context, run_cases
+from bench.launch import launch
+from bench.result_files import Results
+from bench.verdicts import Judging
 
 out, work = Path(sys.argv[1]), Path(sys.argv[2])
 results = Results("check", out)

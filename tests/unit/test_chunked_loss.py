@@ -26,7 +26,7 @@ from llm_train.errors import UserError
 from llm_train.planning.memory_formulas import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 from llm_train.runtime.loss.chunked import enable_tiled_loss
 from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, causal_lm_loss
-from llm_train.runtime.loss.preference import Preference, reference_forward, sequence_logps
+from llm_train.runtime.loss.preference_tuning import Preference, reference_forward, sequence_logps
 from llm_train.runtime.model.model import build_model
 from tests.unit.test_tiling import (
     SEQ,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from llm_train.config.sources import ChatSource
+from llm_train.config.source_schema import ChatSource
 from llm_train.data import prepare_data
 from llm_train.data.summary import mapped_conversations
 from llm_train.errors import UserError

@@ -1,4 +1,4 @@
-"""A data format is one registered object: its schema half (config/sources.py) and its behaviour half
+"""A data format is one registered object: its schema half (config/source_schema.py) and its behaviour half
 (data/formats/) exist together, under one name, and the data docs name it.
 
 Adding a format is a class in SOURCE_CLASSES, a module registered in FORMATS and a test module; these
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from llm_train.config.sources import SOURCE_CLASSES
+from llm_train.config.source_schema import SOURCE_CLASSES
 from llm_train.data.formats import FORMATS, of
 from llm_train.data.formats.base import Format
 

@@ -16,7 +16,7 @@ import pytest
 
 from llm_train.assets import vlm
 from llm_train.config.recipe_sections import DataSection
-from llm_train.config.sources import ImageChatSource
+from llm_train.config.source_schema import ImageChatSource
 from llm_train.data import prepare_data
 from llm_train.data.formats.image_chat import image_chat_fn, load_processor
 from llm_train.data.formats.images import ImageSizing

@@ -21,8 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from llm_train.errors import ExportError
 from llm_train.runtime.checkpointing.logit_reference import Reference, reference_input_ids
-from llm_train.runtime.export import model_dir as export_module
-from llm_train.runtime.export.model_dir import logit_tolerance, verify_export
+from llm_train.runtime.export import verify as export_module
+from llm_train.runtime.export.verify import logit_tolerance, verify_export
 from tests.unit.data_fixtures import TOKENIZER_DIR
 
 COMMON = {
@@ -125,7 +125,7 @@ def test_every_family_passes_and_fails_in_one_line_once_a_tensor_is_dropped_or_c
 
 @pytest.mark.parametrize("family", ["gpt_neox", "gpt2", "llama"])
 def test_bf16_exports_pass_and_a_changed_weight_still_fails(family: str, tokenizer, tmp_path: Path) -> None:
-    # The tolerance is 4 bf16 ulps of the largest logit (export/model_dir.py says why); reloading bf16
+    # The tolerance is 4 bf16 ulps of the largest logit (export/verify.py says why); reloading bf16
     # weights into bf16 kernels on the same machine must sit well inside it, and a changed
     # first-block weight well outside. (Not gemma here: its random-init blocks move the logits
     # by ~1% of their scale, which bf16 cannot tell from rounding; trained blocks move them more.)

@@ -249,7 +249,7 @@ def test_the_images_libraries_travel_at_the_locks_release_unless_the_image_has_e
 
 
 def test_a_result_names_each_library_that_ran_at_another_release_than_the_lock(tmp_path: Path) -> None:
-    from bench.harness import not_the_lock
+    from bench.environment import not_the_lock
 
     lock = tmp_path / "lock.txt"
     lock.write_text("transformers==5.24.0\n    # via llm_train\nhuggingface-hub==2.4.0\npeft==0.21.2\n")

@@ -212,7 +212,7 @@ def test_the_keys_check_takes_gemma3_in_the_hub_layout_and_in_memory_and_names_a
     from safetensors.torch import load_file, save_file
 
     from llm_train.errors import ExportError
-    from llm_train.runtime.export.model_dir import check_keys, saved_shapes
+    from llm_train.runtime.export.verify import check_keys, saved_shapes
 
     model = tiny("gemma3")
     model.config.architectures = ["Gemma3ForConditionalGeneration"]

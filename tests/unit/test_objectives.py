@@ -31,7 +31,7 @@ from trl.trainer.reward_trainer import RewardTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from llm_train.config.objective_sections import PreferenceSection
-from llm_train.runtime.loss.preference import Preference, dpo_loss, sequence_logps
+from llm_train.runtime.loss.preference_tuning import Preference, dpo_loss, sequence_logps
 from llm_train.runtime.loss.reward import RewardModelling
 from tests.helpers import tiny_llama
 

@@ -191,7 +191,7 @@ def test_the_cached_reference_scores_once_reads_after_and_rescores_what_does_not
     from llm_train.data import prepare_data
     from llm_train.data.model_inputs import build_pair_rows
     from llm_train.runtime.engines.reference import CachedReference
-    from llm_train.runtime.loss.preference import reference_forward, sequence_logps
+    from llm_train.runtime.loss.preference_tuning import reference_forward, sequence_logps
     from llm_train.runtime.model.model import build_model, load_tokenizer
     from tests.unit.data_fixtures import write_jsonl
 

@@ -17,7 +17,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.runtime.export.model_dir import logit_tolerance
+from llm_train.runtime.export.verify import logit_tolerance
 from llm_train.runtime.model.quantized_base import check_bitsandbytes, quantization_config
 from llm_train.units import GiB
 from tests.helpers import make_tiny_pretrained

@@ -12,7 +12,7 @@ from llm_train import cli
 from llm_train.config.recipe import Recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.section import Section
-from llm_train.config.sources import SOURCE_CLASSES
+from llm_train.config.source_schema import SOURCE_CLASSES
 from tests.helpers import REPO
 
 PAGE = REPO / "docs" / "recipe.md"

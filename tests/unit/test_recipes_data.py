@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from llm_train import RECIPES_DIR
 from llm_train.config.recipe import load_recipe
-from llm_train.config.sources import ChatSource, InstructionSource
+from llm_train.config.source_schema import ChatSource, InstructionSource
 from llm_train.data.formats import check_fields
 from llm_train.data.formats.chat import CHAT
 from llm_train.data.sources import locate

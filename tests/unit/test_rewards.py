@@ -268,7 +268,7 @@ def _trained_rows(path: Path, prompts: list[Any], completions: list[Any]) -> lis
     import numpy as np
     from transformers import AutoTokenizer
 
-    from llm_train.config.sources import PreferenceSource
+    from llm_train.config.source_schema import PreferenceSource
     from llm_train.data.formats import FORMATS
 
     tokenizer = AutoTokenizer.from_pretrained(path)

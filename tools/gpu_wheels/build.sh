@@ -72,7 +72,7 @@ rm -rf "$BNB"
 # set (transformers 5.17 there). torch stays the image's, and so do libraries used through public calls only
 # (huggingface-hub, tokenizers: the lock's hub 2.x would bring hf-xet and httpx2 along). A wheel that would take
 # the folder past the budget is left out and named; every result records which libraries ran at another
-# release than the lock's (bench/harness.py not_the_lock).
+# release than the lock's (bench/environment.py not_the_lock).
 WINDOWED=$("$PY" -c 'from llm_train.runtime.base.compat import WINDOWS; print(" ".join(w.library for w in WINDOWS))')
 OVER_IMAGE=$("$PY" -m tools.gpu_wheels.over_image --present "$PRESENT" --lock "$LOCK" $WINDOWED)
 OVER=$(mktemp -d)

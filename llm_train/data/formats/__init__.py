@@ -13,10 +13,10 @@
     messages.py     chat templates and rows' messages mapped onto them
 
 A format has two halves, one per layer. The schema half, what a recipe may write for it, is a
-pydantic class in config/sources.py (config decides without tokenizers, and may not import data).
+pydantic class in config/source_schema.py (config decides without tokenizers, and may not import data).
 The behaviour half is a module here: a `Format` subclass bound to that class, answering everything
 the package asks about a source (`of(source)`) instead of testing its class. Adding a format: its
-class in config/sources.py (SOURCE_CLASSES), its module here (FORMATS), one test module, a line in
+class in config/source_schema.py (SOURCE_CLASSES), its module here (FORMATS), one test module, a line in
 docs/data.md; tests/unit/test_data_format_registry.py fails while either half is missing.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_train.config.sources import Source
+from llm_train.config.source_schema import Source
 from llm_train.data.formats.base import Format
 from llm_train.data.formats.chat import CHAT
 from llm_train.data.formats.completion import COMPLETION

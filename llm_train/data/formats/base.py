@@ -4,7 +4,7 @@ The rest of the package asks a source's `Format` (formats/__init__.py `of(source
 testing its class: which columns it reads, how a batch of rows becomes token ids and a loss mask,
 whether a sample is one stored row or a pair of them, whether it reads the chat template, and what
 `llm-train data inspect` shows of its mapping. Each format's module subclasses `Format` for its
-source class (config/sources.py) and overrides what differs from the defaults here.
+source class (config/source_schema.py) and overrides what differs from the defaults here.
 
 A tokenise function is a batched `datasets.map` function: rows in, `input_ids` (and `loss_mask`,
 1 on the tokens the model is trained to predict) out, one entry per stored row. Rows may be
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from llm_train.config.sources import Source
+from llm_train.config.source_schema import Source
 from llm_train.data.rows import as_row
 from llm_train.data.tokenize_memo import TokenizeMemo
 

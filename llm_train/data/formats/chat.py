@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from llm_train.config.sources import ChatSource
+from llm_train.config.source_schema import ChatSource
 from llm_train.data.formats.base import Batch, Format, TokenizeFn
 from llm_train.data.formats.messages import ChatMapping, chat_template_for, map_messages, render, uses_tools
 from llm_train.errors import UserError

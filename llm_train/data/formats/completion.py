@@ -9,7 +9,7 @@ message is trained on, as TRL's completion-only loss does). A row whose completi
 
 from __future__ import annotations
 
-from llm_train.config.sources import CompletionSource
+from llm_train.config.source_schema import CompletionSource
 from llm_train.data.formats.base import Batch, as_text, column
 from llm_train.data.formats.messages import ChatMapping
 from llm_train.data.formats.prompted import (

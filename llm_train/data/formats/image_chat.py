@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llm_train.config.sources import ImageChatSource
+from llm_train.config.source_schema import ImageChatSource
 from llm_train.data.formats.base import Batch, Format, TokenizeFn
 from llm_train.data.formats.images import ImageSizing, conversation_with_images
 from llm_train.data.formats.messages import ChatMapping, map_messages

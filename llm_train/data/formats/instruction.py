@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llm_train.config.sources import InstructionSource
+from llm_train.config.source_schema import InstructionSource
 from llm_train.data.formats.base import Batch, as_text, column
 from llm_train.data.formats.prompted import ChatRenderer, Prompted, PromptedFormat
 

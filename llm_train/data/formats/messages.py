@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from llm_train.config.sources import CHAT_ROLES, TOOL_CALL, ConversationSource
+from llm_train.config.source_schema import CHAT_ROLES, TOOL_CALL, ConversationSource
 from llm_train.data.formats.base import as_text
 from llm_train.errors import UserError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_train.config.sources import PreferenceSource
+from llm_train.config.source_schema import PreferenceSource
 from llm_train.data.formats.base import Batch, as_text, column
 from llm_train.data.formats.prompted import (
     ChatRenderer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config.sources import PromptSource
+from llm_train.config.source_schema import PromptSource
 from llm_train.data.formats.base import Format, TokenizeFn
 from llm_train.data.formats.messages import render
 from llm_train.errors import UserError

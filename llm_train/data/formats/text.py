@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llm_train.config.sources import TextSource
+from llm_train.config.source_schema import TextSource
 from llm_train.data.formats.base import Batch, Format, TokenizeFn, as_text, make_encoder
 from llm_train.data.rows import as_row
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llm_train.config.sources import TokenizedSource
+from llm_train.config.source_schema import TokenizedSource
 from llm_train.data.formats.base import Batch, Format, TokenizeFn
 from llm_train.errors import UserError
 

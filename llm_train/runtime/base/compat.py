@@ -96,7 +96,7 @@ PUBLIC_MODULES = (
     "accelerate.utils", "bitsandbytes.nn", "peft.tuners.lora",
 )  # fmt: skip
 INTERNALS: dict[str, str] = {
-    "transformers.core_model_loading:revert_weight_conversion": "runtime/export/model_dir.py (save_pretrained's key names)",
+    "transformers.core_model_loading:revert_weight_conversion": "runtime/export/verify.py (save_pretrained's key names)",
     "transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING": "runtime/model/quantized_base.py quantizing_on (the staged 4-bit load)",
     "transformers.quantizers.quantizer_bnb_4bit:Bnb4BitHfQuantizer": "runtime/model/quantized_base.py",
     "transformers.integrations.bitsandbytes:Bnb4bitQuantize": "runtime/model/quantized_base.py (the staged quantize op)",
@@ -128,7 +128,7 @@ INTERNALS: dict[str, str] = {
     "deepspeed.runtime.sequence_parallel.ulysses_sp:TiledMLP": "runtime/model/tiling.py",
     "deepspeed.utils.groups:_get_sequence_parallel_group": "runtime/engines/zero_engine.py (Ulysses' group)",
     "deepspeed.utils.groups:get_tensor_model_parallel_group": "runtime/engines/zero_engine.py (AutoTP's group)",
-    "deepspeed.utils.zero_to_fp32:get_fp32_state_dict_from_zero_checkpoint": "runtime/export/model_dir.py",
+    "deepspeed.utils.zero_to_fp32:get_fp32_state_dict_from_zero_checkpoint": "runtime/export/from_checkpoint.py",
     "lm_eval.models.huggingface:HFLM": "runtime/benchmark.py (lm-eval's HF model wrapper)",
     "lm_eval.tasks:TaskManager": "runtime/benchmark.py",
     "lm_eval.utils:make_table": "runtime/benchmark.py",

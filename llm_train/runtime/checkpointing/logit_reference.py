@@ -3,9 +3,9 @@
 Every engine runs the live model on one fixed batch (`reference_input_ids`, every rank takes part in the
 forward) and rank 0 writes the logits: next to final/ as RUN_DIR/export_reference.safetensors
 (`write_reference`, so final/ stays a clean HF folder) and into each checkpoint
-(checkpointing/run_state.py `Saver`). The export check (runtime/export/model_dir.py) reads them back and compares
+(checkpointing/run_state.py `Saver`). The export check (runtime/export/verify.py) reads them back and compares
 the reloaded model's logits with them. This module is the file format both sides share; the comparison
-and its tolerance are runtime/export/model_dir.py's.
+and its tolerance are runtime/export/verify.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A digest of the fp32 master weights each rank holds at a save, checked against its shard at export.
 
 Why: the export check compares the exported model's logits with the ones the engine recorded at save
-time, within 4 ulps of the coarser dtype (runtime/export/model_dir.py). At fine-tuning learning rates (~1e-5) one
+time, within 4 ulps of the coarser dtype (runtime/export/verify.py). At fine-tuning learning rates (~1e-5) one
 optimizer step moves bf16 weights by less than their rounding, so a checkpoint whose optimizer shards
 are one step old (a save that wrote an old partition, yet whose manifest verifies: the manifest hashes
 what was written) passes any bf16 comparison. The master weights' bits change at every step whatever the

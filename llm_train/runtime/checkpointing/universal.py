@@ -15,7 +15,7 @@ It runs in a child process so a crash in it (or its memory peak) cannot take the
 A module of its own, not part of runtime/checkpointing/resume.py: converting is a job apart from resuming. It
 makes a verified derived copy of a checkpoint, with its own manifest, for three users: a resume
 on another layout (resume.py), `llm-train convert` ahead of time, and the export of a checkpoint
-(export/model_dir.py reads the merged weights through `universal_state_dict`).
+(export/from_checkpoint.py reads the merged weights through `universal_state_dict`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from llm_train.errors import UserError
 from llm_train.runtime.base import collectives
 from llm_train.runtime.base.collectives import WORLD
 from llm_train.runtime.engines.engine import to_device
-from llm_train.runtime.loss.preference import Forward, iter_pairs
+from llm_train.runtime.loss.preference_tuning import Forward, iter_pairs
 from llm_train.runtime.model.model import build_model, loss_tokens
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def _read(entry: Path, pairs: int) -> np.ndarray | None:
 
 
 class CachedReference:
-    """The `prepare` of a DPO objective with a cached reference (runtime/loss/preference.py Preference)."""
+    """The `prepare` of a DPO objective with a cached reference (runtime/loss/preference_tuning.py Preference)."""
 
     def __init__(
         self,

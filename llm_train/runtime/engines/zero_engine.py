@@ -35,12 +35,12 @@ from llm_train.runtime.engines.engine import (
 )
 from llm_train.runtime.engines.reference import CachedReference, frozen_reference
 from llm_train.runtime.engines.sequence_parallel import SequenceShard, evaluating, parallelism_config
-from llm_train.runtime.export.model_dir import EXPORT_DTYPES, save_hf_model
 from llm_train.runtime.export.sharded import no_gather, write_adapter, write_merged
+from llm_train.runtime.export.write import EXPORT_DTYPES, save_hf_model
 from llm_train.runtime.loss.interface import Objective, Scored, mean_scores
 from llm_train.runtime.loss.language_modeling import LanguageModeling, SequenceParallelLM
 from llm_train.runtime.loss.objectives import make_objective
-from llm_train.runtime.loss.preference import reference_forward
+from llm_train.runtime.loss.preference_tuning import reference_forward
 from llm_train.runtime.model.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.model.lora import apply_lora, is_peft_model
 from llm_train.runtime.model.model import build_model, load_tokenizer, loss_tokens, model_class

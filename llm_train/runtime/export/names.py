@@ -8,7 +8,7 @@ disk). `save_pretrained` reverts the conversions the model was *loaded* with (`_
 Qwen2.5-VL export came out with the prefix applied twice (`language_model.model.model.*`, measured with
 transformers 5.25). So every writer here names tensors through one function, `checkpoint_names`, with the
 mapping a model built from its config gets (the hub layout), and saves with `save_original_format=False`;
-the key check (model_dir.py) derives the expected names the same way.
+the key check (verify.py) derives the expected names the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 def checkpoint_names(model: PreTrainedModel, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state_dict` (in-memory names) under the names and in the layout save_pretrained writes for a model
-    built from its config. The function is save_pretrained's own (not public API; see model_dir._saved_form)."""
+    built from its config. The function is save_pretrained's own (not public API; see verify._saved_form)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     loaded_with = model.__dict__.pop("_weight_conversions", None)

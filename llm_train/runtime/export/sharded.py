@@ -12,7 +12,7 @@ a full shard is written and freed before the next one starts. Host peak: one sha
 The directory is what `save_pretrained` writes: `model.safetensors` (one shard) or
 `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`, `config.json` without
 the quantisation section (the merged weights are plain 16-bit), the generation config and the
-tokenizer. `runtime/export/model_dir.py` verifies it like any other export.
+tokenizer. `runtime/export/verify.py` verifies it like any other export.
 """
 
 from __future__ import annotations

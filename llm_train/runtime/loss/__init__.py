@@ -7,7 +7,7 @@
                           group's loss, and the pipeline's last-stage losses (`causal_lm_loss`, chunked)
     chunked.py            memory.tiled_loss: per-token log-probs without the full logits, chunk by chunk
                           (the model's patched forward, DPO's sums and the pipeline's chunked loss use it)
-    preference.py         dpo and simpo on pairs of rows
+    preference_tuning.py  dpo and simpo on pairs of rows
     reward.py             reward: Bradley-Terry on a classifier's scores
     grpo.py               grpo's arithmetic: group advantages and the clipped policy loss (the rollouts
                           and the Objective that runs them: runtime/rl/grpo.py)

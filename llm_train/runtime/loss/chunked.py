@@ -40,7 +40,7 @@ Why not one of the libraries:
 The primitive is the per-token log-probability (`token_logps`), differentiable with any upstream
 gradient: the language-modelling loss is minus their sum over the token count (transformers'
 reduction, `num_items_in_batch` included), DPO and SimPO sum them per sequence
-(preference.py), the pipeline's last stage averages them over its micro-batch
+(preference_tuning.py), the pipeline's last stage averages them over its micro-batch
 (language_modeling.py). Exactness: losses (sums of the same per-token values) and weight
 gradients agree with transformers' to fp32 rounding (tests/unit/test_chunked_loss.py).
 

@@ -2,8 +2,8 @@
 
 lm      language_modeling.py `LanguageModeling` (`SequenceParallelLM` under sequence parallelism,
         which the ZeRO engine picks itself: it holds the group)
-dpo     preference.py `Preference`, with the reference the engine provides (cached, live, frozen)
-simpo   preference.py `Preference`, reference-free
+dpo     preference_tuning.py `Preference`, with the reference the engine provides (cached, live, frozen)
+simpo   preference_tuning.py `Preference`, reference-free
 reward  reward.py `RewardModelling`
 grpo    runtime/rl/grpo.py `Grpo` (rollouts, then grpo.py's policy loss), built by the ZeRO engine
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from llm_train.config.recipe import Recipe
 from llm_train.runtime.loss.interface import Objective
 from llm_train.runtime.loss.language_modeling import LanguageModeling
-from llm_train.runtime.loss.preference import Forward, Preference, PrepareReference
+from llm_train.runtime.loss.preference_tuning import Forward, Preference, PrepareReference
 from llm_train.runtime.loss.reward import RewardModelling
 
 

@@ -3,7 +3,7 @@
 The pipeline model (pipeline_model.py) is a flat list of layers (embedding, each decoder layer, the final
 norm, the head or the tied embedding); DeepSpeed's checkpoint of it is one `layer_NN-model_states.pt` file
 per layer, with the layer's own names. Loading a stage, exporting final/, and exporting a checkpoint
-(runtime/export/model_dir.py) all translate through `LayerMap`; this module holds it so the export reads a pipeline
+(runtime/export/from_checkpoint.py) all translate through `LayerMap`; this module holds it so the export reads a pipeline
 checkpoint without importing the pipeline's model.
 """
 
