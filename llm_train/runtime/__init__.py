@@ -9,7 +9,7 @@
                     (control.py), and the live model's reference logits a checkpoint and final/ record
     export/         final/ as a plain Hugging Face directory: written layer by layer (sharded.py),
                     verified, and exported from a checkpoint (model_dir.py)
-    rl/             GRPO's rollouts and reward functions (its loss: loss/grpo.py)
+    rl/             GRPO's rollouts, reward functions and run wiring (wiring.py; its loss: loss/grpo.py)
     engines/        the Engine interface and its two engines (ZeRO through Accelerate; DeepSpeed's
                     pipeline, with its model), Ulysses sequence sharding, DPO's reference model
 
