@@ -20,6 +20,7 @@ from llm_train.config.objective_sections import Objective
 from llm_train.config.objectives import OBJECTIVES, objective_spec
 from llm_train.config.recipe import load_recipe
 from llm_train.config.sources import SOURCE_CLASSES
+from llm_train.errors import UserError
 from llm_train.runtime.loss.objectives import LOSSES
 from llm_train.runtime.loss.preference import PREFERENCE_METRICS
 from llm_train.runtime.loss.reward import REWARD_METRICS
@@ -59,6 +60,8 @@ def test_data_families_match_the_formats() -> None:
     assert sum(len(f) for f in families) == len(set().union(*families))
     # The image-text SFT is lm on image rows (the registry's docstring says why), not an objective of its own.
     assert "image_chat" in formats_of["lm"]
+    vlm = load_recipe("tiny-cpu-vlm")
+    assert vlm.objective == "lm" and {s.format for s in vlm.data.sources("train")} == {"image_chat"}
 
 
 def test_metrics_are_the_losses_names() -> None:
@@ -136,3 +139,26 @@ def test_the_table_imports_no_torch() -> None:
     """config/ and planning/ ask the table without torch (a fresh interpreter: this one has torch already)."""
     code = "import sys, llm_train.config.objectives; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# A shipped tiny recipe of each objective (simpo: the DPO one with its objective switched).
+TINY = {
+    "lm": ("tiny-cpu", []),
+    "dpo": ("tiny-cpu-dpo", []),
+    "simpo": ("tiny-cpu-dpo", ["objective=simpo"]),
+    "reward": ("tiny-cpu-reward", []),
+    "grpo": ("tiny-cpu-grpo", []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_the_recipe_refuses_lora_where_the_table_does(name: str) -> None:
+    """The row's `lora` layout and recipe.py's check agree (a row whose layouts lie fails here)."""
+    assert set(TINY) == set(OBJECTIVES)  # a new objective needs its tiny recipe here
+    recipe, overrides = TINY[name]
+    assert load_recipe(recipe, overrides).objective == name
+    if "lora" in objective_spec(name).layouts:
+        assert load_recipe(recipe, [*overrides, "lora.rank=8"]).lora is not None
+    else:
+        with pytest.raises(UserError, match=f"lora: objective {name}"):
+            load_recipe(recipe, [*overrides, "lora.rank=8"])
