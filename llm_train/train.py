@@ -19,6 +19,7 @@ from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
 from llm_train.config.gpu_evidence import unverified_line
 from llm_train.config.hardware import Device, gpus_without_p2p
+from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe import Recipe
 from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.prompts import load_prompts
@@ -177,7 +178,9 @@ def print_dry_run(run: Resolved) -> None:
     # that would loop over its data more than data.max_epochs times.
     recipe = run.recipe
     print("# data volume")
-    if recipe.objective == "grpo":  # prompts are read at start-up, and an RL run revisits them by design
+    if objective_spec(
+        recipe.objective
+    ).generates:  # prompts are read at start-up, and an RL run revisits them by design
         grpo = recipe.grpo
         prompts = run.layout.global_batch_size // grpo.num_generations
         print(f"  {prompts} prompts per step, {grpo.num_generations} completions each (objective grpo)")
@@ -339,7 +342,9 @@ def check_before_start(
     check_staged_quantizer(run.recipe.lora, run.layout.zero_stage)  # transformers' op is the tested one
     check_recipe_tasks(run.recipe.eval)  # lm-eval installed, every task of eval.tasks known
     check_optimizer_package(run.recipe.optim)
-    if run.recipe.objective == "grpo":  # a reward function that cannot be imported: one line, now
+    if objective_spec(
+        run.recipe.objective
+    ).generates:  # a reward function that cannot be imported: one line, now
         load_rewards(run.recipe.grpo.rewards, run.recipe.grpo.max_completion_length)
     estimated = estimated or estimate_run(run, nproc_per_node)
     if not args.skip_ram_check:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe import load_recipe
 from llm_train.data.dealer import EpochOrder
 from llm_train.data.prepare import prepare_data
@@ -50,7 +51,7 @@ def _prepared(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         )
         return recipe, None, None
     tokenizer = load_tokenizer(recipe.model)
-    if recipe.objective == "grpo":
+    if objective_spec(recipe.objective).generates:
         _show_prompts(recipe, tokenizer, getattr(args, "n", 0))
         return recipe, None, None
     print(

@@ -31,6 +31,7 @@ from llm_train.config.layout import (
     sequence_parallel_problem,
 )
 from llm_train.config.model_kind import is_image_text, text_fields
+from llm_train.config.objectives import LayoutPart, objective_spec
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
@@ -117,34 +118,36 @@ def _check_quantized(layout: Layout, recipe: Recipe, ds_source: str, degrees: st
 def _check_objective(layout: Layout, recipe: Recipe, degrees: str) -> None:
     """Preference and RL objectives score whole sequences on one rank: what splits a sequence or its logits is
     refused; GRPO's groups are generated whole on one rank."""
-    if recipe.objective == "lm":
-        return
+    spec = objective_spec(recipe.objective)
     asked = f"objective={recipe.objective}"
-    why = {
+    why: dict[str, tuple[LayoutPart, int, str]] = {
         "deepspeed.pipeline_stages": (
+            "pipeline",
             layout.pp,
             "DeepSpeed's pipeline engine computes a token loss on its last stage and hands back no logits to "
             "score the chosen and rejected sequences by",
         ),
         "tensor_parallel.autotp_size": (
+            "tensor_parallel",
             layout.tp,
             "AutoTP may split the output layer over the vocabulary, so no rank holds a sequence's log-probs "
             "(not verified)",
         ),
         "deepspeed.sequence_parallel": (
+            "sequence_parallel",
             layout.sp,
             "Ulysses splits each sequence over ranks, so no rank holds a sequence's log-prob",
         ),
     }
     # objective grpo with pipeline stages: refused by the recipe itself (recipe.py), before the pipeline's rules.
-    for setting, (degree, reason) in why.items():
-        if degree > 1:
+    for setting, (part, degree, reason) in why.items():
+        if degree > 1 and part not in spec.layouts:
             raise UserError(
                 f"{degrees}: {asked} is not supported with {setting}={degree}: {reason}; train "
-                f"{'with GRPO' if recipe.objective == 'grpo' else 'preferences'} with ZeRO data parallelism "
+                f"{'with GRPO' if spec.generates else 'preferences'} with ZeRO data parallelism "
                 "(ZeRO-0..3, offload, LoRA)"
             )
-    if recipe.objective == "grpo":
+    if spec.generates:
         # TRL's rule: the step's completions over every rank form whole groups; a group may span ranks
         # (runtime/rl/grpo.py gathers the rewards before the advantages).
         total = layout.micro_batch_size * layout.grad_accum * layout.dp

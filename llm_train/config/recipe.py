@@ -29,6 +29,7 @@ from llm_train.config.objective_sections import (
     PreferenceSection,
     RewardSection,
 )
+from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe_files import (
     apply_overrides,
     describe_validation_error,
@@ -125,12 +126,13 @@ class Recipe(Section):
     def _check_objective(self) -> None:
         """Preference data and preference objectives come together; what pairs cannot use is refused."""
         objective, preference = self.objective, self.preference
+        spec = objective_spec(objective)
         sources = [
             (f"data.{split}[{i}]", source)
             for split in ("train", "eval")
             for i, source in enumerate(self.data.sources(split))
         ]
-        if objective != "grpo":
+        if not spec.generates:
             _refuse_formats_of(sources, "grpo", objective)
             changed = [k for k, v in GrpoSection().model_dump().items() if getattr(self.grpo, k) != v]
             if changed:
@@ -141,14 +143,14 @@ class Recipe(Section):
         else:
             self._check_grpo()
             return
-        if objective != "reward":
+        if spec.section != "reward":
             changed = [k for k, v in RewardSection().model_dump().items() if getattr(self.reward, k) != v]
             if changed:
                 raise ValueError(
                     f"reward.{changed[0]} is set but objective is {objective}; set objective: reward, or remove "
                     "the reward section"
                 )
-        if objective == "lm":
+        if spec.section is None:
             _refuse_formats_of(sources, "dpo", objective)
             # Compared with the defaults, not with what was written: a dumped recipe lists every field.
             changed = [k for k, v in PreferenceSection().model_dump().items() if getattr(preference, k) != v]
@@ -174,16 +176,16 @@ class Recipe(Section):
                 f"objective={objective} trains each pair as two padded rows (chosen and rejected); set "
                 "data.packing=padded"
             )
-        if objective == "reward":
+        if spec.section == "reward":
             self._check_reward()
             return
         defaults = PreferenceSection()
-        if objective == "simpo" and preference.reference != defaults.reference:
+        if "reference" not in spec.own_keys and preference.reference != defaults.reference:
             raise ValueError(
                 "preference.reference=live applies to objective dpo; simpo is reference-free: remove "
                 "preference.reference"
             )
-        if objective == "dpo" and preference.simpo_gamma != defaults.simpo_gamma:
+        if "simpo_gamma" not in spec.own_keys and preference.simpo_gamma != defaults.simpo_gamma:
             raise ValueError(
                 "preference.simpo_gamma applies to objective simpo; remove it or set objective: simpo"
             )
@@ -267,7 +269,7 @@ class Recipe(Section):
     @property
     def sequences_per_sample(self) -> int:
         """Sequences one sample trains: two for a preference pair (chosen and rejected), else one."""
-        return 2 if self.objective in ("dpo", "simpo", "reward") else 1
+        return objective_spec(self.objective).sequences_per_sample
 
     @property
     def output_dir(self) -> Path:

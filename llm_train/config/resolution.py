@@ -32,6 +32,7 @@ from llm_train.config.hardware import Device
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.layout import Layout, make_layout
 from llm_train.config.model_kind import changed_shape_keys, is_image_text, text_fields, untrainable_reason
+from llm_train.config.objectives import objective_spec
 from llm_train.config.parallel import check_parallel
 from llm_train.config.recipe import Recipe, load_recipe, recipe_to_yaml
 from llm_train.errors import UserError
@@ -148,7 +149,7 @@ def model_fields(recipe: Recipe) -> dict[str, Any]:
     reason = untrainable_reason(fields)
     if fields and reason is not None:
         raise UserError(f"model {name or fields.get('model_type')}: {reason}; llm_train cannot train it")
-    if recipe.objective == "reward" and is_image_text(fields):
+    if not objective_spec(recipe.objective).image_models and is_image_text(fields):
         raise UserError(
             f"objective=reward: model {name or fields.get('model_type')} is an image-text model, and a reward "
             "model's score head is built on a causal LM; train the reward model from a text-only checkpoint"

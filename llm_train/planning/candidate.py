@@ -19,6 +19,7 @@ from typing import Any
 from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
+from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.planning.generation import GenerationInputs
 from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
@@ -131,14 +132,12 @@ def memory_inputs(run: Any, shape: ModelShape, gpus_per_node: int | None = None)
 def reference_of(recipe: Any) -> str:
     """MemoryInputs.reference of a recipe: DPO's choice; GRPO with beta > 0 scores every micro-batch under the
     initial model live, the same copy (or disabled adapters) DPO's live reference uses (runtime/engines/reference.py)."""
-    if recipe.objective == "dpo":
-        return str(recipe.preference.reference)
-    return "live" if recipe.objective == "grpo" and recipe.grpo.beta > 0 else "none"
+    return str(objective_spec(recipe.objective).reference_of(recipe))
 
 
 def generation_of(recipe: Any) -> GenerationInputs | None:
     """MemoryInputs.generation of a recipe: GRPO's generation settings (planning/generation.py), else None."""
-    if recipe.objective != "grpo":
+    if not objective_spec(recipe.objective).generates:
         return None
     grpo = recipe.grpo
     return GenerationInputs(

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from llm_train.config.hardware import GPU_HEADROOM, DriveSpeeds, Hardware, hardware_for
+from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.planning.candidate import (
@@ -347,9 +348,10 @@ def plan_recipe(
     saving = bf16_states_note(base, hw)
     if saving:
         report.notes.append(saving)
-    if run.recipe.objective in ("dpo", "simpo"):
+    spec = objective_spec(run.recipe.objective)
+    if spec.section == "preference":
         report.notes.append(preference_note(ev, run.recipe.objective, run.layout.grad_accum, hw))
-    if run.recipe.objective == "grpo":
+    if spec.generates:
         report.notes.append(grpo_note(run))
     if ev.estimate.nvme_bytes:
         report.notes.append(

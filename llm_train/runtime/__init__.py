@@ -10,7 +10,7 @@
     export/         final/ as a plain Hugging Face directory: written whole or layer by layer
                     (write.py, sharded.py), verified (verify.py), and exported from a checkpoint
                     (from_checkpoint.py)
-    rl/             GRPO's rollouts and reward functions (its loss: loss/grpo.py)
+    rl/             GRPO's rollouts, reward functions and run wiring (wiring.py; its loss: loss/grpo.py)
     engines/        the Engine interface and its two engines (ZeRO through Accelerate; DeepSpeed's
                     pipeline, with its model), Ulysses sequence sharding, DPO's reference model
 

@@ -17,12 +17,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from llm_train.config.layout import workers_for
+from llm_train.config.objectives import objective_spec
 from llm_train.config.resolution import Resolved, steps_for_epochs
 from llm_train.data import (
     Batches,
@@ -57,18 +57,9 @@ from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model.model import load_tokenizer
 from llm_train.runtime.model.processor_files import copy_processor_files, model_processor_sources
-from llm_train.runtime.rl.continuous import ContinuousBatchingGeneration
-from llm_train.runtime.rl.grpo import (
-    Grpo,
-    HfGeneration,
-    Rollouts,
-    RolloutShape,
-    SampleLog,
-    disable_dropout,
-    rollout_logps,
-    stop_ids,
-)
-from llm_train.runtime.rl.rewards import RewardContext, load_rewards
+from llm_train.runtime.rl.grpo import Rollouts, SampleLog
+from llm_train.runtime.rl.rewards import RewardContext
+from llm_train.runtime.rl.wiring import grpo_rollouts
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:
@@ -200,7 +191,7 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
     """
     recipe, layout = run.recipe, run.layout
     tokenizer = load_tokenizer(recipe.model)
-    if recipe.objective == "grpo":
+    if objective_spec(recipe.objective).generates:
         return grpo_data(run, tokenizer, dp_rank, say)
     workers = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
     if is_streaming(recipe.data):
@@ -354,43 +345,30 @@ def train(
     )
     bench = periodic_bench(w, engine, data)
     # GRPO's micro-batches are generated from the prompts the stream deals (runtime/rl/grpo.py).
-    batches = rollouts(w, engine, data, tracker, cfg) if recipe.objective == "grpo" else data.stream
+    batches = (
+        rollouts(w, engine, data, tracker, cfg) if objective_spec(recipe.objective).generates else data.stream
+    )
     with profiler:
         return train_loop(engine, batches, evals, cfg, tracker, control, save, w.say, meter, profiler, bench)
 
 
 def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: LoopConfig) -> Rollouts:
-    """The engine's micro-batches under GRPO: completions of the model itself, scored by the recipe's rewards."""
-    recipe, layout = w.run.recipe, w.run.layout
-    grpo, ds = recipe.grpo, engine.ds
-    objective = engine.objective
-    assert isinstance(objective, Grpo)  # zero_engine builds it for objective grpo
-    tokenizer = data.tokenizer
-    eos = stop_ids(tokenizer, getattr(ds.module, "generation_config", None))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    engine_class = ContinuousBatchingGeneration if grpo.use_transformers_continuous_batching else HfGeneration
-    generation = engine_class(ds, layout.zero_stage == 3, grpo, pad, eos)
-    if grpo.disable_dropout:
-        disable_dropout(ds.module)
-
-    @torch.no_grad()
-    def policy_logps(batch: dict[str, Any]) -> torch.Tensor:
-        return rollout_logps(ds, to_device(batch, ds.device), grpo.temperature)
-
-    return Rollouts(
-        data.stream,
-        generation,
-        load_rewards(grpo.rewards, grpo.max_completion_length),
-        grpo,
-        RolloutShape(layout.micro_batch_size, layout.grad_accum, layout.dp),
-        tokenizer,
-        collectives.WORLD,
-        w.rank,
-        policy_logps,
-        objective.reference,
+    """The engine's micro-batches under an objective that generates (runtime/rl/wiring.py assembles them)."""
+    grpo, ds = w.run.recipe.grpo, engine.ds
+    samples = (
         sample_log(tracker, cfg, grpo.num_iterations, grpo.num_completions_to_print, w.say)
         if grpo.log_completions
-        else None,
+        else None
+    )
+    return grpo_rollouts(
+        w.run,
+        ds,
+        engine.objective,
+        data.stream,
+        data.tokenizer,
+        w.rank,
+        partial(to_device, device=ds.device),
+        samples,
         RewardContext.at_step(cfg.start_step, cfg.max_steps),
         w.say,
     )
@@ -478,7 +456,11 @@ def finish(
     engine.finish()
     if w.rank == 0:
         # A reward model scores text and generates none: no sample.
-        verify_final(final, recipe.output.sample_prompt if recipe.objective != "reward" else None, w.say)
+        verify_final(
+            final,
+            recipe.output.sample_prompt if objective_spec(recipe.objective).head == "lm" else None,
+            w.say,
+        )
 
 
 def verify_final(final: Path, sample_prompt: str | None, say: Say) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llm_train.config.objectives import objective_spec
 from llm_train.config.resolution import Resolved
 from llm_train.observability.metrics import model_token_flops
 from llm_train.planning.flops import TokenFlops
@@ -39,7 +40,7 @@ from llm_train.runtime.export.sharded import no_gather, write_adapter, write_mer
 from llm_train.runtime.export.write import EXPORT_DTYPES, save_hf_model
 from llm_train.runtime.loss.interface import Objective, Scored, mean_scores
 from llm_train.runtime.loss.language_modeling import LanguageModeling, SequenceParallelLM
-from llm_train.runtime.loss.objectives import make_objective
+from llm_train.runtime.loss.objective_losses import make_objective
 from llm_train.runtime.loss.preference_tuning import reference_forward
 from llm_train.runtime.model.fast import apply_liger, compile_notice, dynamo_plugin
 from llm_train.runtime.model.lora import apply_lora, is_peft_model
@@ -127,7 +128,7 @@ class ZeroEngine:
         staged = staged_on_host(recipe.lora, layout.zero_stage)
         # A reward model scores each row at its last non-pad token: its config names the id the data pads with
         # (load_tokenizer's, which data/prepare.py pads with too).
-        reward = recipe.objective == "reward"
+        reward = objective_spec(recipe.objective).head == "score"
         pad_id = load_tokenizer(recipe.model).pad_token_id if reward else None
         with self._staged_load() if staged else contextlib.nullcontext():
             self.model = build_model(
@@ -234,9 +235,10 @@ class ZeroEngine:
         recipe = self.run.recipe
         if self._sequence is not None:  # config/parallel.py refuses every objective but lm under sp > 1
             return SequenceParallelLM(self._sequence.shard, self._sequence.group)
-        if recipe.objective == "grpo":
+        spec = objective_spec(recipe.objective)
+        if spec.generates:
             return Grpo(recipe.grpo, self._grpo_reference() if recipe.grpo.beta else None)
-        if recipe.objective != "dpo":
+        if spec.references == ("none",):
             return make_objective(recipe)
         unwrapped = self.accelerator.unwrap_model(self.ds)
         # Under LoRA the reference is the base: the policy's own engine with the adapters switched off.

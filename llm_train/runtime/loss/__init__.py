@@ -2,7 +2,7 @@
 
     interface.py          `Objective.score(model, batch) -> Scored` (the loss to backpropagate, the loss and
                           metrics to log), `mean_scores`: what the ZeRO engine calls for every micro-batch
-    objectives.py         `make_objective`: the recipe's `objective:` -> the Objective below
+    objective_losses.py   `make_objective`: the recipe's `objective:` -> the Objective below
     language_modeling.py  lm: the model's own loss (whole rows), a sequence-parallel rank's share of its
                           group's loss, and the pipeline's last-stage losses (`causal_lm_loss`, chunked)
     chunked.py            memory.tiled_loss: per-token log-probs without the full logits, chunk by chunk

@@ -5,7 +5,7 @@ backpropagates `Scored.loss` and logs `Scored.logged` (the loss itself unless th
 otherwise) with the metrics; the step loop (runtime/loop.py) sees only their means (`mean_scores`). The
 pipeline engine runs DeepSpeed's schedule, which calls a loss function on the last stage instead
 (language_modeling.py `causal_lm_loss`, `ChunkedCausalLMLoss`), and asks the objective for its
-evaluation summary only. Which objective a recipe asks for: objectives.py `make_objective`.
+evaluation summary only. Which objective a recipe asks for: objective_losses.py `make_objective`.
 """
 
 from __future__ import annotations
