@@ -24,7 +24,9 @@ Facts it relies on (transformers 5.25, DESIGN fact 35):
 
 LoRA: the PEFT model's adapters stay unmerged; the paged forward runs through the same LoRA layers. Merging
 them for generation and unmerging after would round every weight it touches (W + BA - BA is not W in
-floating point), so it is not done.
+floating point), so it is not done; exact would take a copy of every adapted weight. TRL 1.16 does the same on
+this path (grpo_trainer.py calls `generate_batch` on the unwrapped PEFT model; it merges and unmerges only to
+send weights to vLLM, where it accepts the rounding).
 """
 
 from __future__ import annotations
