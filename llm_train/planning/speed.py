@@ -151,6 +151,12 @@ def flops_per_token(inp: MemoryInputs) -> float:
         return _image_text_flops_per_token(inp)
     trainable = shape.lora_params(inp.lora_rank, inp.lora_targets) if inp.lora_rank else shape.num_params
     frozen = shape.num_params if inp.lora_rank else 0
+    return _language_flops_per_token(inp, trainable, frozen)
+
+
+def _language_flops_per_token(inp: MemoryInputs, trainable: float, frozen: float) -> float:
+    """The language model's training FLOPs per token, with the recomputation tiled MLPs and the tiled loss add."""
+    shape = inp.shape
     flops = training_flops_per_token(
         trainable,
         shape.num_layers,
@@ -183,19 +189,7 @@ def _image_text_flops_per_token(inp: MemoryInputs) -> float:
         trainable, frozen = float(shape.lora_params(inp.lora_rank, inp.lora_targets)), language
     else:
         trainable, frozen = language, 0.0
-    flops = training_flops_per_token(
-        trainable,
-        shape.num_layers,
-        shape.num_heads,
-        shape.head_dim,
-        inp.seq_len,
-        frozen=frozen,
-        recompute=inp.activation_checkpointing,
-    )
-    if inp.mlp_is_tiled:
-        flops += 2.0 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers
-    if inp.tiled_loss:
-        flops += 2.0 * shape.vocab_size * shape.hidden_size
+    flops = _language_flops_per_token(inp, trainable, frozen)
     images = inp.vision.images_per_sample
     if images:
         geometry = inp.vision.geometry(vision)

@@ -324,23 +324,24 @@ def _encoder_linears(d: int, inter: int, layers: int) -> list[tuple[str, str, in
     return [*attention, (VISION_TOWER, "fc1", d, inter, layers), (VISION_TOWER, "fc2", inter, d, layers)]
 
 
-def _siglip_tower(
-    vision: dict[str, Any],
-) -> tuple[list[tuple[str, tuple[int, ...], int]], int, int, int, int]:
-    """SigLIP's vision transformer (transformers models/siglip/modeling_siglip.py SiglipVisionTransformer):
-    patch Conv2d with bias, a learned position per patch, layers of LayerNorm / q,k,v,out with bias / LayerNorm
-    / fc1, fc2 with bias, a final LayerNorm, and the attention-pooling head only with vision_use_head."""
-    d = _require(vision, "hidden_size", "vision_config")
-    layers = _require(vision, "num_hidden_layers", "vision_config")
-    inter = _require(vision, "intermediate_size", "vision_config")
-    heads = _require(vision, "num_attention_heads", "vision_config")
-    patch = _require(vision, "patch_size", "vision_config")
-    size = _require(vision, "image_size", "vision_config")
-    channels = int(vision.get("num_channels", 3))
-    positions = (size // patch) ** 2
-    modules: list[tuple[str, tuple[int, ...], int]] = [
-        ("patch_embedding", (channels * patch * patch * d, d), 1),
-        ("position_embedding", (positions * d,), 1),
+def _vit_fields(vision: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
+    """A ViT tower's (width, layers, MLP width, heads, patch, image size, channels) from its vision_config."""
+    fields = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "patch_size")
+    d, layers, inter, heads, patch = (_require(vision, key, "vision_config") for key in fields)
+    return (
+        d,
+        layers,
+        inter,
+        heads,
+        patch,
+        _require(vision, "image_size", "vision_config"),
+        int(vision.get("num_channels", 3)),
+    )
+
+
+def _vit_layers(d: int, inter: int, layers: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """The encoder layers SigLIP and CLIP share: LayerNorm, q/k/v/out with bias, LayerNorm, fc1/fc2 with bias."""
+    return [
         ("layer_norm1", (d, d), layers),
         ("q_proj", _linear(d, d), layers),
         ("k_proj", _linear(d, d), layers),
@@ -349,6 +350,21 @@ def _siglip_tower(
         ("layer_norm2", (d, d), layers),
         ("fc1", _linear(d, inter), layers),
         ("fc2", _linear(inter, d), layers),
+    ]
+
+
+def _siglip_tower(
+    vision: dict[str, Any],
+) -> tuple[list[tuple[str, tuple[int, ...], int]], int, int, int, int]:
+    """SigLIP's vision transformer (transformers models/siglip/modeling_siglip.py SiglipVisionTransformer):
+    patch Conv2d with bias, a learned position per patch, layers of LayerNorm / q,k,v,out with bias / LayerNorm
+    / fc1, fc2 with bias, a final LayerNorm, and the attention-pooling head only with vision_use_head."""
+    d, layers, inter, heads, patch, size, channels = _vit_fields(vision)
+    positions = (size // patch) ** 2
+    modules: list[tuple[str, tuple[int, ...], int]] = [
+        ("patch_embedding", (channels * patch * patch * d, d), 1),
+        ("position_embedding", (positions * d,), 1),
+        *_vit_layers(d, inter, layers),
         ("post_layernorm", (d, d), 1),
     ]
     # SiglipVisionConfig defaults vision_use_head to True; Gemma 3's checkpoints set it false.
@@ -467,27 +483,14 @@ def _llava(cfg: dict[str, Any], text_hidden: int) -> VisionShape:
         raise VisionConfigError(
             f"llava with a '{vision.get('model_type')}' vision tower: the planner sizes LLaVA's CLIP tower only"
         )
-    d = _require(vision, "hidden_size", "vision_config")
-    layers = _require(vision, "num_hidden_layers", "vision_config")
-    inter = _require(vision, "intermediate_size", "vision_config")
-    heads = _require(vision, "num_attention_heads", "vision_config")
-    patch = _require(vision, "patch_size", "vision_config")
-    size = _require(vision, "image_size", "vision_config")
-    channels = int(vision.get("num_channels", 3))
+    d, layers, inter, heads, patch, size, channels = _vit_fields(vision)
     patches = (size // patch) ** 2
     tower = [
         ("class_embedding", (d,), 1),
         ("patch_embedding", (channels * patch * patch * d,), 1),
         ("position_embedding", ((patches + 1) * d,), 1),
         ("pre_layrnorm", (d, d), 1),
-        ("layer_norm1", (d, d), layers),
-        ("q_proj", _linear(d, d), layers),
-        ("k_proj", _linear(d, d), layers),
-        ("v_proj", _linear(d, d), layers),
-        ("out_proj", _linear(d, d), layers),
-        ("layer_norm2", (d, d), layers),
-        ("fc1", _linear(d, inter), layers),
-        ("fc2", _linear(inter, d), layers),
+        *_vit_layers(d, inter, layers),
         ("post_layernorm", (d, d), 1),
     ]
     feature_layers = cfg.get("vision_feature_layer", -2)
