@@ -23,7 +23,7 @@ from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe import Recipe
 from llm_train.config.resolution import Resolved, resolve_run
 from llm_train.data.prompts import load_prompts
-from llm_train.data.volume import planned_volume
+from llm_train.data.volume import hub_sources, planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.profiling import parse_range
 from llm_train.planning.checkpoint_cost import checkpoint_lines
@@ -197,16 +197,24 @@ def print_reward_check(recipe: Recipe) -> None:
     max_completion_length, and every field they need present in the prompt rows; one line if not."""
     grpo = recipe.grpo
     rewards = load_rewards(grpo.rewards, grpo.max_completion_length)
-    room = recipe.data.seq_len - grpo.max_completion_length
-    parts = load_prompts(
-        recipe.data, load_tokenizer(recipe.model), room, lambda m: print(f"  {m}"), grpo.chat_template_kwargs
-    )
-    fields = sorted({k for part in parts for p in part[:1] for k in p.columns})
-    check_columns(rewards, fields)
     print("# rewards")
     for reward in rewards:
         needs = f", reads {', '.join(reward.columns)}" if reward.columns else ""
         print(f"  {reward.key} {reward.label}: loaded{needs}, weight {reward.weight}")
+    # The fields each reward reads are checked against the prompt rows where a dry run can read them: as
+    # data/volume.py planned_volume does, it downloads no hub dataset and goes on without a hub tokenizer.
+    remote = hub_sources(recipe.data)
+    if remote:
+        print(f"  reward fields not checked before the run: data.train names the hub dataset {remote[0]}")
+        return
+    try:
+        tokenizer = load_tokenizer(recipe.model)
+    except UserError as exc:
+        print(f"  reward fields not checked before the run: {exc}")
+        return
+    room = recipe.data.seq_len - grpo.max_completion_length
+    parts = load_prompts(recipe.data, tokenizer, room, lambda m: print(f"  {m}"), grpo.chat_template_kwargs)
+    check_columns(rewards, sorted({k for part in parts for p in part[:1] for k in p.columns}))
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:

@@ -201,7 +201,7 @@ def load_model(source: ModelSource, dtype: Any, quantize: str = "auto") -> tuple
 
 def model_class(model_dir: Path) -> Any:
     """AutoModelForImageTextToText for an image-text model's folder (the class its config names, vision tower
-    included: fact 34 of the causal-LM class dropping or refusing it), else AutoModelForCausalLM."""
+    included: the causal-LM class drops or refuses them in transformers 5.25), else AutoModelForCausalLM."""
     import transformers
 
     path = model_dir / "config.json"

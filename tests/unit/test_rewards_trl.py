@@ -1,7 +1,7 @@
 """TRL's reward interface, received the same: one set of reward functions run through TRL 1.16's GRPOTrainer and
 through our rollouts on the same completions, and what each function was handed compared field by field.
 
-TRL trains one step on CPU (use_cpu, no vLLM, fp32; DESIGN fact 30) with conversational prompts, its
+TRL trains one step on CPU (use_cpu, no vLLM, fp32, as GRPOConfig runs on a CPU) with conversational prompts, its
 `generate` writing the completions; every reward function records its keyword arguments. Our `Rollouts` is then
 given TRL's completions (its generation engine replays TRL's completion ids) for the same prompts, and the
 same functions record what our scoring hands them: a sync function, an `async def` one (TRL awaits them

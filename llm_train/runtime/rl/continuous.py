@@ -8,7 +8,7 @@ the prefill packs prompts of uneven length without padding. TRL 1.16 offers it a
 generation_config=..., continuous_batching_config=..., progress_bar=False)`, completions read from each
 output's `generated_tokens`); chosen here by the recipe key of the same name.
 
-Facts it relies on (transformers 5.25, DESIGN fact 35):
+Facts it relies on (transformers 5.25, checked on CPU 2026-12-06):
 - `generate_batch` runs on CPU with the model's sdpa attention (it switches to its paged variant itself) and
   returns a dict of outputs in the order of the inputs (continuous_api.py re-orders by request id).
 - The cache is sized from the accelerator's free memory unless `num_blocks` / `max_batch_tokens` are given;
@@ -72,8 +72,7 @@ class ContinuousBatchingGeneration:
 
     def configs(self, prompts: list[list[int]]) -> tuple[Any, Any]:
         """(the GenerationConfig both engines use, the ContinuousBatchingConfig sized for these prompts)."""
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers import ContinuousBatchingConfig, GenerationConfig
 
         options = sampling_options(self.grpo, self.pad_id, self.eos_ids)  # top_k 0: no filter in both engines
         cuda = next(self.module.parameters()).device.type == "cuda"
