@@ -135,7 +135,7 @@ def make_base(out: Path, gpu: bool) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from llm_train.config.recipe import load_recipe
-    from llm_train.planning.shapes import to_hf_config
+    from llm_train.planning.model.shapes import to_hf_config
 
     fields = dict(to_hf_config(BASE_SHAPE)) if gpu else dict(load_recipe("tiny-cpu").model.config)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)

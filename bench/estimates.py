@@ -60,7 +60,7 @@ def plan(
         "est_nvme_write_gb_per_step": ev.time.nvme_write_bytes / 1e9,
         # objective grpo: the generate call's seconds (a rough model until measured, planning/generation.py)
         "est_time_generate_s": ev.time.generation_call.total if ev.time.generation_call else None,
-        # an image-text model's image rows: the planner's image tokens per image (planning/vision_shapes.py)
+        # an image-text model's image rows: the planner's image tokens per image (planning/model/vision_shapes.py)
         "est_image_tokens_per_image": _image_tokens(ev.inputs),
     }
 

@@ -387,7 +387,7 @@ def peer_mfu(record: dict[str, Any], ctx: Context) -> dict[str, Any]:
     """The Trainer logs no MFU: llm_train's formula on its step time and the same rows' span."""
     from llm_train.config.hardware import peak_tflops
     from llm_train.observability.metrics import shape_token_flops
-    from llm_train.planning.shapes import shape_from_config
+    from llm_train.planning.model.shapes import shape_from_config
 
     matrix = state(ctx)
     span = ctx.done.get("baseline", {}).get("attention_span")

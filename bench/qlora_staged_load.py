@@ -127,8 +127,8 @@ def measure_load(path: str, staging: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from llm_train.config.recipe_sections import LoraSection
+    from llm_train.planning.model.shapes import shape_from_config
     from llm_train.planning.quantized_bytes import quantized_weight_params
-    from llm_train.planning.shapes import shape_from_config
     from llm_train.runtime.model.quantized_base import (
         Staging,
         is_quantized_linear,

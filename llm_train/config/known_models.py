@@ -1,7 +1,7 @@
 """The published `config.json` fields of common public checkpoints, so shapes are known offline.
 
 Dry runs, `llm-train plan` and recipe resolution need a model's shape before any weights
-exist, on machines that may not reach the Hugging Face Hub (planning/shapes.py counts its
+exist, on machines that may not reach the Hugging Face Hub (planning/model/shapes.py counts its
 parameters from these fields).
 """
 

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from llm_train.config.resolution import Resolved
-    from llm_train.planning.shapes import ModelShape
+    from llm_train.planning.model.shapes import ModelShape
 
 
 def shape_token_flops(shape: ModelShape) -> TokenFlops:

@@ -26,10 +26,10 @@ from llm_train.planning.candidate import (
 )
 from llm_train.planning.knobs import recipe_values, set_key
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model.shapes import ModelShape, shape_from_config
 from llm_train.planning.search import (
     Practicality,
 )
-from llm_train.planning.shapes import ModelShape, shape_from_config
 from llm_train.planning.verdict import config_line, generation_line, verdict
 from llm_train.planning.vision_note import vision_note
 from llm_train.units import GiB

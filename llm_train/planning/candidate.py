@@ -25,10 +25,10 @@ from llm_train.planning.generation import GenerationInputs
 from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
 from llm_train.planning.memory_formulas import ALLOCATOR_SLACK_FRACTION, PROCESS_HOST_BYTES
 from llm_train.planning.memory_inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GROUP_SIZE, MemoryInputs
+from llm_train.planning.model.shapes import ModelShape
+from llm_train.planning.model.vision_shapes import VisionInputs, checkpoint_pixels
 from llm_train.planning.offload_buffers import SwapSettings
-from llm_train.planning.shapes import ModelShape
 from llm_train.planning.speed import StepTime, step_time_on
-from llm_train.planning.vision_shapes import VisionInputs, checkpoint_pixels
 from llm_train.units import GiB
 
 # Host RSS of one CPU-only training process before model state (torch, DeepSpeed,
@@ -36,7 +36,7 @@ from llm_train.units import GiB
 CPU_PROCESS_HOST_BYTES = 1 * GiB
 # The adapters the planner proposes and `--recipe auto` writes are the recipe schema's defaults (one source of
 # truth: config/recipe_sections.py LoraSection): rank, alpha, dropout (PEFT keeps a copy of each adapted input under it:
-# planned) and target modules (planning/shapes.LORA_TARGETS).
+# planned) and target modules (planning/model/shapes.LORA_TARGETS).
 SUGGESTED_LORA = LoraSection()
 SUGGESTED_LORA_RANK = SUGGESTED_LORA.rank
 SUGGESTED_LORA_DROPOUT = SUGGESTED_LORA.dropout

@@ -27,7 +27,7 @@ from typing import Any
 
 from llm_train.config.layout import Layout
 from llm_train.errors import UserError
-from llm_train.planning.shapes import LORA_TARGETS, ModelShape, shape_from_config
+from llm_train.planning.model.shapes import LORA_TARGETS, ModelShape, shape_from_config
 from llm_train.units import GiB
 
 # sha256 of 2 GiB in memory on this machine (2 cores shared with other work): 1.32 GiB per CPU-second.

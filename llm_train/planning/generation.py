@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_train.planning.shapes import ModelShape
+from llm_train.planning.model.shapes import ModelShape
 
 # Per value of the [rows x vocabulary] last-position logits: the model's logits (dtype bytes, added by the
 # caller), their fp32 copy, the processed scores, the probabilities; with top_p < 1, the sorted values,

@@ -23,8 +23,8 @@ from llm_train.errors import UserError
 from llm_train.planning.candidate import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
 from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model.shapes import shape_from_config
 from llm_train.planning.pinning import MemlockLimit, choose_auto, memlock_problem
-from llm_train.planning.shapes import shape_from_config
 from llm_train.units import GiB
 
 

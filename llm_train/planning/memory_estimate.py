@@ -152,9 +152,9 @@ from llm_train.planning.memory_formulas import (
     sequence_parallel_buffer_bytes,
 )
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model.vision_shapes import VISION_TOWER
 from llm_train.planning.model_split import ModelSplit, layers_per_stage, model_split
 from llm_train.planning.quantized_bytes import dequantized_layer_bytes, staged_quantize_gpu_bytes
-from llm_train.planning.vision_shapes import VISION_TOWER
 from llm_train.units import GiB
 
 # --- the estimator ------------------------------------------------------------------------------
@@ -387,7 +387,7 @@ def activation_bytes(inp: MemoryInputs) -> tuple[float, float]:
 
 def vision_activation_bytes(inp: MemoryInputs) -> float:
     """The vision tower's activations over a micro-batch's images, at the largest size the processor lets
-    through (planning/vision_shapes.py). A frozen tower keeps nothing for backward (neither its weights nor its
+    through (planning/model/vision_shapes.py). A frozen tower keeps nothing for backward (neither its weights nor its
     pixel inputs need a gradient, so autograd saves no tensor): one layer's working set while it runs. A
     trained one keeps every layer's, or under activation checkpointing (transformers checkpoints the vision
     blocks too) each layer's 16-bit input plus one layer recomputed. The image tokens themselves are counted in

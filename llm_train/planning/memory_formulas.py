@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError
-from llm_train.planning.shapes import ModelShape
+from llm_train.planning.model.shapes import ModelShape
 from llm_train.units import GiB
 
 # CUDA context (driver, cuBLAS/cuDNN handles, NCCL communicators) that `torch.cuda`

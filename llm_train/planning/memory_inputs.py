@@ -28,10 +28,10 @@ from llm_train.config.layout import (
 from llm_train.config.recipe_sections import MemorySection
 from llm_train.errors import UserError
 from llm_train.planning.generation import GenerationInputs
+from llm_train.planning.model.shapes import LORA_TARGETS, ModelShape
+from llm_train.planning.model.vision_shapes import VisionInputs
 from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
 from llm_train.planning.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
-from llm_train.planning.shapes import LORA_TARGETS, ModelShape
-from llm_train.planning.vision_shapes import VisionInputs
 
 # The recipe schema's memory switches: the estimate's defaults are the run's (one source of truth; a test
 # ties them, tests/unit/test_lora_defaults.py). memory.attention's default, "auto", is resolved per card by
@@ -170,7 +170,7 @@ class MemoryInputs:
     generation: GenerationInputs | None = None
     """objective grpo: what each rank generates per step (planning/generation.py); None: no generation."""
     vision: VisionInputs = VisionInputs()
-    """An image-text model's frozen parts and images per sample (planning/vision_shapes.py); a text model's
+    """An image-text model's frozen parts and images per sample (planning/model/vision_shapes.py); a text model's
     shape has no vision part, so this changes nothing there."""
 
     def __post_init__(self) -> None:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL
 from llm_train.planning.quantized_bytes import base_weight_bytes, quantization_state_bytes
-from llm_train.planning.vision_shapes import LANGUAGE_MODEL
 
 
 @dataclass(frozen=True)

@@ -55,9 +55,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llm_train.planning.model.shapes import LORA_TARGETS, ModelShape
+from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL
 from llm_train.planning.quantized_bytes import QUANTIZED_MODULES, packed_numel
-from llm_train.planning.shapes import LORA_TARGETS, ModelShape
-from llm_train.planning.vision_shapes import LANGUAGE_MODEL
 
 PINNINGS = ("torch", "native", "off")
 """How DeepSpeed's pinned host buffers are allocated (module docstring, fact 1)."""

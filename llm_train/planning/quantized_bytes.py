@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from llm_train.planning.shapes import ModelShape
+from llm_train.planning.model.shapes import ModelShape
 
 QUANTIZE_MODES = ("none", "nf4", "int8")
 QUANTIZE_DEVICES = ("gpu", "cpu")

@@ -41,6 +41,7 @@ from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
 from llm_train.planning.host_memory import offload_rank
 from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL, PROJECTOR, VISION_TOWER
 from llm_train.planning.model_split import model_split
 from llm_train.planning.offload_buffers import nvme_optimizer_bytes
 from llm_train.planning.quantized_bytes import (
@@ -49,7 +50,6 @@ from llm_train.planning.quantized_bytes import (
     quantization_state_bytes,
     quantized_weight_params,
 )
-from llm_train.planning.vision_shapes import LANGUAGE_MODEL, PROJECTOR, VISION_TOWER
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.

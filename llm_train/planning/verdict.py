@@ -28,6 +28,7 @@ from llm_train.planning.host_settings import choose_host_settings
 from llm_train.planning.host_settings import describe as describe_host_settings
 from llm_train.planning.memory_estimate import _LABELS, estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.model.shapes import shape_from_config
 from llm_train.planning.offload_buffers import PINNINGS
 from llm_train.planning.search import (
     Fix,
@@ -38,7 +39,6 @@ from llm_train.planning.search import (
     search_fixes,
     without_nvme,
 )
-from llm_train.planning.shapes import shape_from_config
 from llm_train.planning.speed import reference_pass_seconds, staged_load
 from llm_train.planning.vision_note import vision_note
 from llm_train.units import GiB

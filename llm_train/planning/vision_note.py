@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from llm_train.planning.memory_estimate import MemoryEstimate
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.vision_shapes import PROJECTOR, VISION_TOWER
+from llm_train.planning.model.vision_shapes import PROJECTOR, VISION_TOWER
 from llm_train.units import GiB
 
 _FAMILY_NAMES = {"gemma3": "Gemma 3 (SigLIP)", "qwen2_5_vl": "Qwen2.5-VL", "llava": "LLaVA (CLIP)"}

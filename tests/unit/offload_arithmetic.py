@@ -6,7 +6,7 @@ planner's rows with these checks the planner against arithmetic, not against its
 
 from __future__ import annotations
 
-from llm_train.planning.shapes import shape_of
+from llm_train.planning.model.shapes import shape_of
 
 MiB = 2**20
 GiB = 2**30

@@ -13,7 +13,7 @@ import pytest
 from llm_train.config.layout import Layout
 from llm_train.config.recipe import load_recipe
 from llm_train.planning.checkpoint_cost import checkpoint_cost
-from llm_train.planning.shapes import shape_from_config
+from llm_train.planning.model.shapes import shape_from_config
 from llm_train.train import main as train_main
 
 TINY_PARAMS = 1_901_696

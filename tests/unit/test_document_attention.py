@@ -26,7 +26,7 @@ from llm_train.errors import UserError
 from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.shapes import shape_of
+from llm_train.planning.model.shapes import shape_of
 from llm_train.runtime.model import document_attention as sdpa_flex
 from llm_train.units import GiB
 from tests.devices import H100, H200, RTX_4090, RTX_4090_UNREAD

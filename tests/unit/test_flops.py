@@ -16,7 +16,7 @@ from llm_train.observability.metrics import (
     shape_flops_per_token,
 )
 from llm_train.planning.flops import attention_flops_per_token, training_flops_per_token
-from llm_train.planning.shapes import shape_of
+from llm_train.planning.model.shapes import shape_of
 from tests.helpers import tiny_llama_config
 from tests.unit.test_metrics import tiny_llama
 

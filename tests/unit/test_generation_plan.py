@@ -18,7 +18,7 @@ from llm_train.planning.generation import (
 )
 from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.shapes import shape_from_config, shape_of
+from llm_train.planning.model.shapes import shape_from_config, shape_of
 from llm_train.planning.verdict import plan_recipe, render
 
 TINY = {

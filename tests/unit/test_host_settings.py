@@ -14,7 +14,7 @@ from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.host_settings import SUB_GROUP_CANDIDATES, choose_host_settings
 from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.shapes import shape_from_config, shape_of
+from llm_train.planning.model.shapes import shape_from_config, shape_of
 from llm_train.units import GiB
 
 CONSUMER_FULL_FINETUNES = ["7b-rtx4090", "8b-rtx4090", "8b-rtx4090-nvme", "13b-rtx4090-offload"]

@@ -24,7 +24,7 @@ from llm_train.planning.memory_formulas import (
     mlp_tile_bytes,
 )
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.shapes import shape_of
+from llm_train.planning.model.shapes import shape_of
 from llm_train.planning.speed import step_time
 from llm_train.planning.verdict import plan_recipe
 from llm_train.units import GiB

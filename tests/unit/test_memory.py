@@ -22,7 +22,7 @@ from llm_train.planning.memory_formulas import (
     mlp_intermediate_bytes_per_token,
 )
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.shapes import ModelShape, shape_of
+from llm_train.planning.model.shapes import ModelShape, shape_of
 from llm_train.units import GiB
 from tests.unit.planner_reference import (
     deepspeed_zero2_model_states,
@@ -426,7 +426,7 @@ def test_tiny_shape_is_positive_everywhere() -> None:
 
 
 def test_modules_do_not_import_torch_or_deepspeed() -> None:
-    code = "import sys, llm_train.planning.memory_estimate, llm_train.planning.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
+    code = "import sys, llm_train.planning.memory_estimate, llm_train.planning.model.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
     repo_root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo_root

@@ -34,7 +34,7 @@ from llm_train.planning.memory_formulas import (
     loss_chunks,
 )
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.shapes import shape_from_config
+from llm_train.planning.model.shapes import shape_from_config
 from llm_train.runtime.loss.chunked import enable_tiled_loss
 from tests.helpers import tiny_llama_config
 

@@ -20,7 +20,7 @@ from llm_train.observability.metrics import (
     shape_flops_per_token,
 )
 from llm_train.planning.flops import TokenFlops, token_flops, training_flops_per_token
-from llm_train.planning.shapes import shape_from_config
+from llm_train.planning.model.shapes import shape_from_config
 from tests.helpers import tiny_llama_config
 
 

@@ -22,7 +22,7 @@ from llm_train.errors import UserError
 from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES
 from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.shapes import shape_of
+from llm_train.planning.model.shapes import shape_of
 from llm_train.runtime.model.optim import build_optimizer
 from tests.devices import resolve
 from tests.helpers import tiny_llama_config

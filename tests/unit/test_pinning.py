@@ -18,8 +18,8 @@ from llm_train.planning import pinning
 from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.guards import auto_pinning, check_memlock
 from llm_train.planning.memory_estimate import estimate_memory
+from llm_train.planning.model.shapes import shape_from_config
 from llm_train.planning.pinning import MemlockLimit, has_cap_ipc_lock
-from llm_train.planning.shapes import shape_from_config
 from llm_train.runtime.base.launch_env import PIN_BACKEND_ENV, use_pin_memory_backend
 from llm_train.units import GiB
 from tests.devices import RTX_4090, resolve

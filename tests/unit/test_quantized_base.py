@@ -394,8 +394,8 @@ def _llama31_8b_arithmetic() -> tuple[int, int]:
 
 
 def test_nf4_and_int8_bases_by_hand() -> None:
+    from llm_train.planning.model.shapes import shape_of
     from llm_train.planning.quantized_bytes import base_weight_bytes
-    from llm_train.planning.shapes import shape_of
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
     projections, rest = _llama31_8b_arithmetic()
@@ -419,7 +419,7 @@ def test_8b_qlora_plan_by_hand() -> None:
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
     )
-    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.model.shapes import shape_of
 
     run = resolve_run("8b-qlora-rtx4070", [], world_size=1)
     est = estimate_memory(memory_inputs(run, shape_of("meta-llama/Llama-3.1-8B")))
@@ -452,7 +452,7 @@ def test_16bit_lora_host_ram_by_hand() -> None:
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
     )
-    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.model.shapes import shape_of
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
     merged = estimate_memory(memory_inputs(resolve_run("8b-lora-rtx4090", [], world_size=1), shape))
@@ -477,8 +477,8 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
         QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
         QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
     )
+    from llm_train.planning.model.shapes import shape_of
     from llm_train.planning.model_split import model_split
-    from llm_train.planning.shapes import shape_of
 
     run = resolve_run("70b-qlora-2x4090", [], world_size=2)
     assert run.layout.zero_stage == 3 and run.layout.offload_params == "cpu" and run.recipe.lora is not None
@@ -544,7 +544,7 @@ def test_70b_two_card_start_up_is_the_checkpoint_read_not_the_quantiser() -> Non
     """speed.staged_load from its definition: on the GPU, each rank reads the 16-bit checkpoint and moves each
     weight to its card and the codes back; on the CPU, bitsandbytes' quantiser's measured rate bounds it."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.model.shapes import shape_of
     from llm_train.planning.speed import CPU_QUANTIZE_WEIGHTS_PER_S, PAGEABLE_COPY_EFFICIENCY, staged_load
     from llm_train.planning.verdict import plan_recipe, render
 
@@ -573,7 +573,7 @@ def test_the_70b_recipe_header_states_the_planners_host_ram_and_start_up() -> No
     from llm_train.config.hardware import NVME_READ_BYTES_PER_S
     from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.memory_estimate import estimate_memory
-    from llm_train.planning.shapes import shape_of
+    from llm_train.planning.model.shapes import shape_of
     from llm_train.planning.speed import staged_load
 
     header = " ".join(

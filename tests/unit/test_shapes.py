@@ -9,7 +9,7 @@ import pytest
 
 from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.errors import UserError
-from llm_train.planning.shapes import (
+from llm_train.planning.model.shapes import (
     ModelConfigError,
     ModelShape,
     UnknownModelError,

@@ -1,5 +1,5 @@
 """The planner's image-text models: parameter counts against tiny real models, image tokens against the
-processors, and the estimate's vision terms (planning/vision_shapes.py)."""
+processors, and the estimate's vision terms (planning/model/vision_shapes.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import pytest
 
 from llm_train.planning.memory_estimate import estimate_memory
 from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.model_split import model_split
-from llm_train.planning.shapes import ModelConfigError, shape_from_config, shape_of
-from llm_train.planning.vision_shapes import (
+from llm_train.planning.model.shapes import ModelConfigError, shape_from_config, shape_of
+from llm_train.planning.model.vision_shapes import (
     LANGUAGE_MODEL,
     PROJECTOR,
     VISION_TOWER,
@@ -21,6 +20,7 @@ from llm_train.planning.vision_shapes import (
     VisionInputs,
     processor_pixels,
 )
+from llm_train.planning.model_split import model_split
 from tests.optional import import_or_skip
 
 GEMMA3: dict[str, Any] = {

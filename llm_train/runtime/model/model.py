@@ -18,7 +18,7 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.model_kind import is_image_text
 from llm_train.config.recipe_sections import LoraSection, MemorySection, ModelSection
 from llm_train.errors import UserError, first_line
-from llm_train.planning.shapes import to_hf_config
+from llm_train.planning.model.shapes import to_hf_config
 from llm_train.runtime.loss.chunked import enable_tiled_loss
 from llm_train.runtime.model.document_attention import NAME as SDPA_FLEX
 from llm_train.runtime.model.document_attention import register_sdpa_flex

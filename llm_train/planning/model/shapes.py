@@ -27,7 +27,7 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.model_kind import is_image_text, text_fields
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import UserError
-from llm_train.planning.vision_shapes import (
+from llm_train.planning.model.vision_shapes import (
     SIZED_IMAGE_TEXT_TYPES,
     VisionConfigError,
     VisionShape,
@@ -83,7 +83,7 @@ class ModelShape:
     qk_norm: bool = False
     feedforward_norms: bool = False
     vision: VisionShape | None = None
-    """An image-text checkpoint's vision tower and projector (planning/vision_shapes.py); None: a text model."""
+    """An image-text checkpoint's vision tower and projector (planning/model/vision_shapes.py); None: a text model."""
 
     @property
     def head_dim(self) -> int:
