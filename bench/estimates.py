@@ -24,7 +24,7 @@ def plan(
     the host peak of the load and training phases (the processes included), without the final export.
     """
     from llm_train.errors import UserError
-    from llm_train.planning.host_memory import host_peak_bytes
+    from llm_train.planning.memory.host import host_peak_bytes
     from llm_train.planning.verdict import plan_recipe
 
     try:
@@ -43,7 +43,7 @@ def plan(
     ev = report.evaluation
     est = ev.estimate
     allocated = sum(v for k, v in est.gpu_terms.items() if k != "cuda_context_and_slack")
-    # The export copy left out: what the host holds until the steps are logged (planning/memory_estimate.py).
+    # The export copy left out: what the host holds until the steps are logged (planning/memory/estimate.py).
     train = host_peak_bytes(ev.inputs, {**est.host_terms, "export_peak": 0}, 0.0)
     return {
         "config": report.config_line,
@@ -58,7 +58,7 @@ def plan(
         "est_tokens_per_s": ev.time.tokens_per_s,
         "est_nvme_read_gb_per_step": ev.time.nvme_read_bytes / 1e9,
         "est_nvme_write_gb_per_step": ev.time.nvme_write_bytes / 1e9,
-        # objective grpo: the generate call's seconds (a rough model until measured, planning/generation.py)
+        # objective grpo: the generate call's seconds (a rough model until measured, planning/memory/generation.py)
         "est_time_generate_s": ev.time.generation_call.total if ev.time.generation_call else None,
         # an image-text model's image rows: the planner's image tokens per image (planning/model/vision_shapes.py)
         "est_image_tokens_per_image": _image_tokens(ev.inputs),

@@ -86,10 +86,10 @@ class AnonPeak:
 def planned(shape: Any, staging: str) -> dict[str, Any]:
     """The planner's figures for one rank loading this base, quantised on `staging`."""
     from llm_train.config.hardware import NVME_READ_BYTES_PER_S, hardware_for
-    from llm_train.planning.host_memory import model_load_peak_bytes
-    from llm_train.planning.memory_inputs import MemoryInputs
-    from llm_train.planning.model_split import model_split
-    from llm_train.planning.quantized_bytes import (
+    from llm_train.planning.memory.host import model_load_peak_bytes
+    from llm_train.planning.memory.inputs import MemoryInputs
+    from llm_train.planning.memory.model_split import model_split
+    from llm_train.planning.memory.quantized_bytes import (
         NF4_PACKED_BYTES_PER_WEIGHT,
         NF4_STATE_BYTES_PER_WEIGHT,
         base_weight_bytes,
@@ -127,8 +127,8 @@ def measure_load(path: str, staging: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from llm_train.config.recipe_sections import LoraSection
+    from llm_train.planning.memory.quantized_bytes import quantized_weight_params
     from llm_train.planning.model.shapes import shape_from_config
-    from llm_train.planning.quantized_bytes import quantized_weight_params
     from llm_train.runtime.model.quantized_base import (
         Staging,
         is_quantized_linear,

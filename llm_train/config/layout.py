@@ -204,7 +204,7 @@ class Layout:
     """The one description of how a run is laid out: world, degrees, ZeRO, offload, precision, batch.
 
     The run resolves one (make_layout), the dry run prints it, the memory estimator reads it
-    (planning.memory_inputs.MemoryInputs holds one), and the planner's candidates are variations of it
+    (planning.memory.inputs.MemoryInputs holds one), and the planner's candidates are variations of it
     (`vary`). Every rule on these fields is checked here, when one is made.
     """
 

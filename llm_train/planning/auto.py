@@ -21,7 +21,7 @@ optimizer's host RAM, but their measured quality cost is too high to pick them f
 `plan` only reports what they would save.
 
 Pinning is a knob of the offloading candidates: native (exact size, needs the memlock limit of this
-shell: planning/pinning.py), torch (DeepSpeed's default, rounded up to powers of two, no limit) or off
+shell: planning/memory/pinning.py), torch (DeepSpeed's default, rounded up to powers of two, no limit) or off
 (pageable: slower copies that hide behind nothing, planning/speed.py). The chosen one is written as it
 is, not as `auto`, so the run gets the pinning its plan assumed.
 
@@ -77,8 +77,8 @@ from llm_train.planning.candidate import (
     loader_forks_for,
     zero_init_for,
 )
-from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.pinning import MemlockLimit
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.pinning import MemlockLimit
 from llm_train.planning.search import (
     judge,
     long_context_options,

@@ -31,9 +31,9 @@ from llm_train.planning.candidate import (
     shipped_settings,
 )
 from llm_train.planning.knobs import pinned_fields, set_key
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.pinning import MemlockLimit, memlock_limit
 from llm_train.planning.model.shapes import ModelShape, shape_from_config, shape_of
-from llm_train.planning.pinning import MemlockLimit, memlock_limit
 from llm_train.units import GiB
 
 # The pinning choices of an offloading candidate (recipe values of deepspeed.pinning).

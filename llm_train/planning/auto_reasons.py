@@ -24,8 +24,8 @@ from llm_train.planning.auto_base import (
 from llm_train.planning.candidate import (
     Evaluation,
 )
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.search import (
     Practicality,
     long_context_text,
@@ -232,7 +232,7 @@ def _switch_reason(
 
 
 def _pinning_reason(ask: AutoRequest, c: MemoryInputs) -> str:
-    """Why the offload buffers are pinned the way the recipe says (deepspeed.pinning, planning/pinning.py)."""
+    """Why the offload buffers are pinned the way the recipe says (deepspeed.pinning, planning/memory/pinning.py)."""
     pinning = c.pinning if c.offload_optimizer != "none" else c.param_pinning
     native = c.vary(pinning="native", param_pinning="native")
     locked = estimate_memory(native).locked_per_rank

@@ -25,7 +25,7 @@ from llm_train.planning.candidate import (
     memory_inputs,
 )
 from llm_train.planning.knobs import recipe_values, set_key
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import ModelShape, shape_from_config
 from llm_train.planning.search import (
     Practicality,

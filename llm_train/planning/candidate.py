@@ -21,13 +21,13 @@ from llm_train.config.hardware import Hardware
 from llm_train.config.layout import workers_for
 from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe_sections import LoraSection
-from llm_train.planning.generation import GenerationInputs
-from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
-from llm_train.planning.memory_formulas import ALLOCATOR_SLACK_FRACTION, PROCESS_HOST_BYTES
-from llm_train.planning.memory_inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GROUP_SIZE, MemoryInputs
+from llm_train.planning.memory.estimate import MemoryEstimate, estimate_memory
+from llm_train.planning.memory.formulas import ALLOCATOR_SLACK_FRACTION, PROCESS_HOST_BYTES
+from llm_train.planning.memory.generation import GenerationInputs
+from llm_train.planning.memory.inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GROUP_SIZE, MemoryInputs
+from llm_train.planning.memory.offload_buffers import SwapSettings
 from llm_train.planning.model.shapes import ModelShape
 from llm_train.planning.model.vision_shapes import VisionInputs, checkpoint_pixels
-from llm_train.planning.offload_buffers import SwapSettings
 from llm_train.planning.speed import StepTime, step_time_on
 from llm_train.units import GiB
 
@@ -136,7 +136,7 @@ def reference_of(recipe: Any) -> str:
 
 
 def generation_of(recipe: Any) -> GenerationInputs | None:
-    """MemoryInputs.generation of a recipe: GRPO's generation settings (planning/generation.py), else None."""
+    """MemoryInputs.generation of a recipe: GRPO's generation settings (planning/memory/generation.py), else None."""
     if not objective_spec(recipe.objective).generates:
         return None
     grpo = recipe.grpo
@@ -179,7 +179,7 @@ def vision_of(recipe: Any, shape: ModelShape) -> VisionInputs:
 
 
 def zero_init_for(quantize: str) -> bool | None:
-    """MemoryInputs.zero_init of a run: transformers loads a quantised base outside zero.Init (memory_estimate.py);
+    """MemoryInputs.zero_init of a run: transformers loads a quantised base outside zero.Init (planning/memory/estimate.py);
     None (= ZeRO-3) otherwise."""
     return False if quantize != "none" else None
 
@@ -251,7 +251,7 @@ def section_pinning(offload: dict[str, Any] | None, pinning: str, on_gpu: bool) 
 
     DeepSpeed pins when the section says so (pin_memory defaults to true, offload_config.py); its CPU
     accelerator pins nothing through torch (cpu_accelerator.py), but native pinning mlocks on any
-    device. 'auto' becomes native, torch or off before a run starts (planning/pinning.choose_auto); a plan
+    device. 'auto' becomes native, torch or off before a run starts (planning/memory/pinning.choose_auto); a plan
     made before that counts it as native (`llm-train plan --recipe auto` writes the choice it planned).
     """
     if not bool((offload or {}).get("pin_memory", True)) or pinning == "off":

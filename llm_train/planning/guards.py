@@ -21,10 +21,10 @@ from llm_train.config.hardware import HOST_RESERVE_BYTES, host_ram_bytes
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.planning.candidate import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
-from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import MemoryEstimate, estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.pinning import MemlockLimit, choose_auto, memlock_problem
 from llm_train.planning.model.shapes import shape_from_config
-from llm_train.planning.pinning import MemlockLimit, choose_auto, memlock_problem
 from llm_train.units import GiB
 
 
@@ -174,7 +174,7 @@ def check_memlock(
     """Refuse to start, in one line, when a process would mlock more than its memlock limit allows.
 
     Native pinning and DeepSpeed's async-I/O buffers are mlocked; past the limit DeepSpeed's allocator
-    fails inside the engine's set-up, after the model has loaded (planning/pinning.py).
+    fails inside the engine's set-up, after the model has loaded (planning/memory/pinning.py).
     """
     estimated = estimated or estimate_run(run, gpus_per_node)
     if estimated is None:

@@ -10,7 +10,7 @@ Two settings decide how much host RAM an offloaded run takes beyond its model st
   the largest tensor (the embedding). The choice: the largest candidate whose host estimate is
   within SUB_GROUP_SLACK_BYTES of the smallest any candidate reaches.
 - `data.loader_workers`: forked workers keep copy-on-write twins of the optimizer state the parent
-  rewrites (planning/offload_buffers.py, its docstring on forked loader workers). The choice: the CUDA default of 2 when the run fits
+  rewrites (planning/memory/offload_buffers.py, its docstring on forked loader workers). The choice: the CUDA default of 2 when the run fits
   the budget with them, else 0 (batches are cut in the training process).
 
 Bucket sizes (reduce, prefetch, all-gather) are GPU buffers, counted in the GPU rows: they do not
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware
 from llm_train.planning.candidate import needs
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.units import GiB
 
 SUB_GROUP_CANDIDATES = (10**7, 2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8, 10**9)

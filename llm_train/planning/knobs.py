@@ -19,7 +19,7 @@ from typing import Any
 
 from llm_train.config.recipe_files import parse_override
 from llm_train.errors import UserError
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputs
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware, hardware_for
 from llm_train.planning.candidate import SHIPPED_DS_CONFIGS, Evaluation, evaluate
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import ModelShape, shape_of
 from llm_train.planning.search import long_context_text, sequence_parallel_degrees
 from llm_train.units import GiB

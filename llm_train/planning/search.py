@@ -41,7 +41,7 @@ from llm_train.planning.candidate import (
     evaluate,
     shipped_settings,
 )
-from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.speed import step_time_on
 
 # A configuration this many times slower per step than the fastest that fits without NVMe, or

@@ -38,18 +38,18 @@ from llm_train.config.hardware import (
     Hardware,
 )
 from llm_train.planning.flops import training_flops_per_token
-from llm_train.planning.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
-from llm_train.planning.host_memory import offload_rank
-from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL, PROJECTOR, VISION_TOWER
-from llm_train.planning.model_split import model_split
-from llm_train.planning.offload_buffers import nvme_optimizer_bytes
-from llm_train.planning.quantized_bytes import (
+from llm_train.planning.memory.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
+from llm_train.planning.memory.host import offload_rank
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.model_split import model_split
+from llm_train.planning.memory.offload_buffers import nvme_optimizer_bytes
+from llm_train.planning.memory.quantized_bytes import (
     NF4_PACKED_BYTES_PER_WEIGHT,
     base_weight_bytes,
     quantization_state_bytes,
     quantized_weight_params,
 )
+from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL, PROJECTOR, VISION_TOWER
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
@@ -118,7 +118,7 @@ class StepTime:
     generation: float = 0.0
     """objective grpo: the generate call's seconds per optimizer step (one call serves num_iterations steps)."""
     generation_call: GenerationTime | None = None
-    """objective grpo: one generate call, by part (planning/generation.py); None without generation."""
+    """objective grpo: one generate call, by part (planning/memory/generation.py); None without generation."""
 
     @property
     def overlapped(self) -> float:
@@ -332,7 +332,7 @@ def generation_time(
     pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S,
     memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_GBS * 1e9,
 ) -> GenerationTime | None:
-    """One GRPO generate call on one rank (planning/generation.py: a rough model until measured); None without
+    """One GRPO generate call on one rank (planning/memory/generation.py: a rough model until measured); None without
     generation. The prefill is a forward at the training efficiency; each decode step is bounded by streaming
     the weights (a 4-bit base dequantised: packed read, 16-bit copy written and read) and the cache, by its
     compute, or by the per-layer launch overhead."""
@@ -383,7 +383,7 @@ class _Weights:
     """The adapters under LoRA, else every weight."""
     stored: float
     """Bytes of the weights as stored: a QLoRA base travels (all-gathers, offload fetches) packed; its
-    quantisation state stays on every GPU (memory_estimate.py), so it never travels."""
+    quantisation state stays on every GPU (planning/memory/estimate.py), so it never travels."""
 
     @classmethod
     def of(cls, inp: MemoryInputs) -> _Weights:
@@ -395,7 +395,7 @@ class _Weights:
         ) / shard
         if (
             shape.vision is not None
-        ):  # an image-text model: what model.freeze leaves (planning/model_split.py)
+        ):  # an image-text model: what model.freeze leaves (planning/memory/model_split.py)
             trainable = model_split(inp).trainable
         stored = (
             base_weight_bytes(shape, inp.quantize, wbytes) - quantization_state_bytes(shape, inp.quantize)
@@ -516,7 +516,7 @@ def nvme_bytes(inp: MemoryInputs, grad_accum: int, w: _Weights) -> tuple[float, 
     if inp.offload_optimizer == "nvme":
         # Every swapped sub-group: master, m, v and its large tensors' gradients read in at the step; the
         # gradients written out at the accumulation boundary and master, m, v written back after the
-        # update (planning/offload_buffers.py, its docstring on NVMe offload). The same bytes each way.
+        # update (planning/memory/offload_buffers.py, its docstring on NVMe offload). The same bytes each way.
         swapped = ranks * nvme_optimizer_bytes(offload_rank(inp))
         read += swapped
         written += swapped

@@ -23,13 +23,13 @@ from llm_train.planning.candidate import (
     needs,
 )
 from llm_train.planning.checkpoint_cost import _duration, checkpoint_lines
-from llm_train.planning.host_memory import host_buffers, offload_rank
 from llm_train.planning.host_settings import choose_host_settings
 from llm_train.planning.host_settings import describe as describe_host_settings
-from llm_train.planning.memory_estimate import _LABELS, estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.estimate import _LABELS, estimate_memory
+from llm_train.planning.memory.host import host_buffers, offload_rank
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.offload_buffers import PINNINGS
 from llm_train.planning.model.shapes import shape_from_config
-from llm_train.planning.offload_buffers import PINNINGS
 from llm_train.planning.search import (
     Fix,
     Practicality,
@@ -182,7 +182,7 @@ def render(report: PlanReport) -> str:
 
 def pinning_table(inp: MemoryInputs, hw: Hardware) -> list[str]:
     """The offload buffers of one node under each pinning choice (deepspeed.pinning), as DeepSpeed allocates
-    them (planning/offload_buffers.py), with the host total and what one process locks."""
+    them (planning/memory/offload_buffers.py), with the host total and what one process locks."""
     buffers = host_buffers(inp)
     if not buffers:
         return []
@@ -381,7 +381,7 @@ def start_up_note(inp: MemoryInputs, hw: Hardware) -> str | None:
 
 
 def generation_line(ev: Evaluation) -> str | None:
-    """GRPO's generate call by part (planning/generation.py), and which part of the step dominates."""
+    """GRPO's generate call by part (planning/memory/generation.py), and which part of the step dominates."""
     call, t, inp = ev.time.generation_call, ev.time, ev.inputs
     if call is None or inp.generation is None:
         return None

@@ -6,8 +6,8 @@ so a user sees where the vision tower's memory went and how much of data.seq_len
 
 from __future__ import annotations
 
-from llm_train.planning.memory_estimate import MemoryEstimate
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import MemoryEstimate
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.vision_shapes import PROJECTOR, VISION_TOWER
 from llm_train.units import GiB
 

@@ -3,7 +3,7 @@
 On CPU, DeepSpeed's torch pinning is a no-op (cpu_accelerator.py), but native pinning really mlocks
 (DS_PIN_MEMORY_BACKEND=native: posix_memalign + mlock of the exact size), and so do the async-I/O swap
 buffers of NVMe offload. The kernel counts every locked page of a process in /proc/PID/status VmLck:
-its peak, per training process, must be exactly the planner's `locked_per_rank` (planning/offload_buffers.py
+its peak, per training process, must be exactly the planner's `locked_per_rank` (planning/memory/offload_buffers.py
 lists each buffer; whole 4 KiB pages). The pinning choice must not change a single loss, and the optimizer
 on the "NVMe" (a temporary directory: DeepSpeed's swapper runs without CUDA through libaio) must train like
 CPU offload and resume from a kill -9 bit for bit.
@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from llm_train.config.resolution import resolve_run
 from llm_train.planning.candidate import memory_inputs
-from llm_train.planning.memory_estimate import estimate_memory
+from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.model.shapes import shape_from_config
 from tests.devices import CPU
 from tests.e2e.reference import STEPS, run_args
@@ -127,7 +127,7 @@ def test_each_pinning_choice_trains_alike_and_locks_what_the_planner_says(
     written = json.loads((tmp_path / "run" / "config" / "ds_config.json").read_text())["zero_optimization"]
     planned = _planned_lock(args)
     if choice == "native":
-        # Every buffer of planning/offload_buffers.py, each whole pages: 3 flat buffers and the sub-groups'
+        # Every buffer of planning/memory/offload_buffers.py, each whole pages: 3 flat buffers and the sub-groups'
         # gradients, zero.Init's 39 per-tensor blocks (norms included) of this rank's partition.
         assert planned > 0 and peaks.workers() == [planned, planned], (peaks.peaks, planned)
         assert written["offload_optimizer"]["pin_memory"] is True

@@ -56,8 +56,8 @@ def test_gpu_staging_quantises_as_bitsandbytes_does_on_cuda_within_the_planners_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from llm_train.planning.memory.quantized_bytes import quantization_state_bytes, staged_quantize_gpu_bytes
     from llm_train.planning.model.shapes import shape_from_config
-    from llm_train.planning.quantized_bytes import quantization_state_bytes, staged_quantize_gpu_bytes
     from llm_train.runtime.model.quantized_base import (
         Staging,
         is_quantized_linear,

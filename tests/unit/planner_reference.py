@@ -1,11 +1,11 @@
 """The memory conventions the planner is checked against: the ZeRO paper's and DeepSpeed's own estimators.
 
-Only the tests use them (tests/unit/test_memory.py), so they live here, not in llm_train/planning/memory_estimate.py.
+Only the tests use them (tests/unit/test_memory.py), so they live here, not in llm_train/planning/memory/estimate.py.
 `zero_paper_model_states` is the ZeRO paper's accounting (Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", section 3.1 and Figure 1: 16 bytes per parameter,
 K = 12); `deepspeed_zero2_model_states` / `deepspeed_zero3_model_states` reproduce DeepSpeed's
 `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs` expression by expression
-(18 bytes per parameter: they add fp32 gradients; planning/memory_estimate.py's module docstring says why the
+(18 bytes per parameter: they add fp32 gradients; planning/memory/estimate.py's module docstring says why the
 estimator counts 16 on the GPU).
 """
 

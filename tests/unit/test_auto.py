@@ -13,7 +13,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.errors import UserError
 from llm_train.planning.auto import choose_auto
 from llm_train.planning.auto_written import auto_recipe_yaml, written_evaluation
-from llm_train.planning.pinning import MemlockLimit
+from llm_train.planning.memory.pinning import MemlockLimit
 
 MODEL = "meta-llama/Llama-3.1-8B"
 

@@ -251,7 +251,7 @@ def test_the_planners_lora_defaults_are_the_recipe_schemas() -> None:
     from llm_train.config.recipe_sections import LoraSection
     from llm_train.planning import candidate
     from llm_train.planning.auto_base import suggested_lora
-    from llm_train.planning.memory_inputs import MemoryInputs
+    from llm_train.planning.memory.inputs import MemoryInputs
     from llm_train.planning.model import shapes
 
     schema = LoraSection()

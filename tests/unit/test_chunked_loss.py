@@ -23,7 +23,7 @@ import torch
 from llm_train.config.objective_sections import PreferenceSection
 from llm_train.config.recipe_sections import LoraSection, MemorySection
 from llm_train.errors import UserError
-from llm_train.planning.memory_formulas import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
+from llm_train.planning.memory.formulas import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 from llm_train.runtime.loss.chunked import enable_tiled_loss
 from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, causal_lm_loss
 from llm_train.runtime.loss.preference_tuning import Preference, reference_forward, sequence_logps

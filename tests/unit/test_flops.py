@@ -101,7 +101,7 @@ def test_mfu_of_a_known_step_is_the_formula_by_hand() -> None:
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_lora_trains_the_adapters_of_its_target_modules_only(recompute: bool) -> None:
-    from llm_train.planning.memory_inputs import MemoryInputs
+    from llm_train.planning.memory.inputs import MemoryInputs
     from llm_train.planning.speed import flops_per_token
 
     shape = shape_of("meta-llama/Llama-3.1-8B")

@@ -1,4 +1,4 @@
-"""GRPO's generation as the planner counts it (planning/generation.py): each term checked against what
+"""GRPO's generation as the planner counts it (planning/memory/generation.py): each term checked against what
 runtime/rl/grpo.py's generate call holds, measured where a CPU can measure it, and the plan's phases and time."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llm_train.config.hardware import hardware_for
 from llm_train.planning.candidate import evaluate
-from llm_train.planning.generation import (
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.generation import (
     DECODE_SECONDS_PER_LAYER,
     GenerationInputs,
     kv_cache_bytes,
 )
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_from_config, shape_of
 from llm_train.planning.verdict import plan_recipe, render
 

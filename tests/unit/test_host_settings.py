@@ -12,8 +12,8 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.host_settings import SUB_GROUP_CANDIDATES, choose_host_settings
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_from_config, shape_of
 from llm_train.units import GiB
 

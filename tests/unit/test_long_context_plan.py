@@ -15,15 +15,15 @@ from llm_train.config.recipe import load_recipe
 from llm_train.planning.auto import choose_auto
 from llm_train.planning.candidate import evaluate
 from llm_train.planning.long_context import SEQ_STEP, best_fit, long_context_table, render_table
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_formulas import (
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.formulas import (
     LOSS_CHUNK_LOGITS_BYTES,
     logits_bytes,
     loss_chunks,
     mlp_intermediate_bytes_per_token,
     mlp_tile_bytes,
 )
-from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.model.shapes import shape_of
 from llm_train.planning.speed import step_time
 from llm_train.planning.verdict import plan_recipe

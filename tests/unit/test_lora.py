@@ -11,8 +11,8 @@ import torch
 from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import UserError
+from llm_train.planning.memory.offload_buffers import trainable_tensors
 from llm_train.planning.model.shapes import shape_from_config
-from llm_train.planning.offload_buffers import trainable_tensors
 from llm_train.runtime.model.lora import apply_lora, verify_adapter_export
 from tests.optional import import_or_skip
 

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
-from llm_train.planning.memory_formulas import (
+from llm_train.planning.memory.estimate import MemoryEstimate, estimate_memory
+from llm_train.planning.memory.formulas import (
     CUDA_CONTEXT_BYTES,
     NORM_UPCAST_BYTES_PER_HIDDEN,
     activation_bytes_per_layer,
     logits_bytes,
     mlp_intermediate_bytes_per_token,
 )
-from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.model.shapes import ModelShape, shape_of
 from llm_train.units import GiB
 from tests.unit.planner_reference import (
@@ -119,7 +119,7 @@ def test_fp32_is_4_4_8() -> None:
 
 def test_host_offload_is_at_least_deepspeeds_18_bytes_per_param_without_its_buffer_factor() -> None:
     """DeepSpeed's estimator counts 18 B/param (optimizer 12, fp32 grads 4, 16-bit params 2) x 1.5.
-    What its code allocates (planning/offload_buffers.py, tests/unit/test_offload_buffers.py) is more than
+    What its code allocates (planning/memory/offload_buffers.py, tests/unit/test_offload_buffers.py) is more than
     the 18, from a second, 16-bit copy of the gradients and torch's power-of-two pinned buffers, and
     within its 1.5x margin here."""
     n, nodes, gpus = LLAMA2_7B.num_params, 2, 8
@@ -342,7 +342,7 @@ def test_pipeline_stages_load_only_their_share_of_the_model() -> None:
 
 def test_known_budget_7b_on_a_24gb_card() -> None:
     """A 7-8B full fine-tune fits 24 GB only with offload; with the weights offloaded too,
-    DeepSpeed's pinned buffers put an 8B at ~173 GiB of host RAM (planning/offload_buffers.py)."""
+    DeepSpeed's pinned buffers put an 8B at ~173 GiB of host RAM (planning/memory/offload_buffers.py)."""
     shape = shape_of("meta-llama/Llama-3.1-8B")
     common = {"shape": shape, "world_size": 1, "activation_checkpointing": True}
     plain = estimate_memory(MemoryInputs.of(zero_stage=2, **common))
@@ -426,7 +426,7 @@ def test_tiny_shape_is_positive_everywhere() -> None:
 
 
 def test_modules_do_not_import_torch_or_deepspeed() -> None:
-    code = "import sys, llm_train.planning.memory_estimate, llm_train.planning.model.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
+    code = "import sys, llm_train.planning.memory.estimate, llm_train.planning.model.shapes; print(sorted({'torch','deepspeed','transformers'} & set(sys.modules)))"
     repo_root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo_root

@@ -27,13 +27,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from llm_train.planning.memory_estimate import activation_bytes, logits_and_loss_bytes
-from llm_train.planning.memory_formulas import (
+from llm_train.planning.memory.estimate import activation_bytes, logits_and_loss_bytes
+from llm_train.planning.memory.formulas import (
     DENSE_LOSS_BYTES_PER_LOGIT,
     LOSS_CHUNK_LOGITS_BYTES,
     loss_chunks,
 )
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_from_config
 from llm_train.runtime.loss.chunked import enable_tiled_loss
 from tests.helpers import tiny_llama_config

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from llm_train.config.hardware import hardware_for
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.offload_buffers import held_bytes, trainable_tensors, zero3_sub_groups
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.offload_buffers import held_bytes, trainable_tensors, zero3_sub_groups
 from llm_train.units import GiB
 from tests.unit.offload_arithmetic import (
     EMBED_8B,
@@ -185,7 +185,7 @@ def full_finetune(shape: object, offload: str, pinning: str) -> MemoryInputs:
 
 
 def test_the_sub_groups_written_here_are_the_planners() -> None:
-    from llm_train.planning.host_memory import offload_rank
+    from llm_train.planning.memory.host import offload_rank
 
     assert sum(SUB_GROUPS_7B) == MATRICES_7B and sum(SUB_GROUPS_8B) + NORMS_7B == PSI_8B
     assert LLAMA31_8B.num_params == PSI_8B
@@ -250,7 +250,7 @@ def test_nvme_offload_rows_of_the_8b_under_each_pinning_choice(pinning: str) -> 
 
 
 def test_pipelined_swapping_takes_more_buffers() -> None:
-    from llm_train.planning.offload_buffers import SwapSettings
+    from llm_train.planning.memory.offload_buffers import SwapSettings
 
     base = full_finetune(LLAMA31_8B, "nvme", "native")
     for read, write, count in ((True, False, 8), (True, True, 12)):

@@ -19,9 +19,9 @@ from llm_train import train
 from llm_train.config.layout import optimizer_problem
 from llm_train.config.recipe_sections import OptimSection
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES
-from llm_train.planning.memory_inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.formulas import EIGHT_BIT_STATE_BYTES
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.model.shapes import shape_of
 from llm_train.runtime.model.optim import build_optimizer
 from tests.devices import resolve

@@ -425,7 +425,7 @@ def test_host_ram_guard_refuses_with_the_planners_numbers(monkeypatch: pytest.Mo
     with pytest.raises(UserError) as exc:
         check_host_ram(_offload_run(), available=64 * GiB)
     message = str(exc.value)
-    # deepspeed.pinning=auto, as native pinning on this CUDA device: exact sizes (planning/offload_buffers.py).
+    # deepspeed.pinning=auto, as native pinning on this CUDA device: exact sizes (planning/memory/offload_buffers.py).
     assert re.match(
         r"host RAM: 7b-rtx4090 needs ~116\.4 GiB per node \(planner: offloaded optimizer states 75\.3, "
         r"offloaded fp32 gradients 25\.1, offload 16bit buffers 12\.6, optimizer step transient 0\.5",

@@ -13,8 +13,8 @@ import pytest
 from llm_train.config.recipe import load_recipe, recipe_to_yaml
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_of
 from llm_train.planning.speed import step_time
 from llm_train.planning.verdict import plan_recipe, render

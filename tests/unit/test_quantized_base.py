@@ -394,8 +394,8 @@ def _llama31_8b_arithmetic() -> tuple[int, int]:
 
 
 def test_nf4_and_int8_bases_by_hand() -> None:
+    from llm_train.planning.memory.quantized_bytes import base_weight_bytes
     from llm_train.planning.model.shapes import shape_of
-    from llm_train.planning.quantized_bytes import base_weight_bytes
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
     projections, rest = _llama31_8b_arithmetic()
@@ -413,8 +413,8 @@ def test_nf4_and_int8_bases_by_hand() -> None:
 def test_8b_qlora_plan_by_hand() -> None:
     """8b-qlora-rtx4070's GPU and host terms, each recomputed from its definition."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import estimate_memory
-    from llm_train.planning.memory_formulas import (
+    from llm_train.planning.memory.estimate import estimate_memory
+    from llm_train.planning.memory.formulas import (
         CHECKPOINT_SHARD_BYTES,
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
@@ -446,8 +446,8 @@ def test_8b_qlora_plan_by_hand() -> None:
 def test_16bit_lora_host_ram_by_hand() -> None:
     """8b-lora-rtx4090 with 16 GiB: no full copy of the model on the host at load, in checkpoints or at export."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import estimate_memory
-    from llm_train.planning.memory_formulas import (
+    from llm_train.planning.memory.estimate import estimate_memory
+    from llm_train.planning.memory.formulas import (
         CHECKPOINT_SHARD_BYTES,
         EXPORT_SHARD_BYTES,
         PROCESS_HOST_BYTES,
@@ -470,15 +470,15 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     """70b-qlora-2x4090's terms from their definitions: the 4-bit base staged whole on each rank's host, then
     partitioned by ZeRO-3 onto the host (offload_param), its quantisation state whole on each GPU."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import estimate_memory, model_load_gpu_bytes
-    from llm_train.planning.memory_formulas import (
+    from llm_train.planning.memory.estimate import estimate_memory, model_load_gpu_bytes
+    from llm_train.planning.memory.formulas import (
         CUDA_CONTEXT_BYTES,
         PROCESS_HOST_BYTES,
         QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
         QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
     )
+    from llm_train.planning.memory.model_split import model_split
     from llm_train.planning.model.shapes import shape_of
-    from llm_train.planning.model_split import model_split
 
     run = resolve_run("70b-qlora-2x4090", [], world_size=2)
     assert run.layout.zero_stage == 3 and run.layout.offload_params == "cpu" and run.recipe.lora is not None
@@ -502,7 +502,7 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     assert offloaded == pytest.approx(projections * 0.5 + rest * 2 + adapters, rel=1e-3)
     # Loading, quantised on the GPU (the run's device): every rank stages the whole base less its
     # quantisation state, which stays on the GPU, plus the largest weight as read (bf16) and its codes, and
-    # the loader's freed temporaries (the CPU path's measurement, memory_estimate.py).
+    # the loader's freed temporaries (the CPU path's measurement, planning/memory/estimate.py).
     state = projections * (1 / 64 + 4 / (64 * 256))
     codes_and_rest = projections * 0.5 + rest * 2
     retained = QUANTIZE_RETAINED_BYTES_PER_WEIGHT * projections
@@ -535,7 +535,7 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
 def est_quantize_on(run: Any, shape: Any, where: str) -> Any:
     """The run's estimate with its base quantised on `where` ("gpu": the run's own device; "cpu")."""
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import estimate_memory
+    from llm_train.planning.memory.estimate import estimate_memory
 
     return estimate_memory(dataclasses.replace(memory_inputs(run, shape), quantize_on=where))
 
@@ -572,7 +572,7 @@ def test_the_70b_recipe_header_states_the_planners_host_ram_and_start_up() -> No
 
     from llm_train.config.hardware import NVME_READ_BYTES_PER_S
     from llm_train.planning.candidate import memory_inputs
-    from llm_train.planning.memory_estimate import estimate_memory
+    from llm_train.planning.memory.estimate import estimate_memory
     from llm_train.planning.model.shapes import shape_of
     from llm_train.planning.speed import staged_load
 

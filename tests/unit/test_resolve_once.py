@@ -155,10 +155,10 @@ def _count_estimates(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Every call of the memory estimate from now on, wherever a module imported it from."""
     import sys
 
-    from llm_train.planning import memory_estimate
+    from llm_train.planning.memory.estimate import estimate_memory
 
     calls: list[object] = []
-    real = memory_estimate.estimate_memory
+    real = estimate_memory
 
     def counted(inp: Any) -> Any:
         calls.append(inp)

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from llm_train.planning.memory_estimate import estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.model_split import model_split
 from llm_train.planning.model.shapes import ModelConfigError, shape_from_config, shape_of
 from llm_train.planning.model.vision_shapes import (
     LANGUAGE_MODEL,
@@ -20,7 +21,6 @@ from llm_train.planning.model.vision_shapes import (
     VisionInputs,
     processor_pixels,
 )
-from llm_train.planning.model_split import model_split
 from tests.optional import import_or_skip
 
 GEMMA3: dict[str, Any] = {
@@ -199,7 +199,7 @@ def test_a_partial_config_is_sized_with_transformers_defaults(cfg: dict[str, Any
 
 
 def test_qlora_leaves_the_vision_part_in_16_bits_and_lora_targets_the_language_model() -> None:
-    from llm_train.planning.quantized_bytes import base_weight_bytes, quantized_weight_params
+    from llm_train.planning.memory.quantized_bytes import base_weight_bytes, quantized_weight_params
 
     shape = shape_from_config(QWEN25_VL)
     text = shape_from_config({**QWEN25_VL["text_config"], "model_type": "qwen2"})

@@ -1,6 +1,6 @@
 """Model shapes known offline: parameter counts without downloading anything.
 
-The memory estimator (`llm_train.planning.memory_estimate`) and `llm-train plan` need the shape of a
+The memory estimator (`llm_train.planning.memory.estimate`) and `llm-train plan` need the shape of a
 model (hidden size, layers, heads, vocabulary) before any weights exist, on a
 machine that may not reach the Hugging Face Hub. So this module carries the
 published `config.json` values of the common public checkpoints, and reads a

@@ -226,7 +226,7 @@ PIN_BACKEND_ENV = "DS_PIN_MEMORY_BACKEND"
 
 
 def use_pin_memory_backend(pinning: str) -> None:
-    """DeepSpeed's pinned-buffer allocator for deepspeed.pinning (planning/pinning.py).
+    """DeepSpeed's pinned-buffer allocator for deepspeed.pinning (planning/memory/pinning.py).
 
     DeepSpeed reads DS_PIN_MEMORY_BACKEND at every pin (deepspeed/utils/pin_memory.py): 'native' mlocks
     the exact size, anything else pins through torch. The recipe decides, so a value left in the

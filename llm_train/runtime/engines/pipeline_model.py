@@ -33,7 +33,7 @@ from torch import nn
 
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.planning.memory_formulas import loss_chunks
+from llm_train.planning.memory.formulas import loss_chunks
 from llm_train.runtime.base import collectives
 from llm_train.runtime.loss.language_modeling import ChunkedCausalLMLoss, causal_lm_loss
 from llm_train.runtime.model.model import model_config

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from llm_train.planning.memory_formulas import EXPORT_SHARD_BYTES
+from llm_train.planning.memory.formulas import EXPORT_SHARD_BYTES
 from llm_train.runtime.export.names import renamer
 from llm_train.runtime.model.quantized_base import dequantized_weight, is_quantized_linear
 

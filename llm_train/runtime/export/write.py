@@ -34,7 +34,7 @@ def save_hf_model(
     state_dict = {k: v for k, v in state_dict.items() if k not in aliases}
     # safetensors refuses tensors that share storage (views into one gathered buffer, tied weights):
     # those are cloned. The others are written as they are, so the host holds one copy of the
-    # model, not two (planning/memory_estimate.py export_peak_bytes).
+    # model, not two (planning/memory/estimate.py export_peak_bytes).
     sharing = Counter(v.untyped_storage().data_ptr() for v in state_dict.values())
     clean = {
         k: v.detach().contiguous().clone()

@@ -5,7 +5,7 @@ A causal LM's loss needs, per token, the log-probability of its label: log softm
 keeps the log-softmax for backward: 12 bytes per logit at the peak of backward (measured on CPU,
 tests/unit/test_memory_lines.py), 5.9 GiB for 2 x 2048 tokens of Llama-3's 128k vocabulary. Here
 the tokens are cut into chunks of at most LOSS_CHUNK_LOGITS_BYTES of fp32 logits
-(planning/memory_estimate.py); each chunk's logits are computed, reduced to one log-probability per token
+(planning/memory/estimate.py); each chunk's logits are computed, reduced to one log-probability per token
 and dropped, and recomputed in backward (the technique of torchtune's chunked cross-entropy,
 DeepSpeed ALST's tiled loss and Liger's fused linear cross-entropy). What one chunk holds at most:
 
@@ -14,7 +14,7 @@ DeepSpeed ALST's tiled loss and Liger's fused linear cross-entropy). What one ch
     backward  the same again, then the log-softmax with its gradient and the gradient of the logits
               (torch's own log-softmax backward, then cast back to the logits' dtype)
 
-so about 12 bytes per logit of one chunk (measured: planning/memory_estimate.py CHUNK_BYTES_PER_LOGIT), no
+so about 12 bytes per logit of one chunk (measured: planning/memory/estimate.py CHUNK_BYTES_PER_LOGIT), no
 more than one chunk ever upcast, plus the gradient of the hidden states. The planner counts exactly
 this (`chunked_loss_bytes`). Taking torch's own kernels for the log-softmax and its backward keeps
 every token's log-probability and every logit's gradient those of transformers' loss bit for bit;
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llm_train.errors import UserError
-from llm_train.planning.memory_formulas import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
+from llm_train.planning.memory.formulas import LOSS_CHUNK_LOGITS_BYTES, loss_chunks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -254,7 +254,7 @@ def enable_tiled_loss(
     logits). Without labels (generation, sampling, export checks) the forward is the model's own.
     `max_tokens`: the most tokens one forward carries (sets the chunk count, see the module
     docstring; None: the tokens of each call). `liger`: Liger's kernel where `liger_runs`.
-    `chunk_bytes`: fp32 logits per chunk (planning/memory_estimate.py's constant when None; tests shrink it).
+    `chunk_bytes`: fp32 logits per chunk (planning/memory/estimate.py's constant when None; tests shrink it).
     """
     from transformers.loss.loss_utils import LOSS_MAPPING
 

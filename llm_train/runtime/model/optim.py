@@ -120,7 +120,7 @@ def release_moments(optimizer: torch.optim.Optimizer) -> int:
     left, which gathers a 16-bit copy of the model into host RAM. With the optimizer
     offloaded the moments are two thirds of the host's optimizer state (m and v of master,
     m, v), so freeing them first keeps the export inside the training phase's footprint
-    (planning/memory_estimate.py counts it that way). DeepSpeed's ZeRO and bf16 wrappers keep the
+    (planning/memory/estimate.py counts it that way). DeepSpeed's ZeRO and bf16 wrappers keep the
     optimizer that steps, and its state, in `.optimizer`.
     """
     inner = getattr(optimizer, "optimizer", optimizer)

@@ -1,7 +1,7 @@
 """Pinned host buffers: which allocator a run gets (`deepspeed.pinning`), and what it may lock.
 
 DeepSpeed pins its offload buffers through torch's pinned allocator, which rounds each one up to
-a power of two (planning/offload_buffers.py, its docstring on pinned allocation): on 7b-rtx4090 that is 6.4 GiB of a 128 GiB
+a power of two (planning/memory/offload_buffers.py, its docstring on pinned allocation): on 7b-rtx4090 that is 6.4 GiB of a 128 GiB
 machine. `deepspeed.pinning=native` makes DeepSpeed mlock the exact size instead
 (DS_PIN_MEMORY_BACKEND=native); `off` leaves the buffers pageable. DeepSpeed's async-I/O swap
 buffers (NVMe offload) are mlocked whatever the choice.
@@ -26,8 +26,8 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from llm_train.planning.memory_estimate import MemoryEstimate, estimate_memory
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.estimate import MemoryEstimate, estimate_memory
+from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.units import GiB
 
 CAP_IPC_LOCK = 14  # linux/capability.h: lock memory beyond RLIMIT_MEMLOCK

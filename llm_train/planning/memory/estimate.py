@@ -3,7 +3,7 @@
 Used by `llm-train plan` and `--dry-run` to say, before any weights load, whether a
 recipe fits the user's GPUs and host RAM. Pure arithmetic: no torch or deepspeed
 import, so it answers in milliseconds. Its input, one configuration (`MemoryInputs`), and
-the rules that refuse impossible ones are in planning/memory_inputs.py.
+the rules that refuse impossible ones are in planning/memory/inputs.py.
 
 Conventions (read this before comparing numbers with other tools)
 -----------------------------------------------------------------
@@ -27,7 +27,7 @@ The tests check the estimator against both conventions: tests/unit/planner_refer
 reproduces DeepSpeed's two functions exactly.
 
 Host RAM under CPU and NVMe offload is not a bytes-per-parameter convention but what DeepSpeed 0.19.8
-allocates, read from its source in planning/offload_buffers.py, under the run's pinning choice
+allocates, read from its source in planning/memory/offload_buffers.py, under the run's pinning choice
 (deepspeed.pinning): for a ZeRO-3 + CPU-Adam 7B with fp32 states at the first optimizer step, master 4
 + m, v 8 + the sub-groups' fp32 gradients 4 + the flat 16-bit gradient buffer 2 bytes per parameter,
 the last two rounded up to powers of two by torch's pinned allocator (DeepSpeed's default) or exact
@@ -104,7 +104,7 @@ safetensors shard being read (CHECKPOINT_SHARD_BYTES), never the model. Only a r
 model (`direct_load=False`) is built whole on the host first.
 
 QLoRA (`quantize`): the decoder layers' linear weights in 4 or 8 bits, the rest 16-bit
-(planning/quantized_bytes.py), plus one dequantised 16-bit copy of the layer computing. Under ZeRO-0/1/2
+(planning/memory/quantized_bytes.py), plus one dequantised 16-bit copy of the layer computing. Under ZeRO-0/1/2
 the base loads straight onto each GPU. Under ZeRO-3 an nf4 base is staged on the host, whole on every
 rank (transformers skips zero.Init for a quantised model), each weight quantised as it loads on the run's
 device (`quantize_on`), and zero.Init(module=...) partitions it from there tensor by tensor
@@ -130,16 +130,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from llm_train.planning.generation import kv_cache_bytes, prefill_bytes, sampling_bytes
-
-# The host terms, the model's split and the per-token formulas live in their own modules (host_memory,
-# model_split, memory_formulas): import them from there, not through this module (tests/unit/test_no_facades.py).
-from llm_train.planning.host_memory import (
-    host_peak_bytes,
-    host_terms,
-    nvme_space_bytes,
-)
-from llm_train.planning.memory_formulas import (
+from llm_train.planning.memory.formulas import (
     ALLOCATOR_SLACK_FRACTION,
     CUDA_CONTEXT_BYTES,
     DS_ALLREDUCE_BUCKET_SIZE,
@@ -151,10 +142,19 @@ from llm_train.planning.memory_formulas import (
     mlp_tile_bytes,
     sequence_parallel_buffer_bytes,
 )
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.generation import kv_cache_bytes, prefill_bytes, sampling_bytes
+
+# The host terms, the model's split and the per-token formulas live in their own modules (host.py,
+# model_split.py, formulas.py): import them from there, not through this module (tests/unit/test_no_facades.py).
+from llm_train.planning.memory.host import (
+    host_peak_bytes,
+    host_terms,
+    nvme_space_bytes,
+)
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.model_split import ModelSplit, layers_per_stage, model_split
+from llm_train.planning.memory.quantized_bytes import dequantized_layer_bytes, staged_quantize_gpu_bytes
 from llm_train.planning.model.vision_shapes import VISION_TOWER
-from llm_train.planning.model_split import ModelSplit, layers_per_stage, model_split
-from llm_train.planning.quantized_bytes import dequantized_layer_bytes, staged_quantize_gpu_bytes
 from llm_train.units import GiB
 
 # --- the estimator ------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ class MemoryEstimate:
     locked_per_rank: int = 0
     """Host bytes one process mlocks (native pinning, async-I/O buffers): what its memlock limit must allow."""
     generation_terms: dict[str, int] = field(default_factory=dict)
-    """objective grpo: the GPU terms only generation has (planning/generation.py); empty otherwise."""
+    """objective grpo: the GPU terms only generation has (planning/memory/generation.py); empty otherwise."""
     generation_live: int = 0
     """The generation phase's live tensors: HELD_THROUGH_GENERATION's terms and generation_terms."""
 
@@ -480,7 +480,7 @@ def attention_mask_bytes(inp: MemoryInputs) -> float:
 
 
 def generation_gpu_terms(inp: MemoryInputs, split: ModelSplit) -> dict[str, float]:
-    """The GPU terms of GRPO's generate call that training does not have (planning/generation.py); {} without
+    """The GPU terms of GRPO's generate call that training does not have (planning/memory/generation.py); {} without
     generation. Under ZeRO-3 compat.gathered_for_generation gathers every partitioned parameter at once, at its
     stored bytes (a 4-bit base packed), beside the shard the rank keeps (one layer's with
     grpo.ds3_gather_for_generation false)."""

@@ -1,6 +1,6 @@
 """One GPU's share of the model: its elements after tensor and pipeline parallelism and ZeRO, and the bytes of
 each (weights, gradients, optimizer states, a quantised base). The GPU and host terms of the memory estimate
-(planning/memory_estimate.py, planning/host_memory.py) both start from it.
+(planning/memory/estimate.py, planning/memory/host.py) both start from it.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llm_train.planning.memory_formulas import EIGHT_BIT_STATE_BYTES
-from llm_train.planning.memory_inputs import MemoryInputs
+from llm_train.planning.memory.formulas import EIGHT_BIT_STATE_BYTES
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.quantized_bytes import base_weight_bytes, quantization_state_bytes
 from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL
-from llm_train.planning.quantized_bytes import base_weight_bytes, quantization_state_bytes
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def model_split(inp: MemoryInputs) -> ModelSplit:
     weight_bytes = 2 if mixed else 4
     optim_bytes: float = 12 if mixed else 8
     if inp.state_dtype == "bf16":
-        # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/offload_buffers.py).
+        # bf16 master + m + v (offloaded optimizer only; its host buffers: planning/memory/offload_buffers.py).
         optim_bytes = 6
     if inp.optimizer != "adamw":
         # bitsandbytes' 8-bit m and v: a byte each, plus one fp32 maximum per block of 256 for each;

@@ -3,7 +3,7 @@
 `MemoryInputs` holds the layout (config.layout: world, degrees, ZeRO stage, offload, precision,
 batch) and the memory techniques, resolves DeepSpeed's and Hugging Face's "auto" defaults to
 numbers, and refuses, as a `MemoryInputError`, every combination a run would refuse, so the
-planner never proposes one. planning/memory_estimate.py turns it into bytes.
+planner never proposes one. planning/memory/estimate.py turns it into bytes.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from llm_train.config.layout import (
 )
 from llm_train.config.recipe_sections import MemorySection
 from llm_train.errors import UserError
-from llm_train.planning.generation import GenerationInputs
+from llm_train.planning.memory.generation import GenerationInputs
+from llm_train.planning.memory.offload_buffers import PINNINGS, SwapSettings
+from llm_train.planning.memory.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
 from llm_train.planning.model.shapes import LORA_TARGETS, ModelShape
 from llm_train.planning.model.vision_shapes import VisionInputs
-from llm_train.planning.offload_buffers import PINNINGS, SwapSettings
-from llm_train.planning.quantized_bytes import QUANTIZE_DEVICES, QUANTIZE_MODES
 
 # The recipe schema's memory switches: the estimate's defaults are the run's (one source of truth; a test
 # ties them, tests/unit/test_lora_defaults.py). memory.attention's default, "auto", is resolved per card by
@@ -152,7 +152,7 @@ class MemoryInputs:
     """The NVMe swap settings of offload_optimizer (buffer count, pipelining, aio alignment)."""
     loader_forks: bool = False
     """DataLoader workers are forked after DeepSpeed's set-up (data.loader_workers > 0; 2 by default on
-    CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/offload_buffers.py)."""
+    CUDA): they keep a copy-on-write twin of the pageable optimizer state (planning/memory/offload_buffers.py)."""
     tiled_mlp: bool = SCHEMA_MEMORY.tiled_mlp
     """memory.tiled_mlp: MLP intermediates for one tile of tokens, not per layer."""
     tiled_loss: bool = SCHEMA_MEMORY.tiled_loss
@@ -168,7 +168,7 @@ class MemoryInputs:
     """DPO's reference: "none" (lm, simpo), "cached" (log-probs computed before training) or "live" (scored
     every step: a frozen copy of the model, or under LoRA the base with the adapters disabled)."""
     generation: GenerationInputs | None = None
-    """objective grpo: what each rank generates per step (planning/generation.py); None: no generation."""
+    """objective grpo: what each rank generates per step (planning/memory/generation.py); None: no generation."""
     vision: VisionInputs = VisionInputs()
     """An image-text model's frozen parts and images per sample (planning/model/vision_shapes.py); a text model's
     shape has no vision part, so this changes nothing there."""

@@ -1,12 +1,12 @@
 """The memory estimate's host-RAM and NVMe terms, per node: offload buffers as DeepSpeed allocates them
-(planning/offload_buffers.py), NVMe-offloaded parameters, offloaded activation checkpoints, the model-load
-peak, the final export, and the peak over those phases. Conventions: planning/memory_estimate.py's docstring
+(planning/memory/offload_buffers.py), NVMe-offloaded parameters, offloaded activation checkpoints, the model-load
+peak, the final export, and the peak over those phases. Conventions: planning/memory/estimate.py's docstring
 (Host RAM, Export, Loading, QLoRA).
 """
 
 from __future__ import annotations
 
-from llm_train.planning.memory_formulas import (
+from llm_train.planning.memory.formulas import (
     CHECKPOINT_SHARD_BYTES,
     DS_NVME_PARAM_BUFFER_COUNT,
     DS_NVME_PARAM_BUFFER_SIZE,
@@ -16,9 +16,9 @@ from llm_train.planning.memory_formulas import (
     QUANTIZE_RETAINED_BYTES_PER_WEIGHT,
     QUANTIZE_WORKSPACE_BYTES_PER_WEIGHT,
 )
-from llm_train.planning.memory_inputs import MemoryInputs
-from llm_train.planning.model_split import ModelSplit, layers_per_stage
-from llm_train.planning.offload_buffers import (
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.model_split import ModelSplit, layers_per_stage
+from llm_train.planning.memory.offload_buffers import (
     HostBuffer,
     OffloadRank,
     cpu_optimizer_buffers,
@@ -28,7 +28,7 @@ from llm_train.planning.offload_buffers import (
     nvme_optimizer_buffers,
     nvme_optimizer_bytes,
 )
-from llm_train.planning.quantized_bytes import (
+from llm_train.planning.memory.quantized_bytes import (
     NF4_PACKED_BYTES_PER_WEIGHT,
     base_weight_bytes,
     largest_quantized_weight,
@@ -61,7 +61,7 @@ def host_terms(
 
 def offload_buffer_terms(inp: MemoryInputs) -> tuple[dict[str, float], float, float]:
     """(host terms, bytes freed before the export, bytes one rank mlocks) of DeepSpeed's CPU and NVMe
-    offload: what it allocates, buffer by buffer, read from its source (planning/offload_buffers.py)."""
+    offload: what it allocates, buffer by buffer, read from its source (planning/memory/offload_buffers.py)."""
     ranks = inp.ranks_per_node
     host: dict[str, float] = {
         "offloaded_optimizer_states": 0.0,
@@ -169,7 +169,7 @@ def nvme_space_bytes(inp: MemoryInputs, split: ModelSplit) -> float:
 
 
 def offload_rank(inp: MemoryInputs) -> OffloadRank:
-    """What one rank's CPU / NVMe offload depends on (planning/offload_buffers.py)."""
+    """What one rank's CPU / NVMe offload depends on (planning/memory/offload_buffers.py)."""
     mixed = inp.precision != "fp32"
     return OffloadRank(
         shape=inp.shape,

@@ -3,14 +3,14 @@ and the loss (dense, chunked, Liger's), Ulysses' buffers.
 
 Pure functions of a model shape and token counts, so the runtime (runtime/loss/chunked.py cuts its chunks
 by `loss_chunks`) and the measured-line tests read the same numbers the estimate adds up. The conventions
-behind them (Korthikanti et al. 2022, ALST, the chunked loss) are in planning/memory_estimate.py's docstring.
+behind them (Korthikanti et al. 2022, ALST, the chunked loss) are in planning/memory/estimate.py's docstring.
 """
 
 from __future__ import annotations
 
 import math
 
-from llm_train.planning.memory_inputs import ATTN_IMPLS, MemoryInputError
+from llm_train.planning.memory.inputs import ATTN_IMPLS, MemoryInputError
 from llm_train.planning.model.shapes import ModelShape
 from llm_train.units import GiB
 

@@ -1,6 +1,6 @@
 """Host RAM of DeepSpeed's CPU and NVMe offload, allocation by allocation (DeepSpeed 0.19.8, torch 2.13).
 
-memory_estimate.py takes its host terms for `offload_optimizer: cpu | nvme` and `offload_param: cpu` from
+estimate.py takes its host terms for `offload_optimizer: cpu | nvme` and `offload_param: cpu` from
 here. Each `HostBuffer` is one allocation (or one kind of allocation) in DeepSpeed's source, cited
 where it is built (paths under deepspeed/; line numbers of 0.19.8). The first H200 run of
 7b-rtx4090 (bench/results/host-ram-7b-offload-20261130.txt) was killed by the kernel in its first
@@ -55,9 +55,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llm_train.planning.memory.quantized_bytes import QUANTIZED_MODULES, packed_numel
 from llm_train.planning.model.shapes import LORA_TARGETS, ModelShape
 from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL
-from llm_train.planning.quantized_bytes import QUANTIZED_MODULES, packed_numel
 
 PINNINGS = ("torch", "native", "off")
 """How DeepSpeed's pinned host buffers are allocated (module docstring, fact 1)."""
@@ -86,7 +86,7 @@ class HostBuffer:
     """One kind of host allocation: what it is, its sizes, how it is allocated, when it exists."""
 
     term: str
-    """The memory_estimate.py host term it belongs to."""
+    """The estimate.py host term it belongs to."""
     what: str
     sizes: tuple[float, ...]
     """Bytes requested, one entry per allocation."""
@@ -237,7 +237,7 @@ class OffloadRank:
     partitions: int
     """Ranks ZeRO partitions over (dp x sp)."""
     shard: int
-    """tp x pp: each rank's share of every tensor before ZeRO (an even split, as memory_estimate.py assumes)."""
+    """tp x pp: each rank's share of every tensor before ZeRO (an even split, as estimate.py assumes)."""
     model_bytes: int
     """16-bit (2) or fp32 (4) model: the dtype of the gradient buffers."""
     state_bytes: int
@@ -252,7 +252,7 @@ class OffloadRank:
     """How the offload_param buffers are pinned (PINNINGS)."""
     swap: SwapSettings = SwapSettings()
     quantize: str = "none"
-    """QLoRA's base (planning/quantized_bytes.py): nf4 projections are stored packed, in fewer elements."""
+    """QLoRA's base (planning/memory/quantized_bytes.py): nf4 projections are stored packed, in fewer elements."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
     frozen: tuple[str, ...] = ()
     """model.freeze of an image-text model (its frozen parts hold no optimizer state); () for a text model."""
