@@ -361,7 +361,7 @@ def staged_load(ctx: Context) -> dict[str, Any]:
     host, the state on the GPU; the load's weights/s, at least 10x bitsandbytes' CPU quantiser's (what made
     the 70B recipe's start-up hours). Its time against the planner's is recorded, not judged: the planner
     reads the checkpoint from a drive, here it was just written and is in the page cache."""
-    from llm_train.planning.speed import CPU_QUANTIZE_WEIGHTS_PER_S
+    from llm_train.planning.speed.step_time import CPU_QUANTIZE_WEIGHTS_PER_S
 
     out = ctx.work / "qlora_staged_load"
     staging = ("--staging", "cuda", *STAGED_LOAD_GPU) if ctx.gpu else ("--staging", "cpu", *STAGED_LOAD_CPU)

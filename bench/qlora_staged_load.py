@@ -17,7 +17,7 @@ with the weights quantised on `--staging` (cpu: a CPU run, bitsandbytes' CPU bac
 - the packed bytes and the quantisation state on the parameters, against the planner's
   NF4_PACKED_BYTES_PER_WEIGHT and NF4_STATE_BYTES_PER_WEIGHT;
 - how fast the load quantises (weights per second; on the CPU with all threads torch uses here), and the
-  planner's start-up time for it (planning/speed.staged_load: the drive's read and the copies).
+  planner's start-up time for it (planning/speed/step_time.staged_load: the drive's read and the copies).
 One JSON object, written to DIR/qlora-staged-load.json (--out) or bench/results/qlora-staged-load-<date>.json.
 bench/gpu_run.sh B runs it with --staging cuda on an 8B base (bench/consumer.py `staged_load_case`).
 """
@@ -96,7 +96,7 @@ def planned(shape: Any, staging: str) -> dict[str, Any]:
         quantization_state_bytes,
         staged_quantize_gpu_bytes,
     )
-    from llm_train.planning.speed import DEFAULT_PCIE_BYTES_PER_S, staged_load
+    from llm_train.planning.speed.step_time import DEFAULT_PCIE_BYTES_PER_S, staged_load
 
     where = "gpu" if staging == "cuda" else "cpu"
     inp = MemoryInputs.of(shape, 1, zero_stage=3, lora_rank=8, quantize="nf4", quantize_on=where)

@@ -26,7 +26,6 @@ from llm_train.data.prompts import load_prompts
 from llm_train.data.volume import hub_sources, planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.profiling import parse_range
-from llm_train.planning.checkpoint_cost import checkpoint_lines
 from llm_train.planning.guards import (
     RunEstimate,
     auto_pinning,
@@ -36,6 +35,7 @@ from llm_train.planning.guards import (
     estimate_run,
     memory_rows,
 )
+from llm_train.planning.speed.checkpoint_cost import checkpoint_lines
 from llm_train.runtime.base import launch_env
 from llm_train.runtime.base.launch_env import PIN_BACKEND_ENV
 from llm_train.runtime.benchmark import check_recipe_tasks
@@ -171,7 +171,7 @@ def print_dry_run(run: Resolved) -> None:
     if run.notice:
         print(f"notice: {run.notice}")
     if lines := checkpoint_lines(run):
-        print("# checkpoints (estimate; see llm_train/planning/checkpoint_cost.py for the rates)")
+        print("# checkpoints (estimate; see llm_train/planning/speed/checkpoint_cost.py for the rates)")
         for line in lines:
             print(f"  {line}")
     # Last, because it may tokenise local data (into the cache the run reads) and refuses a run

@@ -1,7 +1,7 @@
 """Sequential read and write speed of the drive under an NVMe offload directory (`llm-train doctor`).
 
 ZeRO-Infinity's step time is mostly the drive's: every step reads the swapped optimizer state and
-writes it back (planning/speed.py times it from these two numbers). This writes a file of a few
+writes it back (planning/speed/step_time.py times it from these two numbers). This writes a file of a few
 GiB in large blocks, fsyncs it, reads it back and removes it. With O_DIRECT (where the filesystem
 takes it) neither direction goes through the page cache, as DeepSpeed's async I/O does not; where
 it is refused (tmpfs, some network filesystems) the file is written buffered and fsynced, the

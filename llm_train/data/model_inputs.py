@@ -172,7 +172,7 @@ def span_sums(batch: Mapping[str, Any]) -> tuple[int, int]:
     masking_utils.find_packed_sequence_indices): each packed sample, and the padding tail, which
     restarts its positions and attends to itself. Padded rows are their sample and their padding
     (the 0/1 mask); a row with neither is one document. n counts every slot, as tokens/s does.
-    planning/flops.py turns the two sums into MFU's span.
+    planning/speed/flops.py turns the two sums into MFU's span.
     """
     positions = batch.get("position_ids")
     if positions is not None:

@@ -5,11 +5,11 @@ at log steps (`flush`). Throughput is averaged over the steps since the last log
 logged number describes the whole window, not one possibly unlucky step, and time spent
 in evaluation, checkpointing or logging never counts as training time.
 
-MFU counts model FLOPs per token with llm_train.planning.flops: 6N + 6*L*H*Q*T, with N the
+MFU counts model FLOPs per token with llm_train.planning.speed.flops: 6N + 6*L*H*Q*T, with N the
 parameters that take part in matmuls (the input embedding is a lookup, so it is left out
 unless the output head shares it), L layers, H heads, Q head dim, T the span attention really
 covers, causal attention counted as half of PaLM's (appendix B) full 12*L*H*Q*T, as Megatron-LM
-does; flops.py says why. T is measured on the micro-batches this rank trained on since the last
+does; planning/speed/flops.py says why. T is measured on the micro-batches this rank trained on since the last
 log (data/model_inputs.span_sums: sum(n^2) / sum(n) over packed samples, or T = seq_len for rows that
 hold one sequence): `mfu`. `mfu_seq_len` counts T = data.seq_len, the row width, as most tools do
 (and as llm_train did before), so the two can be compared. It is measured against the device's
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llm_train.config.hardware import peak_tflops
-from llm_train.planning.flops import TokenFlops, attention_span, token_flops
+from llm_train.planning.speed.flops import TokenFlops, attention_span, token_flops
 from llm_train.units import GiB
 
 if TYPE_CHECKING:

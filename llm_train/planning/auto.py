@@ -22,7 +22,7 @@ optimizer's host RAM, but their measured quality cost is too high to pick them f
 
 Pinning is a knob of the offloading candidates: native (exact size, needs the memlock limit of this
 shell: planning/memory/pinning.py), torch (DeepSpeed's default, rounded up to powers of two, no limit) or off
-(pageable: slower copies that hide behind nothing, planning/speed.py). The chosen one is written as it
+(pageable: slower copies that hide behind nothing, planning/speed/step_time.py). The chosen one is written as it
 is, not as `auto`, so the run gets the pinning its plan assumed.
 
 The attention kernel is planned and written too: sdpa_flex on CUDA where torch has flex_attention

@@ -1,8 +1,8 @@
 """One candidate configuration on given hardware: its memory, its speed, and whether it fits.
 
-The numbers come from `memory.estimate_memory` (per-GPU bytes, host RAM and NVMe per node)
-and `speed.step_time` (a first-order step-time model used only to rank choices). Nothing
-here loads weights or imports deepspeed.
+The numbers come from `estimate_memory` (planning/memory/estimate.py: per-GPU bytes, host RAM and NVMe per
+node) and `step_time` (planning/speed/step_time.py: a first-order step-time model used only to rank
+choices). Nothing here loads weights or imports deepspeed.
 
 NVMe is a resource like the others: a configuration that offloads to NVMe fits only when the
 user said how much NVMe space the node has (`llm-train plan --nvme-gib N`) and its footprint
@@ -28,7 +28,7 @@ from llm_train.planning.memory.inputs import DS_ALLGATHER_BUCKET_SIZE, DS_SUB_GR
 from llm_train.planning.memory.offload_buffers import SwapSettings
 from llm_train.planning.model.shapes import ModelShape
 from llm_train.planning.model.vision_shapes import VisionInputs, checkpoint_pixels
-from llm_train.planning.speed import StepTime, step_time_on
+from llm_train.planning.speed.step_time import StepTime, step_time_on
 from llm_train.units import GiB
 
 # Host RSS of one CPU-only training process before model state (torch, DeepSpeed,

@@ -42,7 +42,7 @@ from llm_train.planning.candidate import (
     shipped_settings,
 )
 from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.speed import step_time_on
+from llm_train.planning.speed.step_time import step_time_on
 
 # A configuration this many times slower per step than the fastest that fits without NVMe, or
 # slower than this many tokens/s (a 7B full fine-tune on one 24 GB card does ~400-500), is one

@@ -22,7 +22,6 @@ from llm_train.planning.candidate import (
     memory_inputs,
     needs,
 )
-from llm_train.planning.checkpoint_cost import _duration, checkpoint_lines
 from llm_train.planning.host_settings import choose_host_settings
 from llm_train.planning.host_settings import describe as describe_host_settings
 from llm_train.planning.memory.estimate import _LABELS, estimate_memory
@@ -39,7 +38,8 @@ from llm_train.planning.search import (
     search_fixes,
     without_nvme,
 )
-from llm_train.planning.speed import reference_pass_seconds, staged_load
+from llm_train.planning.speed.checkpoint_cost import _duration, checkpoint_lines
+from llm_train.planning.speed.step_time import reference_pass_seconds, staged_load
 from llm_train.planning.vision_note import vision_note
 from llm_train.units import GiB
 

@@ -226,7 +226,7 @@ def test_every_card_has_its_link_and_memory_bandwidth() -> None:
 def test_offload_copies_follow_the_link_and_the_pinning() -> None:
     import dataclasses
 
-    from llm_train.planning.speed import step_time_on
+    from llm_train.planning.speed.step_time import step_time_on
 
     hw = _card("RTX-4070", 64)
     auto = choose_auto(MODEL, hw, overrides=["lora.quantize=none", "deepspeed.pinning=native"])
@@ -244,7 +244,7 @@ def test_offload_copies_follow_the_link_and_the_pinning() -> None:
 def test_dequantisation_is_paid_per_micro_batch_and_at_the_cards_memory_bandwidth() -> None:
     import dataclasses
 
-    from llm_train.planning.speed import dequantize_seconds
+    from llm_train.planning.speed.step_time import dequantize_seconds
 
     auto = choose_auto(
         MODEL, _card("RTX-4090", 64), overrides=["optim.micro_batch_size=1", "lora.quantize=nf4"]

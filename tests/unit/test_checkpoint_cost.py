@@ -1,4 +1,4 @@
-"""The checkpoint's size and times that --dry-run and `plan` print (planning/checkpoint_cost.py).
+"""The checkpoint's size and times that --dry-run and `plan` print (planning/speed/checkpoint_cost.py).
 
 Sizes against checkpoints DeepSpeed 0.19.8 wrote here (tiny-cpu, 1,901,696 parameters, 2 ranks,
 fp32, step 2, 2026-12-01): ZeRO-2 wrote mp_rank_00_model_states.pt of 7,619,749 bytes and two
@@ -12,8 +12,8 @@ import pytest
 
 from llm_train.config.layout import Layout
 from llm_train.config.recipe import load_recipe
-from llm_train.planning.checkpoint_cost import checkpoint_cost
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.speed.checkpoint_cost import checkpoint_cost
 from llm_train.train import main as train_main
 
 TINY_PARAMS = 1_901_696

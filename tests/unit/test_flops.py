@@ -1,6 +1,6 @@
 """Training FLOPs at the real sequence length: attention's share at long and short context, and MFU by hand.
 
-The numbers are written out as arithmetic so that a change to the formula in planning/flops.py
+The numbers are written out as arithmetic so that a change to the formula in planning/speed/flops.py
 has to be a change to these lines too.
 """
 
@@ -15,8 +15,8 @@ from llm_train.observability.metrics import (
     model_token_flops,
     shape_flops_per_token,
 )
-from llm_train.planning.flops import attention_flops_per_token, training_flops_per_token
 from llm_train.planning.model.shapes import shape_of
+from llm_train.planning.speed.flops import attention_flops_per_token, training_flops_per_token
 from tests.helpers import tiny_llama_config
 from tests.unit.test_metrics import tiny_llama
 
@@ -102,7 +102,7 @@ def test_mfu_of_a_known_step_is_the_formula_by_hand() -> None:
 @pytest.mark.parametrize("recompute", [False, True])
 def test_lora_trains_the_adapters_of_its_target_modules_only(recompute: bool) -> None:
     from llm_train.planning.memory.inputs import MemoryInputs
-    from llm_train.planning.speed import flops_per_token
+    from llm_train.planning.speed.step_time import flops_per_token
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
     every = MemoryInputs.of(shape, 1, lora_rank=16, activation_checkpointing=recompute)

@@ -25,7 +25,7 @@ from llm_train.planning.memory.formulas import (
 )
 from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.model.shapes import shape_of
-from llm_train.planning.speed import step_time
+from llm_train.planning.speed.step_time import step_time
 from llm_train.planning.verdict import plan_recipe
 from llm_train.units import GiB
 

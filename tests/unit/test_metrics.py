@@ -19,8 +19,8 @@ from llm_train.observability.metrics import (
     peak_tflops_for,
     shape_flops_per_token,
 )
-from llm_train.planning.flops import TokenFlops, token_flops, training_flops_per_token
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.speed.flops import TokenFlops, token_flops, training_flops_per_token
 from tests.helpers import tiny_llama_config
 
 

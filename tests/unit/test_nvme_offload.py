@@ -449,7 +449,7 @@ def test_doctor_measures_the_drive_of_an_nvme_recipe(tmp_path: Path) -> None:
 def test_nvme_step_time_is_the_drive_traffic_at_its_read_and_write_speeds() -> None:
     from llm_train.planning.memory.inputs import MemoryInputs
     from llm_train.planning.model.shapes import shape_of
-    from llm_train.planning.speed import step_time
+    from llm_train.planning.speed.step_time import step_time
 
     psi = shape_of("meta-llama/Llama-3.1-8B").num_params
     inp = MemoryInputs.of(

@@ -545,7 +545,11 @@ def test_70b_two_card_start_up_is_the_checkpoint_read_not_the_quantiser() -> Non
     weight to its card and the codes back; on the CPU, bitsandbytes' quantiser's measured rate bounds it."""
     from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.model.shapes import shape_of
-    from llm_train.planning.speed import CPU_QUANTIZE_WEIGHTS_PER_S, PAGEABLE_COPY_EFFICIENCY, staged_load
+    from llm_train.planning.speed.step_time import (
+        CPU_QUANTIZE_WEIGHTS_PER_S,
+        PAGEABLE_COPY_EFFICIENCY,
+        staged_load,
+    )
     from llm_train.planning.verdict import plan_recipe, render
 
     run = resolve_run("70b-qlora-2x4090", [], world_size=2)
@@ -574,7 +578,7 @@ def test_the_70b_recipe_header_states_the_planners_host_ram_and_start_up() -> No
     from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.memory.estimate import estimate_memory
     from llm_train.planning.model.shapes import shape_of
-    from llm_train.planning.speed import staged_load
+    from llm_train.planning.speed.step_time import staged_load
 
     header = " ".join(
         line.lstrip("# ").strip()

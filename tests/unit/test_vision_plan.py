@@ -439,8 +439,8 @@ def test_recipe_auto_plans_an_image_text_model_and_writes_what_it_planned(
 
 
 def test_the_speed_model_counts_the_language_model_per_token_and_the_vision_part_per_image() -> None:
-    from llm_train.planning.flops import training_flops_per_token
-    from llm_train.planning.speed import flops_per_token
+    from llm_train.planning.speed.flops import training_flops_per_token
+    from llm_train.planning.speed.step_time import flops_per_token
 
     shape = shape_of("Qwen/Qwen2.5-VL-7B-Instruct")
     vision = shape.vision

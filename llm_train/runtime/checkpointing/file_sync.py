@@ -4,7 +4,7 @@ Why: every collective fails once it has waited the process-group timeout (deepsp
 DeepSpeed's own default is 10 minutes). Work whose length grows with the checkpoint must therefore
 never run on some ranks while the others sit inside one: at 70B a ZeRO-3 checkpoint holds ~790 GiB
 (12 bytes per parameter), sha256 reads 1.3-1.9 GiB/s on one core, and DeepSpeed's universal
-conversion of it takes about an hour (planning/checkpoint_cost.py). So the ranks post their results
+conversion of it takes about an hour (planning/speed/checkpoint_cost.py). So the ranks post their results
 as small JSON files in a directory beside the checkpoints (the filesystem checkpoints already need
 to be shared by every node) and poll for each other's files.
 

@@ -324,7 +324,7 @@ def convert_for_resume(
 ) -> None:
     """Rank 0 converts `chosen` to the universal format (once); the other ranks wait for it through a file.
 
-    A 70B conversion takes about an hour (planning/checkpoint_cost.py): far beyond any
+    A 70B conversion takes about an hour (planning/speed/checkpoint_cost.py): far beyond any
     process-group timeout, so the others must not wait inside a collective (runtime/checkpointing/file_sync.py).
     A copy already there is verified by all ranks, a share each.
     """

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from llm_train.errors import EXIT_NONFINITE, UserError
-from llm_train.planning.flops import TokenFlops
+from llm_train.planning.speed.flops import TokenFlops
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

@@ -22,8 +22,8 @@ import torch
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.observability.metrics import shape_token_flops
-from llm_train.planning.flops import TokenFlops
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.speed.flops import TokenFlops
 from llm_train.runtime.base import collectives
 from llm_train.runtime.base.collectives import Collectives
 from llm_train.runtime.base.compat import clip_fp32_across_stages, keep_fp32_rope_buffers

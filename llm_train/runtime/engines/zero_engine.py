@@ -23,7 +23,7 @@ import torch
 from llm_train.config.objectives import objective_spec
 from llm_train.config.resolution import Resolved
 from llm_train.observability.metrics import model_token_flops
-from llm_train.planning.flops import TokenFlops
+from llm_train.planning.speed.flops import TokenFlops
 from llm_train.runtime.base.collectives import WORLD, Collectives, destroy
 from llm_train.runtime.base.compat import without_hf_zero3_config
 from llm_train.runtime.checkpointing.logit_reference import reference_input_ids, write_reference

@@ -37,7 +37,6 @@ from llm_train.config.hardware import (
     UNKNOWN_GPU_MEMORY_GBS,
     Hardware,
 )
-from llm_train.planning.flops import training_flops_per_token
 from llm_train.planning.memory.generation import GenerationTime, decode_step_seconds, kv_bytes_per_token
 from llm_train.planning.memory.host import offload_rank
 from llm_train.planning.memory.inputs import MemoryInputs
@@ -50,6 +49,7 @@ from llm_train.planning.memory.quantized_bytes import (
     quantized_weight_params,
 )
 from llm_train.planning.model.vision_shapes import LANGUAGE_MODEL, PROJECTOR, VISION_TOWER
+from llm_train.planning.speed.flops import training_flops_per_token
 
 # Fraction of dense peak that a well-fed training step reaches (MFU); 35-50% is typical
 # for 7B-class models with SDPA/flash attention on one node.
@@ -143,7 +143,7 @@ class StepTime:
 
 
 def flops_per_token(inp: MemoryInputs) -> float:
-    """Training FLOPs per token on one model replica (planning/flops.py), as the hardware runs them:
+    """Training FLOPs per token on one model replica (planning/speed/flops.py), as the hardware runs them:
     LoRA trains only its adapters, activation checkpointing recomputes the forward, and the ALST
     tiles recompute their part once more in backward (the MLP, the output layer)."""
     shape = inp.shape

@@ -1,0 +1,1 @@
+"""How fast: FLOPs per token, the step-time model that ranks configurations, what a checkpoint costs to save."""
