@@ -1,7 +1,7 @@
 """docs/long-context.md's table: the longest sequence the planner fits per GPU count, without and
 with DeepSpeed ALST (Ulysses sequence parallelism, tiled MLP, tiled loss, checkpoint offload).
 
-Pure planner arithmetic (llm_train/planning/long_context.py states the assumptions): no GPU, no
+Pure planner arithmetic (llm_train/planning/search/long_context.py states the assumptions): no GPU, no
 download, under a second.
 
     .venv/bin/python -m bench.long_context_table [--model meta-llama/Llama-3.1-8B]
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from llm_train.planning.long_context import long_context_table, render_table
+from llm_train.planning.search.long_context import long_context_table, render_table
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from llm_train.data.prompts import load_prompts
 from llm_train.data.volume import hub_sources, planned_volume
 from llm_train.errors import UserError
 from llm_train.observability.profiling import parse_range
-from llm_train.planning.guards import (
+from llm_train.planning.search.guards import (
     RunEstimate,
     auto_pinning,
     check_host_ram,

@@ -38,7 +38,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_files import available_recipes
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError, first_line
-from llm_train.planning.guards import nvme_problems
+from llm_train.planning.search.guards import nvme_problems
 from llm_train.runtime.base.compat import installed_version, version_problems
 from llm_train.units import GiB
 

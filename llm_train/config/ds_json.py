@@ -7,7 +7,7 @@ are the same, with no "auto" left. DeepSpeed validates nested sections strictly 
 silently ignores unknown top-level keys, so those are checked here (keys that begin with "_" are
 comments); config/ds_validate.py runs DeepSpeed's own checks on the result. The NVMe offload
 directory belongs to the user's machine, not to a shipped file: the JSON says "auto" and the
-recipe's deepspeed.nvme_path fills it (planning/guards.check_nvme_path checks the directory itself).
+recipe's deepspeed.nvme_path fills it (planning/search/guards.check_nvme_path checks the directory itself).
 """
 
 from __future__ import annotations

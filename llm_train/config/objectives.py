@@ -123,7 +123,7 @@ OBJECTIVES: dict[Objective, ObjectiveSpec] = {
             ),
             _WHOLE_SEQUENCES,
             generates=True,
-            # beta > 0 scores every micro-batch under the initial model live (planning/candidate.py counts it;
+            # beta > 0 scores every micro-batch under the initial model live (planning/search/candidate.py counts it;
             # under LoRA it is the policy with its adapters off, which the memory model counts as live too).
             reference_of=lambda recipe: "live" if recipe.grpo.beta > 0 else "none",
         ),

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from llm_train.config.gpu_evidence import unverified_line
-from llm_train.planning.guards import RunEstimate, estimate_run, memory_rows
+from llm_train.planning.search.guards import RunEstimate, estimate_run, memory_rows
 
 if TYPE_CHECKING:
     from llm_train.config.resolution import Resolved

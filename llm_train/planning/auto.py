@@ -3,7 +3,7 @@
 One search over the knobs of planning/knobs.py (DS JSON and its pinning, micro-batch, checkpointing,
 the long-context switches) for each kind of training (full, LoRA, QLoRA), each candidate a variation of
 its kind's base: the recipe auto writes for that kind, with the user's overrides applied, resolved as any
-recipe is (config/resolution.py, planning/candidate.memory_inputs). So an override is planned: a knob it
+recipe is (config/resolution.py, planning/search/candidate.memory_inputs). So an override is planned: a knob it
 sets stays at the value it resolves to, any other key reaches the estimate through the same resolution,
 any lora.* key plans adapters only, and one the planner does not model is refused in one line
 (knobs.NOT_PLANNED). The written recipe is that base with the chosen knobs, and `check_written` holds it
@@ -12,7 +12,7 @@ command refuses in one line before writing.
 
 The choice policy (docs/planning.md, "The choice policy"): the fastest that fits within a kind, without
 NVMe before NVMe (only with --nvme-gib); a practical full fine-tune over faster adapters, with the cost
-printed (`policy_cost`); adapters where no full fine-tune fits or it is impractical (search.judge),
+printed (`policy_cost`); adapters where no full fine-tune fits or it is impractical (search/fixes.py `judge`),
 unless --no-lora. Adapters are 16-bit LoRA or QLoRA (the same adapters on a 4-bit base, bitsandbytes,
 CUDA only), weighed by the same speed model: the fastest that fits is chosen (QLoRA by more than
 EXACT_BASE_MARGIN), and the "why" names the runner-up with both step times. Optimizer states stay fp32: bf16 states (optim.state_dtype=bf16) halve the offloaded
@@ -70,16 +70,16 @@ from llm_train.planning.auto_written import (
     AutoChoice,
     check_written,
 )
-from llm_train.planning.candidate import (
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.pinning import MemlockLimit
+from llm_train.planning.search.candidate import (
     AUTO_MICRO_BATCHES,
     Evaluation,
     evaluate,
     loader_forks_for,
     zero_init_for,
 )
-from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.memory.pinning import MemlockLimit
-from llm_train.planning.search import (
+from llm_train.planning.search.fixes import (
     judge,
     long_context_options,
 )

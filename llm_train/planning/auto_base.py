@@ -21,7 +21,11 @@ from llm_train.config.recipe import Recipe, recipe_from_data
 from llm_train.config.recipe_files import parse_override
 from llm_train.config.resolution import Resolved, largest_weight, model_fields, resolve_recipe
 from llm_train.errors import UserError
-from llm_train.planning.candidate import (
+from llm_train.planning.knobs import pinned_fields, set_key
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.memory.pinning import MemlockLimit, memlock_limit
+from llm_train.planning.model.shapes import ModelShape, shape_from_config, shape_of
+from llm_train.planning.search.candidate import (
     SHIPPED_DS_CONFIGS,
     SUGGESTED_LORA,
     SUGGESTED_LORA_RANK,
@@ -30,10 +34,6 @@ from llm_train.planning.candidate import (
     memory_inputs,
     shipped_settings,
 )
-from llm_train.planning.knobs import pinned_fields, set_key
-from llm_train.planning.memory.inputs import MemoryInputs
-from llm_train.planning.memory.pinning import MemlockLimit, memlock_limit
-from llm_train.planning.model.shapes import ModelShape, shape_from_config, shape_of
 from llm_train.units import GiB
 
 # The pinning choices of an offloading candidate (recipe values of deepspeed.pinning).

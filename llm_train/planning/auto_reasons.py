@@ -21,12 +21,12 @@ from llm_train.planning.auto_base import (
     kind_name,
     prefer_exact_base,
 )
-from llm_train.planning.candidate import (
-    Evaluation,
-)
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.inputs import MemoryInputs
-from llm_train.planning.search import (
+from llm_train.planning.search.candidate import (
+    Evaluation,
+)
+from llm_train.planning.search.fixes import (
     Practicality,
     long_context_text,
     short_config,

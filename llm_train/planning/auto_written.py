@@ -18,16 +18,16 @@ from llm_train.config.recipe_files import yaml_load
 from llm_train.config.resolution import resolve_recipe, resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.auto_base import kind_name
-from llm_train.planning.candidate import (
+from llm_train.planning.knobs import recipe_values, set_key
+from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.model.shapes import ModelShape, shape_from_config
+from llm_train.planning.search.candidate import (
     SHIPPED_DS_CONFIGS,
     Evaluation,
     evaluate,
     memory_inputs,
 )
-from llm_train.planning.knobs import recipe_values, set_key
-from llm_train.planning.memory.inputs import MemoryInputs
-from llm_train.planning.model.shapes import ModelShape, shape_from_config
-from llm_train.planning.search import (
+from llm_train.planning.search.fixes import (
     Practicality,
 )
 from llm_train.planning.verdict import config_line, generation_line, verdict

@@ -3,7 +3,7 @@
 `--recipe auto` searches over these knobs, writes the chosen values under these keys, and a user's
 override of one of them pins it (the search keeps it at the value the recipe resolves to); the
 fixes of `llm-train plan` say their changes as overrides of the same keys. Every other key reaches
-the estimate the one way a recipe does, through its resolution (planning/candidate.memory_inputs), or
+the estimate the one way a recipe does, through its resolution (planning/search/candidate.memory_inputs), or
 changes nothing the planner models (the learning rate, the data files, logging); the keys in
 NOT_PLANNED change memory or speed in ways the planner does not model, so `--recipe auto` refuses
 them instead of writing a plan that would not hold.

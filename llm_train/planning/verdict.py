@@ -1,7 +1,7 @@
 """`llm-train plan --recipe NAME`: the verdict for a recipe on given hardware, and how it reads.
 
 Three verdicts: FITS; FITS BUT IMPRACTICAL (it fits, but nobody would run it: see
-search.judge), with why and what to do instead; DOES NOT FIT (TIGHT when only the GPU
+search/fixes.py `judge`), with why and what to do instead; DOES NOT FIT (TIGHT when only the GPU
 headroom is missing), with the cheapest changes that make it fit.
 """
 
@@ -14,7 +14,12 @@ from llm_train.config.hardware import GPU_HEADROOM, DriveSpeeds, Hardware, hardw
 from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import Resolved, resolve_run
-from llm_train.planning.candidate import (
+from llm_train.planning.memory.estimate import _LABELS, estimate_memory
+from llm_train.planning.memory.host import host_buffers, offload_rank
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.memory.offload_buffers import PINNINGS
+from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.search.candidate import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
     Evaluation,
@@ -22,14 +27,7 @@ from llm_train.planning.candidate import (
     memory_inputs,
     needs,
 )
-from llm_train.planning.host_settings import choose_host_settings
-from llm_train.planning.host_settings import describe as describe_host_settings
-from llm_train.planning.memory.estimate import _LABELS, estimate_memory
-from llm_train.planning.memory.host import host_buffers, offload_rank
-from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
-from llm_train.planning.memory.offload_buffers import PINNINGS
-from llm_train.planning.model.shapes import shape_from_config
-from llm_train.planning.search import (
+from llm_train.planning.search.fixes import (
     Fix,
     Practicality,
     judge,
@@ -38,6 +36,8 @@ from llm_train.planning.search import (
     search_fixes,
     without_nvme,
 )
+from llm_train.planning.search.host_settings import choose_host_settings
+from llm_train.planning.search.host_settings import describe as describe_host_settings
 from llm_train.planning.speed.checkpoint_cost import _duration, checkpoint_lines
 from llm_train.planning.speed.step_time import reference_pass_seconds, staged_load
 from llm_train.planning.vision_note import vision_note

@@ -42,7 +42,7 @@ from llm_train.observability.library_logs import quiet
 from llm_train.observability.metrics import StartupClock, StepMeter
 from llm_train.observability.profiling import flops_profiler_config, make_profiler
 from llm_train.observability.tracking import Trackers, open_trackers
-from llm_train.planning.guards import RunEstimate
+from llm_train.planning.search.guards import RunEstimate
 from llm_train.runtime.base import collectives, compat, launch_env
 from llm_train.runtime.benchmark import PeriodicBench, recipe_options
 from llm_train.runtime.benchmark import unavailable as benchmark_unavailable

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file
 
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.search.candidate import memory_inputs
 from tests.devices import CPU
 from tests.e2e.reference import STEPS, run_args
 from tests.helpers import (

@@ -9,9 +9,9 @@ import pytest
 
 from llm_train.config.hardware import Device
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.candidate import memory_inputs, needs
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.search.candidate import memory_inputs, needs
 from llm_train.units import GiB
 from tests.helpers import launch_cmd, run_cmd
 

@@ -249,10 +249,10 @@ def test_a_full_fine_tune_preferred_over_faster_adapters_says_what_it_costs(
 def test_the_planners_lora_defaults_are_the_recipe_schemas() -> None:
     # A default moved in config/recipe_sections.py moves in the planner too; a copy kept in planning/ would fail here.
     from llm_train.config.recipe_sections import LoraSection
-    from llm_train.planning import candidate
     from llm_train.planning.auto_base import suggested_lora
     from llm_train.planning.memory.inputs import MemoryInputs
     from llm_train.planning.model import shapes
+    from llm_train.planning.search import candidate
 
     schema = LoraSection()
     default_targets = MemoryInputs.__dataclass_fields__["lora_targets"].default

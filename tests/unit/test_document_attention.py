@@ -23,10 +23,10 @@ from llm_train.config.resolution import resolve_run
 from llm_train.data import prepare_data
 from llm_train.data.model_inputs import IGNORE, build_rows
 from llm_train.errors import UserError
-from llm_train.planning.candidate import memory_inputs
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_of
+from llm_train.planning.search.candidate import memory_inputs
 from llm_train.runtime.model import document_attention as sdpa_flex
 from llm_train.units import GiB
 from tests.devices import H100, H200, RTX_4090, RTX_4090_UNREAD

@@ -10,7 +10,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llm_train.config.hardware import hardware_for
-from llm_train.planning.candidate import evaluate
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.generation import (
     DECODE_SECONDS_PER_LAYER,
@@ -19,6 +18,7 @@ from llm_train.planning.memory.generation import (
 )
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_from_config, shape_of
+from llm_train.planning.search.candidate import evaluate
 from llm_train.planning.verdict import plan_recipe, render
 
 TINY = {

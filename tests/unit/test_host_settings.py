@@ -10,11 +10,11 @@ from llm_train.config.ds_json import load_ds_config
 from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.candidate import memory_inputs
-from llm_train.planning.host_settings import SUB_GROUP_CANDIDATES, choose_host_settings
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_from_config, shape_of
+from llm_train.planning.search.candidate import memory_inputs
+from llm_train.planning.search.host_settings import SUB_GROUP_CANDIDATES, choose_host_settings
 from llm_train.units import GiB
 
 CONSUMER_FULL_FINETUNES = ["7b-rtx4090", "8b-rtx4090", "8b-rtx4090-nvme", "13b-rtx4090-offload"]

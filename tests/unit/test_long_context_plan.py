@@ -13,8 +13,6 @@ from llm_train.config.attention_kernel import Installed
 from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.planning.auto import choose_auto
-from llm_train.planning.candidate import evaluate
-from llm_train.planning.long_context import SEQ_STEP, best_fit, long_context_table, render_table
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.formulas import (
     LOSS_CHUNK_LOGITS_BYTES,
@@ -25,6 +23,8 @@ from llm_train.planning.memory.formulas import (
 )
 from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.model.shapes import shape_of
+from llm_train.planning.search.candidate import evaluate
+from llm_train.planning.search.long_context import SEQ_STEP, best_fit, long_context_table, render_table
 from llm_train.planning.speed.step_time import step_time
 from llm_train.planning.verdict import plan_recipe
 from llm_train.units import GiB

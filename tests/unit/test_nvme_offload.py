@@ -26,8 +26,8 @@ from llm_train.config.ds_json import load_ds_config, nvme_paths
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.planning import guards
-from llm_train.planning.guards import check_nvme_path, memory_estimate, nvme_problems
+from llm_train.planning.search import guards
+from llm_train.planning.search.guards import check_nvme_path, memory_estimate, nvme_problems
 from tests.devices import CPU, resolve
 from tests.optional import require
 from tests.unit.test_dsconfig import VALUES
@@ -174,7 +174,7 @@ def test_read_only_directory_is_refused_for_real(tmp_path: Path) -> None:
     read_only.chmod(0o555)
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); from tests.unit.test_nvme_offload import _run; "
-        "from llm_train.planning.guards import nvme_problems; print(nvme_problems(_run(sys.argv[2]), 2)[0])"
+        "from llm_train.planning.search.guards import nvme_problems; print(nvme_problems(_run(sys.argv[2]), 2)[0])"
     )
     cmd = [sys.executable, "-c", code, str(REPO), str(read_only)]
     if os.geteuid() == 0:

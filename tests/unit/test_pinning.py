@@ -14,12 +14,12 @@ import pytest
 from llm_train.config.recipe import load_recipe
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.planning.candidate import memory_inputs
-from llm_train.planning.guards import auto_pinning, check_memlock
 from llm_train.planning.memory import pinning
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.pinning import MemlockLimit, has_cap_ipc_lock
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.search.candidate import memory_inputs
+from llm_train.planning.search.guards import auto_pinning, check_memlock
 from llm_train.runtime.base.launch_env import PIN_BACKEND_ENV, use_pin_memory_backend
 from llm_train.units import GiB
 from tests.devices import RTX_4090, resolve

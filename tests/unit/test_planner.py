@@ -15,7 +15,7 @@ from llm_train.config.recipe_files import available_recipes
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
 from llm_train.planning.auto import choose_auto
-from llm_train.planning.guards import check_host_ram
+from llm_train.planning.search.guards import check_host_ram
 from llm_train.planning.verdict import plan_recipe
 from llm_train.units import GiB
 
@@ -279,7 +279,7 @@ def test_lora_rank_reaches_the_estimate() -> None:
     )
     assert "LoRA r=16" in lora.config_line
     # The dry run's memory rows (resolve.memory_rows) see the rank too.
-    from llm_train.planning.guards import memory_rows
+    from llm_train.planning.search.guards import memory_rows
 
     run = resolve_run("8b-lora-rtx4090", [], world_size=1, device=Device("cuda", "RTX 4090", True))
     rows = dict(memory_rows(run))
@@ -444,7 +444,7 @@ def test_host_ram_guard_passes_when_it_fits(monkeypatch: pytest.MonkeyPatch) -> 
 def test_train_refuses_before_creating_the_run_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import llm_train.planning.guards as guards
+    import llm_train.planning.search.guards as guards
     from llm_train.train import main as train_main
 
     # A 64 GiB machine, whatever this one has: the guard reads the host's RAM through this one call.

@@ -27,10 +27,10 @@ from llm_train.config.hardware import hardware_for
 from llm_train.errors import UserError
 from llm_train.planning.auto import choose_auto
 from llm_train.planning.auto_written import render_auto
-from llm_train.planning.candidate import evaluate
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.memory.quantized_bytes import quantized_weight_params
 from llm_train.planning.model.shapes import shape_of
+from llm_train.planning.search.candidate import evaluate
 from llm_train.planning.verdict import plan_recipe, verdict_word
 from llm_train.units import GiB
 

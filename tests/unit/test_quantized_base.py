@@ -412,7 +412,6 @@ def test_nf4_and_int8_bases_by_hand() -> None:
 
 def test_8b_qlora_plan_by_hand() -> None:
     """8b-qlora-rtx4070's GPU and host terms, each recomputed from its definition."""
-    from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.memory.estimate import estimate_memory
     from llm_train.planning.memory.formulas import (
         CHECKPOINT_SHARD_BYTES,
@@ -420,6 +419,7 @@ def test_8b_qlora_plan_by_hand() -> None:
         PROCESS_HOST_BYTES,
     )
     from llm_train.planning.model.shapes import shape_of
+    from llm_train.planning.search.candidate import memory_inputs
 
     run = resolve_run("8b-qlora-rtx4070", [], world_size=1)
     est = estimate_memory(memory_inputs(run, shape_of("meta-llama/Llama-3.1-8B")))
@@ -445,7 +445,6 @@ def test_8b_qlora_plan_by_hand() -> None:
 
 def test_16bit_lora_host_ram_by_hand() -> None:
     """8b-lora-rtx4090 with 16 GiB: no full copy of the model on the host at load, in checkpoints or at export."""
-    from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.memory.estimate import estimate_memory
     from llm_train.planning.memory.formulas import (
         CHECKPOINT_SHARD_BYTES,
@@ -453,6 +452,7 @@ def test_16bit_lora_host_ram_by_hand() -> None:
         PROCESS_HOST_BYTES,
     )
     from llm_train.planning.model.shapes import shape_of
+    from llm_train.planning.search.candidate import memory_inputs
 
     shape = shape_of("meta-llama/Llama-3.1-8B")
     merged = estimate_memory(memory_inputs(resolve_run("8b-lora-rtx4090", [], world_size=1), shape))
@@ -469,7 +469,6 @@ def test_16bit_lora_host_ram_by_hand() -> None:
 def test_70b_two_card_qlora_plan_by_hand() -> None:
     """70b-qlora-2x4090's terms from their definitions: the 4-bit base staged whole on each rank's host, then
     partitioned by ZeRO-3 onto the host (offload_param), its quantisation state whole on each GPU."""
-    from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.memory.estimate import estimate_memory, model_load_gpu_bytes
     from llm_train.planning.memory.formulas import (
         CUDA_CONTEXT_BYTES,
@@ -479,6 +478,7 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
     )
     from llm_train.planning.memory.model_split import model_split
     from llm_train.planning.model.shapes import shape_of
+    from llm_train.planning.search.candidate import memory_inputs
 
     run = resolve_run("70b-qlora-2x4090", [], world_size=2)
     assert run.layout.zero_stage == 3 and run.layout.offload_params == "cpu" and run.recipe.lora is not None
@@ -534,8 +534,8 @@ def test_70b_two_card_qlora_plan_by_hand() -> None:
 
 def est_quantize_on(run: Any, shape: Any, where: str) -> Any:
     """The run's estimate with its base quantised on `where` ("gpu": the run's own device; "cpu")."""
-    from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.memory.estimate import estimate_memory
+    from llm_train.planning.search.candidate import memory_inputs
 
     return estimate_memory(dataclasses.replace(memory_inputs(run, shape), quantize_on=where))
 
@@ -543,8 +543,8 @@ def est_quantize_on(run: Any, shape: Any, where: str) -> Any:
 def test_70b_two_card_start_up_is_the_checkpoint_read_not_the_quantiser() -> None:
     """speed.staged_load from its definition: on the GPU, each rank reads the 16-bit checkpoint and moves each
     weight to its card and the codes back; on the CPU, bitsandbytes' quantiser's measured rate bounds it."""
-    from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.model.shapes import shape_of
+    from llm_train.planning.search.candidate import memory_inputs
     from llm_train.planning.speed.step_time import (
         CPU_QUANTIZE_WEIGHTS_PER_S,
         PAGEABLE_COPY_EFFICIENCY,
@@ -575,9 +575,9 @@ def test_the_70b_recipe_header_states_the_planners_host_ram_and_start_up() -> No
     import re
 
     from llm_train.config.hardware import NVME_READ_BYTES_PER_S
-    from llm_train.planning.candidate import memory_inputs
     from llm_train.planning.memory.estimate import estimate_memory
     from llm_train.planning.model.shapes import shape_of
+    from llm_train.planning.search.candidate import memory_inputs
     from llm_train.planning.speed.step_time import staged_load
 
     header = " ".join(

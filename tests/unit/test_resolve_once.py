@@ -200,7 +200,7 @@ def test_a_run_start_estimates_its_memory_once(
 
 def test_the_start_up_summary_reuses_the_estimate_of_the_same_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from llm_train.observability.console import startup_summary
-    from llm_train.planning.guards import estimate_run
+    from llm_train.planning.search.guards import estimate_run
 
     run = resolve_run("tiny-cpu", [], world_size=1, device=Device("cuda", "H100", True))
     known = estimate_run(run)

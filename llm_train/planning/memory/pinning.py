@@ -10,7 +10,7 @@ mlock counts against the process's memlock limit (RLIMIT_MEMLOCK, `ulimit -l`, 8
 on most distributions) unless the process holds CAP_IPC_LOCK (root usually does). When the limit
 is too small DeepSpeed's allocator fails deep inside the engine's set-up (page_alloc.cpp prints
 "mlock failed" and returns a null buffer), minutes after the model loaded. So the planner's locked
-bytes are compared with the limit before start (planning/guards.check_memlock), and
+bytes are compared with the limit before start (planning/search/guards.check_memlock), and
 `deepspeed.pinning=auto` takes native pinning when the limit allows it, else torch's allocator when its
 rounded total fits the host RAM (the CUDA driver pins those blocks; RLIMIT_MEMLOCK does not bound them),
 else `off`.

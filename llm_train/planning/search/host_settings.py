@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware
-from llm_train.planning.candidate import needs
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.inputs import MemoryInputs
+from llm_train.planning.search.candidate import needs
 from llm_train.units import GiB
 
 SUB_GROUP_CANDIDATES = (10**7, 2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8, 10**9)

@@ -20,11 +20,11 @@ from llm_train.config import ds_json
 from llm_train.config.hardware import HOST_RESERVE_BYTES, host_ram_bytes
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
-from llm_train.planning.candidate import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
 from llm_train.planning.memory.estimate import MemoryEstimate, estimate_memory
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.memory.pinning import MemlockLimit, choose_auto, memlock_problem
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.search.candidate import CPU_PROCESS_HOST_BYTES, memory_inputs, needs
 from llm_train.units import GiB
 
 

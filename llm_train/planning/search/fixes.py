@@ -33,7 +33,8 @@ from typing import Any
 from llm_train.config.attention_kernel import FLEX_KERNELS
 from llm_train.config.hardware import Hardware
 from llm_train.config.layout import sequence_parallel_problem
-from llm_train.planning.candidate import (
+from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
+from llm_train.planning.search.candidate import (
     SHIPPED_DS_CONFIGS,
     SUGGESTED_LORA_DROPOUT,
     SUGGESTED_LORA_RANK,
@@ -41,7 +42,6 @@ from llm_train.planning.candidate import (
     evaluate,
     shipped_settings,
 )
-from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.speed.step_time import step_time_on
 
 # A configuration this many times slower per step than the fastest that fits without NVMe, or

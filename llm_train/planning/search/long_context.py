@@ -1,7 +1,7 @@
 """The longest sequence that fits: how long a context a model can be trained on, per number of GPUs.
 
 `longest_sequence` bisects data.seq_len (in steps of SEQ_STEP tokens) for the largest length at which
-one configuration of a fixed family fits the hardware (planning.candidate.evaluate: GPU memory within its
+one configuration of a fixed family fits the hardware (planning.search.candidate.evaluate: GPU memory within its
 headroom, host RAM within its reserve). The family, the assumptions docs/long-context.md's table states:
 
 - a full fine-tune in bf16, micro-batch 1 (one sequence per step and data-parallel rank), activation
@@ -24,10 +24,10 @@ import itertools
 from dataclasses import dataclass
 
 from llm_train.config.hardware import Hardware, hardware_for
-from llm_train.planning.candidate import SHIPPED_DS_CONFIGS, Evaluation, evaluate
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import ModelShape, shape_of
-from llm_train.planning.search import long_context_text, sequence_parallel_degrees
+from llm_train.planning.search.candidate import SHIPPED_DS_CONFIGS, Evaluation, evaluate
+from llm_train.planning.search.fixes import long_context_text, sequence_parallel_degrees
 from llm_train.units import GiB
 
 # Sequence lengths are multiples of this: divisible by every Ulysses degree up to 8 (and 1024 is
