@@ -25,7 +25,7 @@ def plan(
     """
     from llm_train.errors import UserError
     from llm_train.planning.memory.host import host_peak_bytes
-    from llm_train.planning.verdict import plan_recipe
+    from llm_train.planning.report.verdict import plan_recipe
 
     try:
         report = plan_recipe(

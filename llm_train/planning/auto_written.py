@@ -21,6 +21,8 @@ from llm_train.planning.auto_base import kind_name
 from llm_train.planning.knobs import recipe_values, set_key
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import ModelShape, shape_from_config
+from llm_train.planning.report.verdict import config_line, generation_line, verdict
+from llm_train.planning.report.vision_note import vision_note
 from llm_train.planning.search.candidate import (
     SHIPPED_DS_CONFIGS,
     Evaluation,
@@ -30,8 +32,6 @@ from llm_train.planning.search.candidate import (
 from llm_train.planning.search.fixes import (
     Practicality,
 )
-from llm_train.planning.verdict import config_line, generation_line, verdict
-from llm_train.planning.vision_note import vision_note
 from llm_train.units import GiB
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llm_train.config.recipe import load_recipe
-from llm_train.planning.verdict import plan_recipe
+from llm_train.planning.report.verdict import plan_recipe
 from tests.helpers import REPO
 
 README = REPO / "README.md"

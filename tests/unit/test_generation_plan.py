@@ -18,8 +18,8 @@ from llm_train.planning.memory.generation import (
 )
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_from_config, shape_of
+from llm_train.planning.report.verdict import plan_recipe, render
 from llm_train.planning.search.candidate import evaluate
-from llm_train.planning.verdict import plan_recipe, render
 
 TINY = {
     "model_type": "llama",

@@ -23,10 +23,10 @@ from llm_train.planning.memory.formulas import (
 )
 from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.model.shapes import shape_of
+from llm_train.planning.report.verdict import plan_recipe
 from llm_train.planning.search.candidate import evaluate
 from llm_train.planning.search.long_context import SEQ_STEP, best_fit, long_context_table, render_table
 from llm_train.planning.speed.step_time import step_time
-from llm_train.planning.verdict import plan_recipe
 from llm_train.units import GiB
 
 LLAMA31_8B = shape_of("meta-llama/Llama-3.1-8B")  # h=4096, L=32, 32 heads, 8 KV heads, V=128256, i=14336

@@ -11,8 +11,8 @@ from llm_train.config.resolution import resolve_run
 from llm_train.planning.auto_base import suggested_lora
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import LORA_TARGETS, shape_of
+from llm_train.planning.report.verdict import plan_recipe
 from llm_train.planning.search.candidate import SUGGESTED_LORA_DROPOUT, SUGGESTED_LORA_RANK, memory_inputs
-from llm_train.planning.verdict import plan_recipe
 
 SCHEMA = LoraSection()
 

@@ -30,8 +30,8 @@ from llm_train.planning.auto_written import render_auto
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.memory.quantized_bytes import quantized_weight_params
 from llm_train.planning.model.shapes import shape_of
+from llm_train.planning.report.verdict import plan_recipe, verdict_word
 from llm_train.planning.search.candidate import evaluate
-from llm_train.planning.verdict import plan_recipe, verdict_word
 from llm_train.units import GiB
 
 # Llama-2-7B from its config (vocab 32000, hidden 4096, 32 layers, MLP 11008, untied head):

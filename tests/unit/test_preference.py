@@ -16,8 +16,8 @@ from llm_train.errors import UserError
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import shape_of
+from llm_train.planning.report.verdict import plan_recipe, render
 from llm_train.planning.speed.step_time import step_time
-from llm_train.planning.verdict import plan_recipe, render
 from tests.devices import CPU
 
 EIGHT_B = shape_of("meta-llama/Llama-3.1-8B")

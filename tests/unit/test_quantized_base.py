@@ -544,13 +544,13 @@ def test_70b_two_card_start_up_is_the_checkpoint_read_not_the_quantiser() -> Non
     """speed.staged_load from its definition: on the GPU, each rank reads the 16-bit checkpoint and moves each
     weight to its card and the codes back; on the CPU, bitsandbytes' quantiser's measured rate bounds it."""
     from llm_train.planning.model.shapes import shape_of
+    from llm_train.planning.report.verdict import plan_recipe, render
     from llm_train.planning.search.candidate import memory_inputs
     from llm_train.planning.speed.step_time import (
         CPU_QUANTIZE_WEIGHTS_PER_S,
         PAGEABLE_COPY_EFFICIENCY,
         staged_load,
     )
-    from llm_train.planning.verdict import plan_recipe, render
 
     run = resolve_run("70b-qlora-2x4090", [], world_size=2)
     shape = shape_of("meta-llama/Llama-3.1-70B")

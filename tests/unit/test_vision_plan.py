@@ -393,7 +393,7 @@ def test_geometry_fixed_size_ignores_the_input() -> None:
 
 
 def test_plan_of_an_image_text_recipe_names_the_vision_part_and_the_image_tokens() -> None:
-    from llm_train.planning.verdict import plan_recipe
+    from llm_train.planning.report.verdict import plan_recipe
 
     report = plan_recipe("8b-vlm-lora-rtx4090", [], detect=False)
     rows = dict(report.evaluation.estimate.table())

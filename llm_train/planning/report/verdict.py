@@ -19,6 +19,7 @@ from llm_train.planning.memory.host import host_buffers, offload_rank
 from llm_train.planning.memory.inputs import MemoryInputError, MemoryInputs
 from llm_train.planning.memory.offload_buffers import PINNINGS
 from llm_train.planning.model.shapes import shape_from_config
+from llm_train.planning.report.vision_note import vision_note
 from llm_train.planning.search.candidate import (
     CPU_PROCESS_HOST_BYTES,
     TYPICAL_COST,
@@ -40,7 +41,6 @@ from llm_train.planning.search.host_settings import choose_host_settings
 from llm_train.planning.search.host_settings import describe as describe_host_settings
 from llm_train.planning.speed.checkpoint_cost import _duration, checkpoint_lines
 from llm_train.planning.speed.step_time import reference_pass_seconds, staged_load
-from llm_train.planning.vision_note import vision_note
 from llm_train.units import GiB
 
 # --- the report -------------------------------------------------------------------------------------
