@@ -18,8 +18,8 @@ from pathlib import Path
 from llm_train import train as train_module
 from llm_train.config.hardware import DriveSpeeds, hardware_for
 from llm_train.errors import UserError
-from llm_train.planning.auto import choose_auto
-from llm_train.planning.auto_written import auto_recipe_yaml, check_written, render_auto
+from llm_train.planning.auto.choose import choose_auto
+from llm_train.planning.auto.written import auto_recipe_yaml, check_written, render_auto
 from llm_train.planning.report.verdict import plan_recipe, render
 from llm_train.train import main as train_main
 

@@ -11,8 +11,8 @@ from llm_train import cli
 from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
 from llm_train.errors import UserError
-from llm_train.planning.auto import choose_auto
-from llm_train.planning.auto_written import auto_recipe_yaml, written_evaluation
+from llm_train.planning.auto.choose import choose_auto
+from llm_train.planning.auto.written import auto_recipe_yaml, written_evaluation
 from llm_train.planning.memory.pinning import MemlockLimit
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -147,7 +147,7 @@ def test_auto_plans_the_attention_kernel_it_writes(tmp_path: Path) -> None:
 def test_qlora_must_win_by_more_than_the_margin_over_a_16_bit_base(card: str) -> None:
     # The margin is the rule: the 16-bit base whenever its fastest plan is within EXACT_BASE_MARGIN of
     # QLoRA's, QLoRA otherwise; checked against each kind planned alone (the override pins the knob).
-    from llm_train.planning.auto_base import EXACT_BASE_MARGIN
+    from llm_train.planning.auto.request import EXACT_BASE_MARGIN
 
     hw = _card(card, 64)
     auto = choose_auto(MODEL, hw)

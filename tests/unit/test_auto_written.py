@@ -15,8 +15,8 @@ import pytest
 from llm_train import cli
 from llm_train.config.hardware import hardware_for
 from llm_train.errors import UserError
-from llm_train.planning.auto import choose_auto
-from llm_train.planning.auto_written import auto_recipe_yaml, check_written, written_evaluation
+from llm_train.planning.auto.choose import choose_auto
+from llm_train.planning.auto.written import auto_recipe_yaml, check_written, written_evaluation
 
 # Where each kind wins with no override (checked by the first test): 8B on 2 x H100 with 512 GiB trains every
 # weight, on one RTX 4090 with 128 GiB 16-bit LoRA, and on an RTX 3060 with 16 GiB of host RAM only a 4-bit
@@ -249,7 +249,7 @@ def test_a_full_fine_tune_preferred_over_faster_adapters_says_what_it_costs(
 def test_the_planners_lora_defaults_are_the_recipe_schemas() -> None:
     # A default moved in config/recipe_sections.py moves in the planner too; a copy kept in planning/ would fail here.
     from llm_train.config.recipe_sections import LoraSection
-    from llm_train.planning.auto_base import suggested_lora
+    from llm_train.planning.auto.request import suggested_lora
     from llm_train.planning.memory.inputs import MemoryInputs
     from llm_train.planning.model import shapes
     from llm_train.planning.search import candidate

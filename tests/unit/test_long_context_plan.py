@@ -12,7 +12,7 @@ from llm_train import RECIPES_DIR, cli
 from llm_train.config.attention_kernel import Installed
 from llm_train.config.hardware import hardware_for
 from llm_train.config.recipe import load_recipe
-from llm_train.planning.auto import choose_auto
+from llm_train.planning.auto.choose import choose_auto
 from llm_train.planning.memory.estimate import estimate_memory
 from llm_train.planning.memory.formulas import (
     LOSS_CHUNK_LOGITS_BYTES,

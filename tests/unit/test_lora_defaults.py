@@ -8,7 +8,7 @@ from __future__ import annotations
 from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_sections import LoraSection, MemorySection
 from llm_train.config.resolution import resolve_run
-from llm_train.planning.auto_base import suggested_lora
+from llm_train.planning.auto.request import suggested_lora
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import LORA_TARGETS, shape_of
 from llm_train.planning.report.verdict import plan_recipe

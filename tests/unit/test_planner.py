@@ -14,7 +14,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_files import available_recipes
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import UserError
-from llm_train.planning.auto import choose_auto
+from llm_train.planning.auto.choose import choose_auto
 from llm_train.planning.report.verdict import plan_recipe
 from llm_train.planning.search.guards import check_host_ram
 from llm_train.units import GiB

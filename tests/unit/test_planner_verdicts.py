@@ -25,8 +25,8 @@ import pytest
 from llm_train import cli
 from llm_train.config.hardware import hardware_for
 from llm_train.errors import UserError
-from llm_train.planning.auto import choose_auto
-from llm_train.planning.auto_written import render_auto
+from llm_train.planning.auto.choose import choose_auto
+from llm_train.planning.auto.written import render_auto
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.memory.quantized_bytes import quantized_weight_params
 from llm_train.planning.model.shapes import shape_of

@@ -1,6 +1,6 @@
 """The plan's line on an image-text model: what its vision part costs and how many tokens its images take.
 
-`llm-train plan` and `--recipe auto` print it under the estimate (planning/report/verdict.py, planning/auto_written.py),
+`llm-train plan` and `--recipe auto` print it under the estimate (planning/report/verdict.py, planning/auto/written.py),
 so a user sees where the vision tower's memory went and how much of data.seq_len the images fill.
 """
 

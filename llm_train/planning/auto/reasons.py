@@ -1,6 +1,6 @@
 """The "why" lines of `--recipe auto`: each one is something the search evaluated (the kind chosen and what
 it beat, the runner-up, the lighter configurations that miss, the techniques switched on, the pinning, and
-the closest miss when nothing fits). planning/auto.py's choose_auto composes them.
+the closest miss when nothing fits). planning/auto/choose.py's choose_auto composes them.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from llm_train.config.hardware import Hardware
-from llm_train.planning.auto_base import (
+from llm_train.planning.auto.request import (
     CHUNKED_LOSS,
     EXACT_BASE_MARGIN,
     FULL,

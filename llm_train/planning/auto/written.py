@@ -17,8 +17,8 @@ from llm_train.config.recipe import recipe_from_data
 from llm_train.config.recipe_files import yaml_load
 from llm_train.config.resolution import resolve_recipe, resolve_run
 from llm_train.errors import UserError
-from llm_train.planning.auto_base import kind_name
-from llm_train.planning.knobs import recipe_values, set_key
+from llm_train.planning.auto.knobs import recipe_values, set_key
+from llm_train.planning.auto.request import kind_name
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.model.shapes import ModelShape, shape_from_config
 from llm_train.planning.report.verdict import config_line, generation_line, verdict

@@ -1,6 +1,6 @@
 """`--recipe auto`: the fastest configuration of a model that fits given hardware, as a recipe.
 
-One search over the knobs of planning/knobs.py (DS JSON and its pinning, micro-batch, checkpointing,
+One search over the knobs of planning/auto/knobs.py (DS JSON and its pinning, micro-batch, checkpointing,
 the long-context switches) for each kind of training (full, LoRA, QLoRA), each candidate a variation of
 its kind's base: the recipe auto writes for that kind, with the user's overrides applied, resolved as any
 recipe is (config/resolution.py, planning/search/candidate.memory_inputs). So an override is planned: a knob it
@@ -45,7 +45,15 @@ import itertools
 from llm_train.config.attention_kernel import FLEX_KERNELS
 from llm_train.config.hardware import Hardware
 from llm_train.errors import UserError
-from llm_train.planning.auto_base import (
+from llm_train.planning.auto.reasons import (
+    lighter_misses,
+    lora_reasons,
+    nowhere,
+    policy_cost,
+    runner_up,
+    technique_reasons,
+)
+from llm_train.planning.auto.request import (
     CHUNKED_LOSS,
     EXACT_BASE_MARGIN,
     FULL,
@@ -58,15 +66,7 @@ from llm_train.planning.auto_base import (
     kind_of,
     prefer_exact_base,
 )
-from llm_train.planning.auto_reasons import (
-    lighter_misses,
-    lora_reasons,
-    nowhere,
-    policy_cost,
-    runner_up,
-    technique_reasons,
-)
-from llm_train.planning.auto_written import (
+from llm_train.planning.auto.written import (
     AutoChoice,
     check_written,
 )

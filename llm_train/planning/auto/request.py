@@ -1,7 +1,7 @@
 """What `--recipe auto` plans from: the request (the model, hardware, batch and the user's overrides made into
 auto's base recipe, resolved), the kinds of training it may choose (full, LoRA, QLoRA) each as its own
 recipe, and how candidates rank (`auto_key`: fits, without NVMe, then the step time; a 16-bit base over a
-QLoRA within EXACT_BASE_MARGIN). planning/auto.py searches; docs/planning.md has the policy.
+QLoRA within EXACT_BASE_MARGIN). planning/auto/choose.py searches; docs/planning.md has the policy.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from llm_train.config.recipe import Recipe, recipe_from_data
 from llm_train.config.recipe_files import parse_override
 from llm_train.config.resolution import Resolved, largest_weight, model_fields, resolve_recipe
 from llm_train.errors import UserError
-from llm_train.planning.knobs import pinned_fields, set_key
+from llm_train.planning.auto.knobs import pinned_fields, set_key
 from llm_train.planning.memory.inputs import MemoryInputs
 from llm_train.planning.memory.pinning import MemlockLimit, memlock_limit
 from llm_train.planning.model.shapes import ModelShape, shape_from_config, shape_of
