@@ -13,8 +13,9 @@ allowed only for heavy third-party packages (torch, deepspeed, transformers, ...
 llm_train's own modules. The one exception is the runtime's choice of engine
 (session.make_engine), which imports only the engine a run uses.
 
-Inside runtime the same rule holds between its rooms (RUNTIME_ROOMS, the order runtime/__init__.py
-states): a module imports from its own room or from a room below it, never from one above.
+Inside runtime and planning the same rule holds between their rooms (RUNTIME_ROOMS and PLANNING_ROOMS, the
+orders runtime/__init__.py and planning/__init__.py state): a module imports from its own room or from a
+room below it, never from one above.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ RUNTIME_ROOMS = [
     "llm_train.runtime.engines",
     "llm_train.runtime",
 ]
+# planning's rooms, lowest first; the last, planning itself, holds only its docstring.
+PLANNING_ROOMS = [
+    "llm_train.planning.model",
+    "llm_train.planning.memory",
+    "llm_train.planning.speed",
+    "llm_train.planning.search",
+    "llm_train.planning.report",
+    "llm_train.planning.auto",
+    "llm_train.planning",
+]
+ROOMS = {"runtime": RUNTIME_ROOMS, "planning": PLANNING_ROOMS}
 # (importer, imported) pairs allowed as function-local imports of the package's own modules.
 LOCAL_OK = {
     ("llm_train.runtime.session", "llm_train.runtime.engines.pipeline_engine"),
@@ -115,33 +127,37 @@ def test_the_layer_table_covers_every_module() -> None:
         layer(module)  # raises for a module no layer claims
 
 
-def room(module: str) -> int:
-    """The rank of the runtime room that holds `module` (RUNTIME_ROOMS, lowest first)."""
+def room(module: str, rooms: list[str] = RUNTIME_ROOMS) -> int:
+    """The rank of the room of `rooms` (lowest first: RUNTIME_ROOMS, PLANNING_ROOMS) that holds `module`."""
     return max(
-        (i for i, r in enumerate(RUNTIME_ROOMS) if module == r or module.startswith(r + ".")),
-        key=lambda i: len(RUNTIME_ROOMS[i]),
+        (i for i, r in enumerate(rooms) if module == r or module.startswith(r + ".")),
+        key=lambda i: len(rooms[i]),
     )
 
 
-def test_runtime_states_its_rooms_in_this_order() -> None:
-    """runtime/__init__.py's docstring lists the rooms (`base/`, `loss/`, ...) in RUNTIME_ROOMS' order."""
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_a_package_in_rooms_states_them_in_this_order(package: str) -> None:
+    """runtime/__init__.py's docstring lists its rooms (`base/`, `loss/`, ...) in RUNTIME_ROOMS' order;
+    planning/__init__.py its rooms (`model/`, `memory/`, ...) in PLANNING_ROOMS' order."""
     import re
 
-    doc = (PACKAGE / "runtime" / "__init__.py").read_text()
+    doc = (PACKAGE / package / "__init__.py").read_text()
     stated = re.findall(r"^    (\w+)/ ", doc, re.M)
-    assert stated == [r.rsplit(".", 1)[1] for r in RUNTIME_ROOMS[:-1]], stated
-    rooms = {p.parent.name for p in (PACKAGE / "runtime").glob("*/__init__.py")}
-    assert rooms == set(stated), "every sub-package of runtime is a room in RUNTIME_ROOMS"
+    assert stated == [r.rsplit(".", 1)[1] for r in ROOMS[package][:-1]], stated
+    rooms = {p.parent.name for p in (PACKAGE / package).glob("*/__init__.py")}
+    assert rooms == set(stated), f"every sub-package of {package} is a room in its list"
 
 
-def test_runtime_imports_only_go_down_its_rooms() -> None:
-    runtime = [m for m in sorted(MODULES) if m.startswith("llm_train.runtime")]
-    assert len({room(m) for m in runtime}) == len(RUNTIME_ROOMS)  # every room holds modules
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_imports_only_go_down_a_packages_rooms(package: str) -> None:
+    rooms = ROOMS[package]
+    inside = [m for m in sorted(MODULES) if m == rooms[-1] or m.startswith(rooms[-1] + ".")]
+    assert len({room(m, rooms) for m in inside}) == len(rooms)  # every room holds modules
     upward = [
-        f"{m} ({RUNTIME_ROOMS[room(m)]}) imports {t} ({RUNTIME_ROOMS[room(t)]}) at line {line}"
-        for m in runtime
+        f"{m} ({rooms[room(m, rooms)]}) imports {t} ({rooms[room(t, rooms)]}) at line {line}"
+        for m in inside
         for t, _, line in imports(m)
-        if t.startswith("llm_train.runtime") and room(t) > room(m) and (m, t) not in LOCAL_OK
+        if t.startswith(rooms[-1] + ".") and room(t, rooms) > room(m, rooms) and (m, t) not in LOCAL_OK
     ]
     assert upward == [], "\n".join(upward)
 
@@ -190,18 +206,36 @@ def test_no_import_cycles() -> None:
     assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_the_room_rule_catches_an_arrow_up_inside_runtime() -> None:
-    """A probe in loss/ that imports an engine is upward by the rooms, though both are layer 4."""
-    fake = PACKAGE / "runtime" / "loss" / "_room_rule_probe.py"
-    fake.write_text("from llm_train.runtime.engines.engine import Engine\n")
+@pytest.mark.parametrize(
+    "probe, source, target",
+    [
+        # A loss that imports an engine is upward by runtime's rooms, though both are layer 4.
+        (
+            "runtime.loss",
+            "from llm_train.runtime.engines.engine import Engine\n",
+            "llm_train.runtime.engines.engine",
+        ),
+        # The memory estimate that asks auto's search is upward by planning's rooms, though both are layer 2.
+        (
+            "planning.memory",
+            "from llm_train.planning.auto.choose import choose_auto\n",
+            "llm_train.planning.auto.choose",
+        ),
+    ],
+)
+def test_the_room_rule_catches_an_arrow_up_inside_a_package(probe: str, source: str, target: str) -> None:
+    fake = PACKAGE.joinpath(*probe.split(".")) / "_room_rule_probe.py"
+    name = f"llm_train.{probe}._room_rule_probe"
+    rooms = ROOMS[probe.split(".")[0]]
+    fake.write_text(source)
     try:
-        MODULES["llm_train.runtime.loss._room_rule_probe"] = fake
-        ((target, _, _),) = imports("llm_train.runtime.loss._room_rule_probe")
-        assert target == "llm_train.runtime.engines.engine"
-        assert room(target) > room("llm_train.runtime.loss._room_rule_probe")
-        assert layer(target) == layer("llm_train.runtime.loss._room_rule_probe")
+        MODULES[name] = fake
+        ((found, _, _),) = imports(name)
+        assert found == target
+        assert room(target, rooms) > room(name, rooms)
+        assert layer(target) == layer(name)
     finally:
-        MODULES.pop("llm_train.runtime.loss._room_rule_probe", None)
+        MODULES.pop(name, None)
         fake.unlink()
 
 
