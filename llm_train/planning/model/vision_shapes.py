@@ -257,8 +257,8 @@ class VisionShape:
 
     def mlp_bytes_per_patch(self) -> int:
         """The tower's MLP intermediates kept for backward, 16-bit: SwiGLU keeps gate, up, SiLU(gate) and their
-        product (4 x intermediate, as planning/memory/formulas.py counts the language model's); a GeLU MLP its fc1 output
-        and the GeLU of it (2 x intermediate, Korthikanti et al.'s 16sbh at 4h)."""
+        product (4 x intermediate, as planning/memory/formulas.py counts the language model's); a GeLU MLP its
+        fc1 output and the GeLU of it (2 x intermediate, Korthikanti et al.'s 16sbh at 4h)."""
         return 2 * (4 if self.gated_mlp else 2) * self.intermediate_size
 
     def layer_activation_bytes(self, patches: int) -> int:

@@ -179,8 +179,8 @@ def vision_of(recipe: Any, shape: ModelShape) -> VisionInputs:
 
 
 def zero_init_for(quantize: str) -> bool | None:
-    """MemoryInputs.zero_init of a run: transformers loads a quantised base outside zero.Init (planning/memory/estimate.py);
-    None (= ZeRO-3) otherwise."""
+    """MemoryInputs.zero_init of a run: transformers loads a quantised base outside zero.Init
+    (planning/memory/estimate.py); None (= ZeRO-3) otherwise."""
     return False if quantize != "none" else None
 
 
