@@ -160,6 +160,7 @@ def prepare_libraries(verbose: bool) -> None:
     Also tests/workers.py's first step, before the imports its forked workers share.
     """
     quiet(verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
+    compat.hub_kernels_off()  # before any model loads (the launcher's workers inherit it)
     compat.prepare_op_loads()
     compat.defer_muon_compile()
     compat.skip_unused_shm_op()
