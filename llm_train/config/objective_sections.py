@@ -16,6 +16,11 @@ from pydantic import Field, field_validator, model_validator
 from llm_train.config.section import Section, validate_entry
 
 Objective = Literal["lm", "dpo", "simpo", "grpo", "reward"]
+# GRPO's loss types (TRL 1.16's names), the one list of them: `grpo.loss_type` admits these, runtime/loss/grpo.py
+# `LOSS_TYPES` maps each to its per-token term and its reduction (keyed by this Literal, so mypy refuses a key
+# that is not here), and tests/unit/test_grpo_loss_types.py fails while a name lacks either, its TRL comparison
+# in test_grpo_loss.py or its row in docs/rl.md. Torch-free: the recipe is validated before torch loads.
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 # The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
 # (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
@@ -239,7 +244,7 @@ class GrpoSection(Section):
         description="Generate the rollouts with transformers' continuous batching (generate_batch, paged attention) "
         "instead of generate over left-padded batches; TRL's option of the same name.",
     )
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+    loss_type: LossType = Field(
         "dapo",
         description="How token losses are formed and averaged (TRL 1.16's loss types; runtime/loss/grpo.py): grpo (per "
         "completion, then over completions), bnpo (per micro-batch token), dr_grpo (sum / (completions x "
