@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -172,14 +172,11 @@ def _compiled(pattern: str) -> str:
     return pattern
 
 
+# Every reward kind's schema class, the one list of them: `grpo.rewards` admits these, REWARD_CLASSES (by `kind`)
+# is read from it, and runtime/rl/rewards.py `REWARD_KINDS` holds how each is built; tests/unit/test_reward_kinds.py
+# fails while a kind lacks its builder or its row in docs/rl.md (docs/development.md, "Adding a reward kind").
 Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward
-REWARD_CLASSES: dict[str, type[Section]] = {
-    "format": FormatReward,
-    "exact_match": ExactMatchReward,
-    "overlong": OverlongReward,
-    "function": FunctionReward,
-    "reward_model": RewardModelReward,
-}
+REWARD_CLASSES: dict[str, type[Section]] = {cls.model_fields["kind"].default: cls for cls in get_args(Reward)}
 
 
 def parse_reward(item: Any, where: str) -> Any:
@@ -342,12 +339,9 @@ class GrpoSection(Section):
         "which gathers every layer again for each new token (slow, but a model that does not fit one GPU whole "
         "can generate). TRL's option of the same name.",
     )
-    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward] = (
-        Field(
-            default_factory=list,
-            description="Reward functions, each {kind: format|exact_match|overlong|function|reward_model, weight, ...}; "
-            "see docs/rl.md.",
-        )
+    rewards: list[Reward] = Field(
+        default_factory=list,
+        description=f"Reward functions, each {{kind: {'|'.join(REWARD_CLASSES)}, weight, ...}}; see docs/rl.md.",
     )
 
     @model_validator(mode="before")
