@@ -56,7 +56,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 # transformers 5.25 with the kernels package (shipped since its closure needs it) fetches hub kernels for CUDA
 # layers (kernels-community/rotary) and, offline, raises instead of falling back: every consumer case of the
-# H100 run of 2026-12-06 died before step 1 (bench/results/gpu_run_A-h100-20261206-0955.log). Off here.
+# H100 run of 2026-12-06 died before step 1 (bench/results/gpu_run_A-h100-20261206-0955.log). llm_train's
+# workers and commands now turn it off themselves (runtime/base/compat.py hub_kernels_off); set here too so
+# that the HF Trainer side of the comparison loads its model the same way.
 export USE_HUB_KERNELS=NO
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 

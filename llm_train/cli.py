@@ -30,6 +30,7 @@ from llm_train.config.recipe import load_recipe
 from llm_train.config.recipe_reference import REGENERATE, recipe_reference
 from llm_train.config.resolution import resolve_run
 from llm_train.errors import EXIT_USER_ERROR, UserError
+from llm_train.runtime.base.compat import hub_kernels_off
 from llm_train.runtime.export.from_checkpoint import export_checkpoint
 from llm_train.train import build_parser as train_parser
 from llm_train.train import main as train_main
@@ -140,6 +141,7 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    hub_kernels_off()  # generate, chat, export and eval load models too (compat.py says why)
     parser = build_parser()
     try:
         if argv and argv[0] == "train":

@@ -7,7 +7,9 @@ parts that have not, so a user knows which road is untrodden before spending hou
 
 `RAN_ON_GPU` lists what a GPU check in bench/results/ ran and passed, each part with the result file that
 shows it. It grows only with such a file (bench/gpu_run.sh on a lent GPU); a part is never listed on the
-strength of its CPU tests. Decided from the resolved recipe and layout alone (config/ never imports torch).
+strength of its CPU tests. `FAILED_ON_GPU` lists the combinations of parts a GPU check ran and saw fail,
+with what it saw, until a later check passes them: a run made of them says so in a second line. Decided
+from the resolved recipe and layout alone (config/ never imports torch).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from llm_train.config.recipe import Recipe
 # Adam), each ZeRO-2/3 case taking a checkpoint, stopping on SIGTERM, resuming and exporting a verified final/.
 H200_2026_11_30 = "bench/results/gpu_check-h200-20261130-1904.jsonl"
 
+# bench/gpu_run.sh A on one H100 80 GB: the speed matrix of a 1B-shaped Llama (ZeRO-2, bf16, seq 4096, world
+# of one) with attention auto (-> sdpa_flex on packed rows with document boundaries) and Liger's kernels.
+H100_2026_12_06 = "bench/results/gpu_run_A-h100-20261206-0955.jsonl"
+
 # part -> (result file, the measurement in it that ran the part and passed)
 RAN_ON_GPU: dict[str, tuple[str, str]] = {
     "ZeRO-0": (H200_2026_11_30, "c_zero0"),
@@ -30,7 +36,21 @@ RAN_ON_GPU: dict[str, tuple[str, str]] = {
     "bf16": (H200_2026_11_30, "a_zero2"),
     "attention sdpa": (H200_2026_11_30, "b_mfu_zero2"),
     "objective lm": (H200_2026_11_30, "a_zero2"),
+    "attention sdpa_flex": (H100_2026_12_06, "document_aware"),
+    "Liger kernels": (H100_2026_12_06, "liger"),
 }
+
+# (parts that failed together, result file, the measurement that failed, what it saw)
+FAILED_ON_GPU: list[tuple[frozenset[str], str, str, str]] = [
+    (
+        frozenset({"Liger kernels", "torch.compile (layers)"}),
+        H100_2026_12_06,
+        "liger_compile",
+        # Liger alone passed (measurement `liger`), the compiled layers were the only change; the cause is
+        # not isolated (kernels-community marks Liger's RMSNorm as not compile-friendly).
+        "gradient norm inf at step 2, non-finite loss at step 3 (one H100, 2026-12-06)",
+    ),
+]
 
 
 OFFLOAD_NAMES = {"cpu": "CPU", "nvme": "NVMe"}
@@ -78,6 +98,21 @@ def unverified_on_gpu(recipe: Recipe, layout: Layout) -> list[str]:
     if layout.device == "cpu":
         return []
     return [part for part in run_parts(recipe, layout) if part not in RAN_ON_GPU]
+
+
+def failed_line(recipe: Recipe, layout: Layout) -> str | None:
+    """One line for the dry run and the start-up summary when this CUDA run holds parts a GPU check saw fail
+    together, or None."""
+    if layout.device == "cpu":
+        return None
+    parts = set(run_parts(recipe, layout))
+    seen = [(both, saw) for both, _, _, saw in FAILED_ON_GPU if both <= parts]
+    if not seen:
+        return None
+    return "; ".join(
+        f"{' with '.join(sorted(both))} failed llm_train's GPU check: {saw}; turn one off if your run does too"
+        for both, saw in seen
+    )
 
 
 def unverified_line(recipe: Recipe, layout: Layout) -> str | None:

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from llm_train.config.section import Section, validate_entry
 
 Objective = Literal["lm", "dpo", "simpo", "grpo", "reward"]
+# GRPO's loss types (TRL 1.16's names), the one list of them: `grpo.loss_type` admits these, runtime/loss/grpo.py
+# `LOSS_TYPES` maps each to its per-token term and its reduction (keyed by this Literal, so mypy refuses a key
+# that is not here), and tests/unit/test_grpo_loss_types.py fails while a name lacks either, its TRL comparison
+# in test_grpo_loss.py or its row in docs/rl.md. Torch-free: the recipe is validated before torch loads.
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 # The beta each preference objective is usually run with: DPO's paper and TRL use 0.1; SimPO's paper
 # (Meng et al. 2024, section 4) tunes it in [2.0, 2.5] because its rewards are per-token averages.
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
@@ -167,14 +172,11 @@ def _compiled(pattern: str) -> str:
     return pattern
 
 
+# Every reward kind's schema class, the one list of them: `grpo.rewards` admits these, REWARD_CLASSES (by `kind`)
+# is read from it, and runtime/rl/rewards.py `REWARD_KINDS` holds how each is built; tests/unit/test_reward_kinds.py
+# fails while a kind lacks its builder or its row in docs/rl.md (docs/development.md, "Adding a reward kind").
 Reward = FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward
-REWARD_CLASSES: dict[str, type[Section]] = {
-    "format": FormatReward,
-    "exact_match": ExactMatchReward,
-    "overlong": OverlongReward,
-    "function": FunctionReward,
-    "reward_model": RewardModelReward,
-}
+REWARD_CLASSES: dict[str, type[Section]] = {cls.model_fields["kind"].default: cls for cls in get_args(Reward)}
 
 
 def parse_reward(item: Any, where: str) -> Any:
@@ -239,7 +241,7 @@ class GrpoSection(Section):
         description="Generate the rollouts with transformers' continuous batching (generate_batch, paged attention) "
         "instead of generate over left-padded batches; TRL's option of the same name.",
     )
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+    loss_type: LossType = Field(
         "dapo",
         description="How token losses are formed and averaged (TRL 1.16's loss types; runtime/loss/grpo.py): grpo (per "
         "completion, then over completions), bnpo (per micro-batch token), dr_grpo (sum / (completions x "
@@ -337,12 +339,9 @@ class GrpoSection(Section):
         "which gathers every layer again for each new token (slow, but a model that does not fit one GPU whole "
         "can generate). TRL's option of the same name.",
     )
-    rewards: list[FormatReward | ExactMatchReward | OverlongReward | FunctionReward | RewardModelReward] = (
-        Field(
-            default_factory=list,
-            description="Reward functions, each {kind: format|exact_match|overlong|function|reward_model, weight, ...}; "
-            "see docs/rl.md.",
-        )
+    rewards: list[Reward] = Field(
+        default_factory=list,
+        description=f"Reward functions, each {{kind: {'|'.join(REWARD_CLASSES)}, weight, ...}}; see docs/rl.md.",
     )
 
     @model_validator(mode="before")

@@ -30,12 +30,12 @@ from llm_train.config.layout import (
     sequence_parallel_message,
     sequence_parallel_problem,
 )
+from llm_train.config.model_families import PIPELINE_MODEL_TYPES
 from llm_train.config.model_kind import is_image_text, text_fields
 from llm_train.config.objectives import LayoutPart, objective_spec
 from llm_train.config.recipe import Recipe
 from llm_train.errors import UserError
 
-PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED = (
     "supported: tensor parallel x data parallel with ZeRO-0/1/2 (ds_configs/zero1_tp, zero2_tp), "
     "pipeline x data parallel with ZeRO-0/1 (deepspeed.pipeline_stages=N with ds_configs/zero1)"

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config.gpu_evidence import unverified_line
+from llm_train.config.gpu_evidence import failed_line, unverified_line
+from llm_train.config.trackers import trackers_on
 from llm_train.planning.search.guards import RunEstimate, estimate_run, memory_rows
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ def startup_summary(
     say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
     if untried := unverified_line(recipe, layout):
         say(f"  {'unverified':<12} {untried}")
+    if failed := failed_line(recipe, layout):
+        say(f"  {'failed':<12} {failed}")
     if layout.device != "cpu":
         known = [estimated] if estimated else []
         gpus_per_node = estimated.inputs.gpus_per_node if estimated else None
@@ -131,11 +134,9 @@ def startup_summary(
             f"  {'memory':<12} ~{estimate.get('GPU total (per GPU)', '?')} per GPU, "
             f"~{estimate.get('host RAM total (per node)', '?')} host RAM per node (estimate; `llm-train plan`)"
         )
-    outputs = ["metrics.jsonl", "config/"]
-    if getattr(recipe.tracking, "tensorboard", False):
-        outputs.append("tensorboard/")
-    if recipe.tracking.mode != "disabled":
-        outputs.append(f"wandb/ ({recipe.tracking.mode}, project {recipe.tracking.project})")
+    # What each tracker the recipe turns on writes (config/trackers.py), the recipe's copy after the first.
+    outputs = [spec.output(recipe.tracking) for spec in trackers_on(recipe.tracking)]
+    outputs.insert(1, "config/")
     say(f"  {'outputs':<12} {out}/ {{{', '.join(outputs)}}}")
     for key, value in extra or []:
         say(f"  {key:<12} {value}")

@@ -1,5 +1,8 @@
 """Where metrics go: metrics.jsonl always, TensorBoard and W&B when the recipe asks; one interface.
 
+Each tracker is one row of `OPENERS` below (how it is opened), keyed by the names of config/trackers.py `TRACKERS`
+(when a recipe turns it on, the keys it reads, what it writes); docs/development.md, "Adding a tracker".
+
 The loop calls `tracker.log(...)` unconditionally; on ranks other than 0 the call is a
 no-op, so call sites never branch on which tracker is on. W&B and TensorBoard are
 imported only when they are used (a disabled W&B never costs its import time, and a
@@ -18,12 +21,13 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from llm_train.config.credentials import is_secret_key
 from llm_train.config.recipe_sections import TrackingSection
+from llm_train.config.trackers import trackers_on
 from llm_train.errors import UserError
 
 REDACTED = "<redacted>"
@@ -285,6 +289,31 @@ class Trackers:
             tracker.close()
 
 
+# (tracking section, run directory, run config or None, W&B run id to resume, step resumed from) -> the tracker.
+Open = Callable[[TrackingSection, Path, dict[str, Any] | None, str | None, int], Tracker]
+
+
+def _wandb(
+    tracking: TrackingSection,
+    run_dir: Path,
+    config: dict[str, Any] | None,
+    run_id: str | None,
+    start_step: int,
+) -> Tracker:
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return WandbTracker(tracking, run_dir, config, run_id)
+
+
+# Every tracker, by its name in config/trackers.py `TRACKERS` (tests/unit/test_tracker_registry.py: the same names).
+OPENERS: dict[str, Open] = {
+    "jsonl": lambda tracking, run_dir, config, run_id, start_step: JsonlTracker(run_dir / "metrics.jsonl"),
+    "tensorboard": lambda tracking, run_dir, config, run_id, start_step: TensorBoardTracker(
+        run_dir / "tensorboard", config, start_step
+    ),
+    "wandb": _wandb,
+}
+
+
 def open_trackers(
     tracking: TrackingSection,
     run_dir: Path,
@@ -301,10 +330,6 @@ def open_trackers(
     """
     if not is_main:
         return Trackers([NullTracker()])
-    trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
-    if getattr(tracking, "tensorboard", False):
-        trackers.append(TensorBoardTracker(run_dir / "tensorboard", config, start_step))
-    if tracking.mode != "disabled":
-        os.environ.setdefault("WANDB_SILENT", "true")
-        trackers.append(WandbTracker(tracking, run_dir, config, run_id))
-    return Trackers(trackers)
+    return Trackers(
+        [OPENERS[spec.name](tracking, run_dir, config, run_id, start_step) for spec in trackers_on(tracking)]
+    )

@@ -34,7 +34,6 @@ from llm_train.data import (
     is_streaming,
     load_blocks,
 )
-from llm_train.data.prompts import prompt_stream
 from llm_train.data.volume import DataVolume, check_volume
 from llm_train.errors import EXIT_PREEMPTED, UserError
 from llm_train.observability.console import startup_summary
@@ -57,9 +56,8 @@ from llm_train.runtime.loop import LoopConfig, LoopResult, train_loop
 from llm_train.runtime.model.lora import is_adapter_export, verify_adapter_export
 from llm_train.runtime.model.model import load_tokenizer
 from llm_train.runtime.model.processor_files import copy_processor_files, model_processor_sources
-from llm_train.runtime.rl.grpo import Rollouts, SampleLog
-from llm_train.runtime.rl.rewards import RewardContext
-from llm_train.runtime.rl.wiring import grpo_rollouts
+from llm_train.runtime.rl.grpo import Rollouts
+from llm_train.runtime.rl.wiring import grpo_prompts, grpo_rollouts
 from llm_train.runtime.rundir import check_output_dir, create_run_dir
 
 if TYPE_CHECKING:
@@ -162,6 +160,7 @@ def prepare_libraries(verbose: bool) -> None:
     Also tests/workers.py's first step, before the imports its forked workers share.
     """
     quiet(verbose)  # before DeepSpeed is imported (defer_muon_compile imports it) or logs anything
+    compat.hub_kernels_off()  # before any model loads (the launcher's workers inherit it)
     compat.prepare_op_loads()
     compat.defer_muon_compile()
     compat.skip_unused_shm_op()
@@ -192,7 +191,8 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
     recipe, layout = run.recipe, run.layout
     tokenizer = load_tokenizer(recipe.model)
     if objective_spec(recipe.objective).generates:
-        return grpo_data(run, tokenizer, dp_rank, say)
+        prompts, max_steps = grpo_prompts(run, tokenizer, say)
+        return RunData(tokenizer, prompts, None, max_steps)
     workers = workers_for(recipe.data.loader_workers, layout.offload_optimizer != "none")
     if is_streaming(recipe.data):
         # Tokenised and packed on the fly (data/stream_windows.py). A stream has no length: recipe.py demands
@@ -215,35 +215,6 @@ def build_data(run: Resolved, dp_rank: int, say: Say) -> RunData:
     requested = recipe.optim.epochs if recipe.optim.max_steps is None else None
     say(check_volume(volume, recipe.data.max_epochs, requested))
     return RunData(tokenizer, batches, eval_blocks, max_steps)
-
-
-def grpo_data(run: Resolved, tokenizer: PreTrainedTokenizerBase, dp_rank: int, say: Say) -> RunData:
-    """GRPO's prompts, one batch per step, the same on every rank: the step's completions / num_generations.
-
-    No data-volume guard: an RL run visits its prompts many times by design (each visit samples anew).
-    """
-    recipe, layout = run.recipe, run.layout
-    grpo = recipe.grpo
-    # Every rank draws the step's prompts for the whole world (the same ones, in the same order) and generates
-    # its own slice of their groups (Rollouts): a group may span ranks, as in TRL.
-    per_step = layout.micro_batch_size * layout.grad_accum * layout.dp // grpo.num_generations
-    room = recipe.data.seq_len - grpo.max_completion_length
-    stream = prompt_stream(
-        recipe.data,
-        tokenizer,
-        room,
-        per_step,
-        0,
-        1,
-        recipe.optim.seed,
-        say,
-        grpo.chat_template_kwargs,
-    )
-    assert stream.per_epoch is not None  # prompts have a known number
-    # Each generation trains grpo.num_iterations optimizer steps: an epoch of prompts is that many times longer.
-    generations = stream.per_epoch * grpo.num_iterations
-    max_steps = recipe.optim.max_steps or steps_for_epochs(recipe.optim.epochs or 1.0, generations, 1)
-    return RunData(tokenizer, stream, None, max_steps)
 
 
 def make_engine(run: Resolved, say: Say) -> Engine:
@@ -354,53 +325,11 @@ def train(
 
 def rollouts(w: Worker, engine: Engine, data: RunData, tracker: Trackers, cfg: LoopConfig) -> Rollouts:
     """The engine's micro-batches under an objective that generates (runtime/rl/wiring.py assembles them)."""
-    grpo, ds = w.run.recipe.grpo, engine.ds
-    samples = (
-        sample_log(tracker, cfg, grpo.num_iterations, grpo.num_completions_to_print, w.say)
-        if grpo.log_completions
-        else None
-    )
+    ds = engine.ds
+    place = partial(to_device, device=ds.device)
     return grpo_rollouts(
-        w.run,
-        ds,
-        engine.objective,
-        data.stream,
-        data.tokenizer,
-        w.rank,
-        partial(to_device, device=ds.device),
-        samples,
-        RewardContext.at_step(cfg.start_step, cfg.max_steps),
-        w.say,
+        w.run, ds, engine.objective, data.stream, data.tokenizer, w.rank, place, tracker, cfg, w.say
     )
-
-
-def sample_log(
-    tracker: Trackers,
-    cfg: LoopConfig,
-    iterations: int,
-    to_print: int | None = None,
-    say: Callable[[str], None] | None = None,
-) -> SampleLog:
-    """A few completions of each generation that trains a logged step (loop.py's rule), as table
-    `completions` (completions.jsonl in the run, a W&B table) at that generation's first step; `to_print` of
-    them (None: all) also on screen (grpo.log_completions, num_completions_to_print: TRL's options)."""
-    generations = 0
-
-    def log(rows: list[dict[str, Any]]) -> None:
-        nonlocal generations
-        first = cfg.start_step + generations * iterations + 1
-        generations += 1
-        steps = range(first, first + iterations)
-        if first == cfg.start_step + 1 or any(s % cfg.log_every == 0 or s == cfg.max_steps for s in steps):
-            tracker.log_table("completions", rows, first)
-            shown = rows if to_print is None else rows[:to_print]
-            for row in shown:
-                if say is None:
-                    break
-                reward = "None" if row["reward"] is None else f"{row['reward']:.3f}"
-                say(f"step {first} completion (reward {reward}): {row['prompt']!r} -> {row['completion']!r}")
-
-    return log
 
 
 def periodic_bench(w: Worker, engine: Engine, data: RunData) -> PeriodicBench | None:

@@ -35,6 +35,7 @@ EXPECTED = {
     "no_progress_bars": "lm_eval",
     "quantizing_on": "transformers",
     "gathered_for_generation": "deepspeed",
+    "hub_kernels_off": "transformers",
 }
 
 
@@ -436,3 +437,28 @@ print("ok")
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_transformers_loads_no_hub_kernels_unless_the_user_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.integrations import hub_kernels
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    assert hub_kernels._kernels_enabled()  # transformers' default: kernelize at every from_pretrained
+    assert compat.hub_kernels_off()
+    assert not hub_kernels._kernels_enabled()  # read at each load, so setting it at start-up is enough
+    monkeypatch.setenv("USE_HUB_KERNELS", "YES")  # the user's own choice stays
+    assert not compat.hub_kernels_off() and hub_kernels._kernels_enabled()
+
+
+def test_every_entry_point_turns_hub_kernels_off_before_a_model_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from llm_train.cli import main
+    from llm_train.runtime.session import prepare_libraries
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    prepare_libraries(verbose=False)  # every worker (train.py) and bench/ start here
+    assert compat.os.environ["USE_HUB_KERNELS"] == "NO"
+    monkeypatch.delenv("USE_HUB_KERNELS")
+    assert main(["recipes"]) == 0  # the llm-train commands (generate, chat, export, eval, ...)
+    assert compat.os.environ["USE_HUB_KERNELS"] == "NO"

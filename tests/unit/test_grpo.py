@@ -34,7 +34,7 @@ from llm_train.runtime.rl.grpo import (
     stop_ids,
 )
 from llm_train.runtime.rl.rewards import load_rewards
-from llm_train.runtime.session import sample_log
+from llm_train.runtime.rl.wiring import grpo_prompts, sample_log
 from tests.devices import CPU
 from tests.helpers import REPO
 
@@ -443,13 +443,11 @@ def test_data_inspect_shows_the_prompts_as_generation_sees_them(capsys: pytest.C
 
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_optim_epochs_count_passes_over_the_prompts(iterations: int) -> None:
-    from llm_train.runtime.session import grpo_data
-
     overrides = ["optim.max_steps=null", "optim.epochs=1", f"grpo.num_iterations={iterations}"]
     run = resolve_run("tiny-cpu-grpo", overrides, world_size=2, device=CPU)
-    data = grpo_data(run, load_tokenizer(run.recipe.model), 0, lambda _: None)
+    prompts, max_steps = grpo_prompts(run, load_tokenizer(run.recipe.model), lambda _: None)
     # 185 prompts, 2 per rank per generation on 2 ranks: 46 generations, each trained num_iterations steps.
-    assert data.max_steps == 46 * iterations and data.eval_blocks is None
+    assert prompts.per_epoch == 46 and max_steps == 46 * iterations
 
 
 class _ThreadWorld:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_train.config.known_models import KNOWN_CONFIGS
+from llm_train.config.model_families import MODEL_FAMILIES, TEXT_ALIASES
 from llm_train.config.model_kind import is_image_text, text_fields
 from llm_train.config.recipe_sections import LoraSection
 from llm_train.errors import UserError
@@ -34,24 +35,12 @@ from llm_train.planning.model.vision_shapes import (
     vision_shape_from_config,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+# The families sized here, with their quirks: config/model_families.py (one row per family).
+SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 
-# The text model of an image-text checkpoint, by its text model_type: Qwen2.5-VL's language model is Qwen2's
-# decoder (q/k/v with bias, o without; transformers' Qwen2_5_VLTextModel), under its own type names (the hub's
-# flat config.json says "qwen2_5_vl" at the top, transformers 5 writes a nested "qwen2_5_vl_text").
-_TEXT_TYPES = {"qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2"}
-
-# Gemma3TextConfig's defaults (transformers 5.25 models/gemma3/configuration_gemma3.py) for the keys the hub's
-# Gemma 3 config.json files leave out (google/gemma-3-12b-it names neither vocab_size nor head_dim).
-_GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262_208,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "max_position_embeddings": 131_072,
-    "tie_word_embeddings": True,
-}
-
+# The text model of an image-text checkpoint, by its text model_type (or the checkpoint's, when its text config
+# names none): config/model_families.py `text_aliases`.
+_TEXT_TYPES = TEXT_ALIASES
 
 # lora.target_modules' default (every attention and MLP projection), read from the recipe schema: the one
 # place the default lives, so the estimate counts what a recipe without the key trains.
@@ -107,7 +96,7 @@ class ModelShape:
         """
         h, i, v, n_layers = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         q, kv = self.q_dim, self.kv_dim
-        if self.model_type == "qwen2":
+        if MODEL_FAMILIES[self.model_type].attention_bias == "qkv":
             qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = self.attention_bias
@@ -236,8 +225,6 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
     text = text_fields(cfg)
     if "text_config" not in cfg:
         text.pop("vision_config", None)
-    if text.get("model_type") in (None, cfg.get("model_type")) and cfg.get("model_type") == "gemma3":
-        text["model_type"] = "gemma3_text"
     text_type = text.get("model_type") or cfg.get("model_type")
     text["model_type"] = _TEXT_TYPES.get(str(text_type), text_type)
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
@@ -252,8 +239,9 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
 
 def _text_shape(cfg: dict[str, Any]) -> ModelShape:
     """A decoder-only language model's shape from its config.json fields."""
-    if cfg.get("model_type") == "gemma3_text":
-        cfg = {**_GEMMA3_TEXT_DEFAULTS, **cfg}
+    family = MODEL_FAMILIES.get(str(cfg.get("model_type")))
+    if family is not None:  # the family's defaults for keys its hub config.json files leave out
+        cfg = {**family.config_defaults, **cfg}
     for key in _REQUIRED_KEYS:
         if key not in cfg or cfg[key] is None:
             raise ModelConfigError(f"model config is missing required key '{key}' (needed to size the model)")
@@ -282,11 +270,11 @@ def _text_shape(cfg: dict[str, Any]) -> ModelShape:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         explicit_head_dim=explicit,
         attention_bias=bool(cfg.get("attention_bias", False))
-        if model_type in ("llama", "gemma3_text")
+        if MODEL_FAMILIES[model_type].attention_bias == "config"
         else False,
-        mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-        qk_norm=model_type == "gemma3_text",
-        feedforward_norms=model_type == "gemma3_text",
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if MODEL_FAMILIES[model_type].mlp_bias else False,
+        qk_norm=MODEL_FAMILIES[model_type].qk_norm,
+        feedforward_norms=MODEL_FAMILIES[model_type].feedforward_norms,
     )
 
 

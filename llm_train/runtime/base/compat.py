@@ -204,6 +204,12 @@ WORKAROUNDS = (
         QUANTIZED_BASE,
     ),
     Workaround(
+        "hub_kernels_off",
+        "transformers",
+        "5.25",
+        "from_pretrained fetches Hub kernels it was not asked for; offline the run dies before step 1",
+    ),
+    Workaround(
         "gathered_for_generation",
         "deepspeed",
         "0.19.8",
@@ -336,6 +342,26 @@ def use_environment_ninja(environ: MutableMapping[str, str] = os.environ) -> boo
     if not own.is_file() or shutil.which("ninja", path=environ.get("PATH")) == str(own):
         return False
     environ["PATH"] = os.pathsep.join(p for p in (str(own.parent), environ.get("PATH", "")) if p)
+    return True
+
+
+def hub_kernels_off(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Keep transformers from replacing a model's layers with kernels it downloads from the Hub, unless the user
+    set USE_HUB_KERNELS themselves.
+
+    transformers 5.25's from_pretrained kernelizes every model by default once the `kernels` package is
+    installed (a DeepSpeed/bitsandbytes/PEFT environment has it), fetching repositories such as
+    kernels-community/rotary from the Hub as it loads. Offline (HF_HUB_OFFLINE=1, a cluster without the Hub)
+    that fetch raised inside `kernelize` and the run died before step 1: measured on one H100 on 2026-12-06,
+    every consumer case of bench/gpu_run.sh A (QLoRA, LoRA, the 64k QLoRA, GRPO). Online it would run code
+    from the Hub that no recipe asked for, under numbers the planner and the benches measured without it.
+    transformers reads the variable at each load (integrations/hub_kernels.py `_kernels_enabled`), and
+    releases before hub kernels ignore it. A user who wants them sets USE_HUB_KERNELS=YES: kept as given.
+    Returns whether it set the variable.
+    """
+    if "USE_HUB_KERNELS" in environ:
+        return False
+    environ["USE_HUB_KERNELS"] = "NO"
     return True
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from llm_train.config.model_families import MODEL_FAMILIES
 from llm_train.config.resolution import Resolved
 from llm_train.errors import UserError
 from llm_train.planning.memory.formulas import loss_chunks
@@ -44,16 +45,12 @@ if TYPE_CHECKING:
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-# HF module class prefixes of the architectures this path knows how to cut into layers.
-ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-
-
 # ---------------------------------------------------------------- the pipeline layers
 
 
 def _hf_classes(model_type: str) -> tuple[type, type, type]:
     """(DecoderLayer, RotaryEmbedding, RMSNorm) of one supported architecture."""
-    prefix = ARCHITECTURES[model_type]
+    prefix = MODEL_FAMILIES[model_type].pipeline  # config/model_families.py; parallel.py refused the others
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     return (
         getattr(module, f"{prefix}DecoderLayer"),
@@ -153,7 +150,7 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     if not window:
         return None
     layer_types = getattr(config, "layer_types", None)
-    if config.model_type == "mistral" or layer_types is None:
+    if MODEL_FAMILIES[config.model_type].window_every_layer or layer_types is None:
         return int(window)  # Mistral: every layer is windowed when sliding_window is set
     return int(window) if layer_types[layer_idx] == "sliding_attention" else None
 

@@ -41,6 +41,9 @@ and three loss types that change the per-token term itself (TRL 1.16's, same for
     vespo    -phi(w) * A * logp with phi(w) = exp(lambda + k log w - lambda w) of the completion's summed
              log-ratio w, detached (k, lambda by the advantage's sign), reduced as dapo
 
+Each loss type is one row of `LOSS_TYPES` below (its per-token term, its reduction), keyed by the one list of
+names, config/objective_sections.py `LossType` (the schema admits those; docs/development.md, "Adding a loss type").
+
 `delta` (two-sided clipping, TRL's option) caps r at delta in the clipped surrogate's first term, so a
 negative advantage cannot push an already large ratio without bound.
 
@@ -63,13 +66,15 @@ and the advantages against TRL 1.16's GRPOTrainer within 1e-5.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+from llm_train.config.objective_sections import LossType
+
 SamplingLevel = Literal["token", "sequence"]
 ScaleRewards = Literal["group", "batch", "none"]
 
@@ -212,7 +217,15 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _per_token_term(
+# (log-probs, ratio, token log-ratio, advantages, mask, settings) -> the per-token policy term, before the KL.
+Term = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "LossSettings"], torch.Tensor
+]
+# (per-token terms, mask, settings, dapo_tokens) -> the micro-batch's loss before accumulation.
+Reduce = Callable[[torch.Tensor, torch.Tensor, "LossSettings", float | torch.Tensor | None], torch.Tensor]
+
+
+def _clipped_surrogate(
     logps: torch.Tensor,
     ratio: torch.Tensor,
     token_log_ratio: torch.Tensor,
@@ -220,21 +233,48 @@ def _per_token_term(
     mask: torch.Tensor,
     settings: LossSettings,
 ) -> torch.Tensor:
-    """The loss type's per-token policy term (before the KL), TRL 1.16's `_compute_loss` (module docstring)."""
-    if settings.loss_type == "cispo":
-        return -torch.clamp(ratio, max=settings.upper).detach() * advantages * logps
-    if settings.loss_type == "sapo":
-        t = torch.where(
-            advantages > 0,
-            torch.tensor(settings.sapo_temperature_pos, dtype=logps.dtype),
-            torch.tensor(settings.sapo_temperature_neg, dtype=logps.dtype),
-        )
-        return -(torch.sigmoid(t * (ratio - 1)) * 4 / t) * advantages
-    if settings.loss_type == "vespo":
-        return -vespo_weights(token_log_ratio, advantages, mask, settings) * advantages * logps
+    """PPO's clipped surrogate, with `delta`'s cap on the first term (grpo, bnpo, dr_grpo, dapo, luspo)."""
     clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
     first = ratio if settings.delta is None else torch.clamp(ratio, max=settings.delta)
     return -torch.min(first * advantages, clipped * advantages)
+
+
+def _cispo_term(
+    logps: torch.Tensor,
+    ratio: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+) -> torch.Tensor:
+    return -torch.clamp(ratio, max=settings.upper).detach() * advantages * logps
+
+
+def _sapo_term(
+    logps: torch.Tensor,
+    ratio: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+) -> torch.Tensor:
+    t = torch.where(
+        advantages > 0,
+        torch.tensor(settings.sapo_temperature_pos, dtype=logps.dtype),
+        torch.tensor(settings.sapo_temperature_neg, dtype=logps.dtype),
+    )
+    return -(torch.sigmoid(t * (ratio - 1)) * 4 / t) * advantages
+
+
+def _vespo_term(
+    logps: torch.Tensor,
+    ratio: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+) -> torch.Tensor:
+    return -vespo_weights(token_log_ratio, advantages, mask, settings) * advantages * logps
 
 
 @torch.no_grad()
@@ -273,7 +313,7 @@ def policy_loss(
     if settings.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    per_token = _per_token_term(logps, ratio, logps - old, advantages, mask, settings)
+    per_token = LOSS_TYPES[settings.loss_type].term(logps, ratio, logps - old, advantages, mask, settings)
     metrics: dict[str, torch.Tensor] = {}
     if settings.beta != 0.0:
         if ref_logps is None:
@@ -283,20 +323,7 @@ def policy_loss(
         per_token = per_token + settings.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    if settings.loss_type in ("grpo", "sapo"):
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif settings.loss_type == "bnpo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    elif settings.loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (per_token.shape[0] * settings.max_completion_length)
-    elif settings.loss_type == "luspo":
-        loss = (per_token * mask).sum(-1).mean()
-    else:  # dapo, cispo, vespo
-        if dapo_tokens is None:
-            raise ValueError(
-                f"loss_type {settings.loss_type} needs dapo_tokens, the step's mean completion tokens per micro-batch"
-            )
-        loss = (per_token * mask).sum() / torch.as_tensor(dapo_tokens, dtype=logps.dtype).clamp(min=1.0)
+    loss = LOSS_TYPES[settings.loss_type].reduce(per_token, mask, settings, dapo_tokens)
 
     ratio = ratio.detach()
     low = (ratio < 1 - settings.epsilon) & (advantages < 0)
@@ -306,3 +333,79 @@ def policy_loss(
     metrics["clip_ratio/high_mean"] = _masked_mean(high.to(logps.dtype), mask)
     metrics["clip_ratio/region_mean"] = _masked_mean((low | high).to(logps.dtype), mask)
     return loss, metrics
+
+
+def _per_completion_mean(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    dapo_tokens: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """Mean over each completion's tokens, then over completions (grpo, sapo)."""
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def _token_mean(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    dapo_tokens: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """Mean over the micro-batch's tokens (bnpo)."""
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _constant_denominator(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    dapo_tokens: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """Sum / (completions x max_completion_length) (dr_grpo)."""
+    return (per_token * mask).sum() / (per_token.shape[0] * settings.max_completion_length)
+
+
+def _per_completion_sum(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    dapo_tokens: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """Sum over each completion's tokens, mean over completions (luspo)."""
+    return (per_token * mask).sum(-1).mean()
+
+
+def _step_tokens(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    dapo_tokens: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """Sum / the step's mean completion tokens per micro-batch (dapo, cispo, vespo; the module docstring)."""
+    if dapo_tokens is None:
+        raise ValueError(
+            f"loss_type {settings.loss_type} needs dapo_tokens, the step's mean completion tokens per micro-batch"
+        )
+    return (per_token * mask).sum() / torch.as_tensor(dapo_tokens, dtype=per_token.dtype).clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class LossTypeFunctions:
+    """One loss type's two halves: the per-token policy term (before the KL) and how the terms are reduced."""
+
+    term: Term
+    reduce: Reduce
+
+
+# Every loss type, one row each, keyed by config/objective_sections.py `LossType` (the schema's list of names;
+# tests/unit/test_grpo_loss_types.py fails while the two differ). TRL 1.16's `_compute_loss`, same formulas.
+LOSS_TYPES: dict[LossType, LossTypeFunctions] = {
+    "grpo": LossTypeFunctions(_clipped_surrogate, _per_completion_mean),
+    "bnpo": LossTypeFunctions(_clipped_surrogate, _token_mean),
+    "dr_grpo": LossTypeFunctions(_clipped_surrogate, _constant_denominator),
+    "dapo": LossTypeFunctions(_clipped_surrogate, _step_tokens),
+    "cispo": LossTypeFunctions(_cispo_term, _step_tokens),
+    "sapo": LossTypeFunctions(_sapo_term, _per_completion_mean),
+    "luspo": LossTypeFunctions(_clipped_surrogate, _per_completion_sum),
+    "vespo": LossTypeFunctions(_vespo_term, _step_tokens),
+}

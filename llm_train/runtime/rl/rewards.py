@@ -1,9 +1,10 @@
 """What GRPO's completions are scored by: the recipe's `grpo.rewards`, each a weighted function.
 
-Built in (config/objective_sections.py has their options): `format` (a regular expression the completion matches),
-`exact_match` (the completion's final answer against a column of the prompt's row) and `overlong`
-(DAPO's soft length penalty), `reward_model` (a trained reward model's score, objective reward's final/).
-`function` imports yours, `module:function`, from the working directory or
+A reward kind (`kind:`) has two halves, like a data format: its schema class in config/objective_sections.py (one
+member of `Reward`, what a recipe may write) and its row of `REWARD_KINDS` below (how it is built). Built in:
+`format` (a regular expression the completion matches), `exact_match` (the completion's final answer against a
+column of the prompt's row) and `overlong` (DAPO's soft length penalty), `reward_model` (a trained reward model's
+score, objective reward's final/). `function` imports yours, `module:function`, from the working directory or
 PYTHONPATH, and calls it exactly as TRL 1.16's GRPOTrainer (`_calculate_rewards`) calls a reward function,
 with keyword arguments only, so a function written for TRL runs unchanged:
 
@@ -46,7 +47,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -58,6 +59,7 @@ from llm_train.config.objective_sections import (
     Reward,
     RewardModelReward,
 )
+from llm_train.config.section import Section
 from llm_train.data.formats.prompted import ChatRenderer
 from llm_train.errors import UserError, first_line
 from llm_train.runtime.base.collectives import Collectives
@@ -326,25 +328,54 @@ def reward_model_ids(tokenizer: Any, renderer: ChatRenderer, prompt: Any, comple
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
+Spec = TypeVar("Spec", bound=Section)
+
+
+@dataclass(frozen=True)
+class RewardKind(Generic[Spec]):
+    """The runtime half of one reward kind: how its recipe entry (`schema`, config/objective_sections.py) becomes
+    the call that scores completions, and what the metrics and errors call it."""
+
+    schema: type[Spec]
+    # (its recipe entry, its key such as grpo.rewards[1], grpo.max_completion_length) -> the call; a mistake the
+    # entry makes is one UserError naming the key, raised here (before any worker starts, `load_rewards`).
+    build: Callable[[Spec, str, int], RewardCall]
+    # What the user wrote (errors name it) and the metrics' name when the entry sets none; None: the kind.
+    label: Callable[[Spec], str] | None = None
+    default_name: Callable[[Spec], str] | None = None
+    # The prompt rows' fields it needs (`check_columns`): by default those its call's signature requires.
+    columns: Callable[[Spec, RewardCall], tuple[str, ...]] = lambda spec, call: needed_columns(call)
+
+
+# Every reward kind, by the `kind` a recipe writes; config/objective_sections.py `Reward` is the schema half, and
+# tests/unit/test_reward_kinds.py fails while the two name different kinds (docs/development.md, "Adding a reward
+# kind").
+REWARD_KINDS: dict[str, RewardKind[Any]] = {
+    "format": RewardKind(FormatReward, lambda spec, key, max_length: _format(spec)),
+    "exact_match": RewardKind(
+        ExactMatchReward,
+        lambda spec, key, max_length: _exact_match(spec, key),
+        # Its call takes every field (**columns): the one it reads is the recipe's `column`.
+        columns=lambda spec, call: (spec.column,),
+    ),
+    "overlong": RewardKind(OverlongReward, lambda spec, key, max_length: _overlong(spec, max_length, key)),
+    "function": RewardKind(
+        FunctionReward,
+        lambda spec, key, max_length: import_function(spec.function, key),
+        label=lambda spec: spec.function,
+        default_name=lambda spec: spec.function.rpartition(":")[2],
+    ),
+    "reward_model": RewardKind(RewardModelReward, lambda spec, key, max_length: _reward_model(spec, key)),
+}
+
+
 def build_reward(spec: Reward, index: int, max_completion_length: int) -> RewardFunction:
     key = f"grpo.rewards[{index}]"
-    call: RewardCall
-    if isinstance(spec, FunctionReward):
-        call = import_function(spec.function, key)
-        label = spec.function
-        default_name = spec.function.rpartition(":")[2]
-    else:
-        label = default_name = spec.kind
-        if isinstance(spec, FormatReward):
-            call = _format(spec)
-        elif isinstance(spec, ExactMatchReward):
-            call = _exact_match(spec, key)
-        elif isinstance(spec, RewardModelReward):
-            call = _reward_model(spec, key)
-        else:
-            call = _overlong(spec, max_completion_length, key)
-    columns = (spec.column,) if isinstance(spec, ExactMatchReward) else needed_columns(call)
-    return RewardFunction(spec.name or default_name, key, label, spec.weight, call, columns)
+    kind = REWARD_KINDS[spec.kind]
+    call = kind.build(spec, key, max_completion_length)
+    label = kind.label(spec) if kind.label else spec.kind
+    name = spec.name or (kind.default_name(spec) if kind.default_name else spec.kind)
+    return RewardFunction(name, key, label, spec.weight, call, kind.columns(spec, call))
 
 
 # What every reward function receives besides the prompt rows' fields (TRL 1.16's keywords).
