@@ -135,3 +135,43 @@ def test_the_pointer_check_catches_each_kind_of_dead_pointer(tmp_path: Path) -> 
     probe.write_text(text)
     found = [name for _, name in dead_in(probe, module, known_tests())]
     assert found == ["runtime/grpo.py", "bench/no_such.py", "test_no_such_thing"]
+
+
+CODE_SPAN = re.compile(r"`([^`\n]*)`")
+
+
+def dead_in_markdown(path: Path) -> list[tuple[int, str]]:
+    """(line, path) of each dead repository path a code span of a Markdown page names.
+
+    test_docs.py follows the pages' links; a path in backticks (`config/recipe.py`) is a pointer too, read as
+    the code's are (from the repository root or llm_train/). A span that is a git command names history on
+    purpose (`git show REV:PATH`)."""
+    where = REPO / "llm_train" / "__init__.py"
+    dead = []
+    for line, text in enumerate(path.read_text().splitlines(), 1):
+        for span in CODE_SPAN.findall(text):
+            if span.startswith("git "):
+                continue
+            dead += [
+                (line, name)
+                for name in PATH.findall(span)
+                if is_pointer(name) and not path_exists(name, where)
+            ]
+    return dead
+
+
+def test_every_path_a_docs_page_names_in_backticks_exists() -> None:
+    pages = sorted([*(REPO / "docs").glob("*.md"), REPO / "README.md", REPO / "launch" / "README.md"])
+    assert len(pages) > 10
+    assert [
+        f"{p.relative_to(REPO)}:{line}: {name}" for p in pages for line, name in dead_in_markdown(p)
+    ] == []
+
+
+def test_the_docs_path_check_catches_a_moved_module(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`config/sources.py` moved; `config/source_schema.py` and `llm_train/runtime/session.py` exist;\n"
+        "`git show 38dfde7:bench/bf16_states_quality.py` is history; `runs/x/metrics.jsonl` an output\n"
+    )
+    assert dead_in_markdown(page) == [(1, "config/sources.py")]
