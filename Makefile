@@ -23,6 +23,7 @@ TEST_WORKERS ?= 2
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH) -c $(LOCK) -e ".[$(EXTRAS)]"
+	$(PY) tools/build_ops.py  # DeepSpeed's CPU ops, built once here instead of inside the suite's first runs
 	touch $(STAMP)
 
 install: $(STAMP)
