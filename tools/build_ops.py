@@ -7,7 +7,8 @@ itself: cpu_adam 56 s, pin_memory 39 s and async_io 164 s of its 18:01 of pytest
 folder's build.ninja -> .so times), each inside a test, with ninja's jobs taking both cores from the other
 pytest worker too. Built here the way a run builds them (the same folder, and compat.prepare_op_loads: the
 environment's own ninja, no debug info), a launch finds them up to date and loads them in a second. Here,
-on a fresh clone with nothing else running: cpu_adam 28.0 s, pin_memory 20.4 s, async_io 94.7 s.
+on a fresh clone with nothing else running: cpu_adam 28.0 s, pin_memory 20.4 s, async_io 94.7 s; on another
+2-core machine the same day 50.7 s, 35.3 s and 154.1 s.
 
 async_io only where libaio is installed (AsyncIOBuilder.is_compatible, as tests/optional.py asks). Nothing on a
 machine with a CUDA GPU: its ops are CUDA builds, and the GPU tier builds what it loads. A build that fails is a
