@@ -17,7 +17,7 @@ if __package__ in (None, ""):
 
 from llm_train.config import accelerate_launch
 from llm_train.config.accelerate_launch import AccelerateLaunch
-from llm_train.config.gpu_evidence import failed_line, unverified_line
+from llm_train.config.gpu_evidence import evidence_lines
 from llm_train.config.hardware import Device, gpus_without_p2p
 from llm_train.config.objectives import objective_spec
 from llm_train.config.recipe import Recipe
@@ -161,10 +161,8 @@ def print_dry_run(run: Resolved) -> None:
     for key, value in run.layout.rows():
         print(f"  {key:<12} {value}")
     print(f"  {'attention':<12} {run.recipe.memory.attention} ({run.attention})")
-    if untried := unverified_line(run.recipe, run.layout):
-        print(f"  {'unverified':<12} {untried}")
-    if failed := failed_line(run.recipe, run.layout):
-        print(f"  {'failed':<12} {failed}")
+    for label, line in evidence_lines(run.recipe, run.layout):
+        print(f"  {label:<12} {line}")
     rows = memory_rows(run)
     if rows:
         print("# memory estimate per GPU / host (first estimate; see `llm-train plan`)")

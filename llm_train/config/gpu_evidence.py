@@ -124,3 +124,10 @@ def unverified_line(recipe: Recipe, layout: Layout) -> str | None:
         f"not yet run on a GPU by llm_train's own checks (tested on CPU only): {', '.join(parts)}; "
         "try a short run first (optim.max_steps=20)"
     )
+
+
+def evidence_lines(recipe: Recipe, layout: Layout) -> list[tuple[str, str]]:
+    """(label, line) for the dry run and the start-up summary: the parts no GPU check has run, and the
+    combinations one saw fail; empty when there is nothing to say."""
+    lines = (("unverified", unverified_line(recipe, layout)), ("failed", failed_line(recipe, layout)))
+    return [(label, line) for label, line in lines if line]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from llm_train.config.gpu_evidence import failed_line, unverified_line
+from llm_train.config.gpu_evidence import evidence_lines
 from llm_train.config.trackers import trackers_on
 from llm_train.planning.search.guards import RunEstimate, estimate_run, memory_rows
 
@@ -119,10 +119,8 @@ def startup_summary(
     for key, value in layout.rows():
         say(f"  {key:<12} {value}")
     say(f"  {'attention':<12} {recipe.memory.attention} ({run.attention})")
-    if untried := unverified_line(recipe, layout):
-        say(f"  {'unverified':<12} {untried}")
-    if failed := failed_line(recipe, layout):
-        say(f"  {'failed':<12} {failed}")
+    for label, line in evidence_lines(recipe, layout):
+        say(f"  {label:<12} {line}")
     if layout.device != "cpu":
         known = [estimated] if estimated else []
         gpus_per_node = estimated.inputs.gpus_per_node if estimated else None

@@ -38,9 +38,6 @@ from llm_train.planning.model.vision_shapes import (
 # The families sized here, with their quirks: config/model_families.py (one row per family).
 SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 
-# The text model of an image-text checkpoint, by its text model_type (or the checkpoint's, when its text config
-# names none): config/model_families.py `text_aliases`.
-_TEXT_TYPES = TEXT_ALIASES
 
 # lora.target_modules' default (every attention and MLP projection), read from the recipe schema: the one
 # place the default lives, so the estimate counts what a recipe without the key trains.
@@ -226,7 +223,9 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
     if "text_config" not in cfg:
         text.pop("vision_config", None)
     text_type = text.get("model_type") or cfg.get("model_type")
-    text["model_type"] = _TEXT_TYPES.get(str(text_type), text_type)
+    # An image-text checkpoint's language model under its own type name is sized as its family
+    # (config/model_families.py `text_aliases`).
+    text["model_type"] = TEXT_ALIASES.get(str(text_type), text_type)
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
         text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     shape = _text_shape(text)
@@ -246,7 +245,7 @@ def _text_shape(cfg: dict[str, Any]) -> ModelShape:
         if key not in cfg or cfg[key] is None:
             raise ModelConfigError(f"model config is missing required key '{key}' (needed to size the model)")
     model_type = cfg["model_type"]
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if family is None:
         raise ModelConfigError(
             f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -269,12 +268,10 @@ def _text_shape(cfg: dict[str, Any]) -> ModelShape:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         explicit_head_dim=explicit,
-        attention_bias=bool(cfg.get("attention_bias", False))
-        if MODEL_FAMILIES[model_type].attention_bias == "config"
-        else False,
-        mlp_bias=bool(cfg.get("mlp_bias", False)) if MODEL_FAMILIES[model_type].mlp_bias else False,
-        qk_norm=MODEL_FAMILIES[model_type].qk_norm,
-        feedforward_norms=MODEL_FAMILIES[model_type].feedforward_norms,
+        attention_bias=family.attention_bias == "config" and bool(cfg.get("attention_bias", False)),
+        mlp_bias=family.mlp_bias and bool(cfg.get("mlp_bias", False)),
+        qk_norm=family.qk_norm,
+        feedforward_norms=family.feedforward_norms,
     )
 
 

@@ -161,10 +161,9 @@ def sample_log(
         logged = any(s % schedule.log_every == 0 or s == schedule.max_steps for s in steps)
         if first == schedule.start_step + 1 or logged:
             tracker.log_table("completions", rows, first)
-            shown = rows if to_print is None else rows[:to_print]
-            for row in shown:
-                if say is None:
-                    break
+            if say is None:
+                return
+            for row in rows if to_print is None else rows[:to_print]:
                 reward = "None" if row["reward"] is None else f"{row['reward']:.3f}"
                 say(f"step {first} completion (reward {reward}): {row['prompt']!r} -> {row['completion']!r}")
 
