@@ -108,6 +108,19 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     )
 
 
+# A decoder's config.json fields small enough to build with transformers in a unit test, for any family
+# (test_shapes and test_model_families count the planner's parameters against the built model).
+TINY_DECODER_FIELDS: dict[str, object] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 176,
+    "vocab_size": 50,
+    "max_position_embeddings": 128,
+}
+
+
 def tiny_llama_config(**over: object):  # -> LlamaConfig
     """The unit tests' Llama: 2 layers, hidden 64, GQA (4 query heads, 2 key-value heads), a 256-token
     vocabulary; `over` changes any field (a test states only what it needs differently)."""

@@ -20,22 +20,14 @@ from llm_train.config.known_models import KNOWN_CONFIGS
 from llm_train.config.model_families import MODEL_FAMILIES, PIPELINE_MODEL_TYPES, TEXT_ALIASES
 from llm_train.config.model_kind import is_image_text
 from llm_train.planning.model.shapes import SUPPORTED_MODEL_TYPES, shape_from_config
+from tests.helpers import TINY_DECODER_FIELDS
 
 PACKAGE = Path(llm_train.__file__).resolve().parent
 TABLE = PACKAGE / "config" / "model_families.py"
 # Published config.json values of public checkpoints: data naming a family, not a quirk of one.
 DATA = PACKAGE / "config" / "known_models.py"
-TINY = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 176,
-    "vocab_size": 50,
-    "max_position_embeddings": 128,
-    "head_dim": 16,
-    "tie_word_embeddings": False,
-}
+# head_dim and tying stated: Gemma 3's row would otherwise fill in its hub defaults (head_dim 256, tied).
+TINY = {**TINY_DECODER_FIELDS, "head_dim": 16, "tie_word_embeddings": False}
 
 
 def _family_names(tree: ast.AST) -> list[int]:

@@ -17,6 +17,7 @@ from llm_train.planning.model.shapes import (
     shape_of,
     to_hf_config,
 )
+from tests.helpers import TINY_DECODER_FIELDS
 from tests.optional import import_or_skip
 
 # Parameter counts as published on the model cards / safetensors metadata.
@@ -100,16 +101,7 @@ def test_tiny_models_match_transformers_and_deepspeed(case: str) -> None:
     import transformers
     from deepspeed.runtime.zero import stage3
 
-    cfg = {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 176,
-        "vocab_size": 50,
-        "max_position_embeddings": 128,
-        **TINY_CASES[case],
-    }
+    cfg = {**TINY_DECODER_FIELDS, **TINY_CASES[case]}
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     shape = shape_from_config(cfg)
     total, largest = stage3.model_to_params(model)  # de-duplicates a tied lm_head
