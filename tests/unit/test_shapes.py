@@ -115,15 +115,7 @@ def test_lora_params_match_peft() -> None:
     peft = import_or_skip("peft")
     import transformers
 
-    cfg = {
-        "model_type": "qwen2",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 176,
-        "vocab_size": 50,
-    }
+    cfg = {"model_type": "qwen2", **TINY_DECODER_FIELDS}
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
