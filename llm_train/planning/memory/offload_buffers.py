@@ -52,6 +52,7 @@ allocates m and v, whose 8 bytes per parameter exceed them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ class HostBuffer:
         return pinning if self.how == "pinned" else "off"
 
     def held(self, pinning: str) -> float:
-        return sum(held_bytes(size, self.allocator(pinning)) for size in self.sizes)
+        return _held(self.sizes, self.allocator(pinning))
 
     def locked(self, pinning: str) -> float:
         """Bytes counted against the memlock limit (mlock: native pinning and async I/O)."""
@@ -172,6 +173,24 @@ def trainable_tensors(
         if head[2]:  # an untied head
             add(head[0], head[1])
     return matrices + vision_matrices, vectors + vision_vectors
+
+
+# The planner's search (planning/auto/choose.py) makes one OffloadRank per candidate, tens of thousands
+# per `plan --recipe auto`, nearly all of one model: rebuilding its tensor list, partitions and sub-groups
+# each time, and summing the same buffers' pages, was most of the search's time (a 13B grid of 15 searches:
+# 18.3 s, of which sub_group_members 19.8 and held 9.7 of 56.5 profiled). The results are pure functions of
+# hashable frozen inputs, kept here once each.
+@functools.lru_cache(maxsize=256)
+def _trainable_groups(
+    shape: ModelShape, lora_rank: int | None, lora_targets: tuple[str, ...], frozen: tuple[str, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """trainable_tensors' non-empty groups, immutable (shared by every caller)."""
+    return tuple(tuple(g) for g in trainable_tensors(shape, lora_rank, lora_targets, frozen) if g)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(sizes: tuple[float, ...], allocator: str) -> float:
+    return sum(held_bytes(size, allocator) for size in sizes)
 
 
 def stored_tensors(shape: ModelShape, quantize: str, storage_bytes: int) -> list[int]:
@@ -259,35 +278,44 @@ class OffloadRank:
 
     def part(self, numel: int) -> int:
         """This rank's ZeRO-3 partition of one tensor (padded up to a multiple of the partition count)."""
-        return math.ceil(numel / self.shard / self.partitions)
+        return _part(numel, self.shard, self.partitions)
 
     def pinning_of(self, buffer: HostBuffer) -> str:
         return self.param_pinning if buffer.section == "param" else self.pinning
 
-    def parts(self) -> list[list[int]]:
-        """This rank's ZeRO-3 partition of every trainable tensor, per optimizer parameter group."""
-        groups = [
-            g for g in trainable_tensors(self.shape, self.lora_rank, self.lora_targets, self.frozen) if g
-        ]
-        return [[self.part(n) for n in g] for g in groups]
+    def trainable_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Numels of the trainable tensors per optimizer parameter group (`trainable_tensors`), non-empty."""
+        return _trainable_groups(self.shape, self.lora_rank, self.lora_targets, self.frozen)
 
     def sub_groups(self) -> list[int]:
         """Elements of this rank's ZeRO-3 optimizer sub-groups, in order."""
         return [sum(members) for members in self.sub_group_members()]
 
-    def sub_group_members(self) -> list[list[int]]:
+    def sub_group_members(self) -> tuple[tuple[int, ...], ...]:
         """This rank's partition of each tensor, grouped into its ZeRO-3 optimizer sub-groups."""
-        out = []
-        for part in self.parts():
-            start = 0
-            for size in zero3_sub_groups(part, self.sub_group_size):
-                end, total = start, 0
-                while total < size:
-                    total += part[end]
-                    end += 1
-                out.append(part[start:end])
-                start = end
-        return out
+        return _sub_group_members(self.trainable_groups(), self.shard, self.partitions, self.sub_group_size)
+
+
+def _part(numel: int, shard: int, partitions: int) -> int:
+    return math.ceil(numel / shard / partitions)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sub_group_members(
+    groups: tuple[tuple[int, ...], ...], shard: int, partitions: int, sub_group_size: int
+) -> tuple[tuple[int, ...], ...]:
+    out = []
+    for group in groups:
+        part = [_part(n, shard, partitions) for n in group]
+        start = 0
+        for size in zero3_sub_groups(part, sub_group_size):
+            end, total = start, 0
+            while total < size:
+                total += part[end]
+                end += 1
+            out.append(tuple(part[start:end]))
+            start = end
+    return tuple(out)
 
 
 def _sub_group_optimizer_buffers(
@@ -354,7 +382,7 @@ def cpu_optimizer_buffers(rank: OffloadRank) -> list[HostBuffer]:
             *_step_transient(rank, max(subs)),
         ]
     # ZeRO-1/2 flatten each parameter group and partition it whole (stage_1_and_2.py).
-    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets, rank.frozen) if g]
+    groups = rank.trainable_groups()
     parts = [math.ceil(sum(n / rank.shard for n in g) / rank.partitions) for g in groups]
     largest = max(max(g) for g in groups) / rank.shard
     buffers = [
@@ -446,11 +474,20 @@ def nvme_optimizer_bytes(rank: OffloadRank) -> float:
     gradient of each of its tensors that is itself large enough to swap (a smaller tensor's gradient
     waits in host RAM: optimizer_utils.py `_swap_out_gradients`, `unswapped_gradients`). Every step
     reads these bytes and writes them back."""
-    state, swap = rank.state_bytes, rank.swap
-    alignment = AIO_ALIGNED_BYTES * swap.intra_op_parallelism // state
-    floor = max(MIN_AIO_BYTES, swap.block_size)
+    swap = rank.swap
+    return _swapped_bytes(
+        rank.sub_group_members(), rank.state_bytes, swap.intra_op_parallelism, swap.block_size
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _swapped_bytes(
+    sub_groups: tuple[tuple[int, ...], ...], state: int, intra_op_parallelism: int, block_size: int
+) -> float:
+    alignment = AIO_ALIGNED_BYTES * intra_op_parallelism // state
+    floor = max(MIN_AIO_BYTES, block_size)
     total = 0.0
-    for members in rank.sub_group_members():
+    for members in sub_groups:
         if sum(members) * state < floor:
             continue
         total += (SWAP_BUFFERS_PER_SUB_GROUP - 1) * state * math.ceil(sum(members) / alignment) * alignment
@@ -471,17 +508,21 @@ def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
     base's blocks hold its packed codes (`stored_tensors`): a quarter of the elements in bf16 storage.
     """
     low = rank.model_bytes
-    groups = [g for g in trainable_tensors(rank.shape, rank.lora_rank, rank.lora_targets, rank.frozen) if g]
-    trainable = [rank.part(n) for g in groups for n in g]
-    every = [rank.part(n) for n in stored_tensors(rank.shape, rank.quantize, low)]
-    if rank.lora_rank:
-        every += trainable  # LoRA's adapters are created after the base model, outside zero.Init's blocks
-    blocks = every if rank.param_pinning != "off" else every[: len(every) - len(trainable)]
+    flat, every, trainable = _parameter_partitions(
+        rank.trainable_groups(),
+        rank.shape,
+        rank.quantize,
+        low,
+        bool(rank.lora_rank),
+        rank.shard,
+        rank.partitions,
+    )
+    blocks = every if rank.param_pinning != "off" else every[: len(every) - trainable]
     buffers = [
         HostBuffer(
             "offloaded_parameters",
             "flat 16-bit parameter partitions (stage3.py 906)",
-            tuple(low * sum(rank.part(n) for n in g) for g in groups),
+            tuple(low * n for n in flat),
             section="param",
         ),
     ]
@@ -496,6 +537,26 @@ def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
             )
         )
     return buffers
+
+
+@functools.lru_cache(maxsize=1024)
+def _parameter_partitions(
+    groups: tuple[tuple[int, ...], ...],
+    shape: ModelShape,
+    quantize: str,
+    storage_bytes: int,
+    lora: bool,
+    shard: int,
+    partitions: int,
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """cpu_parameter_buffers' elements: each group's flat partition, every zero.Init block, and how many
+    of those blocks (the last ones) are trainable tensors."""
+    trainable = [_part(n, shard, partitions) for g in groups for n in g]
+    every = [_part(n, shard, partitions) for n in stored_tensors(shape, quantize, storage_bytes)]
+    if lora:
+        every += trainable  # LoRA's adapters are created after the base model, outside zero.Init's blocks
+    flat = tuple(sum(_part(n, shard, partitions) for n in g) for g in groups)
+    return flat, tuple(every), len(trainable)
 
 
 def loader_fork_copies(rank: OffloadRank, buffers: list[HostBuffer]) -> float:

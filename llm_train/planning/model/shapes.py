@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,17 +127,19 @@ class ModelShape:
             modules += self.vision.modules()
         return modules
 
-    @property
+    # Cached per shape (a frozen dataclass keeps its __dict__, where cached_property stores): the planner's
+    # search reads these of one shape hundreds of thousands of times per `plan --recipe auto`.
+    @functools.cached_property
     def num_params(self) -> int:
         """Exact parameter count of the HF model (a tied lm_head counted once)."""
         return sum(sum(numels) * count for _, numels, count in self.modules())
 
-    @property
+    @functools.cached_property
     def language_model_params(self) -> int:
         """Parameters of the language model alone (all of them for a text model)."""
         return self.num_params - (self.vision.num_params if self.vision is not None else 0)
 
-    @property
+    @functools.cached_property
     def largest_layer_params(self) -> int:
         """Largest parameter count held directly by one nn.Module.
 
