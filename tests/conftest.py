@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from llm_train.runtime.base.compat import prepare_op_loads
+from tests.session_env import OFFLINE_ENV, THREADS_PER_WORKER
+
+# Before torch and huggingface_hub are imported (each reads these once): tests/session_env.py says why.
+# A caller's own setting wins.
+for key, value in {**OFFLINE_ENV, **THREADS_PER_WORKER}.items():
+    os.environ.setdefault(key, value)
+
+from llm_train.runtime.base.compat import prepare_op_loads  # noqa: E402 (after the thread setting)
 
 # Optional parts (libaio, bitsandbytes, a GPU, ...): skipped where missing, failed in CI, listed at the end.
 pytest_plugins = ["tests.optional"]

@@ -16,21 +16,12 @@ from pathlib import Path
 
 from llm_train.runtime.base.launch_env import free_port  # noqa: F401 - the tests' port for each launch
 from tests.launch_server import LaunchServer, ServedLaunch, servable
-from tests.workers import THREADS_PER_WORKER
+from tests.session_env import OFFLINE_ENV, THREADS_PER_WORKER
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "llm_train" / "train.py"
 WORKERS = REPO / "tests" / "workers.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
-
-# Nothing in the tests may wait on a network that is not there: the hubs are unreachable from CI, and
-# W&B runs offline (a local .wandb file, synced later if at all).
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "WANDB_MODE": "offline",
-}
 
 
 def run_cmd(cmd: list[str], timeout: float = 900, env: dict[str, str] | None = None, cwd: Path = REPO):

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import IO, NoReturn
 
+from tests.session_env import OFFLINE_ENV, THREADS_PER_WORKER
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Keys that differ from launch to launch and that nothing reads at import time (pytest names the
@@ -57,9 +59,6 @@ class LaunchServer:
     @staticmethod
     def base_env() -> dict[str, str]:
         """The environment the server imports under (what a fresh tests/workers.py would run in)."""
-        from tests.helpers import OFFLINE_ENV
-        from tests.workers import THREADS_PER_WORKER
-
         return {**THREADS_PER_WORKER, **os.environ, **OFFLINE_ENV}
 
     @classmethod

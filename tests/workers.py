@@ -110,15 +110,9 @@ def run_launch(nproc: int, argv: list[str]) -> int:
     return supervise(workers)
 
 
-# One thread per worker, as `accelerate launch` on CPU gives every worker (its default
-# num_cpu_threads_per_process): a one-process run then sums in the same order as each of N workers,
-# which the 1e-5 comparisons of one process against several rely on. (tests/launch_server.py's
-# server imports under the same setting.)
-THREADS_PER_WORKER = {"OMP_NUM_THREADS": "1"}
-
 if __name__ == "__main__":
+    # One thread per worker (OMP_NUM_THREADS=1): the environment every launch inherits from the test
+    # session (tests/session_env.py THREADS_PER_WORKER, set by tests/conftest.py).
     nproc, argv = int(sys.argv[1]), sys.argv[2:]
-    for key, value in THREADS_PER_WORKER.items():
-        os.environ.setdefault(key, value)
     import_what_workers_import(argv)
     sys.exit(run_launch(nproc, argv))

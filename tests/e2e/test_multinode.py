@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.reference import STEPS, run_args
-from tests.helpers import ACCELERATE, OFFLINE_ENV, REPO, assert_resumed, free_port, losses, wait_for_step
+from tests.helpers import ACCELERATE, REPO, assert_resumed, free_port, losses, wait_for_step
+from tests.session_env import OFFLINE_ENV
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from llm_train.config.recipe import load_recipe
-from tests.helpers import OFFLINE_ENV, REPO
+from tests.helpers import REPO
+from tests.session_env import OFFLINE_ENV
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,9 @@ import pytest
 from llm_train import cli, train
 from llm_train.commands import report
 from llm_train.commands.train import split_args
-from tests.helpers import OFFLINE_ENV, REPO
+from tests.helpers import REPO
 from tests.optional import import_or_skip
+from tests.session_env import OFFLINE_ENV
 
 tomllib = import_or_skip("tomllib")  # Python >= 3.11; the rule it checks does not depend on it
 

@@ -256,7 +256,8 @@ def test_loader_workers_end_with_their_training_process(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from tests.helpers import OFFLINE_ENV, REPO
+    from tests.helpers import REPO
+    from tests.session_env import OFFLINE_ENV
 
     write_jsonl(tmp_path / "docs.jsonl", text_rows(4000))  # windows of ~100 KB: more than a pipe holds
     env = {**__import__("os").environ, **OFFLINE_ENV}
