@@ -6,14 +6,14 @@ Launches:
   ranks, the export verifies;
 - the same with a learning rate of 1e-12 (the schema wants lr > 0; Adam's steps are then ~1e-12, far below
   anything that moves a sampled token): the reward does not rise, so the rise above comes from training;
-- 8 steps checkpointed every 4, and the same killed with -9 after step 5 and resumed with --resume auto: the
-  prompts, the sampling RNG and the weights come back, so every step's rewards and loss equal the
-  uninterrupted run's exactly;
+- 8 steps checkpointed every 4, killed with -9 after step 5 and resumed with --resume auto: the prompts, the
+  sampling RNG and the weights come back, so every step's rewards and loss equal the uninterrupted ZeRO-2
+  run's (the first launch above) exactly;
 - ZeRO-3 + LoRA + beta 0.04 + num_iterations 2: generation with the weights gathered and the hooks off
   (compat.gathered_for_generation), the reference by the adapters switched off, the ratio of the second
   pass off 1 (clipping logged) and the KL positive once the adapters have moved;
-- ZeRO-3 generating layer by layer (grpo.ds3_gather_for_generation false) against the whole-model gather:
-  the same completions, rewards and losses;
+- ZeRO-3 generating layer by layer (grpo.ds3_gather_for_generation false) against the whole-model gather
+  (the first 3 steps of the ZeRO-3 launch above): the same completions, rewards and losses;
 - a reward function that raises on one rank of two: one line on every rank, exit 2, no traceback.
 
 Why a margin of 0.4: a random tiny model writes a digit in about a quarter of its 16-token completions, so
@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,11 +84,31 @@ LORA = (
 )
 
 
-@pytest.mark.parametrize(
-    "overrides", [(), ("deepspeed.config=zero3",), LORA], ids=["zero2", "zero3", "zero2-lora"]
-)
-def test_tiny_cpu_grpo_learns_its_reward(tmp_path: Path, overrides: tuple[str, ...]) -> None:
-    rows = _run(tmp_path / "zero2", *overrides)
+LEARNING_RUNS = {"zero2": (), "zero3": ("deepspeed.config=zero3",), "zero2-lora": LORA}
+
+
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, list[dict]]]:
+    """The recipe's 30-step runs of LEARNING_RUNS, each launched once for the module: the resume and the
+    layer-by-layer tests compare with their first steps. A run's first steps do not depend on its length:
+    the schedule is constant after 2 warm-up steps, and prompts, sampling and weights follow the seed."""
+    done: dict[str, tuple[Path, list[dict]]] = {}
+
+    def run(name: str) -> tuple[Path, list[dict]]:
+        if name not in done:
+            run_dir = tmp_path_factory.mktemp(f"grpo-{name}")
+            done[name] = (run_dir, _run(run_dir, *LEARNING_RUNS[name]))
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(LEARNING_RUNS))
+def test_tiny_cpu_grpo_learns_its_reward(
+    learning_run: Callable[[str], tuple[Path, list[dict]]], name: str
+) -> None:
+    run_dir, rows = learning_run(name)
+    overrides = LEARNING_RUNS[name]
     assert [m["step"] for m in rows] == list(range(1, 31))
     first, last = _rise(rows)
     print(
@@ -108,9 +129,9 @@ def test_tiny_cpu_grpo_learns_its_reward(tmp_path: Path, overrides: tuple[str, .
     assert all(
         0 < m["entropy"] < math.log(4096) for m in rows
     )  # nats, below the uniform 4096-token vocabulary's
-    assert (tmp_path / "zero2" / "final" / "model.safetensors").is_file()
+    assert (run_dir / "final" / "model.safetensors").is_file()
     # A few completions of each logged step (log_every 1: every step) with their rewards, in the run.
-    shown = [json.loads(line) for line in (tmp_path / "zero2" / "completions.jsonl").read_text().splitlines()]
+    shown = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in shown}) == list(range(1, 31)) and len(shown) == 30 * 4
     assert all(r["rewards/has_digit"] == r["reward"] in (0.0, 1.0) and r["prompt"] for r in shown)
 
@@ -142,18 +163,22 @@ def test_zero3_lora_with_a_reference_and_two_iterations(tmp_path: Path) -> None:
     assert all(m["reward"] == rows[0]["reward"] for m in rows[:2])  # one generation, reported twice
 
 
-def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
-    common = ["--max-steps=8", "checkpoint.every_steps=4", "--resume", "auto"]
-    whole = _run(tmp_path / "whole", *common)
-    args = ["--recipe", "tiny-cpu-grpo", "--output-dir", str(tmp_path / "killed"), *common]
-    resume_after_kill_9(tmp_path / "killed", args, step=5)
+def test_a_killed_run_resumes_exactly(
+    tmp_path: Path, learning_run: Callable[[str], tuple[Path, list[dict]]]
+) -> None:
+    """8 steps checkpointed every 4, killed after step 5 and resumed: its steps are the first 8 of the
+    uninterrupted (and never checkpointed) 30-step run of the same recipe."""
+    whole_dir, whole = learning_run("zero2")
+    args = ["--recipe", "tiny-cpu-grpo", "--output-dir", str(tmp_path / "killed"), "--max-steps=8"]
+    resume_after_kill_9(tmp_path / "killed", [*args, "checkpoint.every_steps=4", "--resume", "auto"], step=5)
     resumed = {m["step"]: m for m in read_metrics(tmp_path / "killed") if "reward" in m}  # last wins
-    for m in whole:
+    assert sorted(resumed) == list(range(1, 9))
+    for step, m in resumed.items():
         for key in ("reward", "loss", "completions/mean_length"):
-            assert resumed[m["step"]][key] == m[key], (m["step"], key)
+            assert m[key] == whole[step - 1][key], (step, key)
     # The completions themselves: each step's shown ones, the killed run's rows past the checkpoint rewound
     # with the metrics (they were duplicated before).
-    assert _shown(tmp_path / "killed") == _shown(tmp_path / "whole")
+    assert _shown(tmp_path / "killed") == {s: r for s, r in _shown(whole_dir).items() if s <= 8}
 
 
 def _shown(run_dir: Path) -> dict[int, list[dict]]:
@@ -192,17 +217,24 @@ def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_with_its_one
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
-def test_zero3_generates_the_same_completions_gathering_layer_by_layer(tmp_path: Path) -> None:
+def test_zero3_generates_the_same_completions_gathering_layer_by_layer(
+    tmp_path: Path, learning_run: Callable[[str], tuple[Path, list[dict]]]
+) -> None:
     """grpo.ds3_gather_for_generation false: ZeRO-3's hooks gather each layer as generate reaches it, the same
-    weights through the same forwards, so the same completions, rewards and losses as the whole-model gather."""
-    common = ["deepspeed.config=zero3", "--max-steps=3"]
-    whole = _run(tmp_path / "whole", *common)
-    layered = _run(tmp_path / "layered", *common, "grpo.ds3_gather_for_generation=false")
+    weights through the same forwards, so the same completions, rewards and losses as the whole-model gather
+    (the first 3 steps of the 30-step ZeRO-3 run)."""
+    whole_dir, whole = learning_run("zero3")
+    layered = _run(
+        tmp_path / "layered",
+        "deepspeed.config=zero3",
+        "--max-steps=3",
+        "grpo.ds3_gather_for_generation=false",
+    )
     assert [m["step"] for m in layered] == [1, 2, 3]
-    for a, b in zip(whole, layered, strict=True):
+    for a, b in zip(whole[:3], layered, strict=True):
         assert (a["reward"], a["loss"], a["completions/mean_length"]) == (
             b["reward"],
             b["loss"],
             b["completions/mean_length"],
         )
-    assert _shown(tmp_path / "whole") == _shown(tmp_path / "layered")
+    assert {s: r for s, r in _shown(whole_dir).items() if s <= 3} == _shown(tmp_path / "layered")
