@@ -6,6 +6,8 @@ peak, the final export, and the peak over those phases. Conventions: planning/me
 
 from __future__ import annotations
 
+import functools
+
 from llm_train.planning.memory.formulas import (
     CHECKPOINT_SHARD_BYTES,
     DS_NVME_PARAM_BUFFER_COUNT,
@@ -194,15 +196,21 @@ def offload_rank(inp: MemoryInputs) -> OffloadRank:
 
 def host_buffers(inp: MemoryInputs) -> list[HostBuffer]:
     """One rank's host allocations for its offloaded optimizer and parameters, as DeepSpeed makes them."""
-    rank = offload_rank(inp)
+    return list(_rank_buffers(offload_rank(inp), inp.offload_optimizer, inp.offload_params))
+
+
+# The planner's search evaluates many candidates whose offload is the same (they differ in micro-batch,
+# sequence or checkpointing, which size no host buffer): built once per distinct rank.
+@functools.lru_cache(maxsize=4096)
+def _rank_buffers(rank: OffloadRank, offload_optimizer: str, offload_params: str) -> tuple[HostBuffer, ...]:
     buffers: list[HostBuffer] = []
-    if inp.offload_optimizer == "cpu":
+    if offload_optimizer == "cpu":
         buffers += cpu_optimizer_buffers(rank)
-    elif inp.offload_optimizer == "nvme":
+    elif offload_optimizer == "nvme":
         buffers += nvme_optimizer_buffers(rank)
-    if inp.offload_params == "cpu":
+    if offload_params == "cpu":
         buffers += cpu_parameter_buffers(rank)
-    return buffers
+    return tuple(buffers)
 
 
 def export_peak_bytes(inp: MemoryInputs) -> float:
