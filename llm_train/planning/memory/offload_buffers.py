@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llm_train.planning.memory.quantized_bytes import QUANTIZED_MODULES, packed_numel
@@ -210,7 +211,7 @@ def stored_tensors(shape: ModelShape, quantize: str, storage_bytes: int) -> list
     return out
 
 
-def zero3_sub_groups(numels: list[int], sub_group_size: int) -> list[int]:
+def zero3_sub_groups(numels: Sequence[int], sub_group_size: int) -> list[int]:
     """Elements of each ZeRO-3 optimizer sub-group of one parameter group (stage3.py 1210-1233,
     `_create_fp16_sub_groups`): a sub-group closes at the first tensor that brings it to
     `sub_group_size` or more, so it overshoots by up to one tensor; a group no larger stays whole."""
@@ -276,10 +277,6 @@ class OffloadRank:
     frozen: tuple[str, ...] = ()
     """model.freeze of an image-text model (its frozen parts hold no optimizer state); () for a text model."""
 
-    def part(self, numel: int) -> int:
-        """This rank's ZeRO-3 partition of one tensor (padded up to a multiple of the partition count)."""
-        return _part(numel, self.shard, self.partitions)
-
     def pinning_of(self, buffer: HostBuffer) -> str:
         return self.param_pinning if buffer.section == "param" else self.pinning
 
@@ -287,26 +284,37 @@ class OffloadRank:
         """Numels of the trainable tensors per optimizer parameter group (`trainable_tensors`), non-empty."""
         return _trainable_groups(self.shape, self.lora_rank, self.lora_targets, self.frozen)
 
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """This rank's ZeRO-3 partition of every trainable tensor, per optimizer parameter group."""
+        return _partitioned(self.trainable_groups(), self.shard, self.partitions)
+
     def sub_groups(self) -> list[int]:
         """Elements of this rank's ZeRO-3 optimizer sub-groups, in order."""
         return [sum(members) for members in self.sub_group_members()]
 
     def sub_group_members(self) -> tuple[tuple[int, ...], ...]:
         """This rank's partition of each tensor, grouped into its ZeRO-3 optimizer sub-groups."""
-        return _sub_group_members(self.trainable_groups(), self.shard, self.partitions, self.sub_group_size)
+        return _sub_group_members(self.parts(), self.sub_group_size)
 
 
 def _part(numel: int, shard: int, partitions: int) -> int:
+    """One rank's ZeRO-3 partition of a tensor (padded up to a multiple of the partition count)."""
     return math.ceil(numel / shard / partitions)
 
 
 @functools.lru_cache(maxsize=1024)
+def _partitioned(
+    groups: tuple[tuple[int, ...], ...], shard: int, partitions: int
+) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(_part(n, shard, partitions) for n in group) for group in groups)
+
+
+@functools.lru_cache(maxsize=1024)
 def _sub_group_members(
-    groups: tuple[tuple[int, ...], ...], shard: int, partitions: int, sub_group_size: int
+    parts: tuple[tuple[int, ...], ...], sub_group_size: int
 ) -> tuple[tuple[int, ...], ...]:
     out = []
-    for group in groups:
-        part = [_part(n, shard, partitions) for n in group]
+    for part in parts:
         start = 0
         for size in zero3_sub_groups(part, sub_group_size):
             end, total = start, 0
@@ -508,21 +516,16 @@ def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
     base's blocks hold its packed codes (`stored_tensors`): a quarter of the elements in bf16 storage.
     """
     low = rank.model_bytes
-    flat, every, trainable = _parameter_partitions(
-        rank.trainable_groups(),
-        rank.shape,
-        rank.quantize,
-        low,
-        bool(rank.lora_rank),
-        rank.shard,
-        rank.partitions,
+    parts = rank.parts()
+    every, trainable = _parameter_blocks(
+        parts, rank.shape, rank.quantize, low, bool(rank.lora_rank), rank.shard, rank.partitions
     )
     blocks = every if rank.param_pinning != "off" else every[: len(every) - trainable]
     buffers = [
         HostBuffer(
             "offloaded_parameters",
             "flat 16-bit parameter partitions (stage3.py 906)",
-            tuple(low * n for n in flat),
+            tuple(low * sum(g) for g in parts),
             section="param",
         ),
     ]
@@ -540,23 +543,22 @@ def cpu_parameter_buffers(rank: OffloadRank) -> list[HostBuffer]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _parameter_partitions(
-    groups: tuple[tuple[int, ...], ...],
+def _parameter_blocks(
+    parts: tuple[tuple[int, ...], ...],
     shape: ModelShape,
     quantize: str,
     storage_bytes: int,
     lora: bool,
     shard: int,
     partitions: int,
-) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """cpu_parameter_buffers' elements: each group's flat partition, every zero.Init block, and how many
-    of those blocks (the last ones) are trainable tensors."""
-    trainable = [_part(n, shard, partitions) for g in groups for n in g]
+) -> tuple[tuple[int, ...], int]:
+    """zero.Init's blocks of one rank (elements each), and how many of them (the last ones) hold trainable
+    tensors (`parts`: the trainable tensors' partitions)."""
+    trainable = [n for group in parts for n in group]
     every = [_part(n, shard, partitions) for n in stored_tensors(shape, quantize, storage_bytes)]
     if lora:
         every += trainable  # LoRA's adapters are created after the base model, outside zero.Init's blocks
-    flat = tuple(sum(_part(n, shard, partitions) for n in g) for g in groups)
-    return flat, tuple(every), len(trainable)
+    return tuple(every), len(trainable)
 
 
 def loader_fork_copies(rank: OffloadRank, buffers: list[HostBuffer]) -> float:
