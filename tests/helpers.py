@@ -16,7 +16,7 @@ from pathlib import Path
 
 from llm_train.runtime.base.launch_env import free_port  # noqa: F401 - the tests' port for each launch
 from tests.launch_server import LaunchServer, ServedLaunch, servable
-from tests.session_env import OFFLINE_ENV, THREADS_PER_WORKER
+from tests.session_env import OFFLINE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "llm_train" / "train.py"
@@ -66,7 +66,7 @@ def _served(
     args: list[str], nproc: int, env: dict[str, str] | None, merge_stderr: bool
 ) -> ServedLaunch | None:
     """The launch forked by this pytest process's launch server, or None where a fresh one is needed."""
-    full_env = {**THREADS_PER_WORKER, **os.environ, **OFFLINE_ENV, **(env or {})}
+    full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
     if not servable(args, full_env):
         return None
     return LaunchServer.get().start([str(nproc), str(TRAIN), *args], full_env, merge_stderr)

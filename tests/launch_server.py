@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import IO, NoReturn
 
-from tests.session_env import OFFLINE_ENV, THREADS_PER_WORKER
+from tests.session_env import OFFLINE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ class LaunchServer:
     @staticmethod
     def base_env() -> dict[str, str]:
         """The environment the server imports under (what a fresh tests/workers.py would run in)."""
-        return {**THREADS_PER_WORKER, **os.environ, **OFFLINE_ENV}
+        return {**os.environ, **OFFLINE_ENV}  # os.environ holds the session's THREADS_PER_WORKER (conftest)
 
     @classmethod
     def get(cls) -> LaunchServer:
